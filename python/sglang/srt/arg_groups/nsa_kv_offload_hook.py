@@ -1,0 +1,153 @@
+"""Server-argument defaults and validation for --enable-decode-nsa-kv-offload.
+
+Decode-side NSA KV offload keeps the full MLA KV of every token in pinned host
+memory and only a per-request working set of rows on the GPU (see
+docs/ENGINE.md). The checks below reject configurations the offload path does
+not handle, naming the offending flags, before any GPU memory is touched.
+"""
+
+import logging
+from typing import TYPE_CHECKING
+
+import psutil
+
+if TYPE_CHECKING:
+    from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+GB = 1 << 30
+
+NSA_KV_OFFLOAD_PAGE_SIZE = 64
+
+# Decode backends that read KV through a per-token page table, by KV dtype.
+_OFFLOAD_DECODE_BACKENDS_BY_DTYPE = {
+    "fp8_e4m3": "flashmla_kv",
+    "bfloat16": "flashmla_sparse",
+}
+
+# Host memory left to the OS, the scheduler and the tokenizer when sizing the
+# pinned pool automatically: the larger of an absolute floor and a fraction.
+_HOST_RESERVE_MIN_GB = 8.0
+_HOST_RESERVE_FRACTION = 0.1
+
+
+def host_memory_reserve_gb(total_bytes: int) -> float:
+    return max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * total_bytes / GB)
+
+
+def pinnable_host_memory_gb(num_local_ranks: int) -> float:
+    """Host memory one rank may pin: available RAM minus the reserve, split over
+    the ranks of this node (each rank keeps its own full-KV host pool)."""
+    mem = psutil.virtual_memory()
+    usable = mem.available / GB - host_memory_reserve_gb(mem.total)
+    return max(usable, 0.0) / max(num_local_ranks, 1)
+
+
+def _num_local_ranks(server_args: "ServerArgs") -> int:
+    world = server_args.tp_size * server_args.pp_size
+    return max(world // max(server_args.nnodes, 1), 1)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"--enable-decode-nsa-kv-offload: {message}")
+
+
+def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
+    """Resolve the --nsa-kv-offload-* defaults and validate the combination."""
+    if not server_args.enable_decode_nsa_kv_offload:
+        return
+
+    from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
+
+    hf_config = server_args.get_model_config().hf_config
+    if not is_deepseek_nsa(hf_config):
+        archs = getattr(hf_config, "architectures", None)
+        _fail(
+            "only DSA/NSA models (e.g. DeepSeek-V3.2, GLM-5) are supported, "
+            f"but --model-path {server_args.model_path} is {archs}."
+        )
+    index_topk = get_nsa_index_topk(hf_config)
+
+    if server_args.disaggregation_mode == "prefill":
+        _fail(
+            "it is a decode-side feature and cannot be used with "
+            "--disaggregation-mode prefill."
+        )
+    if server_args.enable_hisparse:
+        _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
+    if server_args.speculative_algorithm is not None:
+        _fail(
+            "speculative decoding (--speculative-algorithm "
+            f"{server_args.speculative_algorithm}) is not supported."
+        )
+    if server_args.pp_size > 1:
+        _fail(
+            f"pipeline parallelism (--pp-size {server_args.pp_size}) is not supported."
+        )
+    if not server_args.disable_radix_cache:
+        _fail("it requires --disable-radix-cache.")
+    if server_args.page_size != NSA_KV_OFFLOAD_PAGE_SIZE:
+        _fail(
+            f"it requires --page-size {NSA_KV_OFFLOAD_PAGE_SIZE} (the NSA indexer "
+            f"page), but got --page-size {server_args.page_size}."
+        )
+
+    expected_backend = _OFFLOAD_DECODE_BACKENDS_BY_DTYPE.get(
+        server_args.kv_cache_dtype
+    )
+    if expected_backend is None:
+        _fail(
+            "it supports --kv-cache-dtype fp8_e4m3 or bfloat16, but got "
+            f"--kv-cache-dtype {server_args.kv_cache_dtype}."
+        )
+    if server_args.nsa_decode_backend != expected_backend:
+        _fail(
+            f"with --kv-cache-dtype {server_args.kv_cache_dtype} it requires "
+            f"--nsa-decode-backend {expected_backend}, but got "
+            f"--nsa-decode-backend {server_args.nsa_decode_backend}."
+        )
+
+    if server_args.nsa_kv_offload_gpu_buffer_size is None:
+        server_args.nsa_kv_offload_gpu_buffer_size = 2 * index_topk
+    buffer_size = server_args.nsa_kv_offload_gpu_buffer_size
+    window = server_args.nsa_kv_offload_recent_window
+    if buffer_size < index_topk:
+        _fail(
+            f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at least the "
+            f"model's index_topk ({index_topk})."
+        )
+    if window < 1:
+        _fail(f"--nsa-kv-offload-recent-window ({window}) must be at least 1.")
+    if window >= buffer_size:
+        _fail(
+            f"--nsa-kv-offload-recent-window ({window}) must be smaller than "
+            f"--nsa-kv-offload-gpu-buffer-size ({buffer_size})."
+        )
+
+    pinnable_gb = pinnable_host_memory_gb(_num_local_ranks(server_args))
+    host_pool_gb = server_args.nsa_kv_offload_host_pool_gb
+    if host_pool_gb is None:
+        if pinnable_gb <= 0:
+            _fail(
+                "no host memory is left to pin after the reserve; set "
+                "--nsa-kv-offload-host-pool-gb explicitly."
+            )
+        server_args.nsa_kv_offload_host_pool_gb = round(pinnable_gb, 2)
+    elif host_pool_gb <= 0:
+        _fail(f"--nsa-kv-offload-host-pool-gb ({host_pool_gb}) must be positive.")
+    elif host_pool_gb > pinnable_gb:
+        _fail(
+            f"--nsa-kv-offload-host-pool-gb ({host_pool_gb}) is larger than the host "
+            f"memory this rank can pin ({pinnable_gb:.2f} GB: available RAM minus a "
+            "reserve, split over the local ranks)."
+        )
+
+    logger.info(
+        "Decode NSA KV offload: %d LRU rows + %d recent-window rows per request "
+        "per layer (index_topk=%d), host pool %.2f GB per rank.",
+        buffer_size,
+        window,
+        index_topk,
+        server_args.nsa_kv_offload_host_pool_gb,
+    )
