@@ -1,0 +1,652 @@
+"""Per-(layer, request) LRU residency of the decode-side NSA KV offload.
+
+Each request admitted for decode owns one contiguous region of ``R = C + W`` GPU
+KV rows, the same rows in every layer: ``C`` LRU-managed slots (rows
+``base + s``) and a ``W``-row recent window (rows ``base + C + pos % W``). For
+every layer this module tracks which token locs the slots hold and in which
+order they were used, and turns one layer's top-k positions into a GPU page
+table plus the list of host->GPU copies to make. The exact semantics are in
+``docs/ENGINE.md`` ("Per-layer swap semantics").
+
+Everything is fixed-shape and sync-free so the swap can be captured in a CUDA
+graph. ``swap_layer`` runs one fused Triton kernel; the pure-torch reference
+(``prepare_layer_swap`` -> ``build_gpu_page_table`` -> ``post_process_layer_swap``)
+implements the same semantics bit-exactly and backs the CPU tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton ships with every CUDA build
+    _HAS_TRITON = False
+
+IndexLike = Union[int, Sequence[int], torch.Tensor]
+
+# Column of the hit/window/miss counters.
+COUNTER_HIT, COUNTER_WINDOW, COUNTER_MISS = 0, 1, 2
+
+
+class LayerSwapPlan(NamedTuple):
+    """Result of one layer's swap for a batch of ``bs`` rows.
+
+    Only the first ``miss_count[b]`` entries of ``miss_src_loc[b]`` and
+    ``miss_dst_row[b]`` are meaningful; the rest are garbage.
+    """
+
+    page_table: torch.Tensor  # (bs, K) int32, GPU rows in top-k order, -1 = skip
+    miss_src_loc: torch.Tensor  # (bs, K) int64, host slot (= token loc) to load
+    miss_dst_row: torch.Tensor  # (bs, K) int32, GPU row to load it into
+    miss_count: torch.Tensor  # (bs,) int32
+
+
+@dataclass
+class LayerSwapWork:
+    """Intermediate state of the reference swap, passed between its three steps."""
+
+    layer: int
+    real: torch.Tensor  # (bs,) bool, row is not CUDA-graph padding
+    req: torch.Tensor  # (bs,) int64, request pool index (padding -> sink row)
+    base: torch.Tensor  # (bs,) int64, region base row
+    pos: torch.Tensor  # (bs, K) int64, top-k positions
+    in_window: torch.Tensor  # (bs, K) bool
+    hit: torch.Tensor  # (bs, K) bool
+    miss: torch.Tensor  # (bs, K) bool
+    loc: torch.Tensor  # (bs, K) int64, token loc of looked-up entries
+    slot: torch.Tensor  # (bs, K) int64, LRU slot of hits and misses, else -1
+    miss_rank: torch.Tensor  # (bs, K) int64, index among the row's misses
+    num_misses: torch.Tensor  # (bs,) int64
+    num_hits: torch.Tensor  # (bs,) int64
+    order: torch.Tensor  # (bs, C) int64, lru_order before the step
+    order_evictable: torch.Tensor  # (bs, C) bool, slot at that position not hit
+    evict_rank: torch.Tensor  # (bs, C) int64, rank among evictable positions
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def default_use_triton(device: torch.device) -> bool:
+    """Fused kernel on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (tests)."""
+    if not _HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and _swap_kernel_is_interpreted()
+
+
+class LRUCacheState:
+    """GPU residency and recency of the LRU slots of every (layer, request).
+
+    Internal buffers carry one extra "sink" entry (loc ``N`` in ``loc_to_slot``,
+    request row ``max_num_reqs`` in the per-request tensors): the reference path
+    routes masked-out scatters there instead of filtering with a host sync.
+    The public attributes are views without the sink.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_num_reqs: int,
+        num_locs: int,
+        buffer_size: int,
+        recent_window: int,
+        top_k: int,
+        device: Union[str, torch.device] = "cuda",
+        use_triton: Optional[bool] = None,
+        max_batch_size: Optional[int] = None,
+        num_warps: Optional[int] = None,
+    ):
+        if buffer_size < top_k:
+            raise ValueError(f"buffer_size ({buffer_size}) must be >= top_k ({top_k})")
+        if not 1 <= recent_window < buffer_size:
+            raise ValueError(
+                f"recent_window ({recent_window}) must be in [1, buffer_size)"
+            )
+        if buffer_size > torch.iinfo(torch.int16).max:
+            raise ValueError("buffer_size must fit int16 (loc_to_slot, lru_order)")
+        self.num_layers = num_layers
+        self.max_num_reqs = max_num_reqs
+        self.num_locs = num_locs
+        self.buffer_size = buffer_size
+        self.recent_window = recent_window
+        self.top_k = top_k
+        self.region_size = buffer_size + recent_window
+        self.device = torch.device(device)
+        if use_triton is None:
+            use_triton = default_use_triton(self.device)
+        if use_triton and not _HAS_TRITON:
+            raise RuntimeError("use_triton=True but triton is not installed")
+        if use_triton and self.device.type != "cuda":
+            if not _swap_kernel_is_interpreted():
+                raise RuntimeError(
+                    "the Triton swap kernel on a non-CUDA device needs "
+                    "TRITON_INTERPRET=1 set before this module is imported"
+                )
+        self.use_triton = bool(use_triton)
+        self.block_c = _next_pow2(buffer_size)
+        self.block_k = _next_pow2(top_k)
+        if num_warps is None:
+            # ~256 lru entries per warp keeps the fused kernel near 128
+            # registers/thread without spills (C=4096 -> 16 warps).
+            num_warps = min(16, max(4, self.block_c // 256))
+        self.num_warps = num_warps
+
+        L, C, dev = num_layers, buffer_size, self.device
+        self._sink_req = max_num_reqs
+        self._loc_to_slot_buf = torch.full(
+            (L, num_locs + 1), -1, dtype=torch.int16, device=dev
+        )
+        self._slot_loc_buf = torch.full(
+            (L, max_num_reqs + 1, C), -1, dtype=torch.int32, device=dev
+        )
+        self._lru_buf = (
+            torch.arange(C, dtype=torch.int16, device=dev)
+            .repeat(L, max_num_reqs + 1, 1)
+            .contiguous()
+        )
+        self._region_base_buf = torch.full(
+            (max_num_reqs + 1,), -1, dtype=torch.int32, device=dev
+        )
+        self._region_base_buf[self._sink_req] = 0
+        # loc_to_slot[l, loc]: LRU slot holding loc in layer l, -1 if not resident.
+        self.loc_to_slot = self._loc_to_slot_buf[:, :num_locs]
+        # slot_loc[l, r, s]: token loc in slot s of request r, -1 if empty.
+        self.slot_loc = self._slot_loc_buf[:, :max_num_reqs]
+        # lru_order[l, r]: permutation of slots, index 0 = least recently used.
+        self.lru_order = self._lru_buf[:, :max_num_reqs]
+        # region_base[r]: first GPU KV row of request r's region, -1 if none.
+        self.region_base = self._region_base_buf[:max_num_reqs]
+        # counters[l] = (LRU hits, window hits, misses), accumulated on device.
+        self.counters = torch.zeros((L, 3), dtype=torch.int64, device=dev)
+
+        self._arange_c = torch.arange(C, dtype=torch.int64, device=dev)
+        self._scratch_rows = 0
+        if self.use_triton:
+            self._alloc_scratch(max_batch_size or max_num_reqs)
+
+    # ------------------------------------------------------------------ counters
+
+    @property
+    def hit_counts(self) -> torch.Tensor:
+        return self.counters[:, COUNTER_HIT]
+
+    @property
+    def window_counts(self) -> torch.Tensor:
+        return self.counters[:, COUNTER_WINDOW]
+
+    @property
+    def miss_counts(self) -> torch.Tensor:
+        return self.counters[:, COUNTER_MISS]
+
+    def reset_counters(self) -> None:
+        self.counters.zero_()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _as_index(self, r: IndexLike) -> torch.Tensor:
+        if isinstance(r, torch.Tensor):
+            return r.to(device=self.device, dtype=torch.int64).reshape(-1)
+        return torch.tensor(r, dtype=torch.int64, device=self.device).reshape(-1)
+
+    def admit_request(self, r: IndexLike, base: IndexLike) -> None:
+        """Give request(s) ``r`` the region starting at GPU row ``base``.
+
+        All slots start empty with ``lru_order = arange(C)``. ``r`` must not hold
+        resident locs (fresh, or released since its last admission).
+        """
+        r = self._as_index(r)
+        if isinstance(base, torch.Tensor):
+            base = base.to(device=self.device, dtype=torch.int32).reshape(-1)
+        else:
+            base = torch.tensor(base, dtype=torch.int32, device=self.device)
+        self._region_base_buf[r] = base
+        self._slot_loc_buf[:, r] = -1
+        self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
+
+    def release_request(self, r: IndexLike) -> None:
+        """Drop every resident loc of request(s) ``r`` in every layer."""
+        r = self._as_index(r)
+        locs = self._slot_loc_buf[:, r, :].reshape(self.num_layers, -1).long()
+        # Empty slots (-1) go to the sink loc.
+        idx = torch.where(locs >= 0, locs, self.num_locs)
+        self._loc_to_slot_buf.scatter_(1, idx, -1)
+        self._slot_loc_buf[:, r] = -1
+        self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
+        self._region_base_buf[r] = -1
+
+    def warm_request(
+        self,
+        layers: Union[int, range, Sequence[int]],
+        r: int,
+        locs: torch.Tensor,
+    ) -> torch.Tensor:
+        """Install ``locs`` as resident in request ``r`` for each of ``layers``.
+
+        ``locs`` is ``(n,)`` (same locs in every layer) or ``(len(layers), n)``;
+        ``-1`` entries are ignored, the others must be unique, ``n <= C``. Each
+        layer is one swap step over ``locs``: locs already resident are hits,
+        the others take LRU victims in order, and recency follows the tie rule
+        (the last loc ends up most recent). Counters are not touched.
+
+        Returns ``(len(layers), n)`` int32 GPU rows now holding each loc (-1 for
+        ignored entries); the caller fills the newly installed rows.
+        """
+        if isinstance(layers, int):
+            layers = [layers]
+        layers = list(layers)
+        locs = locs.to(device=self.device, dtype=torch.int64)
+        if locs.dim() == 1:
+            locs = locs.unsqueeze(0).expand(len(layers), -1)
+        if locs.shape[1] > self.buffer_size:
+            raise ValueError("warm_request: more locs than LRU slots")
+        req = self._as_index(r)[:1]
+        base = self._region_base_buf[req].long()
+        rows = []
+        for i, layer in enumerate(layers):
+            loc = locs[i : i + 1]
+            lookup = loc >= 0
+            work = self._assign_slots(layer, req, base, lookup, loc)
+            self._reorder_lru(work)
+            rows.append(torch.where(work.slot >= 0, base[:, None] + work.slot, -1))
+        return torch.cat(rows).to(torch.int32)
+
+    # ------------------------------------------------------------- fused swap
+
+    def swap_layer(
+        self,
+        layer: int,
+        topk_pos: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_to_token: torch.Tensor,
+        num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
+        out: Optional[LayerSwapPlan] = None,
+    ) -> LayerSwapPlan:
+        """Swap one layer for a batch: page table in top-k order + copy plan.
+
+        ``num_real_reqs`` is a 1-element int32 device tensor (rows at or past it
+        are CUDA-graph padding); ``None`` means every row is real. ``out`` holds
+        preallocated buffers with at least ``bs`` rows (CUDA-graph capture);
+        the returned plan views their first ``bs`` rows.
+        """
+        if not self.use_triton:
+            work = self.prepare_layer_swap(
+                layer, topk_pos, req_pool_indices, seq_lens, req_to_token, num_real_reqs
+            )
+            page_table = self.build_gpu_page_table(
+                work, out=None if out is None else out.page_table
+            )
+            return self.post_process_layer_swap(work, page_table, out=out)
+
+        bs, k = topk_pos.shape
+        assert k == self.top_k, f"top-k width {k} != {self.top_k}"
+        assert req_to_token.dtype == torch.int32
+        plan = self._out_buffers(bs, out)
+        num_real = self._num_real_tensor(num_real_reqs, bs)
+        if bs > self._scratch_rows:
+            if _is_capturing(self.device):
+                raise RuntimeError(
+                    f"swap_layer: bs={bs} exceeds the scratch rows "
+                    f"({self._scratch_rows}); pass max_batch_size"
+                )
+            self._alloc_scratch(bs)
+        if topk_pos.stride(1) != 1:
+            topk_pos = topk_pos.contiguous()
+        if req_to_token.stride(1) != 1:
+            req_to_token = req_to_token.contiguous()
+        if bs == 0:
+            return plan
+        _swap_layer_kernel[(bs,)](
+            topk_pos,
+            topk_pos.stride(0),
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            req_to_token.stride(0),
+            num_real,
+            self._loc_to_slot_buf[layer],
+            self._slot_loc_buf[layer],
+            self._lru_buf[layer],
+            self._region_base_buf,
+            self.counters[layer],
+            plan.page_table,
+            plan.page_table.stride(0),
+            plan.miss_src_loc,
+            plan.miss_src_loc.stride(0),
+            plan.miss_dst_row,
+            plan.miss_dst_row.stride(0),
+            plan.miss_count,
+            self._hit_flags,
+            self._victims,
+            K=self.top_k,
+            C=self.buffer_size,
+            W=self.recent_window,
+            BLOCK_K=self.block_k,
+            BLOCK_C=self.block_c,
+            num_warps=self.num_warps,
+        )
+        return plan
+
+    def _alloc_scratch(self, rows: int) -> None:
+        # Per-batch-row scratch of the kernel, shared by all layers (one stream).
+        self._hit_flags = torch.zeros(
+            (rows, self.buffer_size), dtype=torch.int8, device=self.device
+        )
+        self._victims = torch.zeros(
+            (rows, self.top_k), dtype=torch.int32, device=self.device
+        )
+        self._scratch_rows = rows
+
+    def _out_buffers(self, bs: int, out: Optional[LayerSwapPlan]) -> LayerSwapPlan:
+        if out is None:
+            k, dev = self.top_k, self.device
+            return LayerSwapPlan(
+                torch.empty((bs, k), dtype=torch.int32, device=dev),
+                torch.empty((bs, k), dtype=torch.int64, device=dev),
+                torch.empty((bs, k), dtype=torch.int32, device=dev),
+                torch.empty((bs,), dtype=torch.int32, device=dev),
+            )
+        assert out.page_table.dtype == torch.int32
+        assert out.miss_src_loc.dtype == torch.int64
+        assert out.miss_dst_row.dtype == torch.int32
+        assert out.miss_count.dtype == torch.int32
+        for t in out:
+            assert t.shape[0] >= bs and t.stride(-1) == 1
+        return LayerSwapPlan(*(t[:bs] for t in out))
+
+    def _num_real_tensor(
+        self, num_real_reqs: Optional[Union[torch.Tensor, int]], bs: int
+    ) -> torch.Tensor:
+        if isinstance(num_real_reqs, torch.Tensor):
+            return num_real_reqs.reshape(-1)[:1]
+        n = bs if num_real_reqs is None else int(num_real_reqs)
+        return torch.full((1,), n, dtype=torch.int32, device=self.device)
+
+    # -------------------------------------------------------- reference path
+
+    def prepare_layer_swap(
+        self,
+        layer: int,
+        topk_pos: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_to_token: torch.Tensor,
+        num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
+    ) -> LayerSwapWork:
+        """Classify the top-k entries, pick victims and update residency."""
+        bs = topk_pos.shape[0]
+        C, W = self.buffer_size, self.recent_window
+        num_real = self._num_real_tensor(num_real_reqs, bs)
+        real = torch.arange(bs, device=self.device) < num_real
+        req_in = req_pool_indices.long()
+        req = torch.where(real, req_in, self._sink_req)
+        base = self._region_base_buf[req].long()
+        n = seq_lens.long()[:, None]
+        pos = topk_pos.long()
+        valid = real[:, None] & (pos >= 0) & (pos < n)
+        in_window = valid & (pos >= n - W)
+        lookup = valid & ~in_window
+        tok_req = torch.where(real, req_in, 0)[:, None]
+        loc = req_to_token[tok_req, torch.where(lookup, pos, 0)].long()
+        loc = torch.where(lookup, loc, -1)
+        return self._assign_slots(layer, req, base, lookup, loc, real, pos, in_window)
+
+    def build_gpu_page_table(
+        self, work: LayerSwapWork, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """GPU rows of the top-k entries, in top-k order (-1 for padding)."""
+        base = work.base[:, None]
+        window_row = base + self.buffer_size + work.pos.remainder(self.recent_window)
+        rows = torch.where(work.slot >= 0, base + work.slot, -1)
+        rows = torch.where(work.in_window, window_row, rows).to(torch.int32)
+        if out is None:
+            return rows
+        out[: rows.shape[0]].copy_(rows)
+        return out[: rows.shape[0]]
+
+    def post_process_layer_swap(
+        self,
+        work: LayerSwapWork,
+        page_table: torch.Tensor,
+        out: Optional[LayerSwapPlan] = None,
+    ) -> LayerSwapPlan:
+        """Compact the misses into the copy list and apply the recency rule."""
+        bs, k = work.miss.shape
+        sink = torch.where(work.miss, work.miss_rank, k)
+        src = torch.zeros((bs, k + 1), dtype=torch.int64, device=self.device)
+        src.scatter_(1, sink, work.loc)
+        dst = torch.zeros((bs, k + 1), dtype=torch.int64, device=self.device)
+        dst.scatter_(1, sink, work.base[:, None] + work.slot)
+        count = work.num_misses.to(torch.int32)
+        self._reorder_lru(work)
+        stats = torch.stack(
+            [work.hit.sum(), work.in_window.sum(), work.miss.sum()]
+        ).to(torch.int64)
+        self.counters[work.layer] += stats
+        plan = LayerSwapPlan(page_table, src[:, :k], dst[:, :k].to(torch.int32), count)
+        if out is None:
+            return plan
+        result = self._out_buffers(bs, out)
+        for dst_t, src_t in zip(result, plan):
+            if dst_t.data_ptr() != src_t.data_ptr():
+                dst_t.copy_(src_t)
+        return result
+
+    def _assign_slots(
+        self,
+        layer: int,
+        req: torch.Tensor,
+        base: torch.Tensor,
+        lookup: torch.Tensor,
+        loc: torch.Tensor,
+        real: Optional[torch.Tensor] = None,
+        pos: Optional[torch.Tensor] = None,
+        in_window: Optional[torch.Tensor] = None,
+    ) -> LayerSwapWork:
+        """Hits, misses and victims of looked-up locs; updates residency."""
+        bs, k = loc.shape
+        C, N = self.buffer_size, self.num_locs
+        l2s = self._loc_to_slot_buf[layer]
+        slot_loc = self._slot_loc_buf[layer]
+        # The sink entries of loc_to_slot may hold garbage: mask after the gather.
+        cur = l2s[torch.where(lookup, loc, N)].long()
+        hit = lookup & (cur >= 0)
+        miss = lookup & (cur < 0)
+        hit_flags = torch.zeros((bs, C + 1), dtype=torch.bool, device=self.device)
+        hit_flags.scatter_(1, torch.where(hit, cur, C), True)
+        order = self._lru_buf[layer][req].long()
+        evictable = ~hit_flags.gather(1, order)
+        ev = evictable.long()
+        evict_rank = ev.cumsum(1) - ev
+        mi = miss.long()
+        miss_rank = mi.cumsum(1) - mi
+        num_misses = mi.sum(1)
+        # The j-th miss (top-k order) takes the j-th evictable slot (LRU first).
+        taken = evictable & (evict_rank < num_misses[:, None])
+        victim_by_rank = torch.zeros((bs, k + 1), dtype=torch.int64, device=self.device)
+        victim_by_rank.scatter_(1, torch.where(taken, evict_rank, k), order)
+        victim = victim_by_rank.gather(1, torch.where(miss, miss_rank, k))
+        slot = torch.where(hit, cur, torch.where(miss, victim, -1))
+
+        # Residency: victims' old locs leave, the missed locs enter.
+        req2 = torch.where(miss, req[:, None], self._sink_req)
+        vslot = torch.where(miss, victim, 0)
+        old = torch.where(miss, slot_loc[req2, vslot].long(), -1)
+        l2s.index_put_((torch.where(old >= 0, old, N),), l2s.new_full((), -1))
+        l2s.index_put_((torch.where(miss, loc, N),), slot.to(l2s.dtype))
+        slot_loc.index_put_((req2, vslot), loc.to(slot_loc.dtype))
+
+        return LayerSwapWork(
+            layer=layer,
+            real=torch.ones_like(req, dtype=torch.bool) if real is None else real,
+            req=req,
+            base=base,
+            pos=loc if pos is None else pos,
+            in_window=torch.zeros_like(lookup) if in_window is None else in_window,
+            hit=hit,
+            miss=miss,
+            loc=loc,
+            slot=slot,
+            miss_rank=miss_rank,
+            num_misses=num_misses,
+            num_hits=hit.long().sum(1),
+            order=order,
+            order_evictable=evictable,
+            evict_rank=evict_rank,
+        )
+
+    def _reorder_lru(self, work: LayerSwapWork) -> None:
+        # New order: [untaken evictables] + [hits] + [victims], each in old order
+        # (victims in old order == misses in top-k order).
+        C = self.buffer_size
+        m = work.num_misses[:, None]
+        num_evictable = C - work.num_hits[:, None]
+        ev_rank = work.evict_rank
+        hit_rank = self._arange_c[None, :] - ev_rank
+        new_pos = torch.where(
+            work.order_evictable,
+            torch.where(ev_rank >= m, ev_rank - m, C - m + ev_rank),
+            num_evictable - m + hit_rank,
+        )
+        new_order = torch.empty_like(work.order).scatter_(1, new_pos, work.order)
+        # Padding rows target the sink row; their new order equals the old one.
+        self._lru_buf[work.layer].index_put_(
+            (work.req,), new_order.to(self._lru_buf.dtype)
+        )
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _swap_kernel_is_interpreted() -> bool:
+    # triton.jit picks the interpreter from TRITON_INTERPRET at decoration time.
+    return _HAS_TRITON and not isinstance(_swap_layer_kernel, triton.JITFunction)
+
+
+if _HAS_TRITON:
+
+    @triton.jit
+    def _swap_layer_kernel(
+        topk_ptr,
+        topk_stride,
+        req_pool_ptr,
+        seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride,
+        num_real_ptr,
+        loc_to_slot_ptr,  # (N + 1,) int16, this layer
+        slot_loc_ptr,  # (max_reqs + 1, C) int32, this layer
+        lru_ptr,  # (max_reqs + 1, C) int16, this layer
+        region_base_ptr,  # (max_reqs + 1,) int32
+        counters_ptr,  # (3,) int64, this layer
+        page_table_ptr,
+        page_table_stride,
+        miss_src_ptr,
+        miss_src_stride,
+        miss_dst_ptr,
+        miss_dst_stride,
+        miss_count_ptr,
+        hit_flags_ptr,  # (rows, C) int8 scratch
+        victims_ptr,  # (rows, K) int32 scratch
+        K: tl.constexpr,
+        C: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        # One program per batch row; rows touch disjoint state (distinct
+        # requests own distinct locs and slots), so programs never race.
+        b = tl.program_id(0)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        pt_row = page_table_ptr + b * page_table_stride
+        num_real = tl.load(num_real_ptr)
+        if b >= num_real:
+            tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
+            tl.store(miss_count_ptr + b, 0)
+            return
+
+        offs_c = tl.arange(0, BLOCK_C)
+        mask_c = offs_c < C
+        flags_row = hit_flags_ptr + b.to(tl.int64) * C
+        victims_row = victims_ptr + b.to(tl.int64) * K
+        tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=mask_c)
+
+        r = tl.load(req_pool_ptr + b).to(tl.int64)
+        n = tl.load(seq_lens_ptr + b).to(tl.int32)
+        base = tl.load(region_base_ptr + r)
+        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+        pos = pos.to(tl.int32)
+        # Independent of phase 1: issue early to overlap its gathers.
+        order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
+        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=mask_c, other=-1)
+
+        # Phase 1: classify entries (padding / window / hit / miss).
+        valid = mask_k & (pos >= 0) & (pos < n)
+        in_window = valid & (pos >= n - W)
+        lookup = valid & (pos < n - W)
+        loc = tl.load(
+            req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
+        )
+        cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
+        hit = lookup & (cur >= 0)
+        miss = lookup & (cur < 0)
+        miss_i = miss.to(tl.int32)
+        miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
+        num_misses = tl.sum(miss_i, axis=0)
+        num_hits = tl.sum(hit.to(tl.int32), axis=0)
+        # Scatter hit flags by slot: the recency pass needs them by lru position,
+        # a different thread mapping, so they go through global scratch. The
+        # barriers order the zeroing, this scatter and the gather below.
+        tl.debug_barrier()
+        tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
+        tl.debug_barrier()
+
+        # Phase 2: walk lru_order, rank evictable (not hit) slots, reorder.
+        evictable = mask_c & (tl.load(flags_row + order, mask=mask_c, other=1) == 0)
+        ev_i = evictable.to(tl.int32)
+        ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
+        hit_rank = offs_c - ev_rank
+        new_pos = tl.where(
+            evictable,
+            tl.where(ev_rank >= num_misses, ev_rank - num_misses, C - num_misses + ev_rank),
+            C - num_hits - num_misses + hit_rank,
+        )
+        taken = evictable & (ev_rank < num_misses)
+        # Victims' old locs leave the map now (phase 1 has read it already).
+        tl.store(
+            loc_to_slot_ptr + old_loc,
+            tl.full([BLOCK_C], -1, tl.int16),
+            mask=taken & (old_loc >= 0),
+        )
+        # Victim by rank, gathered by miss rank in phase 3 (another scatter ->
+        # gather across threads through scratch).
+        tl.store(victims_row + ev_rank, order, mask=taken)
+        # Every thread has read lru_order (the scans above synchronize, the
+        # barrier makes it explicit) before the in-place permutation.
+        tl.debug_barrier()
+        tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
+
+        # Phase 3: misses take their victims; page table in top-k order.
+        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
+        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+        slot = tl.where(hit, cur, victim)
+        rows = tl.where(in_window, base + C + pos % W, tl.where(lookup, base + slot, -1))
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss)
+        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, base + victim, mask=miss)
+        tl.store(miss_count_ptr + b, num_misses)
+        tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
+        tl.atomic_add(counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64))
+        tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))

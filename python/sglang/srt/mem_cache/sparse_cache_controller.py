@@ -1,0 +1,558 @@
+"""Decode-side NSA KV offload: host pool + LRU residency + copies.
+
+``SparseCacheController`` owns
+
+* the pinned host pool (:class:`NSAKVOnlyTokenToKVPoolHost`): the MLA KV of
+  every token, at host slot == token loc;
+* the per-(layer, request) LRU residency (:class:`LRUCacheState`);
+* the GPU regions: each request admitted for decode owns one contiguous region
+  of ``R = C + W`` rows of the device ``kv_buffer`` (the same rows in every
+  layer): ``C`` LRU slots and a ``W``-row ring of its newest tokens;
+* a side stream and events for the copies that are off the critical path
+  (backups to host, warming a newly admitted request).
+
+Per layer of a decode step the attention backend calls :meth:`swap_one_layer`:
+the LRU swap writes the page table (GPU rows in top-k order) and the miss list,
+then one count-bounded kernel loads the misses host -> GPU. Both are fixed-shape
+and sync-free, so they can be captured in a CUDA graph.
+
+Synchronization rules (callers):
+
+* :meth:`wait_backup` makes a stream wait (on the GPU) for every copy issued so
+  far on the side stream; call it before a forward that may read rows warmed
+  by :meth:`admit_request` or host rows written by a backup, and before reusing
+  GPU staging rows that a :meth:`backup_prefilled_request` reads. Side-stream
+  copies themselves wait for the work enqueued so far on the caller's stream.
+* :meth:`release_request` blocks until the side-stream copies that may touch
+  the request are done, then frees its region and LRU state.
+
+See ``docs/ENGINE.md`` for the swap semantics and address spaces.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+
+from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
+from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
+from sglang.srt.mem_cache.sparse_kv_copy import (
+    COUNTER_D2H_ROWS,
+    COUNTER_H2D_ROWS,
+    DEFAULT_ALL_LAYER_BLOCK_ROWS,
+    DEFAULT_BLOCK_ROWS,
+    DEFAULT_NUM_WARPS,
+    NUM_COUNTERS,
+    as_rows,
+    copy_kernels_interpreted,
+    copy_rows_all_layers,
+    copy_rows_all_layers_reference,
+    gather_rows,
+    gather_rows_reference,
+    layer_pointer_table,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RegionAllocator:
+    """Free list of fixed-size contiguous GPU row regions.
+
+    Regions are ``region_rows`` rows each, starting at ``start_row``; the lowest
+    free region is handed out first.
+    """
+
+    def __init__(self, start_row: int, region_rows: int, num_regions: int):
+        if start_row < 0 or region_rows <= 0 or num_regions < 0:
+            raise ValueError(
+                f"bad regions: start_row={start_row} region_rows={region_rows} "
+                f"num_regions={num_regions}"
+            )
+        self.start_row = start_row
+        self.region_rows = region_rows
+        self.num_regions = num_regions
+        self.clear()
+
+    def clear(self) -> None:
+        self._free: List[int] = list(range(self.num_regions))
+        heapq.heapify(self._free)
+        self._used = set()
+
+    @property
+    def end_row(self) -> int:
+        return self.start_row + self.num_regions * self.region_rows
+
+    def available_size(self) -> int:
+        """Number of free regions."""
+        return len(self._free)
+
+    def alloc_contiguous(self, num_rows: Optional[int] = None) -> Optional[int]:
+        """First row of a free region of ``num_rows`` (<= ``region_rows``)
+        contiguous rows, or ``None`` when every region is taken."""
+        if num_rows is not None and num_rows > self.region_rows:
+            raise ValueError(
+                f"alloc_contiguous({num_rows}): regions have {self.region_rows} rows"
+            )
+        if not self._free:
+            return None
+        region = heapq.heappop(self._free)
+        self._used.add(region)
+        return self.start_row + region * self.region_rows
+
+    def free(self, base_row: int) -> None:
+        region, rem = divmod(base_row - self.start_row, self.region_rows)
+        if rem != 0 or region not in self._used:
+            raise ValueError(f"row {base_row} is not the base of an allocated region")
+        self._used.remove(region)
+        heapq.heappush(self._free, region)
+
+
+class SparseCacheController:
+    """Host KV pool, LRU residency, GPU regions and copies of the NSA KV offload.
+
+    Args:
+        device_kv_buffers: the device ``kv_buffer`` of every layer of this rank
+            (e.g. ``NSATokenToKVPool.kv_buffer``): contiguous tensors viewable as
+            ``(N_gpu, row_bytes)``.
+        host_pool: host KV of every token loc; its ``row_bytes`` must match.
+        max_num_reqs: size of the request pool (``req_pool_indices`` range).
+        top_k: ``K``, the indexer's top-k width.
+        buffer_size: ``C``, LRU slots per (layer, request); ``C >= K``.
+        recent_window: ``W``, window rows per request; ``1 <= W < C``.
+        region_start_row / num_regions: GPU rows
+            ``[region_start_row, region_start_row + num_regions * (C + W))`` of
+            every layer belong to the controller's regions.
+        max_batch_size: largest decode batch (sizes the swap's scratch).
+        use_triton: LRU swap kernel (default: on CUDA, or under
+            ``TRITON_INTERPRET=1``); the copies use Triton on CUDA and under the
+            interpreter, else a torch reference (CPU only).
+        warm_tokens: default number of tokens (newest first, below the window)
+            installed into the LRU slots at admission (clipped to ``C``).
+        copy_block_rows / copy_num_warps / copy_word_bytes: tile of the miss copy.
+    """
+
+    def __init__(
+        self,
+        device_kv_buffers: Sequence[torch.Tensor],
+        host_pool: NSAKVOnlyTokenToKVPoolHost,
+        max_num_reqs: int,
+        top_k: int,
+        buffer_size: int,
+        recent_window: int,
+        region_start_row: int,
+        num_regions: int,
+        max_batch_size: Optional[int] = None,
+        use_triton: Optional[bool] = None,
+        warm_tokens: Optional[int] = None,
+        copy_block_rows: int = DEFAULT_BLOCK_ROWS,
+        copy_num_warps: int = DEFAULT_NUM_WARPS,
+        copy_word_bytes: Optional[int] = None,
+    ):
+        self.host_pool = host_pool
+        self.row_bytes = host_pool.row_bytes
+        self.layer_num = host_pool.layer_num
+        self.start_layer = host_pool.start_layer
+        if len(device_kv_buffers) != self.layer_num:
+            raise ValueError(
+                f"{len(device_kv_buffers)} device KV buffers for a host pool of "
+                f"{self.layer_num} layers"
+            )
+        self.device_kv_buffers = list(device_kv_buffers)
+        self._device_rows = [as_rows(b, self.row_bytes) for b in device_kv_buffers]
+        for rows in self._device_rows:
+            if rows.shape[0] != self._device_rows[0].shape[0]:
+                raise ValueError("device KV buffers differ in row count")
+        self.num_device_rows = self._device_rows[0].shape[0]
+        self.device = self._device_rows[0].device
+
+        self.top_k = top_k
+        self.buffer_size = buffer_size
+        self.recent_window = recent_window
+        self.region_rows = buffer_size + recent_window
+        self.max_num_reqs = max_num_reqs
+        self.regions = RegionAllocator(region_start_row, self.region_rows, num_regions)
+        if self.regions.end_row > self.num_device_rows:
+            raise ValueError(
+                f"{num_regions} regions of {self.region_rows} rows from row "
+                f"{region_start_row} exceed the {self.num_device_rows} device rows"
+            )
+        self.lru = LRUCacheState(
+            num_layers=self.layer_num,
+            max_num_reqs=max_num_reqs,
+            num_locs=host_pool.num_rows,
+            buffer_size=buffer_size,
+            recent_window=recent_window,
+            top_k=top_k,
+            device=self.device,
+            use_triton=use_triton,
+            max_batch_size=max_batch_size,
+        )
+        self.warm_tokens = top_k if warm_tokens is None else warm_tokens
+
+        self.use_triton_copy = self.device.type == "cuda" or copy_kernels_interpreted()
+        if self.device.type == "cuda" and not host_pool.pin_memory:
+            raise ValueError("the host pool must be pinned for GPU copies")
+        self.copy_block_rows = copy_block_rows
+        self.copy_num_warps = copy_num_warps
+        self.copy_word_bytes = copy_word_bytes
+
+        # Layer base pointers for the all-layer kernels, on the device.
+        self.device_layer_ptrs = layer_pointer_table(
+            self.device_kv_buffers, self.device, self.row_bytes
+        )
+        self.host_layer_ptrs = host_pool.get_layer_ptrs(self.device)
+        self._host_rows = [host_pool.data_refs[i] for i in range(self.layer_num)]
+
+        # Rows/bytes moved (see sparse_kv_copy.COUNTER_*), on the device.
+        self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=self.device)
+
+        if self.device.type == "cuda":
+            self.side_stream = torch.cuda.Stream(device=self.device)
+        else:
+            self.side_stream = None
+        self._last_side_event = None
+        self._req_events: Dict[int, object] = {}
+        self._req_base: Dict[int, int] = {}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _local_layer(self, layer_id: int) -> int:
+        idx = layer_id - self.start_layer
+        if not 0 <= idx < self.layer_num:
+            raise IndexError(f"layer {layer_id} is not on this rank")
+        return idx
+
+    def _launch_side(self, fn, tensors: Sequence[torch.Tensor] = ()):
+        """Run ``fn`` on the side stream after the caller's stream; return the event."""
+        if self.side_stream is None:
+            fn()
+            return None
+        caller = torch.cuda.current_stream(self.device)
+        self.side_stream.wait_stream(caller)
+        with torch.cuda.stream(self.side_stream):
+            fn()
+            event = torch.cuda.Event()
+            event.record(self.side_stream)
+        for t in tensors:
+            if t.is_cuda:
+                t.record_stream(self.side_stream)
+        self._last_side_event = event
+        return event
+
+    def _copy_all_layers(
+        self,
+        src_ptrs: torch.Tensor,
+        dst_ptrs: torch.Tensor,
+        src_layers,
+        dst_layers,
+        src_idx: torch.Tensor,
+        dst_idx: torch.Tensor,
+        count: Optional[torch.Tensor],
+        counter_idx: int,
+    ) -> None:
+        if self.use_triton_copy:
+            copy_rows_all_layers(
+                src_ptrs,
+                dst_ptrs,
+                src_idx,
+                dst_idx,
+                self.row_bytes,
+                count=count,
+                counters=self.counters,
+                counter_idx=counter_idx,
+                word_bytes=self.copy_word_bytes,
+                block_rows=DEFAULT_ALL_LAYER_BLOCK_ROWS,
+            )
+            return
+        copy_rows_all_layers_reference(
+            src_layers, dst_layers, src_idx, dst_idx, self.row_bytes, count
+        )
+        n = src_idx.shape[-1]
+        if count is not None:
+            n = min(n, int(count.reshape(-1)[0]))
+        self.counters[counter_idx] += n * self.layer_num
+        self.counters[counter_idx + 1] += n * self.layer_num * self.row_bytes
+
+    def _d2h_all_layers(self, gpu_rows, locs, count) -> None:
+        self._copy_all_layers(
+            self.device_layer_ptrs,
+            self.host_layer_ptrs,
+            self._device_rows,
+            self._host_rows,
+            gpu_rows,
+            locs,
+            count,
+            COUNTER_D2H_ROWS,
+        )
+
+    def _h2d_all_layers(self, locs, gpu_rows, count=None) -> None:
+        self._copy_all_layers(
+            self.host_layer_ptrs,
+            self.device_layer_ptrs,
+            self._host_rows,
+            self._device_rows,
+            locs,
+            gpu_rows,
+            count,
+            COUNTER_H2D_ROWS,
+        )
+
+    def _as_device_index(self, t, dtype) -> torch.Tensor:
+        if not torch.is_tensor(t):
+            t = torch.tensor(t, dtype=dtype)
+        t = t.reshape(-1) if t.dim() != 2 else t
+        return t.to(device=self.device, dtype=dtype).contiguous()
+
+    # ---------------------------------------------------------------- hot path
+
+    def load_tokens_h2d_one_layer(self, layer_id: int, plan: LayerSwapPlan) -> None:
+        """Copy one layer's misses ``host[loc] -> kv_buffer[layer][row]``.
+
+        Reads only the first ``plan.miss_count[b]`` entries of each row, on the
+        device; runs on the current stream (the attention needs the rows).
+        """
+        layer = self._local_layer(layer_id)
+        if self.use_triton_copy:
+            gather_rows(
+                self._host_rows[layer],
+                self._device_rows[layer],
+                plan.miss_src_loc,
+                plan.miss_dst_row,
+                plan.miss_count,
+                self.row_bytes,
+                counters=self.counters,
+                counter_idx=COUNTER_H2D_ROWS,
+                word_bytes=self.copy_word_bytes,
+                block_rows=self.copy_block_rows,
+                num_warps=self.copy_num_warps,
+            )
+            return
+        gather_rows_reference(
+            self._host_rows[layer],
+            self._device_rows[layer],
+            plan.miss_src_loc,
+            plan.miss_dst_row,
+            plan.miss_count,
+            self.row_bytes,
+        )
+        n = int(plan.miss_count.sum())
+        self.counters[COUNTER_H2D_ROWS] += n
+        self.counters[COUNTER_H2D_ROWS + 1] += n * self.row_bytes
+
+    def swap_one_layer(
+        self,
+        layer_id: int,
+        topk_pos: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_to_token: torch.Tensor,
+        num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
+        out: Optional[LayerSwapPlan] = None,
+    ) -> torch.Tensor:
+        """LRU swap of one layer + load of its misses; returns the page table.
+
+        ``topk_pos (bs, K)`` are top-k positions (-1 = padding); the result is
+        ``(bs, K)`` int32 GPU rows in top-k order (-1 = skip), ready for FlashMLA.
+        ``out`` passes preallocated plan buffers (CUDA-graph capture).
+        """
+        layer = self._local_layer(layer_id)
+        plan = self.lru.swap_layer(
+            layer,
+            topk_pos,
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            num_real_reqs,
+            out=out,
+        )
+        self.load_tokens_h2d_one_layer(layer_id, plan)
+        self.last_plan = plan
+        return plan.page_table
+
+    # ------------------------------------------------------------------ backups
+
+    def backup_new_tokens(
+        self,
+        gpu_rows: torch.Tensor,
+        locs: torch.Tensor,
+        count: Optional[torch.Tensor] = None,
+    ):
+        """Copy one decode step's new-token rows of all layers to host slots.
+
+        ``gpu_rows (n,)`` are the window rows the step wrote, ``locs (n,)`` their
+        token locs; with ``count`` (1-element device tensor, e.g. the number of
+        real requests) only the first ``count`` entries are read. Runs on the
+        side stream after the work enqueued so far on the current stream; call
+        it one step later, when that step's forward has been enqueued. Returns
+        the event of the copy (``None`` on CPU).
+        """
+        gpu_rows = self._as_device_index(gpu_rows, torch.int64)
+        locs = self._as_device_index(locs, torch.int64)
+        tensors = [gpu_rows, locs] + ([count] if count is not None else [])
+        return self._launch_side(
+            lambda: self._d2h_all_layers(gpu_rows, locs, count), tensors
+        )
+
+    def backup_prefilled_request(
+        self,
+        gpu_rows: torch.Tensor,
+        locs: torch.Tensor,
+        req_pool_idx: Optional[int] = None,
+    ):
+        """Copy every layer of a prefilled request's tokens from the GPU
+        (staging) rows ``gpu_rows`` to host slots ``locs``, on the side stream.
+
+        The staging rows must not be reused before :meth:`wait_backup` (or the
+        returned event) says the copy is done.
+        """
+        gpu_rows = self._as_device_index(gpu_rows, torch.int64)
+        locs = self._as_device_index(locs, torch.int64)
+        event = self._launch_side(
+            lambda: self._d2h_all_layers(gpu_rows, locs, None), [gpu_rows, locs]
+        )
+        if req_pool_idx is not None and event is not None:
+            self._req_events[int(req_pool_idx)] = event
+        return event
+
+    def wait_backup(self, stream=None) -> None:
+        """Make ``stream`` (default: current) wait on the GPU for every side-stream
+        copy issued so far. No host sync."""
+        if self._last_side_event is None:
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(self._last_side_event)
+
+    def synchronize(self) -> None:
+        """Block the host until every side-stream copy issued so far is done."""
+        if self.side_stream is not None:
+            self.side_stream.synchronize()
+
+    @staticmethod
+    def _sync_event(event) -> None:
+        if event is not None and not event.query():
+            event.synchronize()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def num_free_regions(self) -> int:
+        return self.regions.available_size()
+
+    def can_admit(self, num_reqs: int = 1) -> bool:
+        """Whether ``num_reqs`` more requests get a GPU region now."""
+        return self.regions.available_size() >= num_reqs
+
+    def is_admitted(self, req_pool_idx: int) -> bool:
+        return int(req_pool_idx) in self._req_base
+
+    def region_base(self, req_pool_idx: int) -> Optional[int]:
+        return self._req_base.get(int(req_pool_idx))
+
+    def admit_request(
+        self,
+        req_pool_idx: int,
+        prefix_locs: Optional[torch.Tensor] = None,
+        warm_tokens: Optional[int] = None,
+    ) -> Optional[int]:
+        """Give a request a GPU region and admit it into the LRU state.
+
+        ``prefix_locs``: token locs of positions ``0 .. n-1`` already in host
+        memory (e.g. ``req_to_token[r, :n]`` after the prefill backup). When
+        given, the window rows of positions ``[n + 1 - W, n)`` (the prompt tokens
+        inside the first decode step's window) are loaded, and the newest
+        ``warm_tokens`` positions below the window are installed into the LRU
+        slots. The loads run on the side stream, after the backups issued
+        before (see :meth:`wait_backup`).
+
+        Returns the region's first row, or ``None`` when no region is free.
+        """
+        r = int(req_pool_idx)
+        if r in self._req_base:
+            raise ValueError(f"request {r} is already admitted")
+        base = self.regions.alloc_contiguous(self.region_rows)
+        if base is None:
+            return None
+        self._req_base[r] = base
+        self.lru.admit_request(r, base)
+        if prefix_locs is not None and prefix_locs.numel() > 0:
+            self._warm_request(r, base, prefix_locs, warm_tokens)
+        return base
+
+    def _warm_request(
+        self, r: int, base: int, prefix_locs: torch.Tensor, warm_tokens
+    ) -> None:
+        C, W = self.buffer_size, self.recent_window
+        prefix_locs = prefix_locs.reshape(-1).to(self.device, torch.int64)
+        n = prefix_locs.numel()
+        # The first decode step has seq_len n + 1: its window is [n + 1 - W, n].
+        win_start = max(0, n + 1 - W)
+        pos = torch.arange(win_start, n, dtype=torch.int64, device=self.device)
+        locs = [prefix_locs[win_start:n]]
+        rows = [base + C + pos % W]
+
+        if warm_tokens is None:
+            warm_tokens = self.warm_tokens
+        num_warm = max(0, min(warm_tokens, C, win_start))
+        if num_warm > 0:
+            # Oldest first: the newest token ends up most recently used.
+            warm_locs = prefix_locs[win_start - num_warm : win_start]
+            warm_rows = self.lru.warm_request(range(self.layer_num), r, warm_locs)
+            locs.append(warm_locs.unsqueeze(0).expand(self.layer_num, -1))
+            rows.append(warm_rows.to(torch.int64))
+            rows[0] = rows[0].unsqueeze(0).expand(self.layer_num, -1)
+            locs[0] = locs[0].unsqueeze(0).expand(self.layer_num, -1)
+            src = torch.cat(locs, dim=1).contiguous()
+            dst = torch.cat(rows, dim=1).contiguous()
+        else:
+            src, dst = locs[0].contiguous(), rows[0].contiguous()
+        if src.shape[-1] == 0:
+            return
+        self._launch_side(lambda: self._h2d_all_layers(src, dst), [src, dst])
+        # The first decode step reads these rows: order the caller's stream.
+        if self.side_stream is not None:
+            self.wait_backup()
+
+    def release_request(self, req_pool_idx: int) -> None:
+        """Wait for the side-stream copies that may touch the request, then free
+        its region and drop its LRU state (its host slots belong to the token
+        allocator)."""
+        r = int(req_pool_idx)
+        if r not in self._req_base:
+            raise ValueError(f"request {r} is not admitted")
+        self._sync_event(self._req_events.pop(r, None))
+        self._sync_event(self._last_side_event)
+        self.lru.release_request(r)
+        self.regions.free(self._req_base.pop(r))
+
+    def forget_request(self, req_pool_idx: int) -> None:
+        """Drop bookkeeping of a request that was backed up but never admitted."""
+        self._sync_event(self._req_events.pop(int(req_pool_idx), None))
+
+    # ------------------------------------------------------------------- stats
+
+    def reset_stats(self) -> None:
+        self.counters.zero_()
+        self.lru.reset_counters()
+
+    def get_stats(self) -> Dict[str, float]:
+        """Counters since the last reset (reads device tensors: syncs; for logs)."""
+        hits, window, misses = (int(x) for x in self.lru.counters.sum(0).tolist())
+        h2d_rows, h2d_bytes, d2h_rows, d2h_bytes = (
+            int(x) for x in self.counters.tolist()
+        )
+        lookups = hits + misses
+        return {
+            "lru_hits": hits,
+            "window_hits": window,
+            "misses": misses,
+            "hit_rate": hits / lookups if lookups else 0.0,
+            "h2d_rows": h2d_rows,
+            "h2d_bytes": h2d_bytes,
+            "d2h_rows": d2h_rows,
+            "d2h_bytes": d2h_bytes,
+            "regions_used": self.regions.num_regions - self.regions.available_size(),
+            "regions_total": self.regions.num_regions,
+        }

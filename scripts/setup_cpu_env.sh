@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Build the CPU test environment: a virtualenv with CPU torch 2.13.0, sglang
+# 0.5.12.post1 (no deps), torchvision, triton (for TRITON_INTERPRET=1), the
+# test tools and the pure-Python packages sglang's imports need; then install
+# our patch set into the venv's sglang (scripts/apply_patch.py).
+#
+#   VENV=/path/to/venv bash scripts/setup_cpu_env.sh    # default: .venv
+#
+# Idempotent and fast when nothing changed: a stamp in the venv records a hash
+# of requirements/*.txt and of this script.
+#
+# A venv this script did not create (no stamp) is only topped up: missing
+# packages are installed, installed ones are never changed (a mismatching
+# version is reported). CPU_ENV_SYNC=1 syncs such a venv to the pins instead.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv}"
+REQ="$ROOT/requirements"
+STAMP="$VENV/.nsa-offload-cpu-env"
+
+log() { echo "[setup_cpu_env] $*"; }
+
+if [[ -z "${PYTHON:-}" ]]; then
+    if command -v python3.11 >/dev/null 2>&1; then
+        PYTHON=python3.11
+    else
+        PYTHON=python3
+    fi
+fi
+
+env_hash() {
+    cat "$REQ"/*.txt "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1
+}
+
+# pip, without the noise of this machine's missing local index directories.
+pip_() {
+    "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 |
+        { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
+apply_patch_set() {
+    local site
+    site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    "$VENV/bin/python" "$ROOT/scripts/apply_patch.py" --sglang-dir "$site"
+}
+
+# Requirement lines of the given files whose distribution is not installed.
+missing_reqs() {
+    "$VENV/bin/python" - "$@" <<'EOF'
+import importlib.metadata as md
+import re
+import sys
+
+for path in sys.argv[1:]:
+    for line in open(path):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, _, want = line.partition("==")
+        try:
+            have = md.version(name)
+        except md.PackageNotFoundError:
+            print(line)
+            continue
+        if want and have.split("+")[0] != want:
+            print(f"note: {name} {have} installed, pinned {want}: left alone", file=sys.stderr)
+EOF
+}
+
+want_hash="$(env_hash)"
+mode=full
+if [[ -x "$VENV/bin/python" ]]; then
+    if [[ -f "$STAMP" ]]; then
+        read -r mode have_hash <"$STAMP" || true
+        if [[ "${have_hash:-}" == "$want_hash" ]]; then
+            log "venv $VENV is up to date"
+            apply_patch_set
+            exit 0
+        fi
+    else
+        mode=topup
+    fi
+    [[ "${CPU_ENV_SYNC:-0}" == 1 ]] && mode=full
+    log "updating venv $VENV ($mode)"
+else
+    log "creating venv $VENV with $("$PYTHON" --version 2>&1)"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+start=$SECONDS
+if [[ "$mode" == full ]]; then
+    # Every pip call is constrained by torch-cpu.txt (on top of whatever the
+    # machine's pip config adds, e.g. /etc/xdg/pip), so nothing can replace
+    # torch 2.13.0 with another build.
+    pins=(-c "$REQ/torch-cpu.txt" -c "$REQ/cpu-test-constraints.txt")
+    pip_ install -q "${pins[@]}" -r "$REQ/torch-cpu.txt"
+    pip_ install -q --no-deps -r "$REQ/no-deps.txt"
+    pip_ install -q "${pins[@]}" -r "$REQ/cpu-test.txt"
+else
+    tmp="$(mktemp -d)"
+    trap 'rm -rf "$tmp"' EXIT
+    missing_reqs "$REQ/torch-cpu.txt" >"$tmp/torch.txt"
+    missing_reqs "$REQ/no-deps.txt" >"$tmp/no-deps.txt"
+    missing_reqs "$REQ/cpu-test.txt" >"$tmp/cpu-test.txt"
+    for f in torch no-deps cpu-test; do
+        if [[ -s "$tmp/$f.txt" ]]; then
+            log "installing missing ($f): $(tr '\n' ' ' <"$tmp/$f.txt")"
+        fi
+    done
+    if [[ -s "$tmp/torch.txt" ]]; then
+        pip_ install -q -r "$tmp/torch.txt"
+    fi
+    if [[ -s "$tmp/no-deps.txt" ]]; then
+        pip_ install -q --no-deps -r "$tmp/no-deps.txt"
+    fi
+    if [[ -s "$tmp/cpu-test.txt" ]]; then
+        pip_ install -q -c "$REQ/torch-cpu.txt" -r "$tmp/cpu-test.txt"
+    fi
+fi
+
+torch_version="$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+case "$torch_version" in
+2.13.0*) ;;
+*)
+    if [[ "$mode" == full ]]; then
+        log "ERROR: torch $torch_version in $VENV, expected 2.13.0"
+        exit 1
+    fi
+    log "warning: torch $torch_version in $VENV, the tests are pinned to 2.13.0"
+    ;;
+esac
+
+echo "$mode $want_hash" >"$STAMP"
+log "venv ready in $((SECONDS - start))s (torch $torch_version)"
+apply_patch_set

@@ -1,0 +1,119 @@
+"""Plain-Python model of the per-layer LRU swap of docs/ENGINE.md.
+
+Lists and dicts only, written to be obviously correct rather than fast: the
+differential tests hold ``LRUCacheState`` (torch reference and Triton kernel)
+to it.
+"""
+
+from typing import Dict, List, Sequence, Tuple
+
+
+class LRUModel:
+    def __init__(self, num_layers: int, buffer_size: int, recent_window: int):
+        self.L = num_layers
+        self.C = buffer_size
+        self.W = recent_window
+        # Per (layer, request pool index).
+        self.slot_loc: Dict[Tuple[int, int], List[int]] = {}
+        self.lru_order: Dict[Tuple[int, int], List[int]] = {}
+        # Per layer: loc -> slot, resident locs only.
+        self.loc_to_slot: List[Dict[int, int]] = [{} for _ in range(num_layers)]
+        self.region_base: Dict[int, int] = {}
+        # Per layer: [LRU hits, window hits, misses].
+        self.counters = [[0, 0, 0] for _ in range(num_layers)]
+        # Misses that evicted a resident loc (workload statistics only).
+        self.evictions = 0
+
+    def admit(self, r: int, base: int) -> None:
+        self.region_base[r] = base
+        for layer in range(self.L):
+            self.slot_loc[layer, r] = [-1] * self.C
+            self.lru_order[layer, r] = list(range(self.C))
+
+    def release(self, r: int) -> None:
+        for layer in range(self.L):
+            for loc in self.slot_loc.get((layer, r), []):
+                if loc >= 0:
+                    del self.loc_to_slot[layer][loc]
+            self.slot_loc[layer, r] = [-1] * self.C
+            self.lru_order[layer, r] = list(range(self.C))
+        self.region_base.pop(r, None)
+
+    def _take_slots(self, layer: int, r: int, locs: Sequence[int]):
+        """Look up ``locs`` (None = skip); misses take victims. Returns
+        (slot per entry or None, hit slots, victims in order)."""
+        resident = self.loc_to_slot[layer]
+        order = self.lru_order[layer, r]
+        slots = [None] * len(locs)
+        hit_slots = set()
+        missed = []
+        for i, loc in enumerate(locs):
+            if loc is None:
+                continue
+            if loc in resident:
+                slots[i] = resident[loc]
+                hit_slots.add(resident[loc])
+            else:
+                missed.append(i)
+        evictable = [s for s in order if s not in hit_slots]
+        assert len(missed) <= len(evictable)
+        victims = evictable[: len(missed)]
+        for i, victim in zip(missed, victims):
+            old = self.slot_loc[layer, r][victim]
+            if old >= 0:
+                del resident[old]
+                self.evictions += 1
+            resident[locs[i]] = victim
+            self.slot_loc[layer, r][victim] = locs[i]
+            slots[i] = victim
+        # Tie rule: [untaken evictables] + [hits in old order] + [victims].
+        hits_in_order = [s for s in order if s in hit_slots]
+        self.lru_order[layer, r] = evictable[len(missed) :] + hits_in_order + victims
+        return slots, missed, victims
+
+    def swap(
+        self,
+        layer: int,
+        topk: Sequence[Sequence[int]],
+        req_pool_indices: Sequence[int],
+        seq_lens: Sequence[int],
+        req_to_token: Sequence[Sequence[int]],
+        num_real: int,
+    ):
+        """One layer's swap. Returns per row (page-table row, [(src loc, dst row)])."""
+        C, W = self.C, self.W
+        out = []
+        for b, row in enumerate(topk):
+            if b >= num_real:
+                out.append(([-1] * len(row), []))
+                continue
+            r, n = req_pool_indices[b], seq_lens[b]
+            base = self.region_base[r]
+            locs = [None] * len(row)
+            page = [-1] * len(row)
+            for i, p in enumerate(row):
+                if p < 0 or p >= n:
+                    continue
+                if p >= n - W:
+                    page[i] = base + C + p % W
+                    self.counters[layer][1] += 1
+                else:
+                    locs[i] = req_to_token[r][p]
+            slots, missed, victims = self._take_slots(layer, r, locs)
+            for i, s in enumerate(slots):
+                if s is not None:
+                    page[i] = base + s
+            self.counters[layer][0] += sum(s is not None for s in slots) - len(missed)
+            self.counters[layer][2] += len(missed)
+            copies = [(locs[i], base + v) for i, v in zip(missed, victims)]
+            out.append((page, copies))
+        return out
+
+    def warm(self, layers: Sequence[int], r: int, locs_per_layer) -> List[List[int]]:
+        base = self.region_base[r]
+        rows = []
+        for layer, locs in zip(layers, locs_per_layer):
+            locs = [loc if loc >= 0 else None for loc in locs]
+            slots, _, _ = self._take_slots(layer, r, locs)
+            rows.append([-1 if s is None else base + s for s in slots])
+        return rows

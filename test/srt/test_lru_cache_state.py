@@ -1,0 +1,672 @@
+"""LRUCacheState: torch reference vs fused Triton kernel vs a plain-Python model.
+
+On a CPU-only machine the Triton kernel runs under the interpreter: set
+TRITON_INTERPRET=1 before anything imports triton-jitted sglang modules (this
+file sets it when it is first and CUDA is absent). Sizes are kept small so the
+interpreter finishes quickly; benchmark/nsa_offload/gpu_check_lru.py repeats the
+differential check at production sizes on a GPU.
+"""
+
+import os
+import random
+import unittest
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lru_model import LRUModel
+
+from sglang.srt.mem_cache import lru_cache_state as lru_mod
+from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_OK = DEVICE == "cuda" or lru_mod._swap_kernel_is_interpreted()
+TRITON_SKIP_REASON = (
+    "Triton kernel not interpreted on this CPU machine: set TRITON_INTERPRET=1 "
+    "before sglang.srt.mem_cache.lru_cache_state is first imported"
+)
+
+
+def new_state(cfg, use_triton: bool, **kwargs) -> LRUCacheState:
+    return LRUCacheState(
+        num_layers=cfg.layers,
+        max_num_reqs=cfg.max_reqs,
+        num_locs=cfg.num_locs,
+        buffer_size=cfg.C,
+        recent_window=cfg.W,
+        top_k=cfg.K,
+        device=DEVICE,
+        use_triton=use_triton,
+        **kwargs,
+    )
+
+
+# ---------------------------------------------------------------- checks
+
+
+def check_invariants(test: unittest.TestCase, state: LRUCacheState) -> None:
+    C, N = state.buffer_size, state.num_locs
+    lru = state.lru_order.long().cpu()
+    ar = torch.arange(C).expand_as(lru)
+    test.assertTrue(torch.equal(lru.sort(-1).values, ar), "lru_order not a permutation")
+    slot_loc = state.slot_loc.long().cpu()
+    l2s = state.loc_to_slot.long().cpu()
+    for layer in range(state.num_layers):
+        sl = slot_loc[layer]
+        r_idx, s_idx = (sl >= 0).nonzero(as_tuple=True)
+        locs = sl[r_idx, s_idx]
+        test.assertEqual(locs.unique().numel(), locs.numel(), "loc in two slots")
+        test.assertTrue(
+            torch.equal(l2s[layer, locs], s_idx), "slot_loc -> loc_to_slot mismatch"
+        )
+        test.assertEqual(
+            int((l2s[layer] >= 0).sum()), locs.numel(), "stale loc_to_slot entries"
+        )
+
+
+def check_plan(test, state, plan, inp, layer) -> None:
+    """Structural checks of one swap result (no model needed)."""
+    C, W = state.buffer_size, state.recent_window
+    pt = plan.page_table.long().cpu()
+    cnt = plan.miss_count.long().cpu()
+    bs = pt.shape[0]
+    for b in range(bs):
+        if b >= inp.num_real:
+            test.assertTrue(bool((pt[b] == -1).all()))
+            test.assertEqual(int(cnt[b]), 0)
+            continue
+        r, n = inp.req_pool_indices[b], inp.seq_lens[b]
+        base = int(state.region_base[r])
+        pos = torch.tensor(inp.topk[b])
+        pad = (pos < 0) | (pos >= n)
+        test.assertTrue(torch.equal(pt[b] == -1, pad), "page table -1 != padding")
+        rows = pt[b][~pad]
+        test.assertTrue(bool(((rows >= base) & (rows < base + C + W)).all()))
+        c = int(cnt[b])
+        dst = plan.miss_dst_row[b, :c].long().cpu()
+        src = plan.miss_src_loc[b, :c].long().cpu()
+        test.assertEqual(dst.unique().numel(), c, "two misses share a victim")
+        test.assertTrue(bool(((dst >= base) & (dst < base + C)).all()))
+        test.assertEqual(src.unique().numel(), c)
+        # The victim now holds the loaded loc.
+        slots = (dst - base).long()
+        test.assertTrue(
+            torch.equal(state.slot_loc[layer, r, slots].long().cpu(), src),
+            "victim slot does not hold the missed loc",
+        )
+
+
+def plan_rows(plan: LayerSwapPlan, bs: int):
+    pt = plan.page_table.cpu().tolist()
+    cnt = plan.miss_count.cpu().tolist()
+    src = plan.miss_src_loc.cpu().tolist()
+    dst = plan.miss_dst_row.cpu().tolist()
+    return [
+        (pt[b], list(zip(src[b][: cnt[b]], dst[b][: cnt[b]]))) for b in range(bs)
+    ]
+
+
+def assert_state_matches_model(test, state: LRUCacheState, model: LRUModel) -> None:
+    L, C, N = state.num_layers, state.buffer_size, state.num_locs
+    l2s = torch.full((L, N), -1, dtype=torch.int64)
+    slot_loc = torch.full((L, state.max_num_reqs, C), -1, dtype=torch.int64)
+    lru = torch.arange(C).repeat(L, state.max_num_reqs, 1)
+    for layer in range(L):
+        for loc, s in model.loc_to_slot[layer].items():
+            l2s[layer, loc] = s
+    for (layer, r), locs in model.slot_loc.items():
+        slot_loc[layer, r] = torch.tensor(locs)
+        lru[layer, r] = torch.tensor(model.lru_order[layer, r])
+    test.assertTrue(torch.equal(state.loc_to_slot.long().cpu(), l2s), "loc_to_slot")
+    test.assertTrue(torch.equal(state.slot_loc.long().cpu(), slot_loc), "slot_loc")
+    test.assertTrue(torch.equal(state.lru_order.long().cpu(), lru), "lru_order")
+    test.assertEqual(state.counters.cpu().tolist(), model.counters, "counters")
+    for r, base in model.region_base.items():
+        test.assertEqual(int(state.region_base[r]), base)
+
+
+def assert_states_equal(test, a: LRUCacheState, b: LRUCacheState) -> None:
+    for name in ("loc_to_slot", "slot_loc", "lru_order", "region_base", "counters"):
+        test.assertTrue(
+            torch.equal(getattr(a, name), getattr(b, name)), f"{name} differs"
+        )
+
+
+# ---------------------------------------------------------------- workload
+
+
+@dataclass
+class SimConfig:
+    layers: int = 2
+    C: int = 64
+    K: int = 32
+    W: int = 4
+    max_reqs: int = 6
+    num_locs: int = 1500
+    max_ctx: int = 320
+    max_batch: int = 4
+    max_prompt: int = 160
+    p_keep: float = 0.7  # reuse of the previous step's pick
+    p_recent: float = 0.8  # pick of a token just outside the window
+    p_admit: float = 0.3
+    p_release: float = 0.12
+    p_warm: float = 0.5
+    max_pad_rows: int = 2
+    check_every: int = 1
+
+
+@dataclass
+class StepInput:
+    topk: List[List[int]]
+    req_pool_indices: List[int]
+    seq_lens: List[int]
+    num_real: int
+
+
+class Sim:
+    """Random decode workload driving LRUCacheStates and an LRUModel in lockstep.
+
+    Growing sequences, top-k with locality, admission/release churn with token
+    locs and regions reused by new requests, CUDA-graph padding rows.
+    """
+
+    def __init__(self, test, cfg: SimConfig, states, model, seed: int):
+        self.test, self.cfg, self.states, self.model = test, cfg, states, model
+        self.rng = random.Random(seed)
+        self.free_locs = list(range(cfg.num_locs))
+        self.rng.shuffle(self.free_locs)
+        self.free_reqs = list(range(cfg.max_reqs))
+        self.rng.shuffle(self.free_reqs)
+        self.region_size = cfg.C + cfg.W
+        self.free_regions = list(range(cfg.max_reqs))
+        self.req_to_token = torch.zeros((cfg.max_reqs, cfg.max_ctx), dtype=torch.int32)
+        self.reqs = {}  # r -> {"locs": [...], "region": int, "prev": {layer: [...]}}
+        self.steps = 0
+
+    # -- lifecycle
+
+    def admit(self) -> None:
+        cfg, rng = self.cfg, self.rng
+        if not self.free_reqs or len(self.reqs) >= cfg.max_batch:
+            return
+        n = rng.randint(1, min(cfg.max_prompt, cfg.max_ctx - 1))
+        if len(self.free_locs) < n + 64:
+            return
+        r = self.free_reqs.pop()
+        region = self.free_regions.pop(rng.randrange(len(self.free_regions)))
+        # Most recently freed locs first, so released locs get reused.
+        locs = [self.free_locs.pop() for _ in range(n)]
+        self.req_to_token[r, :n] = torch.tensor(locs, dtype=torch.int32)
+        self.reqs[r] = {"locs": locs, "region": region, "prev": {}}
+        base = 3 + region * self.region_size
+        for i, state in enumerate(self.states):
+            # Exercise int and tensor arguments.
+            if i % 2:
+                state.admit_request(torch.tensor([r]), torch.tensor([base]))
+            else:
+                state.admit_request(r, base)
+        self.model.admit(r, base)
+        if rng.random() < cfg.p_warm:
+            self.warm(r)
+
+    def warm(self, r: int) -> None:
+        cfg, rng = self.cfg, self.rng
+        locs = self.reqs[r]["locs"]
+        older = locs[: max(0, len(locs) - cfg.W)]
+        count = rng.randint(0, min(len(older), cfg.C))
+        layers = list(range(cfg.layers))
+        if rng.random() < 0.5:
+            if rng.random() < 0.5:
+                layers = layers[rng.randrange(cfg.layers) :]
+            chosen = older[len(older) - count :]
+            chosen = [-1 if rng.random() < 0.1 else x for x in chosen]
+            per_layer = [chosen] * len(layers)
+            arg = torch.tensor(chosen, dtype=torch.int64)
+        else:
+            per_layer = [
+                [x if rng.random() < 0.8 else -1 for x in rng.sample(older, count)]
+                for _ in layers
+            ]
+            arg = torch.tensor(per_layer, dtype=torch.int64)
+        expect = self.model.warm(layers, r, per_layer)
+        layer_arg = range(layers[0], cfg.layers) if len(layers) > 1 else layers
+        for state in self.states:
+            rows = state.warm_request(layer_arg, r, arg.to(DEVICE))
+            self.test.assertEqual(rows.cpu().tolist(), expect)
+
+    def release(self, rs: List[int]) -> None:
+        for r in rs:
+            req = self.reqs.pop(r)
+            self.free_locs.extend(req["locs"])
+            self.free_regions.append(req["region"])
+            self.free_reqs.append(r)
+            self.model.release(r)
+        for i, state in enumerate(self.states):
+            if len(rs) == 1 and i % 2 == 0:
+                state.release_request(rs[0])
+            else:
+                state.release_request(torch.tensor(rs, device=DEVICE))
+
+    # -- decode
+
+    def pick_topk(self, r: int, layer: int) -> List[int]:
+        cfg, rng = self.cfg, self.rng
+        req = self.reqs[r]
+        n = len(req["locs"])
+        chosen, seen = [], set()
+
+        def add(p):
+            if p not in seen and len(chosen) < cfg.K:
+                seen.add(p)
+                chosen.append(p)
+
+        for p in req["prev"].get(layer, []):
+            if 0 <= p < n and rng.random() < cfg.p_keep:
+                add(p)
+        for p in range(n - 1, max(-1, n - cfg.W - 4), -1):
+            if rng.random() < cfg.p_recent:
+                add(p)
+        want = rng.randint(len(chosen), cfg.K)
+        others = rng.sample(range(n), min(n, cfg.K))
+        for p in others:
+            if len(chosen) >= want:
+                break
+            add(p)
+        rng.shuffle(chosen)
+        req["prev"][layer] = list(chosen)
+        out = chosen + [-1] * (cfg.K - len(chosen))
+        # Some padding -1 and out-of-range positions mixed in.
+        for _ in range(rng.randint(0, 3)):
+            i = rng.randrange(cfg.K)
+            out[i] = -1 if rng.random() < 0.5 else n + rng.randrange(4)
+        if len(set(p for p in out if p >= 0)) != len([p for p in out if p >= 0]):
+            out = [p if p < n else -1 for p in out]
+        return out
+
+    def step(self) -> None:
+        cfg, rng = self.cfg, self.rng
+        self.steps += 1
+        if rng.random() < cfg.p_admit or not self.reqs:
+            self.admit()
+        if self.reqs and rng.random() < cfg.p_release:
+            k = rng.randint(1, min(2, len(self.reqs)))
+            self.release(rng.sample(sorted(self.reqs), k))
+        if rng.random() < cfg.p_admit:
+            self.admit()
+        # Grow each request by one token (its new loc).
+        for r in sorted(self.reqs):
+            req = self.reqs[r]
+            if len(req["locs"]) >= cfg.max_ctx or not self.free_locs:
+                self.release([r])
+                continue
+            loc = self.free_locs.pop()
+            self.req_to_token[r, len(req["locs"])] = loc
+            req["locs"].append(loc)
+        batch = list(self.reqs)
+        rng.shuffle(batch)
+        if not batch:
+            return
+        num_real = len(batch)
+        pad = rng.randint(0, cfg.max_pad_rows)
+        rpi = batch + [rng.randrange(cfg.max_reqs) for _ in range(pad)]
+        seq_lens = [len(self.reqs[r]["locs"]) for r in batch] + [1] * pad
+        r2t = self.req_to_token.to(DEVICE)
+        r2t_list = self.req_to_token.tolist()
+        idx_dtype = rng.choice([torch.int32, torch.int64])
+        for layer in range(cfg.layers):
+            topk = [self.pick_topk(r, layer) for r in batch]
+            topk += [
+                [rng.choice([-1, 0, 1, 5]) for _ in range(cfg.K)] for _ in range(pad)
+            ]
+            inp = StepInput(topk, rpi, seq_lens, num_real)
+            expect = self.model.swap(layer, topk, rpi, seq_lens, r2t_list, num_real)
+            for state in self.states:
+                plan = self.run_swap(state, layer, inp, r2t, idx_dtype)
+                got = plan_rows(plan, len(rpi))
+                self.test.assertEqual(got, expect, f"step {self.steps} layer {layer}")
+                check_plan(self.test, state, plan, inp, layer)
+        if self.steps % cfg.check_every == 0:
+            for state in self.states:
+                assert_state_matches_model(self.test, state, self.model)
+                check_invariants(self.test, state)
+
+    def run_swap(self, state, layer, inp, r2t, idx_dtype) -> LayerSwapPlan:
+        rng, bs = self.rng, len(inp.req_pool_indices)
+        topk = torch.tensor(inp.topk, dtype=idx_dtype, device=DEVICE)
+        rpi = torch.tensor(inp.req_pool_indices, dtype=idx_dtype, device=DEVICE)
+        seq_lens = torch.tensor(inp.seq_lens, dtype=idx_dtype, device=DEVICE)
+        if inp.num_real == bs and rng.random() < 0.3:
+            num_real = None
+        else:
+            num_real = torch.tensor([inp.num_real], dtype=torch.int32, device=DEVICE)
+        out = None
+        if rng.random() < 0.5:
+            # Preallocated (CUDA-graph style) buffers, larger than bs, dirty.
+            rows, k = bs + rng.randint(0, 2), state.top_k
+            out = LayerSwapPlan(
+                torch.full((rows, k), 777, dtype=torch.int32, device=DEVICE),
+                torch.full((rows, k), 777, dtype=torch.int64, device=DEVICE),
+                torch.full((rows, k), 777, dtype=torch.int32, device=DEVICE),
+                torch.full((rows,), 777, dtype=torch.int32, device=DEVICE),
+            )
+        plan = state.swap_layer(layer, topk, rpi, seq_lens, r2t, num_real, out=out)
+        self.test.assertEqual(tuple(plan.page_table.shape), (bs, state.top_k))
+        if out is not None:
+            self.test.assertEqual(plan.page_table.data_ptr(), out.page_table.data_ptr())
+        return plan
+
+
+def run_sim(test, cfg: SimConfig, use_triton, steps: int, seed: int) -> Sim:
+    states = [new_state(cfg, u) for u in use_triton]
+    sim = Sim(test, cfg, states, LRUModel(cfg.layers, cfg.C, cfg.W), seed)
+    for _ in range(steps):
+        sim.step()
+    for state in states:
+        assert_state_matches_model(test, state, sim.model)
+    for a in states[1:]:
+        assert_states_equal(test, states[0], a)
+    return sim
+
+
+# ---------------------------------------------------------------- tests
+
+
+class TestLRUCacheStateBasics(unittest.TestCase):
+    def _impls(self):
+        return [False, True] if TRITON_OK else [False]
+
+    def test_validation(self):
+        with self.assertRaises(ValueError):
+            LRUCacheState(1, 2, 10, 8, 2, 16, device=DEVICE, use_triton=False)
+        with self.assertRaises(ValueError):
+            LRUCacheState(1, 2, 10, 8, 8, 4, device=DEVICE, use_triton=False)
+        with self.assertRaises(ValueError):
+            LRUCacheState(1, 2, 10, 1 << 15, 8, 4, device=DEVICE, use_triton=False)
+
+    def test_default_use_triton(self):
+        s = LRUCacheState(1, 2, 10, 8, 2, 4, device=DEVICE)
+        self.assertEqual(s.use_triton, TRITON_OK)
+
+    def test_hand_example(self):
+        # C=4, W=2, K=4, one request at base 100, positions p hold loc 10 + p.
+        for use_triton in self._impls():
+            s = LRUCacheState(1, 2, 64, 4, 2, 4, device=DEVICE, use_triton=use_triton)
+            s.admit_request(1, 100)
+            r2t = (torch.arange(32, dtype=torch.int32) + 10).repeat(2, 1).to(DEVICE)
+            r2t[0] = 0  # another request's row, must never be read
+
+            def swap(pos, n):
+                topk = torch.tensor([pos], device=DEVICE)
+                seq = torch.tensor([n], device=DEVICE)
+                rpi = torch.tensor([1], device=DEVICE)
+                plan = s.swap_layer(0, topk, rpi, seq, r2t)
+                c = int(plan.miss_count[0])
+                return (
+                    plan.page_table[0].tolist(),
+                    list(zip(plan.miss_src_loc[0, :c].tolist(), plan.miss_dst_row[0, :c].tolist())),
+                    s.lru_order[0, 1].tolist(),
+                )
+
+            # n=10: window = positions 8, 9 -> rows 104 + p % 2.
+            pt, copies, order = swap([3, 9, -1, 1], 10)
+            self.assertEqual(pt, [100, 105, -1, 101])
+            self.assertEqual(copies, [(13, 100), (11, 101)])
+            self.assertEqual(order, [2, 3, 0, 1])
+            # Hit on 1 (slot 1), misses 5, 6 take slots 2, 3; hit 3 (slot 0).
+            pt, copies, order = swap([5, 1, 6, 3], 11)
+            self.assertEqual(pt, [102, 101, 103, 100])
+            self.assertEqual(copies, [(15, 102), (16, 103)])
+            # No evictables left untaken; hits keep old order (0 before 1).
+            self.assertEqual(order, [0, 1, 2, 3])
+            # One miss (position 7) evicts slot 0 (loc 13); hit 6 (slot 3).
+            pt, copies, order = swap([6, 7, 11, 12], 12)
+            self.assertEqual(pt, [103, 100, 105, -1])
+            self.assertEqual(copies, [(17, 100)])
+            self.assertEqual(order, [1, 2, 3, 0])
+            self.assertEqual(int(s.loc_to_slot[0, 13]), -1)
+            self.assertEqual(s.counters[0].tolist(), [3, 2, 5])
+            s.release_request(1)
+            self.assertTrue(bool((s.loc_to_slot == -1).all()))
+            self.assertEqual(s.lru_order[0, 1].tolist(), [0, 1, 2, 3])
+
+    def test_warm_then_hit(self):
+        for use_triton in self._impls():
+            s = LRUCacheState(2, 3, 100, 8, 2, 4, device=DEVICE, use_triton=use_triton)
+            s.admit_request(2, 50)
+            rows = s.warm_request(range(2), 2, torch.tensor([40, -1, 41, 42]))
+            self.assertEqual(rows.tolist(), [[50, -1, 51, 52]] * 2)
+            self.assertEqual(s.lru_order[0, 2].tolist(), [3, 4, 5, 6, 7, 0, 1, 2])
+            # Re-warming a resident loc is a hit: it moves to the hit group.
+            rows = s.warm_request(1, 2, torch.tensor([41, 43]))
+            self.assertEqual(rows.tolist(), [[51, 53]])
+            self.assertEqual(s.lru_order[1, 2].tolist(), [4, 5, 6, 7, 0, 2, 1, 3])
+            r2t = torch.zeros((3, 16), dtype=torch.int32, device=DEVICE)
+            r2t[2, :4] = torch.tensor([40, 41, 42, 43])
+            plan = s.swap_layer(
+                1,
+                torch.tensor([[0, 1, 2, 3]], device=DEVICE),
+                torch.tensor([2], device=DEVICE),
+                torch.tensor([10], device=DEVICE),
+                r2t,
+            )
+            self.assertEqual(plan.page_table.tolist(), [[50, 51, 52, 53]])
+            self.assertEqual(plan.miss_count.tolist(), [0])
+            self.assertEqual(s.counters[1].tolist(), [4, 0, 0])
+            check_invariants(self, s)
+
+    def test_padding_rows_are_noops(self):
+        # Stale padding rows point at a live request with positions it holds.
+        for use_triton in self._impls():
+            cfg = SimConfig(layers=1, C=8, K=4, W=2, max_reqs=2, num_locs=64)
+            s = new_state(cfg, use_triton)
+            s.admit_request(0, 0)
+            r2t = torch.arange(2 * 32, dtype=torch.int32, device=DEVICE).view(2, 32)
+            topk = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]], device=DEVICE)
+            rpi = torch.tensor([0, 0], device=DEVICE)
+            seq = torch.tensor([20, 20], device=DEVICE)
+            num_real = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+            plan = s.swap_layer(0, topk, rpi, seq, r2t, num_real)
+            self.assertEqual(plan.page_table[1].tolist(), [-1] * 4)
+            self.assertEqual(plan.miss_count.tolist(), [4, 0])
+            self.assertEqual(sorted(s.slot_loc[0, 0].tolist()), [-1] * 4 + [0, 1, 2, 3])
+            num_real.zero_()
+            before = [t.clone() for t in (s.loc_to_slot, s.slot_loc, s.lru_order)]
+            plan = s.swap_layer(0, topk, rpi, seq, r2t, num_real)
+            self.assertEqual(plan.page_table.tolist(), [[-1] * 4] * 2)
+            self.assertEqual(plan.miss_count.tolist(), [0, 0])
+            for a, b in zip(before, (s.loc_to_slot, s.slot_loc, s.lru_order)):
+                self.assertTrue(torch.equal(a, b))
+            self.assertEqual(s.counters[0].tolist(), [0, 0, 4])
+
+    def test_reference_steps_match_fused_signature(self):
+        # The three public reference steps compose to swap_layer.
+        cfg = SimConfig(layers=1, C=8, K=4, W=2, max_reqs=2, num_locs=64)
+        a, b = new_state(cfg, False), new_state(cfg, False)
+        for s in (a, b):
+            s.admit_request([0, 1], [0, 10])
+        r2t = torch.arange(64, dtype=torch.int32, device=DEVICE).view(2, 32)
+        args = (
+            torch.tensor([[0, 3, 19, 5], [1, 2, -1, 7]], device=DEVICE),
+            torch.tensor([1, 0], device=DEVICE),
+            torch.tensor([20, 9], device=DEVICE),
+            r2t,
+        )
+        work = a.prepare_layer_swap(0, *args)
+        pt = a.build_gpu_page_table(work)
+        plan_a = a.post_process_layer_swap(work, pt)
+        plan_b = b.swap_layer(0, *args)
+        self.assertEqual(plan_rows(plan_a, 2), plan_rows(plan_b, 2))
+        assert_states_equal(self, a, b)
+
+
+@unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
+class TestTritonMatchesReference(unittest.TestCase):
+    """Reference, Triton and the model in lockstep over seeded workloads."""
+
+    def _run(self, cfg, steps, seed):
+        run_sim(self, cfg, (False, True), steps, seed)
+
+    def test_pow2(self):
+        self._run(SimConfig(C=64, K=32, W=4, max_batch=4), steps=40, seed=1)
+
+    def test_non_pow2_c_and_k(self):
+        self._run(SimConfig(C=96, K=48, W=6, max_batch=5), steps=30, seed=2)
+
+    def test_odd_k(self):
+        self._run(SimConfig(layers=3, C=80, K=33, W=8, max_batch=3), steps=25, seed=3)
+
+    def test_c_equals_k_full_pressure(self):
+        cfg = SimConfig(C=40, K=40, W=5, max_batch=4, p_keep=0.3, p_recent=0.3)
+        self._run(cfg, steps=30, seed=4)
+
+    def test_heavy_churn_and_padding(self):
+        cfg = SimConfig(
+            C=48,
+            K=32,
+            W=7,
+            max_reqs=5,
+            num_locs=700,
+            max_batch=5,
+            p_admit=0.6,
+            p_release=0.4,
+            max_pad_rows=3,
+        )
+        self._run(cfg, steps=40, seed=5)
+
+
+def sim_configs(max_steps: int):
+    @st.composite
+    def build(draw):
+        K = draw(st.integers(4, 40))
+        C = draw(st.integers(K, K + 40))
+        W = draw(st.integers(1, min(12, C - 1)))
+        cfg = SimConfig(
+            layers=draw(st.integers(1, 3)),
+            C=C,
+            K=K,
+            W=W,
+            max_reqs=draw(st.integers(2, 6)),
+            num_locs=draw(st.integers(800, 1600)),
+            max_ctx=draw(st.integers(60, 400)),
+            max_batch=draw(st.integers(1, 5)),
+            max_prompt=draw(st.integers(1, 200)),
+            p_keep=draw(st.floats(0.0, 1.0)),
+            p_recent=draw(st.floats(0.0, 1.0)),
+            p_admit=draw(st.floats(0.05, 0.7)),
+            p_release=draw(st.floats(0.0, 0.4)),
+            p_warm=draw(st.floats(0.0, 1.0)),
+            max_pad_rows=draw(st.integers(0, 2)),
+        )
+        return cfg, draw(st.integers(10, max_steps)), draw(st.integers(0, 2**31))
+
+    return build()
+
+
+class TestAgainstPythonModel(unittest.TestCase):
+    """Property-based differential test against lru_model.LRUModel.
+
+    Hypothesis draws the workload (sizes, locality, churn, seed); every decode
+    step of it is compared against the model, outputs and full state.
+    """
+
+    REF_EXAMPLES, TRITON_EXAMPLES = 60, 12
+    stats = {
+        impl: {"examples": 0, "steps": 0, "evictions": 0, "misses": 0}
+        for impl in ("reference", "triton")
+    }
+
+    def _run(self, impl, args):
+        cfg, steps, seed = args
+        sim = run_sim(self, cfg, (impl == "triton",), steps, seed)
+        stats = self.stats[impl]
+        stats["examples"] += 1
+        stats["steps"] += sim.steps
+        stats["evictions"] += sim.model.evictions
+        stats["misses"] += sum(c[2] for c in sim.model.counters)
+
+    @settings(
+        max_examples=REF_EXAMPLES,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(sim_configs(max_steps=50))
+    def test_reference_vs_model(self, args):
+        self._run("reference", args)
+
+    @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
+    @settings(
+        max_examples=TRITON_EXAMPLES,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(sim_configs(max_steps=30))
+    def test_triton_vs_model(self, args):
+        self._run("triton", args)
+
+    @classmethod
+    def tearDownClass(cls):
+        print(f"\nLRU differential test workload: {cls.stats}")
+        ref = cls.stats["reference"]
+        if ref["examples"] == cls.REF_EXAMPLES:
+            # The workload must stay meaningful if the generator is edited.
+            assert ref["steps"] >= 1000, ref
+            assert ref["evictions"] >= 1000, ref
+
+
+@unittest.skipUnless(torch.cuda.is_available(), "needs CUDA")
+class TestCudaGraph(unittest.TestCase):
+    def test_capture_replay_matches_eager(self):
+        cfg = SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000)
+        for use_triton in (True, False):
+            eager, graphed = new_state(cfg, use_triton), new_state(cfg, use_triton)
+            bs = 4
+            for s in (eager, graphed):
+                s.admit_request(list(range(bs)), [i * 200 for i in range(bs)])
+            r2t = torch.randperm(4000, device="cuda")[: 6 * 600].view(6, 600).int()
+            topk = torch.zeros((bs, cfg.K), dtype=torch.int64, device="cuda")
+            rpi = torch.arange(bs, device="cuda")
+            seq = torch.full((bs,), 300, device="cuda")
+            num_real = torch.tensor([bs], dtype=torch.int32, device="cuda")
+            out = [
+                LayerSwapPlan(
+                    torch.empty((bs, cfg.K), dtype=torch.int32, device="cuda"),
+                    torch.empty((bs, cfg.K), dtype=torch.int64, device="cuda"),
+                    torch.empty((bs, cfg.K), dtype=torch.int32, device="cuda"),
+                    torch.empty((bs,), dtype=torch.int32, device="cuda"),
+                )
+                for _ in range(cfg.layers)
+            ]
+            scratch = new_state(cfg, use_triton)  # warm-up target (JIT compile)
+            scratch.admit_request(list(range(bs)), [0] * bs)
+            scratch.swap_layer(0, topk, rpi, seq, r2t, num_real, out=out[0])
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for layer in range(cfg.layers):
+                    graphed.swap_layer(layer, topk, rpi, seq, r2t, num_real, out=out[layer])
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            for step in range(20):
+                seq += 1
+                scores = torch.rand((bs, 600), device="cuda", generator=gen)
+                scores[:, seq[0] :] = -1
+                topk.copy_(scores.topk(cfg.K, dim=1).indices)
+                num_real.fill_(bs - step % 2)
+                g.replay()
+                for layer in range(cfg.layers):
+                    ref = eager.swap_layer(layer, topk, rpi, seq, r2t, num_real)
+                    self.assertEqual(plan_rows(ref, bs), plan_rows(out[layer], bs))
+                assert_states_equal(self, eager, graphed)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,346 @@
+"""SparseCacheController: regions, admission/release, counters and exactness.
+
+The end-to-end check simulates prefill backups, admissions (with warm-up),
+decode steps that write each new token into its window row, one-step-late
+backups of those rows, random top-k picks with eviction, CUDA-graph padding
+rows and request turnover, and asserts after every layer swap that the GPU
+rows listed in the page table hold exactly the KV of the picked tokens:
+
+    device_kv[l][page_table[b, i]] == kv_of(l, req_to_token[r, topk_pos[b, i]])
+
+On a machine without CUDA the Triton kernels run in the interpreter.
+"""
+
+import os
+import random
+import unittest
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # test/srt/cpu_shims.py lets sglang import on a CPU-only machine
+    import cpu_shims
+except ImportError:  # pragma: no cover
+    cpu_shims = None
+if cpu_shims is not None:
+    cpu_shims.install_all()
+
+from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
+from sglang.srt.mem_cache.sparse_cache_controller import (
+    RegionAllocator,
+    SparseCacheController,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROW_BYTES = 656
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+class TestRegionAllocator(unittest.TestCase):
+    def test_alloc_free(self):
+        alloc = RegionAllocator(start_row=64, region_rows=10, num_regions=3)
+        self.assertEqual(alloc.end_row, 94)
+        bases = [alloc.alloc_contiguous(10) for _ in range(3)]
+        self.assertEqual(bases, [64, 74, 84])
+        self.assertIsNone(alloc.alloc_contiguous())
+        self.assertEqual(alloc.available_size(), 0)
+        alloc.free(74)
+        self.assertEqual(alloc.available_size(), 1)
+        self.assertEqual(alloc.alloc_contiguous(5), 74)
+        with self.assertRaises(ValueError):
+            alloc.free(75)  # not a region base
+        alloc.free(64)
+        with self.assertRaises(ValueError):
+            alloc.free(64)  # double free
+        with self.assertRaises(ValueError):
+            alloc.alloc_contiguous(11)
+        alloc.clear()
+        self.assertEqual(alloc.available_size(), 3)
+
+
+class _ControllerCase(unittest.TestCase):
+    L, K, C, W = 2, 16, 24, 4
+    MAX_REQS, NUM_REGIONS, STAGING = 6, 3, 256
+    HOST_SIZE, PAGE, MAX_CTX = 1024, 16, 160
+
+    def make(self, use_triton=None, warm_tokens=None):
+        R = self.C + self.W
+        self.num_gpu_rows = self.STAGING + self.NUM_REGIONS * R
+        self.gpu = [
+            torch.zeros((self.num_gpu_rows, 1, ROW_BYTES), dtype=torch.uint8, device=DEVICE)
+            for _ in range(self.L)
+        ]
+        self.host = NSAKVOnlyTokenToKVPoolHost(
+            size=self.HOST_SIZE, page_size=self.PAGE, layer_num=self.L, row_bytes=ROW_BYTES
+        )
+        self.ctrl = SparseCacheController(
+            self.gpu,
+            self.host,
+            max_num_reqs=self.MAX_REQS,
+            top_k=self.K,
+            buffer_size=self.C,
+            recent_window=self.W,
+            region_start_row=self.STAGING,
+            num_regions=self.NUM_REGIONS,
+            max_batch_size=8,
+            use_triton=use_triton,
+            warm_tokens=warm_tokens,
+        )
+        return self.ctrl
+
+
+class TestAdmission(_ControllerCase):
+    def test_admit_release_exhaustion(self):
+        ctrl = self.make()
+        self.assertTrue(ctrl.can_admit(3))
+        self.assertFalse(ctrl.can_admit(4))
+        bases = [ctrl.admit_request(r) for r in (4, 0, 2)]
+        R = self.C + self.W
+        self.assertEqual(bases, [self.STAGING + i * R for i in range(3)])
+        self.assertEqual(ctrl.lru.region_base[4].item(), bases[0])
+        self.assertTrue(ctrl.is_admitted(0))
+        self.assertEqual(ctrl.num_free_regions(), 0)
+        self.assertFalse(ctrl.can_admit())
+        self.assertIsNone(ctrl.admit_request(1))  # full: fails cleanly
+        self.assertFalse(ctrl.is_admitted(1))
+        with self.assertRaises(ValueError):
+            ctrl.admit_request(0)  # twice
+        ctrl.release_request(0)
+        self.assertEqual(ctrl.lru.region_base[0].item(), -1)
+        self.assertTrue(ctrl.can_admit())
+        self.assertEqual(ctrl.admit_request(1), bases[1])  # region reused
+        with self.assertRaises(ValueError):
+            ctrl.release_request(0)
+        stats = ctrl.get_stats()
+        self.assertEqual(stats["regions_used"], 3)
+        self.assertEqual(stats["regions_total"], 3)
+
+    def test_bad_configuration(self):
+        with self.assertRaises(ValueError):
+            SparseCacheController(
+                [torch.zeros((100, ROW_BYTES), dtype=torch.uint8, device=DEVICE)],
+                NSAKVOnlyTokenToKVPoolHost(
+                    size=64, page_size=16, layer_num=1, row_bytes=ROW_BYTES
+                ),
+                max_num_reqs=4,
+                top_k=16,
+                buffer_size=24,
+                recent_window=4,
+                region_start_row=50,
+                num_regions=2,  # 50 + 2 * 28 > 100 rows
+            )
+        with self.assertRaises(ValueError):
+            SparseCacheController(
+                [torch.zeros((100, 1152), dtype=torch.uint8, device=DEVICE)],
+                NSAKVOnlyTokenToKVPoolHost(
+                    size=64, page_size=16, layer_num=1, row_bytes=ROW_BYTES
+                ),
+                max_num_reqs=4,
+                top_k=16,
+                buffer_size=24,
+                recent_window=4,
+                region_start_row=0,
+                num_regions=1,
+            )
+
+
+class TestEndToEnd(_ControllerCase):
+    """Random decode simulation; exactness checked after every layer swap."""
+
+    def _run(self, use_triton, seed, steps=24, warm_tokens=None):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        ctrl = self.make(use_triton=use_triton, warm_tokens=warm_tokens)
+        L, K, C, W = self.L, self.K, self.C, self.W
+        host_rows = self.host.num_rows
+        # Ground truth KV of every (layer, loc).
+        truth = torch.randint(0, 256, (L, host_rows, ROW_BYTES), dtype=torch.uint8)
+        truth_dev = truth.to(DEVICE)
+        req_to_token = torch.zeros((self.MAX_REQS, self.MAX_CTX), dtype=torch.int32)
+        free_locs = list(range(self.PAGE, host_rows))  # loc 0..PAGE-1 reserved
+        rng.shuffle(free_locs)
+        free_reqs = list(range(self.MAX_REQS))
+        live = {}  # req -> seq_len (tokens whose KV exists)
+        prev_pick = {}
+        pending_backup = None
+        checked = {"window": 0, "lookup": 0, "pad": 0}
+
+        def admit_new():
+            r = free_reqs.pop(rng.randrange(len(free_reqs)))
+            n = rng.randint(1, 70)
+            locs = [free_locs.pop() for _ in range(n)]
+            req_to_token[r, :n] = torch.tensor(locs, dtype=torch.int32)
+            # Prefill: KV lands in GPU staging rows, then is backed up to host.
+            staging = torch.randperm(self.STAGING)[:n].to(DEVICE)
+            loc_t = torch.tensor(locs, dtype=torch.int64, device=DEVICE)
+            for layer in range(L):
+                self.gpu[layer].view(-1, ROW_BYTES)[staging] = truth_dev[layer][loc_t]
+            ctrl.backup_prefilled_request(staging, loc_t, req_pool_idx=r)
+            base = ctrl.admit_request(r, prefix_locs=loc_t)
+            self.assertIsNotNone(base)
+            live[r] = n
+
+        def release(r):
+            ctrl.release_request(r)
+            free_locs.extend(req_to_token[r, : live[r]].tolist())
+            del live[r]
+            for layer in range(L):
+                prev_pick.pop((r, layer), None)
+            free_reqs.append(r)
+
+        for _ in range(self.NUM_REGIONS):
+            admit_new()
+
+        for step in range(steps):
+            # The previous step's new tokens go to host one step late, before
+            # any of their requests is released (their locs are then freed).
+            if pending_backup is not None:
+                ctrl.backup_new_tokens(*pending_backup)
+            # Turnover: finish a request now and then, admit a new one.
+            if step % 7 == 6:
+                release(rng.choice(sorted(live)))
+            while ctrl.can_admit() and free_reqs and len(live) < self.NUM_REGIONS:
+                admit_new()
+
+            # One decode step: each live request appends one token and writes
+            # it into its window row in every layer.
+            reqs = sorted(live)
+            rng.shuffle(reqs)
+            new_rows, new_locs = [], []
+            for r in reqs:
+                p = live[r]
+                loc = free_locs.pop()
+                req_to_token[r, p] = loc
+                live[r] = p + 1
+                row = ctrl.region_base(r) + C + p % W
+                for layer in range(L):
+                    self.gpu[layer].view(-1, ROW_BYTES)[row] = truth_dev[layer][loc]
+                new_rows.append(row)
+                new_locs.append(loc)
+            # Padded like a CUDA-graph batch: garbage rows past num_real.
+            n_pad = rng.randint(0, 2)
+            pad_rows = torch.full((n_pad + 1,), 1 << 30, dtype=torch.int64)
+            pad_locs = torch.full((n_pad + 1,), -(1 << 40), dtype=torch.int64)
+            rows_t = torch.cat([torch.tensor(new_rows), pad_rows]).to(DEVICE)
+            locs_t = torch.cat([torch.tensor(new_locs), pad_locs]).to(DEVICE)
+            pending_backup = (
+                rows_t,
+                locs_t,
+                torch.tensor([len(new_rows)], dtype=torch.int32, device=DEVICE),
+            )
+
+            bs_real = len(reqs)
+            seq_lens = [live[r] for r in reqs] + [1] * n_pad
+            stale = [rng.randrange(self.MAX_REQS) for _ in range(n_pad)]
+            req_idx = torch.tensor(reqs + stale, dtype=torch.int64, device=DEVICE)
+            seq_t = torch.tensor(seq_lens, dtype=torch.int64, device=DEVICE)
+            num_real = torch.tensor([bs_real], dtype=torch.int32, device=DEVICE)
+            r2t = req_to_token.to(DEVICE)
+            ctrl.wait_backup()
+            for layer in range(L):
+                topk = torch.full((bs_real + n_pad, K), -1, dtype=torch.int64)
+                for b, r in enumerate(reqs):
+                    n = live[r]
+                    keep = [
+                        p
+                        for p in prev_pick.get((r, layer), [])
+                        if p < n and rng.random() < 0.6
+                    ]
+                    pool = list(range(n))
+                    rng.shuffle(pool)
+                    pick = list(dict.fromkeys(keep + pool))[: rng.randint(1, K)]
+                    prev_pick[r, layer] = pick
+                    pick = pick + [-1] * (K - len(pick))
+                    rng.shuffle(pick)
+                    topk[b] = torch.tensor(pick)
+                for b in range(bs_real, bs_real + n_pad):
+                    topk[b] = torch.randint(-1, 50, (K,))
+                page_table = ctrl.swap_one_layer(
+                    layer, topk.to(DEVICE), req_idx, seq_t, r2t, num_real
+                )
+                _sync()
+                pt = page_table.cpu().long()
+                dev_rows = self.gpu[layer].view(-1, ROW_BYTES).cpu()
+                for b, r in enumerate(reqs):
+                    n = live[r]
+                    for i in range(K):
+                        p = int(topk[b, i])
+                        if p < 0:
+                            self.assertEqual(int(pt[b, i]), -1)
+                            continue
+                        loc = int(req_to_token[r, p])
+                        row = int(pt[b, i])
+                        self.assertGreaterEqual(row, ctrl.region_base(r))
+                        self.assertLess(row, ctrl.region_base(r) + C + W)
+                        self.assertTrue(
+                            torch.equal(dev_rows[row], truth[layer, loc]),
+                            f"step {step} layer {layer} req {r} pos {p}/{n}",
+                        )
+                        checked["window" if p >= n - W else "lookup"] += 1
+                for b in range(bs_real, bs_real + n_pad):
+                    self.assertTrue(bool((pt[b] == -1).all()))
+                    checked["pad"] += 1
+
+        ctrl.synchronize()
+        # Every token that left its window is on the host, exactly.
+        for r, n in live.items():
+            locs = req_to_token[r, : max(0, n - 1)].long()
+            self.assertTrue(torch.equal(self.host.kv_buffer[:, locs], truth[:, locs]))
+        stats = ctrl.get_stats()
+        self.assertGreater(checked["lookup"], 100)
+        self.assertGreater(checked["window"], 10)
+        self.assertGreater(stats["misses"], 0)
+        self.assertGreater(stats["lru_hits"], 0)
+        self.assertEqual(stats["lru_hits"] + stats["misses"], checked["lookup"])
+        self.assertEqual(stats["window_hits"], checked["window"])
+        self.assertGreaterEqual(stats["h2d_rows"], stats["misses"])
+        self.assertEqual(stats["h2d_bytes"], stats["h2d_rows"] * ROW_BYTES)
+        self.assertEqual(stats["d2h_bytes"], stats["d2h_rows"] * ROW_BYTES)
+        self.assertGreater(stats["d2h_rows"], 0)
+        ctrl.reset_stats()
+        self.assertEqual(ctrl.get_stats()["h2d_rows"], 0)
+        return stats
+
+    def test_exact_reference_lru(self):
+        self._run(use_triton=False, seed=1)
+
+    def test_exact_triton_lru(self):
+        self._run(use_triton=True, seed=2)
+
+    def test_exact_without_warmup(self):
+        self._run(use_triton=False, seed=3, warm_tokens=0, steps=12)
+
+    def test_miss_counters_match_plans(self):
+        ctrl = self.make(use_triton=False, warm_tokens=0)
+        r, n = 3, 60
+        locs = torch.arange(100, 100 + n, dtype=torch.int64, device=DEVICE)
+        req_to_token = torch.zeros((self.MAX_REQS, self.MAX_CTX), dtype=torch.int32)
+        req_to_token[r, :n] = locs.cpu().to(torch.int32)
+        ctrl.admit_request(r)
+        topk = torch.arange(self.K, dtype=torch.int64, device=DEVICE).view(1, -1)
+        args = (
+            topk,
+            torch.tensor([r], device=DEVICE),
+            torch.tensor([n], device=DEVICE),
+            req_to_token.to(DEVICE),
+        )
+        ctrl.swap_one_layer(0, *args)
+        self.assertEqual(int(ctrl.last_plan.miss_count[0]), self.K)
+        ctrl.swap_one_layer(0, *args)  # all hits now
+        self.assertEqual(int(ctrl.last_plan.miss_count[0]), 0)
+        stats = ctrl.get_stats()
+        self.assertEqual(stats["misses"], self.K)
+        self.assertEqual(stats["lru_hits"], self.K)
+        self.assertEqual(stats["h2d_rows"], self.K)
+        self.assertEqual(stats["h2d_bytes"], self.K * ROW_BYTES)
+        self.assertAlmostEqual(stats["hit_rate"], 0.5)
+
+
+if __name__ == "__main__":
+    unittest.main()
