@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import csv
 import dataclasses
 import difflib
 import glob
@@ -676,6 +677,29 @@ def check_version(target: Target, ignore: bool) -> str:
     )
 
 
+class _AllFiles:
+    """Stands for an unknown list of upstream files: every file may be one."""
+
+    def __contains__(self, rel: str) -> bool:
+        return True
+
+
+def upstream_file_list(target: Target):
+    """Package-relative paths of the upstream files: from the wheel's RECORD
+    for an installed package; unknown (every file counts) otherwise."""
+    if target.layout != "package":
+        return _AllFiles()
+    record = target.package_dir.parent / f"sglang-{SGLANG_VERSION}.dist-info" / "RECORD"
+    if not record.is_file():
+        return _AllFiles()
+    files = set()
+    with open(record, newline="") as f:
+        for row in csv.reader(f):
+            if row and row[0].startswith("sglang/"):
+                files.add(row[0][len("sglang/") :])
+    return files
+
+
 def load_manifest(target: Target) -> Optional[dict]:
     path = target.manifest_path
     if not path.is_file():
@@ -811,6 +835,7 @@ def plan_apply(
     old_modules: Dict[str, str] = manifest.get("modules", {})
     old_created_dirs: List[str] = manifest.get("created_dirs", [])
     patched_rels = set(_touched(series))
+    upstream_files = upstream_file_list(target)
 
     # Modules.
     new_modules: Dict[str, str] = {}
@@ -826,7 +851,11 @@ def plan_apply(
             plan.errors.append(f"module {rel}: {dest} is a directory")
             continue
         exists = dest.is_file()
-        if rel not in old_modules and exists:
+        if rel not in old_modules and exists and rel not in upstream_files:
+            # Not ours on record, but not an upstream file either (copied in
+            # by hand, or left by a lost manifest): take it over.
+            plan.notes.append(f"module {rel}: not an upstream file, taking it over")
+        elif rel not in old_modules and exists:
             if dest.read_bytes() == data:
                 plan.notes.append(
                     f"module {rel}: identical to the upstream file, left alone"
@@ -1117,7 +1146,9 @@ def report(plan: Plan, dry_run: bool, what: str) -> None:
         verb = "would fail" if dry_run else "failed, nothing was written"
         print(f"{what} {verb}: {len(plan.errors)} problem(s)")
     elif not plan.has_changes:
-        print(f"{what}: nothing to do (already {'reverted' if what == 'revert' else 'up to date'})")
+        print(
+            f"{what}: nothing to do (already {'reverted' if what == 'revert' else 'up to date'})"
+        )
     elif dry_run:
         print(f"{what}: dry run, nothing written")
     else:

@@ -2,6 +2,7 @@
 # Run the CPU test suite against the patched sglang installed in the venv.
 #
 #   bash scripts/test.sh [pytest args...]     # VENV=... overrides .venv
+#   bash scripts/test.sh test/srt/test_cpu_env.py -x   # some tests only
 #
 # 1. scripts/setup_cpu_env.sh builds or tops up the venv (fast when nothing
 #    changed) and 2. re-applies our modules and patches/ into its sglang, so
@@ -17,8 +18,18 @@ cd "$ROOT"
 # The tests must import the sglang installed (and patched) in the venv, never
 # the files under python/ of this repo.
 unset PYTHONPATH
+
+# The whole suite unless the arguments name tests (paths or node ids).
+targets=(test/srt)
+for arg in "$@"; do
+    if [[ "$arg" == test/* || ("$arg" != -* && -e "$arg") ]]; then
+        targets=()
+        break
+    fi
+done
+
 set +e
-"$VENV/bin/python" -m pytest test/srt -q "$@"
+"$VENV/bin/python" -m pytest "${targets[@]}" -q "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 && $# -gt 0 ]]; then

@@ -29,12 +29,15 @@ from typing import Dict, List
 import torch
 
 from offload_bench_utils import (
+    SMOKE,
+    bench_device,
     env_info,
     gbps,
     get_pyplot,
     import_offload_modules,
     markdown_table,
     require_cuda,
+    sync,
     time_gpu,
     try_call,
     write_json,
@@ -76,14 +79,14 @@ def main():
         sweep_sizes = sweep_sizes[:2]
     max_rows = max(sizes + sweep_sizes)
     host_rows = max(args.host_rows, max_rows)
-    dev = torch.device("cuda")
+    dev = bench_device()
     errors: Dict[str, str] = {}
 
     # Pinned host pool (one layer) through our pool class: exercises its pinning.
     pool = host_pool_mod.NSAKVOnlyTokenToKVPoolHost(
         size=host_rows, page_size=64, layer_num=1, row_bytes=rb
     )
-    assert pool.pin_memory, "host pool is not pinned"
+    assert pool.pin_memory or SMOKE, "host pool is not pinned"
     host = pool.get_kv_buffer(0)
     host_gpu = torch.randint(0, 256, host.shape, dtype=torch.uint8, device=dev)
     host.copy_(host_gpu)  # reference copy stays on the GPU for checks
@@ -99,9 +102,9 @@ def main():
         dst2 = torch.zeros((bs, TOP_K), dtype=torch.int32, device=dev)
         src2.view(-1)[:n] = src
         dst2.view(-1)[:n] = dst.to(torch.int32)
-        count = torch.clamp(
-            n - torch.arange(bs, device=dev) * TOP_K, 0, TOP_K
-        ).to(torch.int32)
+        count = torch.clamp(n - torch.arange(bs, device=dev) * TOP_K, 0, TOP_K).to(
+            torch.int32
+        )
         return {"src": src, "dst": dst, "src2": src2, "dst2": dst2, "count": count}
 
     def check(plan, what):
@@ -114,7 +117,7 @@ def main():
     def run_checked(what, plan, fn):
         dst_buf[plan["dst"]] = 0
         fn(0)
-        torch.cuda.synchronize()
+        sync()
         check(plan, what)
         return True
 
@@ -162,16 +165,23 @@ def main():
             if not ok:
                 continue
             t = time_gpu(ours_fn(plan, cfg), args.repeats)
-            sweep.append({"rows": n, "config": cfg, **t, "GBps": gbps(n * rb, t["median_us"])})
-            print(f"sweep n={n:7d} {cfg_name(cfg):28s} {t['median_us']:9.2f} us "
-                  f"{gbps(n * rb, t['median_us']):6.2f} GB/s", flush=True)
+            sweep.append(
+                {"rows": n, "config": cfg, **t, "GBps": gbps(n * rb, t["median_us"])}
+            )
+            print(
+                f"sweep n={n:7d} {cfg_name(cfg):28s} {t['median_us']:9.2f} us "
+                f"{gbps(n * rb, t['median_us']):6.2f} GB/s",
+                flush=True,
+            )
     best_cfg = pick_best(sweep, configs, sweep_sizes) or default_cfg
     print(f"best tile over the sweep: {cfg_name(best_cfg)}", flush=True)
 
     # ---- peers ------------------------------------------------------------
     transfer = try_call(
         "import sgl_kernel.kvcacheio.transfer_kv_per_layer_mla",
-        lambda: __import__("sgl_kernel.kvcacheio", fromlist=["x"]).transfer_kv_per_layer_mla,
+        lambda: __import__(
+            "sgl_kernel.kvcacheio", fromlist=["x"]
+        ).transfer_kv_per_layer_mla,
         errors,
     )
 
@@ -210,7 +220,9 @@ def main():
                     )
 
                 key = f"transfer_kv_q{q}"
-                ok = try_call(f"{key} n={n}", lambda: run_checked(key, plan, tkv), errors)
+                ok = try_call(
+                    f"{key} n={n}", lambda: run_checked(key, plan, tkv), errors
+                )
                 if ok:
                     row[key] = time_gpu(tkv, args.repeats)
             tk = {k: v for k, v in row.items() if k.startswith("transfer_kv_q")}
@@ -224,7 +236,15 @@ def main():
         line = " ".join(
             f"{k}={v['median_us']:.1f}us/{v['GBps']:.1f}GB/s"
             for k, v in row.items()
-            if isinstance(v, dict) and k in ("contiguous", "ours_default", "ours_best", "transfer_kv_q2", "transfer_kv_best")
+            if isinstance(v, dict)
+            and k
+            in (
+                "contiguous",
+                "ours_default",
+                "ours_best",
+                "transfer_kv_q2",
+                "transfer_kv_best",
+            )
         )
         print(f"n={n:7d} {line}", flush=True)
 
@@ -292,7 +312,13 @@ def pick_best(sweep, configs, sweep_sizes):
 
 def render_md(out) -> str:
     rb = out["row_bytes"]
-    cols = ["contiguous", "ours_default", "ours_best", "transfer_kv_q2", "transfer_kv_best"]
+    cols = [
+        "contiguous",
+        "ours_default",
+        "ours_best",
+        "transfer_kv_q2",
+        "transfer_kv_best",
+    ]
     header = ["rows", "MB"]
     for c in cols:
         header += [f"{c} us", f"{c} GB/s"]
@@ -304,7 +330,9 @@ def render_md(out) -> str:
             v = r.get(c)
             line += [v["median_us"], v["GBps"]] if v else [None, None]
         ratio = (
-            r["ours_best"]["GBps"] / r["contiguous"]["GBps"] if "ours_best" in r else None
+            r["ours_best"]["GBps"] / r["contiguous"]["GBps"]
+            if "ours_best" in r
+            else None
         )
         line += [ratio, r.get("transfer_kv_best", {}).get("quota")]
         rows.append(line)
@@ -316,7 +344,10 @@ def render_md(out) -> str:
     text += "\n## Tile sweep (ours)\n\n"
     text += markdown_table(
         ["rows", "config", "median us", "GB/s"],
-        [[s["rows"], cfg_name(s["config"]), s["median_us"], s["GBps"]] for s in out["sweep"]],
+        [
+            [s["rows"], cfg_name(s["config"]), s["median_us"], s["GBps"]]
+            for s in out["sweep"]
+        ],
     )
     text += "\n## Verdict\n\n"
     for k, v in out["verdict"].items():

@@ -19,6 +19,17 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+# CPU smoke mode (development only): run a script's logic on the CPU under the
+# Triton interpreter with tiny sizes; timings are meaningless.
+SMOKE = os.environ.get("NSA_OFFLOAD_BENCH_CPU_SMOKE") == "1"
+if SMOKE:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    _shims = os.path.join(os.path.dirname(__file__), "..", "..", "test", "srt")
+    sys.path.insert(0, os.path.abspath(_shims))
+    import cpu_shims  # noqa: E402
+
+    cpu_shims.install_all()
+
 PATCH_HINT = (
     "the offload modules are not importable from the installed sglang; apply the "
     "patch set first: python scripts/apply_patch.py --sglang-dir <site-packages "
@@ -35,10 +46,27 @@ def import_offload_modules():
     except Exception as e:  # pragma: no cover - environment problem
         print(f"FATAL: {PATCH_HINT}\n  ({type(e).__name__}: {e})", flush=True)
         sys.exit(2)
-    return lru_cache_state, sparse_kv_copy, nsa_kv_only_host_pool, sparse_cache_controller
+    return (
+        lru_cache_state,
+        sparse_kv_copy,
+        nsa_kv_only_host_pool,
+        sparse_cache_controller,
+    )
+
+
+def bench_device() -> torch.device:
+    return torch.device("cpu" if SMOKE else "cuda")
+
+
+def sync() -> None:
+    if not SMOKE:
+        torch.cuda.synchronize()
 
 
 def require_cuda() -> None:
+    if SMOKE:
+        print("CPU SMOKE MODE: timings are meaningless", flush=True)
+        return
     if not torch.cuda.is_available():
         print("FATAL: this script needs a CUDA GPU", flush=True)
         sys.exit(2)
@@ -87,13 +115,22 @@ def time_gpu(
     iters: int,
     setup: Optional[Callable[[int], None]] = None,
     warmup: int = 3,
-    sleep_us: float = 300.0,
+    sleep_us: float = 500.0,
 ) -> Dict[str, float]:
     """GPU time of ``fn(i)`` in microseconds over ``iters`` calls.
 
     ``setup(i)`` runs before call ``i`` outside the timed region (e.g. to load
     fresh inputs). Returns median, p10, p90, min and the sample count.
     """
+    if SMOKE:
+        samples = []
+        for i in range(2):
+            if setup is not None:
+                setup(i)
+            t0 = time.perf_counter()
+            fn(i)
+            samples.append((time.perf_counter() - t0) * 1e6)
+        return summarize(samples)
     for i in range(warmup):
         if setup is not None:
             setup(i)

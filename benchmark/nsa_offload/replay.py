@@ -64,6 +64,8 @@ DEFAULT_WINDOWS = (0, 1, 16, 64, 128, 256, 512)
 # Engine defaults (docs/ENGINE.md): C = 2 * K, W = 64.
 DEFAULT_WINDOW = 64
 P6_TARGET = 0.8
+# Steps per request excluded from the steady-state figures (cold working set).
+DEFAULT_WARMUP = 8
 # Distance-from-newest buckets of the miss breakdown.
 DIST_EDGES = (0, 1, 16, 64, 256, 512, 1024)
 DIST_LABELS = ("0", "1-15", "16-63", "64-255", "256-511", "512-1023", ">=1024")
@@ -225,8 +227,19 @@ class ReplayResult:
     window_hits: np.ndarray
     valid: np.ndarray
     active: np.ndarray  # (S, B) bool
-    steady: np.ndarray  # (S, B) bool: active and not the request's first step
+    steady: np.ndarray  # (S, B) bool: active and past the request's warm-up
     miss_dist: np.ndarray  # (L, len(DIST_LABELS)) misses by distance from newest
+
+
+def steady_mask(trace: NSATopkTrace, warmup: int) -> np.ndarray:
+    """(S, B): request present and at least ``warmup`` of its steps done.
+
+    The first steps of a request fill its empty (cold) working set and cost
+    about the same under every policy; the comparison uses the rest.
+    """
+    active = trace.seq_lens > 0
+    done = np.cumsum(active, axis=0) - 1  # steps of the request before this one
+    return active & (done >= warmup)
 
 
 def replay(
@@ -234,6 +247,7 @@ def replay(
     make_policy: Callable[[int], _LRUBase],
     on_step: Optional[Callable[[int, int, int, StepResult], None]] = None,
     want_plan: bool = False,
+    warmup: int = DEFAULT_WARMUP,
 ) -> ReplayResult:
     """Replay every (step, layer, request) of ``trace``.
 
@@ -244,9 +258,7 @@ def replay(
     shape = (S, L, B)
     out = {k: np.zeros(shape, dtype=np.int64) for k in ("m", "h", "w", "v")}
     active = trace.seq_lens > 0
-    first = np.argmax(active, axis=0)
-    steady = active.copy()
-    steady[first, np.arange(B)] = False
+    steady = steady_mask(trace, warmup)
     max_pos = trace.seq_lens.max(axis=0)
     states: Dict[Tuple[int, int], _LRUBase] = {}
     miss_dist = np.zeros((L, len(DIST_LABELS)), dtype=np.int64)
@@ -278,7 +290,7 @@ def replay(
 def summarize(
     res: ReplayResult, trace: NSATopkTrace, row_bytes: int = ROW_BYTES_FP8
 ) -> Dict:
-    """Aggregate statistics; ``steady`` excludes each request's first step."""
+    """Aggregate statistics; ``steady`` excludes each request's warm-up steps."""
     mask = res.steady[:, None, :]  # (S, 1, B)
     rows_steady = int(mask.sum()) * trace.num_layers
     rows_all = int(res.active.sum()) * trace.num_layers
@@ -320,13 +332,16 @@ def _valid_counts(trace: NSATopkTrace) -> np.ndarray:
     return ((trace.topk >= 0) & (trace.topk < n)).sum(axis=-1).astype(np.int64)
 
 
-def result_from_misses(trace: NSATopkTrace, misses: np.ndarray) -> ReplayResult:
+def result_from_misses(
+    trace: NSATopkTrace, misses: np.ndarray, warmup: int = DEFAULT_WARMUP
+) -> ReplayResult:
     active = trace.seq_lens > 0
-    steady = active.copy()
-    steady[np.argmax(active, axis=0), np.arange(trace.num_requests)] = False
+    steady = steady_mask(trace, warmup)
     zeros = np.zeros_like(misses)
     dist = np.zeros((trace.num_layers, len(DIST_LABELS)), dtype=np.int64)
-    return ReplayResult(misses, zeros, zeros, _valid_counts(trace), active, steady, dist)
+    return ReplayResult(
+        misses, zeros, zeros, _valid_counts(trace), active, steady, dist
+    )
 
 
 def run_sweep(
@@ -337,6 +352,7 @@ def run_sweep(
     row_bytes: int = ROW_BYTES_FP8,
     window: int = DEFAULT_WINDOW,
     verbose: bool = True,
+    warmup: int = DEFAULT_WARMUP,
 ) -> Dict:
     """Per budget: HiSparse, ours for every W with ``C = budget - W >= K``,
     ours with HiSparse's tie rule (what-if, at ``window``) and Belady's OPT."""
@@ -346,18 +362,19 @@ def run_sweep(
         t0 = time.time()
         if budget - 1 >= K:
             H = budget - 1
-            res = replay(trace, lambda mp, H=H: HiSparseLRU(H, mp, init))
+            res = replay(trace, lambda mp, H=H: HiSparseLRU(H, mp, init), warmup=warmup)
             out["hisparse"][str(budget)] = {
                 "lru_slots": H,
                 **summarize(res, trace, row_bytes),
             }
-            opt = result_from_misses(trace, belady_misses(trace, budget))
+            opt = result_from_misses(trace, belady_misses(trace, budget), warmup)
             out["opt"][str(budget)] = summarize(opt, trace, row_bytes)
         if budget - window >= K:
             C = budget - window
             res = replay(
                 trace,
                 lambda mp, C=C: OursLRU(C, window, mp, init, hits_mru=True),
+                warmup=warmup,
             )
             out["ours_hits_mru"][str(budget)] = {
                 "lru_slots": C,
@@ -369,7 +386,9 @@ def run_sweep(
             C = budget - w
             if C < K:
                 continue
-            res = replay(trace, lambda mp, C=C, w=w: OursLRU(C, w, mp, init))
+            res = replay(
+                trace, lambda mp, C=C, w=w: OursLRU(C, w, mp, init), warmup=warmup
+            )
             out["ours"][str(budget)][str(w)] = {
                 "lru_slots": C,
                 "window": w,
@@ -511,8 +530,8 @@ def engine_check(
     # that positions and locs differ (catches a position/loc mix-up).
     req_to_token = np.zeros((B, int(max_len.max())), dtype=np.int32)
     for b in range(B):
-        req_to_token[b, : max_len[b]] = loc_base[b] + max_len[b] - 1 - np.arange(
-            max_len[b]
+        req_to_token[b, : max_len[b]] = (
+            loc_base[b] + max_len[b] - 1 - np.arange(max_len[b])
         )
     num_locs = int(max_len.sum())
     t0 = time.time()
@@ -633,7 +652,9 @@ def p6_rows(sweep: Dict, window: int) -> List[Dict]:
                 "ours_hits_mru_misses_per_row": (
                     alt["misses_per_row"] if alt else None
                 ),
-                "ours_hits_mru_ratio": alt["misses_per_row"] / hm if alt and hm else None,
+                "ours_hits_mru_ratio": (
+                    alt["misses_per_row"] / hm if alt and hm else None
+                ),
                 "budget": int(budget),
                 "hisparse_lru_slots": hs["lru_slots"],
                 "hisparse_misses_per_row": hs["misses_per_row"],
@@ -658,6 +679,12 @@ def p6_rows(sweep: Dict, window: int) -> List[Dict]:
     return rows
 
 
+def _layers_str(ids: List[int]) -> str:
+    if len(ids) > 8 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"[{ids[0]}..{ids[-1]}]"
+    return str(ids)
+
+
 def _f(v, fmt="{:.1f}"):
     return "-" if v is None else fmt.format(v)
 
@@ -678,7 +705,8 @@ def render_markdown(
     lines.append(
         f"Trace `{args_desc['trace']}`: {meta.get('source', '?')}, "
         f"{trace.num_steps} steps x {trace.num_layers} layers "
-        f"{trace.layer_ids.tolist()} x {trace.num_requests} requests, K={K}, "
+        f"{_layers_str(trace.layer_ids.tolist())} x {trace.num_requests} requests, "
+        f"K={K}, "
         f"seq_len {int(trace.seq_lens[trace.seq_lens > 0].min())}-"
         f"{int(trace.seq_lens.max())}, top-k order `{meta.get('topk_order', '?')}`. "
         f"Init `{args_desc['init']}`.\n"
@@ -689,11 +717,14 @@ def render_markdown(
         "slots + its newest-token row; upstream reserves a whole page for that "
         "row, counted here as 1, in HiSparse's favour). Misses = H2D row copies "
         f"({rb} B each). Per-row numbers are per (request, layer, decode step) "
-        "and exclude each request's first step (cold start, identical for both: "
+        f"and exclude each request's first {args_desc['warmup']} steps (cold "
+        "working set, filled alike by both policies: "
         "see `misses_per_row_all` in the JSON for all steps).\n"
     )
     rows = p6_rows(sweep, window)
-    lines.append(f"## P6: ours <= {P6_TARGET}x HiSparse's misses at equal buffer size\n")
+    lines.append(
+        f"## P6: ours <= {P6_TARGET}x HiSparse's misses at equal buffer size\n"
+    )
     lines.append(
         "Misses per (request, layer, step); ratio = / HiSparse at the same B. "
         "OPT = Belady's optimal replacement with the same rows (a lower bound for "
@@ -770,30 +801,59 @@ def render_markdown(
         "\nW=0 is a model point only (the engine needs W >= 1: the newest token "
         "has no host copy yet when it is first attended).\n"
     )
+    lines.append("Hit rate (window hits count as hits), same grid:\n")
+    lines.append(
+        "| budget B | HiSparse | " + " | ".join(f"W={w}" for w in windows) + " |"
+    )
+    lines.append("|---:|---:|" + "---:|" * len(windows))
+    for budget, ours in sweep["ours"].items():
+        hs = sweep["hisparse"].get(budget)
+        cells = [
+            f"{100 * ours[str(w)]['hit_rate']:.1f}%" if str(w) in ours else "-"
+            for w in windows
+        ]
+        lines.append(
+            f"| {budget} | {_f(100 * hs['hit_rate'] if hs else None)}% | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines.append("")
     # Hit rate and bytes at the headline budget.
     hb = str(headline_budget)
     if hb in sweep["hisparse"] and str(window) in sweep["ours"].get(hb, {}):
         hs, ours = sweep["hisparse"][hb], sweep["ours"][hb][str(window)]
+        L, gbps = trace.num_layers, args_desc["h2d_gbps"]
         lines.append(f"## Headline configuration (B = {headline_budget})\n")
         lines.append(
-            "| policy | misses / (req, layer, step) | hit rate | H2D KiB / (req, layer, "
-            "step) | H2D MB whole trace | window/newest hits / row |"
+            f"Per (request, decode step) columns sum over the trace's {L} layers "
+            f"(a whole-model figure only for a trace of all layers); copy time at "
+            f"{gbps} GB/s (the scattered-row H2D rate measured on an H200, "
+            "DESIGN.md).\n"
+        )
+        lines.append(
+            "| policy | misses / (req, layer, step) | hit rate | window/newest hits "
+            f"/ (req, layer, step) | H2D MB / (req, step) | copy ms / (req, step) |"
         )
         lines.append("|:--|---:|---:|---:|---:|---:|")
         for name, v in (
             (f"HiSparse (H={hs['lru_slots']})", hs),
             (f"ours (C={ours['lru_slots']}, W={window})", ours),
         ):
+            per_step = v["h2d_bytes_per_row"] * L
             lines.append(
                 f"| {name} | {v['misses_per_row']:.1f} | {100 * v['hit_rate']:.2f}% "
-                f"| {v['h2d_bytes_per_row'] / 1024:.1f} "
-                f"| {v['h2d_bytes_total'] / 1e6:.1f} | {v['window_hits_per_row']:.1f} |"
+                f"| {v['window_hits_per_row']:.1f} | {per_step / 1e6:.2f} "
+                f"| {per_step / (gbps * 1e9) * 1e3:.3f} |"
             )
         lines.append("\nPer layer (misses / (req, step), steady state):\n")
-        lines.append("| layer | HiSparse | ours | ratio | HiSparse hit rate | ours hit rate |")
+        lines.append(
+            "| layer | HiSparse | ours | ratio | HiSparse hit rate | ours hit rate |"
+        )
         lines.append("|---:|---:|---:|---:|---:|---:|")
         for a, b in zip(hs["per_layer"], ours["per_layer"]):
-            ratio = b["misses_per_row"] / a["misses_per_row"] if a["misses_per_row"] else 0
+            ratio = (
+                b["misses_per_row"] / a["misses_per_row"] if a["misses_per_row"] else 0
+            )
             lines.append(
                 f"| {a['layer']} | {a['misses_per_row']:.1f} | {b['misses_per_row']:.1f} "
                 f"| {ratio:.3f} | {100 * a['hit_rate']:.1f}% | {100 * b['hit_rate']:.1f}% |"
@@ -839,7 +899,14 @@ def engine_line(engine: Optional[Dict]) -> str:
     return line
 
 
-def make_plots(out_dir: Path, trace: NSATopkTrace, sweep: Dict, window: int, budget: int):
+def make_plots(
+    out_dir: Path,
+    trace: NSATopkTrace,
+    sweep: Dict,
+    window: int,
+    budget: int,
+    args_warmup: int = DEFAULT_WARMUP,
+):
     try:
         import matplotlib
 
@@ -882,7 +949,9 @@ def make_plots(out_dir: Path, trace: NSATopkTrace, sweep: Dict, window: int, bud
         if not ws:
             continue
         hs = sweep["hisparse"][str(b)]["misses_per_row"]
-        ax.plot(ws, [ours[str(w)]["misses_per_row"] / hs for w in ws], "-o", label=f"B={b}")
+        ax.plot(
+            ws, [ours[str(w)]["misses_per_row"] / hs for w in ws], "-o", label=f"B={b}"
+        )
     ax.axhline(P6_TARGET, color="r", ls=":", label=f"P6 target {P6_TARGET}")
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xlabel("recent window W (rows)")
@@ -905,7 +974,8 @@ def make_plots(out_dir: Path, trace: NSATopkTrace, sweep: Dict, window: int, bud
         )
         ax.plot(hs, "k-", label=f"HiSparse (H={budget - 1})")
         ax.plot(ours, "b-", label=f"ours (C={budget - window}, W={window})")
-        ax.set_yscale("log")
+        ax.axvspan(-0.5, args_warmup - 0.5, color="0.9", label="warm-up (excluded)")
+        ax.set_ylim(0, None)
         ax.set_xlabel("decode step")
         ax.set_ylabel("misses per (request, layer)")
         ax.set_title(f"Misses per step at B = {budget}")
@@ -947,7 +1017,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="budget of the P6 verdict (default 2*K + W, the engine default)",
     )
     p.add_argument("--init", choices=["cold", "prefix"], default="cold")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=DEFAULT_WARMUP,
+        help="steps per request left out of the steady-state figures",
+    )
     p.add_argument("--row-bytes", type=int, default=ROW_BYTES_FP8)
+    p.add_argument(
+        "--h2d-gbps",
+        type=float,
+        default=43.6,
+        help="H2D rate for the copy-time column (H200 scattered rows, DESIGN.md)",
+    )
     p.add_argument("--no-engine-check", action="store_true")
     p.add_argument(
         "--engine-path",
@@ -972,7 +1054,13 @@ def run(args: argparse.Namespace) -> Dict:
         file=sys.stderr,
     )
     sweep = run_sweep(
-        trace, budgets, windows, args.init, args.row_bytes, window=args.window
+        trace,
+        budgets,
+        windows,
+        args.init,
+        args.row_bytes,
+        window=args.window,
+        warmup=args.warmup,
     )
     engine = None
     if not args.no_engine_check:
@@ -987,6 +1075,8 @@ def run(args: argparse.Namespace) -> Dict:
         "trace": _display_path(args.trace),
         "init": args.init,
         "row_bytes": args.row_bytes,
+        "h2d_gbps": args.h2d_gbps,
+        "warmup": args.warmup,
     }
     md = render_markdown(trace, sweep, engine, desc, headline, args.window)
     rows = p6_rows(sweep, args.window)
@@ -997,13 +1087,16 @@ def run(args: argparse.Namespace) -> Dict:
             k: v for k, v in trace.metadata.items() if k not in ("calibration",)
         },
         "init": args.init,
+        "warmup": args.warmup,
         "row_bytes": args.row_bytes,
         "headline_budget": headline,
         "window": args.window,
         "p6_target": P6_TARGET,
         "p6": rows,
         "p6_met_at_headline": (
-            None if head is None or head["ratio"] is None else head["ratio"] <= P6_TARGET
+            None
+            if head is None or head["ratio"] is None
+            else head["ratio"] <= P6_TARGET
         ),
         "engine_check": engine,
         "sweep": sweep,
@@ -1016,7 +1109,7 @@ def run(args: argparse.Namespace) -> Dict:
         with open(out / "summary.json", "w") as f:
             json.dump(result, f, indent=1)
         if not args.no_plots:
-            for p in make_plots(out, trace, sweep, args.window, headline):
+            for p in make_plots(out, trace, sweep, args.window, headline, args.warmup):
                 print(f"wrote {p}", file=sys.stderr)
         print(f"wrote {out / 'summary.md'} and summary.json", file=sys.stderr)
     result["markdown"] = md

@@ -21,16 +21,22 @@ are picked::
                         + recency_amp_l * exp(-(n_t - 1 - p) / recency_tau)
                         - refractory_l * [p picked at t-1, p >= num_sinks]
 
-``x_l,t`` is a standard-normal latent, correlated across steps and layers::
+``x_l,t`` is a standard-normal latent with a static and an AR(1) part::
 
-    x_l,t = kappa_l * x_(l-1),t + sqrt(1 - kappa_l^2) * y_l,t
-    y_l,t = sqrt(h_l) * S_l + sqrt(1 - h_l) * D_l,t,   D_l,t = a_l D_l,(t-1) + noise
+    x_l,t = sqrt(h_l) * S_l + sqrt(1 - h_l) * D_l,t
+    D_l,t = a_l * D_l,(t-1) + sqrt(1 - a_l^2) * e_l,t
 
 ``S_l`` is static (long-memory importance: picks that come back after many
-steps), ``D_l`` an AR(1) process (short memory). Per layer, ``kappa_l`` is
-calibrated to the adjacent-layer overlap target and the lag-1 correlation of
-``x_l`` to the consecutive-step overlap target; ``--long-memory`` (lambda) splits
-that correlation between the static and the AR(1) part (``h = lambda * rho_y``).
+steps), ``D_l`` short-memory. The lag-1 correlation ``rho_l = h_l + (1 - h_l) a_l``
+of every layer is calibrated to its consecutive-step overlap target;
+``--long-memory`` (lambda) splits it between the two parts (``h_l = lambda *
+rho_l``), which sets how fast reuse decays with the lag (no published number
+pins this down: see README.md, "Sensitivity"). Adjacent layers share their
+randomness: ``S_l = k S_(l-1) + sqrt(1 - k^2) S'_l`` and
+``e_l,t = k e_(l-1),t + sqrt(1 - k^2) e'_l,t``, with ``k`` calibrated to the
+adjacent-layer overlap target. Each layer keeps exactly its own temporal
+statistics whatever its neighbours' (a layer that merely mixed in its
+predecessor's latent would inherit its predecessor's temporal correlation).
 Overlap targets below the chance level ``K / n`` (layers 0-1 at 16K-32K
 context) are reached with the refractory term: tokens picked at t-1 are
 penalised at t (no lag-2 periodicity, unlike a negative AR coefficient).
@@ -77,6 +83,8 @@ DEFAULT_RECENCY_AMP = "0-1:0,2-60:4.0"
 DSV32_NUM_LAYERS = 61
 DSV32_TOP_K = 2048
 
+# Largest lag-1 latent correlation (keeps the AR(1) innovation non-degenerate).
+RHO_MAX = 0.9999
 # Strength of the refractory penalty at knob u = -1 (in latent standard deviations).
 REFRACTORY_MAX = 8.0
 # Recency boost is negligible beyond this many time constants.
@@ -136,7 +144,7 @@ class GeneratorConfig:
     sink_boost: float = 6.0
     long_memory: float = 0.5
     order: str = "ascending"  # "ascending" position or descending "score"
-    calib_reps: int = 4
+    calib_reps: int = 8
 
     def layer_ids(self) -> List[int]:
         if self.layers is None:
@@ -180,11 +188,25 @@ def _overlap(a: np.ndarray, b: np.ndarray, k: int) -> float:
 def _knob_to_rho_refractory(u: float) -> Tuple[float, float]:
     """Calibration knob -> (lag-1 latent correlation, refractory penalty)."""
     if u >= 0:
-        return min(u, 0.9999), 0.0
+        return min(u, RHO_MAX), 0.0
     return 0.0, -u * REFRACTORY_MAX
 
 
 # ------------------------------------------------------------------ calibration
+
+
+def _isotonic(y: np.ndarray) -> np.ndarray:
+    """Least-squares non-decreasing fit (pool adjacent violators).
+
+    Unlike a running maximum it does not bias a noisy curve upwards.
+    """
+    blocks: List[List[float]] = []  # [mean, weight]
+    for v in y.tolist():
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return np.concatenate([np.full(int(w), m) for m, w in blocks])
 
 
 @dataclass
@@ -206,7 +228,9 @@ def _step_overlap_curve(
     cfg: GeneratorConfig, n: int, recency_amp: float, rng: np.random.Generator
 ) -> Curve:
     """Consecutive-step overlap as a function of the knob u in [-1, 1)."""
-    knobs = np.concatenate([np.linspace(-1.0, 0.0, 41)[:-1], np.linspace(0, 0.998, 51)])
+    # Denser where the overlap rises steeply (rho -> 1).
+    rhos = 1.0 - np.logspace(0, -3, 81)
+    knobs = np.concatenate([np.linspace(-1.0, 0.0, 41)[:-1], rhos])
     k = cfg.top_k
     b0, b1 = _bias(n, cfg, recency_amp), _bias(n + 1, cfg, recency_amp)
     vals = np.zeros(knobs.size)
@@ -222,7 +246,7 @@ def _step_overlap_curve(
             if pen:
                 sc[s0_pen] -= pen
             vals[i] += _overlap(s0, _top_k(sc, k), k)
-    return Curve(knobs, np.maximum.accumulate(vals / cfg.calib_reps))
+    return Curve(knobs, _isotonic(vals / cfg.calib_reps))
 
 
 def _adjacent_overlap_curve(
@@ -240,21 +264,28 @@ def _adjacent_overlap_curve(
         for i, kap in enumerate(knobs):
             xb = kap * xa + math.sqrt(1 - kap * kap) * eps
             vals[i] += _overlap(sa, _top_k(xb + b, k), k)
-    return Curve(knobs, np.maximum.accumulate(vals / cfg.calib_reps))
+    return Curve(knobs, _isotonic(vals / cfg.calib_reps))
 
 
 @dataclass
 class LayerParams:
     layer: int
-    chained: bool  # correlated with the previous model layer
-    kappa: float
-    rho: float  # lag-1 correlation of x_l
-    rho_y: float
+    chained: bool  # shares randomness with the previous model layer
+    kappa: float  # correlation of the shared static part and innovations
+    kappa_x: float  # resulting same-step latent correlation with layer - 1
+    rho: float  # lag-1 latent correlation
     static_share: float  # h
     ar_coef: float  # a
     refractory: float
     recency_amp: float
     notes: List[str] = field(default_factory=list)
+
+
+def _latent_cross_corr(p: "LayerParams", q: "LayerParams") -> float:
+    """Same-step latent correlation of layers p, q per unit ``kappa``."""
+    g = math.sqrt((1 - p.ar_coef**2) * (1 - q.ar_coef**2)) / (1 - p.ar_coef * q.ar_coef)
+    hp, hq = p.static_share, q.static_share
+    return math.sqrt(hp * hq) + math.sqrt((1 - hp) * (1 - hq)) * g
 
 
 def calibrate_request(
@@ -284,28 +315,26 @@ def calibrate_request(
         if not ok:
             notes.append(f"step-overlap target {target:.3f} out of reach")
         rho, refractory = _knob_to_rho_refractory(u)
-        chained = prev is not None and prev.layer == layer - 1
-        kappa = 0.0
-        if chained and adj_t[layer] is not None:
+        h = cfg.long_memory * rho
+        a = (rho - h) / (1 - h) if h < 1 else 0.0
+        p = LayerParams(layer, False, 0.0, 0.0, rho, h, a, refractory, a_l, notes)
+        if prev is not None and prev.layer == layer - 1 and adj_t[layer] is not None:
             if a_l != prev.recency_amp:
                 notes.append("adjacent target across a recency change: approximate")
             if a_l not in adj_curves:
                 adj_curves[a_l] = _adjacent_overlap_curve(cfg, n_ref, a_l, rng)
-            kappa, ok = adj_curves[a_l].invert(adj_t[layer])
+            kappa_x, ok = adj_curves[a_l].invert(adj_t[layer])
             if not ok:
                 notes.append(f"adjacent target {adj_t[layer]:.3f} out of reach")
-        if kappa > 0:
-            rho_y = (rho - kappa**2 * prev.rho) / (1 - kappa**2)
-        else:
-            rho_y = rho
-        if not 0.0 <= rho_y <= 0.9999:
-            notes.append(f"own correlation {rho_y:.3f} clamped to [0, 0.9999]")
-            rho_y = min(max(rho_y, 0.0), 0.9999)
-        h = cfg.long_memory * rho_y
-        a = (rho_y - h) / (1 - h) if h < 1 else 0.0
-        p = LayerParams(
-            layer, chained, kappa, rho, rho_y, h, a, refractory, a_l, notes
-        )
+            per_unit = _latent_cross_corr(p, prev)
+            kappa = kappa_x / per_unit if per_unit > 0 else 1.0
+            if kappa > 1.0:
+                notes.append(
+                    f"adjacent latent correlation capped at {per_unit:.3f} "
+                    f"(target {kappa_x:.3f}): temporal parameters differ"
+                )
+                kappa = 1.0
+            p.chained, p.kappa, p.kappa_x = True, kappa, kappa * per_unit
         params.append(p)
         prev = p
     return params
@@ -330,22 +359,42 @@ def generate(cfg: GeneratorConfig, verbose: bool = True) -> Tuple[NSATopkTrace, 
         rng = np.random.default_rng(seeds[2 * r + 1])
         n_max = prompt_len + T
         seq_lens[:, r] = prompt_len + 1 + np.arange(T)
-        x_prev: Optional[np.ndarray] = None
+        # Randomness of the previous model layer, shared with a chained layer.
+        prev_static = prev_d0 = prev_innov = None
         for li, p in enumerate(params):
-            x_cur = np.empty((T, n_max), dtype=np.float32)
-            static = rng.standard_normal(n_max, dtype=np.float32)
-            dyn = rng.standard_normal(n_max, dtype=np.float32)
+            k = p.kappa if p.chained else 0.0
+            kc = math.sqrt(1 - k * k)
+
+            def mix(shared, k=k, kc=kc):
+                fresh = rng.standard_normal(n_max, dtype=np.float32)
+                return fresh if k == 0 else k * shared + kc * fresh
+
+            static = mix(prev_static)
+            # Stationary start: D_l,0 correlates with D_(l-1),0 like the
+            # stationary processes driven by the shared innovations.
+            if k:
+                q = params[li - 1]
+                c0 = (
+                    k
+                    * math.sqrt((1 - p.ar_coef**2) * (1 - q.ar_coef**2))
+                    / (1 - p.ar_coef * q.ar_coef)
+                )
+                d0 = c0 * prev_d0 + math.sqrt(1 - c0 * c0) * rng.standard_normal(
+                    n_max, dtype=np.float32
+                )
+            else:
+                d0 = rng.standard_normal(n_max, dtype=np.float32)
+            innov = np.zeros((T, n_max), dtype=np.float32)
             sh, sd = math.sqrt(p.static_share), math.sqrt(1 - p.static_share)
-            innov = math.sqrt(1 - p.ar_coef**2)
-            ck, cy = p.kappa, math.sqrt(1 - p.kappa**2)
+            ic = math.sqrt(1 - p.ar_coef**2)
+            dyn = d0.copy()
             prev_sel = None
             for t in range(T):
                 if t:
+                    innov[t] = mix(None if prev_innov is None else prev_innov[t])
                     dyn *= p.ar_coef
-                    dyn += innov * rng.standard_normal(n_max, dtype=np.float32)
-                y = sh * static + sd * dyn
-                x = ck * x_prev[t] + cy * y if (p.chained and ck > 0) else y
-                x_cur[t] = x
+                    dyn += ic * innov[t]
+                x = sh * static + sd * dyn
                 n = int(seq_lens[t, r])
                 score = x[:n] + _bias(n, cfg, p.recency_amp)
                 if p.refractory and prev_sel is not None:
@@ -357,8 +406,7 @@ def generate(cfg: GeneratorConfig, verbose: bool = True) -> Tuple[NSATopkTrace, 
                 else:
                     sel = np.sort(sel)
                 topk[t, li, r, : sel.size] = sel
-            # The next layer chains to this one only if it is the next model layer.
-            x_prev = x_cur
+            prev_static, prev_d0, prev_innov = static, d0, innov
         if verbose:
             print(
                 f"  request {r}: prompt {prompt_len}, {L} layers x {T} steps "
@@ -424,7 +472,9 @@ def measure_trace(trace: NSATopkTrace, num_sinks: int = 4) -> Dict:
         }
         if li > 0 and layer_ids[li - 1] == layer - 1:
             vals = [
-                _overlap(_rows_sets(trace, s, li - 1, b), _rows_sets(trace, s, li, b), K)
+                _overlap(
+                    _rows_sets(trace, s, li - 1, b), _rows_sets(trace, s, li, b), K
+                )
                 for b in range(B)
                 for s in range(S)
                 if trace.seq_lens[s, b] > 0
@@ -492,7 +542,9 @@ def check_calibration(report: Dict, tol_step: float, tol_adj: float) -> List[str
             bad.append(f"layer {e['layer']}: step overlap {v:.4f} vs target {t:.4f}")
         t, v = e["adjacent_overlap_target"], e["adjacent_overlap"]
         if t is not None and v is not None and abs(v - t) > tol_adj:
-            bad.append(f"layer {e['layer']}: adjacent overlap {v:.4f} vs target {t:.4f}")
+            bad.append(
+                f"layer {e['layer']}: adjacent overlap {v:.4f} vs target {t:.4f}"
+            )
     return bad
 
 
@@ -544,16 +596,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="share of the lag-1 correlation that never decays (0 = pure AR(1))",
     )
     p.add_argument("--order", choices=["ascending", "score"], default="ascending")
-    p.add_argument("--calib-reps", type=int, default=4)
-    p.add_argument("--encoding", default="auto", choices=["auto", "dense", "sorted_delta"])
-    p.add_argument("--report-json", default=None, help="also write the calibration here")
+    p.add_argument("--calib-reps", type=int, default=8)
+    p.add_argument(
+        "--encoding", default="auto", choices=["auto", "dense", "sorted_delta"]
+    )
+    p.add_argument(
+        "--report-json", default=None, help="also write the metadata (JSON) here"
+    )
+    p.add_argument(
+        "--report-md", default=None, help="also write the calibration table here"
+    )
     return p.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> GeneratorConfig:
     return GeneratorConfig(
         num_model_layers=args.num_model_layers,
-        layers=None if args.layers is None else [int(x) for x in args.layers.split(",")],
+        layers=(
+            None if args.layers is None else [int(x) for x in args.layers.split(",")]
+        ),
         num_requests=args.requests,
         prompt_lens=[int(x) for x in args.prompt_lens.split(",")],
         num_steps=args.steps,
@@ -591,6 +652,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for p in params:
             for note in p["notes"]:
                 print(f"note: request {r} layer {p['layer']}: {note}")
+    if args.report_md:
+        with open(args.report_md, "w") as f:
+            f.write(
+                f"# Calibration of `{os.path.basename(args.out)}`\n\n"
+                f"Command: `{command}`\n\n"
+                f"{trace.num_steps} steps x {trace.num_layers} layers x "
+                f"{trace.num_requests} requests, K={trace.top_k}, prompt lengths "
+                f"{trace.metadata['generator']['prompt_lens']}. Measured on the "
+                "generated trace (mean over requests and steps; std in "
+                "parentheses).\n\n" + format_calibration_table(report) + "\n"
+            )
     if args.report_json:
         with open(args.report_json, "w") as f:
             json.dump(trace.metadata, f, indent=1)

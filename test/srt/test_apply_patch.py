@@ -97,6 +97,34 @@ def make_diff(rel: str, old, new) -> str:
     )
 
 
+# The files of the package the tests touch; a non-full copy of the pristine
+# package has these, the files the repo's series patches, and every directory.
+TOUCHED_FILES = (
+    "__init__.py",
+    "version.py",
+    "_version.py",
+    "srt/constants.py",
+    "srt/server_args.py",
+    "srt/mem_cache/memory_pool.py",
+)
+
+
+def copy_pristine(dest: Path, full: bool) -> None:
+    """Copy the pristine package to dest: all of it, or (faster) every
+    directory and only the files that the tool may read or write."""
+    src = pristine_package()
+    if full:
+        shutil.copytree(src, dest)
+        return
+    for dirpath, _, _ in os.walk(src):
+        (dest / Path(dirpath).relative_to(src)).mkdir(parents=True, exist_ok=True)
+    files = set(TOUCHED_FILES)
+    files.update(ap._touched(ap.read_series(REPO_ROOT / "patches")))
+    for rel in sorted(files):
+        if (src / rel).is_file():
+            shutil.copy2(src / rel, dest / rel)
+
+
 def insert_after(text: str, line_no: int, new_lines: str) -> str:
     lines = text.splitlines(keepends=True)
     return "".join(lines[:line_no] + [new_lines] + lines[line_no:])
@@ -107,7 +135,7 @@ class Fixture:
 
     NEW_FILE = "srt/nsa_test_created_by_patch.py"
 
-    def __init__(self, tmp: Path, layout: str):
+    def __init__(self, tmp: Path, layout: str, full: bool = False):
         self.tmp = tmp
         self.layout = layout
         if layout == "package":
@@ -116,7 +144,7 @@ class Fixture:
         else:
             self.sglang_dir = tmp / "sglang-checkout"
             self.package = self.sglang_dir / "python" / "sglang"
-        shutil.copytree(pristine_package(), self.package)
+        copy_pristine(self.package, full)
         if layout == "checkout":
             # A checkout has no generated _version.py: the version comes from
             # the release tag at HEAD.
@@ -216,10 +244,13 @@ class _LayoutTests:
     """Apply / check / re-apply / revert on one layout (see subclasses)."""
 
     layout = None
+    # Tests that work on a full copy of the wheel's package (slower).
+    FULL_COPY = ("test_check_apply_reapply_revert", "test_repo_series_and_modules")
 
     def setUp(self):
         self._tmp = tempfile.mkdtemp(prefix="apply-patch-test-")
-        self.fx = Fixture(Path(self._tmp), self.layout)
+        full = self._testMethodName in self.FULL_COPY
+        self.fx = Fixture(Path(self._tmp), self.layout, full=full)
 
     def tearDown(self):
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -492,6 +523,27 @@ class TestApplyPatchPackageLayout(_LayoutTests, unittest.TestCase):
         )
         self.assertIn("nothing to export", proc.stdout)
         self.assertFalse((fx.patches / "0004-none.patch").exists())
+
+    def test_record_tells_upstream_files_from_stray_modules(self):
+        # A module copied in by hand (no manifest) is taken over when the
+        # wheel's RECORD says it is not an upstream file.
+        fx = self.fx
+        dist_info = fx.sglang_dir / f"sglang-{VERSION}.dist-info"
+        dist_info.mkdir()
+        (dist_info / "RECORD").write_text(
+            "sglang/srt/constants.py,sha256=x,1\nsglang/version.py,sha256=y,2\n"
+        )
+        stray = fx.package / "srt/mem_cache/nsa_test_module.py"
+        stray.write_text("OLD = 0\n")
+        out = fx.run(check_rc=0).stdout
+        self.assertIn("not an upstream file, taking it over", out)
+        fx.assert_applied(self)
+        fx.run("--revert", check_rc=0)
+        self.assertFalse(stray.exists())
+
+        (fx.modules / "srt/constants.py").write_text("# not upstream\n")
+        proc = fx.run(check_rc=1)
+        self.assertIn("would overwrite the upstream file", proc.stdout)
 
     def test_package_dir_itself_is_accepted(self):
         fx = self.fx

@@ -6,6 +6,7 @@ python/ of this repo.
 """
 
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -20,13 +21,24 @@ MODULES_DIR = REPO_ROOT / "python" / "sglang"
 MANIFEST_NAME = ".nsa_kv_offload_manifest.json"
 
 
+def _load_apply_tool():
+    path = REPO_ROOT / "scripts" / "apply_patch.py"
+    spec = importlib.util.spec_from_file_location("apply_patch", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("apply_patch", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+apply_tool = _load_apply_tool()
+
+
 def _our_module_names():
     names = []
-    for path in sorted(MODULES_DIR.rglob("*.py")):
-        if "__pycache__" in path.parts:
+    for rel in sorted(apply_tool.list_modules(MODULES_DIR)):
+        if not rel.endswith(".py"):
             continue
-        rel = path.relative_to(MODULES_DIR.parent).with_suffix("")
-        parts = list(rel.parts)
+        parts = ["sglang"] + list(Path(rel).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         names.append(".".join(parts))
@@ -57,25 +69,20 @@ class TestCpuEnv(unittest.TestCase):
         package_dir = Path(sglang.__file__).resolve().parent
         manifest = json.loads((package_dir / MANIFEST_NAME).read_text())
         self.assertEqual(manifest["sglang_version"], "0.5.12.post1")
-        series = REPO_ROOT / "patches" / "series"
-        names = []
-        if series.is_file():
-            names = [
-                line.split("#", 1)[0].split()[0]
-                for line in series.read_text().splitlines()
-                if line.split("#", 1)[0].strip()
-            ]
-        self.assertEqual([p["name"] for p in manifest["patches"]], names)
-        for path in MODULES_DIR.rglob("*"):
-            if path.is_file() and "__pycache__" not in path.parts:
-                rel = path.relative_to(MODULES_DIR)
-                installed = package_dir / rel
-                self.assertTrue(installed.is_file(), f"{rel} is not installed")
-                self.assertEqual(
-                    installed.read_bytes(),
-                    path.read_bytes(),
-                    f"{rel} differs from the repo: run scripts/test.sh",
-                )
+        series = apply_tool.read_series(REPO_ROOT / "patches")
+        self.assertEqual(
+            [(p["name"], p["sha256"]) for p in manifest["patches"]],
+            [(p.name, p.sha256) for p in series],
+            "the installed patches are not the repo's: run scripts/test.sh",
+        )
+        for rel, data in apply_tool.list_modules(MODULES_DIR).items():
+            installed = package_dir / rel
+            self.assertTrue(installed.is_file(), f"{rel} is not installed")
+            self.assertEqual(
+                installed.read_bytes(),
+                data,
+                f"{rel} differs from the repo: run scripts/test.sh",
+            )
 
     def test_our_modules_import_from_the_installed_package(self):
         import sglang

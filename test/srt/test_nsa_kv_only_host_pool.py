@@ -106,7 +106,9 @@ class TestHostPoolLayout(unittest.TestCase):
         with self.assertRaises(ValueError):
             NSAKVOnlyTokenToKVPoolHost(size=0, page_size=64, layer_num=1, row_bytes=656)
         with self.assertRaises(ValueError):
-            NSAKVOnlyTokenToKVPoolHost(size=64, page_size=64, layer_num=1, row_bytes=100)
+            NSAKVOnlyTokenToKVPoolHost(
+                size=64, page_size=64, layer_num=1, row_bytes=100
+            )
         with self.assertRaises(ValueError):
             NSAKVOnlyTokenToKVPoolHost(
                 size=64, page_size=64, layer_num=1, row_bytes=656, pin_method="x"
@@ -252,8 +254,9 @@ class TestCopyRowsAllLayers(unittest.TestCase):
             size=256, page_size=64, layer_num=self.num_layers, row_bytes=FP8_ROW_BYTES
         )
         self.pool.kv_buffer.copy_(
-            _random_rows(self.pool.num_rows * self.num_layers, FP8_ROW_BYTES, "cpu")
-            .view_as(self.pool.kv_buffer)
+            _random_rows(
+                self.pool.num_rows * self.num_layers, FP8_ROW_BYTES, "cpu"
+            ).view_as(self.pool.kv_buffer)
         )
         # Device pool layers as separate tensors, (rows, 1, dim) like sglang's.
         self.gpu = [
@@ -344,6 +347,7 @@ class TestCopyRowsAllLayers(unittest.TestCase):
         misaligned = torch.zeros(4 * FP8_ROW_BYTES + 8, dtype=torch.uint8)[8:]
         with self.assertRaises(ValueError):
             skc.layer_pointer_table([misaligned], DEVICE, FP8_ROW_BYTES)
+
 
 if __name__ == "__main__":
     unittest.main()

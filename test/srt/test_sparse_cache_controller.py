@@ -73,11 +73,16 @@ class _ControllerCase(unittest.TestCase):
         R = self.C + self.W
         self.num_gpu_rows = self.STAGING + self.NUM_REGIONS * R
         self.gpu = [
-            torch.zeros((self.num_gpu_rows, 1, ROW_BYTES), dtype=torch.uint8, device=DEVICE)
+            torch.zeros(
+                (self.num_gpu_rows, 1, ROW_BYTES), dtype=torch.uint8, device=DEVICE
+            )
             for _ in range(self.L)
         ]
         self.host = NSAKVOnlyTokenToKVPoolHost(
-            size=self.HOST_SIZE, page_size=self.PAGE, layer_num=self.L, row_bytes=ROW_BYTES
+            size=self.HOST_SIZE,
+            page_size=self.PAGE,
+            layer_num=self.L,
+            row_bytes=ROW_BYTES,
         )
         self.ctrl = SparseCacheController(
             self.gpu,
@@ -308,10 +313,10 @@ class TestEndToEnd(_ControllerCase):
         return stats
 
     def test_exact_reference_lru(self):
-        self._run(use_triton=False, seed=1)
+        self._run(use_triton=False, seed=1, steps=40)
 
     def test_exact_triton_lru(self):
-        self._run(use_triton=True, seed=2)
+        self._run(use_triton=True, seed=2, steps=30)
 
     def test_exact_without_warmup(self):
         self._run(use_triton=False, seed=3, warm_tokens=0, steps=12)

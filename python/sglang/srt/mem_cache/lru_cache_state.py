@@ -12,6 +12,10 @@ Everything is fixed-shape and sync-free so the swap can be captured in a CUDA
 graph. ``swap_layer`` runs one fused Triton kernel; the pure-torch reference
 (``prepare_layer_swap`` -> ``build_gpu_page_table`` -> ``post_process_layer_swap``)
 implements the same semantics bit-exactly and backs the CPU tests.
+
+Callers guarantee: top-k positions unique apart from padding; token locs unique
+across live requests; a request is released before its pool index is admitted
+again; swaps of one state run on one stream (the kernel's scratch is shared).
 """
 
 from __future__ import annotations
@@ -169,7 +173,18 @@ class LRUCacheState:
         self.counters = torch.zeros((L, 3), dtype=torch.int64, device=dev)
 
         self._arange_c = torch.arange(C, dtype=torch.int64, device=dev)
+        # Per-layer views handed to the kernel (saves launch-time slicing).
+        self._layer_views = [
+            (
+                self._loc_to_slot_buf[layer],
+                self._slot_loc_buf[layer],
+                self._lru_buf[layer],
+                self.counters[layer],
+            )
+            for layer in range(L)
+        ]
         self._scratch_rows = 0
+        self._retired_scratch = []
         if self.use_triton:
             self._alloc_scratch(max_batch_size or max_num_reqs)
 
@@ -305,6 +320,7 @@ class LRUCacheState:
             req_to_token = req_to_token.contiguous()
         if bs == 0:
             return plan
+        loc_to_slot, slot_loc, lru, counters = self._layer_views[layer]
         _swap_layer_kernel[(bs,)](
             topk_pos,
             topk_pos.stride(0),
@@ -313,11 +329,11 @@ class LRUCacheState:
             req_to_token,
             req_to_token.stride(0),
             num_real,
-            self._loc_to_slot_buf[layer],
-            self._slot_loc_buf[layer],
-            self._lru_buf[layer],
+            loc_to_slot,
+            slot_loc,
+            lru,
             self._region_base_buf,
-            self.counters[layer],
+            counters,
             plan.page_table,
             plan.page_table.stride(0),
             plan.miss_src_loc,
@@ -327,6 +343,7 @@ class LRUCacheState:
             plan.miss_count,
             self._hit_flags,
             self._victims,
+            self._sink_req,
             K=self.top_k,
             C=self.buffer_size,
             W=self.recent_window,
@@ -337,7 +354,11 @@ class LRUCacheState:
         return plan
 
     def _alloc_scratch(self, rows: int) -> None:
-        # Per-batch-row scratch of the kernel, shared by all layers (one stream).
+        # Per-batch-row scratch of the kernel, shared by all layers: swaps of
+        # one state must run on one stream. Old buffers stay alive because
+        # captured CUDA graphs may still point at them.
+        if self._scratch_rows:
+            self._retired_scratch.append((self._hit_flags, self._victims))
         self._hit_flags = torch.zeros(
             (rows, self.buffer_size), dtype=torch.int8, device=self.device
         )
@@ -384,7 +405,7 @@ class LRUCacheState:
     ) -> LayerSwapWork:
         """Classify the top-k entries, pick victims and update residency."""
         bs = topk_pos.shape[0]
-        C, W = self.buffer_size, self.recent_window
+        W = self.recent_window
         num_real = self._num_real_tensor(num_real_reqs, bs)
         real = torch.arange(bs, device=self.device) < num_real
         req_in = req_pool_indices.long()
@@ -428,9 +449,9 @@ class LRUCacheState:
         dst.scatter_(1, sink, work.base[:, None] + work.slot)
         count = work.num_misses.to(torch.int32)
         self._reorder_lru(work)
-        stats = torch.stack(
-            [work.hit.sum(), work.in_window.sum(), work.miss.sum()]
-        ).to(torch.int64)
+        stats = torch.stack([work.hit.sum(), work.in_window.sum(), work.miss.sum()]).to(
+            torch.int64
+        )
         self.counters[work.layer] += stats
         plan = LayerSwapPlan(page_table, src[:, :k], dst[:, :k].to(torch.int32), count)
         if out is None:
@@ -533,9 +554,38 @@ def _swap_kernel_is_interpreted() -> bool:
     return _HAS_TRITON and not isinstance(_swap_layer_kernel, triton.JITFunction)
 
 
+# Fused swap kernel: one program per batch row (grid (bs,)), three phases.
+#   1. classify the K top-k entries (padding / window / hit via a loc_to_slot
+#      gather / miss); exclusive cumsum gives each miss its rank; hit slots are
+#      flagged in per-row scratch.
+#   2. walk lru_order (C entries): gather the hit flags, cumsum ranks the
+#      evictable slots; the first num_misses of them are the victims (their old
+#      locs leave loc_to_slot) and are written to scratch by rank; lru_order is
+#      permuted in place to [untaken evictables, hits, victims].
+#   3. each miss gathers its victim by rank, updates loc_to_slot / slot_loc and
+#      the page table; the copy list is compacted by miss rank.
+# Scatter -> gather between phases (by slot, by rank) crosses threads, so it
+# goes through global scratch with tl.debug_barrier() (bar.sync orders the
+# CTA's global memory accesses). Whole-row blocks (next pow2 of K and C) keep
+# the scans in registers: C=4096, K=2048 at 16 warps is ~116 registers, no
+# spills (ptxas, sm_90).
 if _HAS_TRITON:
 
-    @triton.jit
+    # Per-layer views (loc_to_slot, counters) and caller-owned scalars are not
+    # always 16-byte aligned; specializing on that would compile a variant per
+    # layer parity, possibly inside CUDA-graph capture. They are gathered or
+    # scalar accesses, so alignment buys nothing there.
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "seq_lens_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "region_base_ptr",
+            "counters_ptr",
+            "miss_count_ptr",
+        ]
+    )
     def _swap_layer_kernel(
         topk_ptr,
         topk_stride,
@@ -558,6 +608,7 @@ if _HAS_TRITON:
         miss_count_ptr,
         hit_flags_ptr,  # (rows, C) int8 scratch
         victims_ptr,  # (rows, K) int32 scratch
+        sink_req,  # max_reqs: the last row of the per-request tensors
         K: tl.constexpr,
         C: tl.constexpr,
         W: tl.constexpr,
@@ -569,27 +620,29 @@ if _HAS_TRITON:
         b = tl.program_id(0)
         offs_k = tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        pt_row = page_table_ptr + b * page_table_stride
+        offs_c = tl.arange(0, BLOCK_C)
+        mask_c = offs_c < C
         num_real = tl.load(num_real_ptr)
+        # Loads that are in bounds for padding rows too (stale but valid pool
+        # index, clamped anyway) go before the branch: saves a round trip.
+        r = tl.load(req_pool_ptr + b).to(tl.int64)
+        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        n = tl.load(seq_lens_ptr + b).to(tl.int32)
+        base = tl.load(region_base_ptr + r)
+        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+        pos = pos.to(tl.int32)
+        order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
+        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=mask_c, other=-1)
+
+        pt_row = page_table_ptr + b * page_table_stride
         if b >= num_real:
             tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
             tl.store(miss_count_ptr + b, 0)
             return
 
-        offs_c = tl.arange(0, BLOCK_C)
-        mask_c = offs_c < C
         flags_row = hit_flags_ptr + b.to(tl.int64) * C
         victims_row = victims_ptr + b.to(tl.int64) * K
         tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=mask_c)
-
-        r = tl.load(req_pool_ptr + b).to(tl.int64)
-        n = tl.load(seq_lens_ptr + b).to(tl.int32)
-        base = tl.load(region_base_ptr + r)
-        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
-        pos = pos.to(tl.int32)
-        # Independent of phase 1: issue early to overlap its gathers.
-        order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
-        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=mask_c, other=-1)
 
         # Phase 1: classify entries (padding / window / hit / miss).
         valid = mask_k & (pos >= 0) & (pos < n)
@@ -619,7 +672,9 @@ if _HAS_TRITON:
         hit_rank = offs_c - ev_rank
         new_pos = tl.where(
             evictable,
-            tl.where(ev_rank >= num_misses, ev_rank - num_misses, C - num_misses + ev_rank),
+            tl.where(
+                ev_rank >= num_misses, ev_rank - num_misses, C - num_misses + ev_rank
+            ),
             C - num_hits - num_misses + hit_rank,
         )
         taken = evictable & (ev_rank < num_misses)
@@ -642,11 +697,19 @@ if _HAS_TRITON:
         tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
         tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
         slot = tl.where(hit, cur, victim)
-        rows = tl.where(in_window, base + C + pos % W, tl.where(lookup, base + slot, -1))
+        rows = tl.where(
+            in_window, base + C + pos % W, tl.where(lookup, base + slot, -1)
+        )
         tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss)
-        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, base + victim, mask=miss)
+        tl.store(
+            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
+        )
+        tl.store(
+            miss_dst_ptr + b * miss_dst_stride + miss_rank, base + victim, mask=miss
+        )
         tl.store(miss_count_ptr + b, num_misses)
         tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
-        tl.atomic_add(counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64))
+        tl.atomic_add(
+            counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
+        )
         tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))

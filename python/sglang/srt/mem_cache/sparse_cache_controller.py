@@ -36,7 +36,6 @@ import logging
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
-
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_kv_copy import (
@@ -216,6 +215,7 @@ class SparseCacheController:
         self._last_side_event = None
         self._req_events: Dict[int, object] = {}
         self._req_base: Dict[int, int] = {}
+        self.last_plan: Optional[LayerSwapPlan] = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -225,13 +225,16 @@ class SparseCacheController:
             raise IndexError(f"layer {layer_id} is not on this rank")
         return idx
 
-    def _launch_side(self, fn, tensors: Sequence[torch.Tensor] = ()):
-        """Run ``fn`` on the side stream after the caller's stream; return the event."""
+    def _launch_side(self, fn, tensors: Sequence[torch.Tensor] = (), wait_event=None):
+        """Run ``fn`` on the side stream after ``wait_event`` (default: after the
+        work enqueued so far on the caller's stream); return its event."""
         if self.side_stream is None:
             fn()
             return None
-        caller = torch.cuda.current_stream(self.device)
-        self.side_stream.wait_stream(caller)
+        if wait_event is not None:
+            self.side_stream.wait_event(wait_event)
+        else:
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side_stream):
             fn()
             event = torch.cuda.Event()
@@ -379,21 +382,24 @@ class SparseCacheController:
         gpu_rows: torch.Tensor,
         locs: torch.Tensor,
         count: Optional[torch.Tensor] = None,
+        wait_event=None,
     ):
         """Copy one decode step's new-token rows of all layers to host slots.
 
         ``gpu_rows (n,)`` are the window rows the step wrote, ``locs (n,)`` their
         token locs; with ``count`` (1-element device tensor, e.g. the number of
         real requests) only the first ``count`` entries are read. Runs on the
-        side stream after the work enqueued so far on the current stream; call
-        it one step later, when that step's forward has been enqueued. Returns
+        side stream after ``wait_event`` (e.g. recorded right after that step's
+        forward) or, by default, after the work enqueued so far on the current
+        stream. Call it one step later, before any of these requests is
+        released (their locs must still be theirs when the copy runs). Returns
         the event of the copy (``None`` on CPU).
         """
         gpu_rows = self._as_device_index(gpu_rows, torch.int64)
         locs = self._as_device_index(locs, torch.int64)
         tensors = [gpu_rows, locs] + ([count] if count is not None else [])
         return self._launch_side(
-            lambda: self._d2h_all_layers(gpu_rows, locs, count), tensors
+            lambda: self._d2h_all_layers(gpu_rows, locs, count), tensors, wait_event
         )
 
     def backup_prefilled_request(
@@ -401,9 +407,11 @@ class SparseCacheController:
         gpu_rows: torch.Tensor,
         locs: torch.Tensor,
         req_pool_idx: Optional[int] = None,
+        wait_event=None,
     ):
         """Copy every layer of a prefilled request's tokens from the GPU
-        (staging) rows ``gpu_rows`` to host slots ``locs``, on the side stream.
+        (staging) rows ``gpu_rows`` to host slots ``locs``, on the side stream
+        (after ``wait_event``, default: after the caller's stream).
 
         The staging rows must not be reused before :meth:`wait_backup` (or the
         returned event) says the copy is done.
@@ -411,7 +419,9 @@ class SparseCacheController:
         gpu_rows = self._as_device_index(gpu_rows, torch.int64)
         locs = self._as_device_index(locs, torch.int64)
         event = self._launch_side(
-            lambda: self._d2h_all_layers(gpu_rows, locs, None), [gpu_rows, locs]
+            lambda: self._d2h_all_layers(gpu_rows, locs, None),
+            [gpu_rows, locs],
+            wait_event,
         )
         if req_pool_idx is not None and event is not None:
             self._req_events[int(req_pool_idx)] = event

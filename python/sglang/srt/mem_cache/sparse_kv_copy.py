@@ -103,7 +103,8 @@ def _copy_tile(
     HEAD_COLS: tl.constexpr,
     TAIL_COLS: tl.constexpr,
 ):
-    # Head tile: HEAD_COLS words per row (masked only when it overhangs the row).
+    # Head tile: HEAD_COLS words of each row (column-masked only when wider
+    # than the row); the optional tail tile holds the remaining words.
     cols = tl.arange(0, HEAD_COLS)
     src = src_base + src_rows[:, None] * ROW_WORDS + cols[None, :]
     dst = dst_base + dst_rows[:, None] * ROW_WORDS + cols[None, :]
