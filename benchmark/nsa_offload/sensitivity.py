@@ -51,7 +51,7 @@ VARIANTS = {
         "cold",
     ),
     "weak-recency": (
-        "recency amp 2 (newest picks intermittent)",
+        "recency amp 2 (half the default boost)",
         {"recency_amp": "0-60:2.0"},
         "cold",
     ),

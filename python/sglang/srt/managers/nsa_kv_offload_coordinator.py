@@ -1,0 +1,241 @@
+"""Request lifecycle and forward hooks of the decode NSA KV offload.
+
+One ``NSAKVOffloadCoordinator`` per rank, built by ModelRunner after its pools.
+It owns the ``SparseCacheController`` (host pool, LRU state, regions, copies)
+and connects it to sglang's scheduling:
+
+* admission (first decode preparation of a request, or the result processing
+  of its last prefill chunk, whichever comes first): back the prompt up to
+  host slots, give the request a region, warm it, and return the staging rows;
+* every decode preparation: map each new token loc to its window ring row;
+* every forward: make the forward stream wait for the side-stream copies;
+  after a decode forward, write that step's new tokens back to host memory
+  (all layers, one launch, side stream);
+* finish / abort / retract: release the region and LRU state after the GPU work
+  that may still touch them.
+
+See docs/ENGINE.md (swap semantics) and docs/INTEGRATION.md (hook points).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
+from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+    NSAKVOffloadPoolSizes,
+    NSAKVOffloadTokenToKVPool,
+    NSAKVOffloadTokenToKVPoolAllocator,
+)
+from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
+from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+class NSAKVOffloadCoordinator:
+    def __init__(
+        self,
+        kv_pool: NSAKVOffloadTokenToKVPool,
+        allocator: NSAKVOffloadTokenToKVPoolAllocator,
+        req_to_token: torch.Tensor,
+        sizes: NSAKVOffloadPoolSizes,
+        top_k: int,
+        buffer_size: int,
+        recent_window: int,
+        max_batch_size: int,
+    ):
+        self.kv_pool = kv_pool
+        self.allocator = allocator
+        self.req_to_token = req_to_token
+        self.sizes = sizes
+        self.top_k = top_k
+        self.buffer_size = buffer_size
+        self.recent_window = recent_window
+        self.device = kv_pool.device
+
+        row_bytes = NSAKVOnlyTokenToKVPoolHost.get_row_bytes(
+            kv_pool.kv_cache_dim, kv_pool.store_dtype
+        )
+        tic = time.perf_counter()
+        self.host_pool = NSAKVOnlyTokenToKVPoolHost(
+            size=sizes.num_locs,
+            page_size=kv_pool.page_size,
+            layer_num=kv_pool.layer_num,
+            row_bytes=row_bytes,
+            start_layer=kv_pool.start_layer,
+        )
+        logger.info(
+            "NSA KV offload: pinned %.2f GB of host memory for %d token locs x %d "
+            "layers x %d B in %.1f s.",
+            self.host_pool.nbytes / (1 << 30),
+            sizes.num_locs,
+            kv_pool.layer_num,
+            row_bytes,
+            time.perf_counter() - tic,
+        )
+        self.controller = SparseCacheController(
+            device_kv_buffers=kv_pool.kv_buffer,
+            host_pool=self.host_pool,
+            max_num_reqs=req_to_token.shape[0],
+            top_k=top_k,
+            buffer_size=buffer_size,
+            recent_window=recent_window,
+            region_start_row=sizes.region_start_row,
+            num_regions=sizes.num_regions,
+            max_batch_size=max_batch_size,
+        )
+        self.lru = self.controller.lru
+        kv_pool.nsa_kv_offload = self
+
+        # Rows of the batch that are real (CUDA-graph padding rows are inert).
+        self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # Static swap outputs, sliced per batch size (CUDA-graph safe).
+        k = top_k
+        self._plan_buffers = LayerSwapPlan(
+            page_table=torch.full(
+                (max_batch_size, k), -1, dtype=torch.int32, device=self.device
+            ),
+            miss_src_loc=torch.zeros(
+                (max_batch_size, k), dtype=torch.int64, device=self.device
+            ),
+            miss_dst_row=torch.zeros(
+                (max_batch_size, k), dtype=torch.int32, device=self.device
+            ),
+            miss_count=torch.zeros(max_batch_size, dtype=torch.int32, device=self.device),
+        )
+        self.producer_stream = None
+        self._admitted = set()
+        self._last_log_tic = time.perf_counter()
+
+        logger.info(
+            "NSA KV offload: %d logical token locs (host capacity %d), %d decode "
+            "regions of %d rows (%d LRU + %d window), %d staging rows, %d GPU KV "
+            "rows per layer.",
+            sizes.num_locs,
+            sizes.host_capacity_locs,
+            sizes.num_regions,
+            sizes.region_rows,
+            buffer_size,
+            recent_window,
+            sizes.staging_rows,
+            kv_pool.kv_buffer[0].shape[0],
+        )
+
+    # ------------------------------------------------------------ scheduling
+
+    def set_producer_stream(self, stream) -> None:
+        """The stream forwards run on (the scheduler's forward stream)."""
+        self.producer_stream = stream
+
+    def _wait_producer(self) -> None:
+        # An overlapped forward may still read or write rows and LRU state.
+        if self.producer_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.producer_stream)
+
+    def is_admitted(self, req: Req) -> bool:
+        return req.req_pool_idx in self._admitted
+
+    def admit(self, req: Req, num_tokens: int) -> None:
+        """Back up the prompt, give ``req`` a region and free its staging rows."""
+        r = req.req_pool_idx
+        if r in self._admitted:
+            return
+        self._wait_producer()
+        locs = self.req_to_token[r, :num_tokens].to(torch.int64)
+        rows = self.kv_pool.loc_to_row[locs]
+        self.controller.backup_prefilled_request(rows, locs, req_pool_idx=r)
+        base = self.controller.admit_request(r, prefix_locs=locs)
+        if base is None:
+            raise RuntimeError(
+                "NSA KV offload: no free decode region for request "
+                f"{req.rid} ({self.sizes.num_regions} regions); this is a bug: "
+                "regions are sized by --max-running-requests."
+            )
+        self._admitted.add(r)
+        # Later forwards wait for the backup before writing staging rows again.
+        self.allocator.release_staging(locs)
+
+    def admit_prefilled(self, req: Req) -> None:
+        """Result processing of a request's last prefill chunk."""
+        self.admit(req, len(req.fill_ids))
+
+    def prepare_decode(self, batch: ScheduleBatch) -> None:
+        """After ``prepare_for_decode`` allocated ``out_cache_loc`` and advanced
+        ``seq_lens``: admit new requests and map the new tokens to ring rows."""
+        for i, req in enumerate(batch.reqs):
+            if req.req_pool_idx not in self._admitted:
+                self.admit(req, int(batch.seq_lens_cpu[i]) - 1)
+        base = self.lru.region_base[batch.req_pool_indices].to(torch.int64)
+        pos = batch.seq_lens.to(torch.int64) - 1
+        rows = base + self.buffer_size + pos % self.recent_window
+        self.kv_pool.loc_to_row[batch.out_cache_loc] = rows
+
+    def release(self, req: Req) -> None:
+        """Finish, abort or retract: free the region and LRU state of ``req``.
+        Its token locs (= host slots) and staging pages are freed by the token
+        allocator right after."""
+        r = req.req_pool_idx
+        if r is None or r not in self._admitted:
+            return
+        self._wait_producer()
+        self.controller.release_request(r)
+        self._admitted.discard(r)
+
+    # -------------------------------------------------------------- forward
+
+    def before_forward(self, forward_batch: ForwardBatch) -> None:
+        # Host rows written by backups and region rows warmed at admission are
+        # read by this forward; staging rows read by backups may be rewritten.
+        self.controller.wait_backup()
+        if forward_batch.forward_mode.is_decode():
+            self.num_real_reqs.fill_(forward_batch.batch_size)
+
+    def after_decode_forward(self, forward_batch: ForwardBatch) -> None:
+        """Write this step's new tokens (all layers) to host, off the critical
+        path: the side stream waits for the forward just enqueued."""
+        locs = forward_batch.out_cache_loc
+        self.controller.backup_new_tokens(self.kv_pool.loc_to_row[locs], locs)
+
+    def swap_decode_layer(
+        self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Positions of the indexer's top-k -> GPU rows in top-k order, after
+        loading the misses of this layer."""
+        bs = topk_positions.shape[0]
+        out = LayerSwapPlan(*(t[:bs] for t in self._plan_buffers))
+        return self.controller.swap_one_layer(
+            layer_id,
+            topk_positions,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            self.req_to_token,
+            self.num_real_reqs,
+            out=out,
+        )
+
+    # ---------------------------------------------------------------- stats
+
+    def get_decode_log_msg(self) -> str:
+        """`, nsa-offload ...` suffix of the decode log line (syncs; logging only)."""
+        stats = self.controller.get_stats()
+        now = time.perf_counter()
+        gap = max(now - self._last_log_tic, 1e-9)
+        self._last_log_tic = now
+        self.controller.reset_stats()
+        lookups = stats["lru_hits"] + stats["window_hits"] + stats["misses"]
+        return (
+            f", nsa-offload hit rate: "
+            f"{(lookups - stats['misses']) / max(lookups, 1):.3f}, "
+            f"misses: {stats['misses']}, "
+            f"H2D: {stats['h2d_bytes'] / gap / 1e9:.2f} GB/s, "
+            f"regions: {stats['regions_used']}/{stats['regions_total']}"
+        )

@@ -1,0 +1,369 @@
+"""GPU-side pools of the decode NSA KV offload.
+
+With the offload on, the two per-token caches of an NSA model stop sharing one
+size: the indexer keys stay on the GPU for every logical token loc (the indexer
+scores all tokens), while the MLA KV rows on the GPU shrink to
+
+    [0, page_size)                 padding rows (loc 0 of padded batches)
+    [page_size, + staging_rows)    prefill staging: prompt KV until it is backed up
+    [.., + num_regions * R)        one decode region of R = C + W rows per request slot
+
+Every KV write goes through ``loc_to_row`` (token loc -> GPU row). Prefill maps
+a request's new pages onto staging pages; the decode step maps each new token
+onto its request's recent-window ring row (``NSAKVOffloadCoordinator``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+logger = logging.getLogger(__name__)
+
+
+class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
+    """``NSATokenToKVPool`` whose KV rows are addressed through ``loc_to_row``.
+
+    ``size`` is the number of logical token locs (indexer keys, host slots);
+    ``num_gpu_rows`` the number of MLA KV rows on the GPU.
+    """
+
+    def __init__(self, size: int, num_gpu_rows: int, **kwargs):
+        page_size = kwargs["page_size"]
+        super().__init__(size=num_gpu_rows, index_buf_size=size, **kwargs)
+        self.num_locs = size
+        self.num_gpu_rows = num_gpu_rows
+        # Unmapped locs write into the padding rows, like loc 0 does upstream.
+        self.loc_to_row = torch.zeros(
+            size + page_size + 1, dtype=torch.int64, device=self.device
+        )
+        # Set by the coordinator once the controller exists.
+        self.nsa_kv_offload = None
+
+    def translate_loc_to_row(self, loc: torch.Tensor) -> torch.Tensor:
+        return self.loc_to_row[loc]
+
+    def set_kv_buffer(self, layer: RadixAttention, loc, cache_k, cache_v):
+        super().set_kv_buffer(layer, self.loc_to_row[loc], cache_k, cache_v)
+
+    def set_mla_kv_buffer(self, layer: RadixAttention, loc, cache_k_nope, cache_k_rope):
+        super().set_mla_kv_buffer(
+            layer, self.loc_to_row[loc], cache_k_nope, cache_k_rope
+        )
+
+    def get_mla_kv_buffer(self, layer: RadixAttention, loc, dst_dtype=None):
+        return super().get_mla_kv_buffer(layer, self.loc_to_row[loc], dst_dtype)
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        raise NotImplementedError("the NSA KV offload pool has no CPU copy")
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        raise NotImplementedError("the NSA KV offload pool has no CPU copy")
+
+
+class StagingRowAllocator:
+    """Free list of GPU staging pages (page_size rows each) for prefill KV."""
+
+    def __init__(self, start_row: int, num_pages: int, page_size: int, device):
+        self.start_row = start_row
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_pages = torch.arange(
+            self.num_pages, dtype=torch.int64, device=self.device
+        )
+
+    def available_pages(self) -> int:
+        return self.free_pages.numel()
+
+    def alloc(self, num_pages: int) -> Optional[torch.Tensor]:
+        if num_pages > self.free_pages.numel():
+            return None
+        pages, self.free_pages = (
+            self.free_pages[:num_pages],
+            self.free_pages[num_pages:],
+        )
+        return pages
+
+    def free(self, pages: torch.Tensor) -> None:
+        if pages.numel():
+            self.free_pages = torch.cat((pages, self.free_pages))
+
+
+class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
+    """Paged allocator of logical token locs that also gives every new page of
+    a prefill a GPU staging page, and takes it back when the page is freed or
+    the request is admitted for decode (``release_staging``)."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache: NSAKVOffloadTokenToKVPool,
+        need_sort: bool,
+        staging_start_row: int,
+        staging_rows: int,
+    ):
+        self.staging = StagingRowAllocator(
+            staging_start_row, staging_rows // page_size, page_size, device
+        )
+        # First staging row of each logical page, -1 when the page has none.
+        self.page_to_staging_row = torch.full(
+            (size // page_size + 2,), -1, dtype=torch.int64, device=device
+        )
+        super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+
+    def clear(self):
+        super().clear()
+        self.staging.clear()
+        self.page_to_staging_row.fill_(-1)
+
+    def alloc_extend(self, *args, **kwargs):
+        out = super().alloc_extend(*args, **kwargs)
+        if out is None or out.numel() == 0:
+            return out
+        # A page is new to this extend iff its first token is in it. Prefill is
+        # off the decode hot path, so the host sync of the mask is fine here.
+        new_pages = out[out % self.page_size == 0] // self.page_size
+        staging_pages = self.staging.alloc(new_pages.numel())
+        if staging_pages is None:
+            super().free(out)
+            raise RuntimeError(
+                "NSA KV offload: out of GPU staging rows for prefill "
+                f"({self.staging.num_pages} pages). Lower --chunked-prefill-size "
+                "or --context-length."
+            )
+        self.page_to_staging_row[new_pages] = (
+            self.staging.start_row + staging_pages * self.page_size
+        )
+        rows = self.page_to_staging_row[out // self.page_size] + out % self.page_size
+        self._kvcache.loc_to_row[out] = rows
+        return out
+
+    def release_staging(self, locs: torch.Tensor) -> None:
+        """Return the staging pages behind ``locs`` (any loc of a page frees it)."""
+        if locs.numel() == 0:
+            return
+        pages = torch.unique(locs // self.page_size)
+        rows = self.page_to_staging_row[pages]
+        staged = rows >= 0
+        if bool(staged.any()):
+            self.staging.free(
+                (rows[staged] - self.staging.start_row) // self.page_size
+            )
+            self.page_to_staging_row[pages[staged]] = -1
+
+    def free(self, free_index: torch.Tensor):
+        if free_index.numel() and self.is_not_in_free_group:
+            self.release_staging(free_index)
+        super().free(free_index)
+
+
+@dataclass
+class NSAKVOffloadPoolSizes:
+    """How the offload splits the GPU KV budget (all counts per rank)."""
+
+    num_locs: int  # logical token locs = host slots
+    num_regions: int  # decode regions = request slots
+    region_rows: int  # R = C + W
+    staging_rows: int
+    page_size: int
+    host_capacity_locs: int
+
+    @property
+    def kv_pool_size(self) -> int:
+        """``size`` of the KV pool: rows after the leading padding page."""
+        return _round_up(
+            self.staging_rows + self.num_regions * self.region_rows, self.page_size
+        )
+
+    @property
+    def staging_start_row(self) -> int:
+        return self.page_size
+
+    @property
+    def region_start_row(self) -> int:
+        return self.page_size + self.staging_rows
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def offload_bytes_per_loc(num_layers: int, indexer_bytes: int) -> int:
+    """GPU bytes per logical token loc: indexer keys, the LRU residency map
+    (int16 per layer) and ``loc_to_row`` (int64)."""
+    return num_layers * (indexer_bytes + 2) + 8
+
+
+def offload_bytes_per_region(
+    num_layers: int, row_bytes: int, buffer_size: int, recent_window: int
+) -> int:
+    """GPU bytes per request slot: its KV region plus its LRU state
+    (``slot_loc`` int32 and ``lru_order`` int16 per LRU slot and layer)."""
+    rows = buffer_size + recent_window
+    return num_layers * (rows * row_bytes + buffer_size * 6)
+
+
+def compute_offload_pool_sizes(
+    available_bytes: int,
+    num_layers: int,
+    row_bytes: int,
+    indexer_bytes: int,
+    page_size: int,
+    buffer_size: int,
+    recent_window: int,
+    num_regions: int,
+    staging_rows: int,
+    host_pool_bytes: int,
+    max_total_tokens: Optional[int] = None,
+) -> NSAKVOffloadPoolSizes:
+    """Split ``available_bytes`` between fixed costs (regions, staging) and
+    logical token locs, and cap the locs by what the host pool holds."""
+    staging_rows = _round_up(staging_rows, page_size)
+    region_rows = buffer_size + recent_window
+    fixed = (
+        num_layers * (page_size + staging_rows) * row_bytes
+        + num_regions
+        * offload_bytes_per_region(num_layers, row_bytes, buffer_size, recent_window)
+    )
+    per_loc = offload_bytes_per_loc(num_layers, indexer_bytes)
+    host_capacity = host_pool_bytes // (num_layers * row_bytes)
+    num_locs = min((available_bytes - fixed) // per_loc, host_capacity)
+    if max_total_tokens is not None:
+        num_locs = min(num_locs, max_total_tokens)
+    num_locs = num_locs // page_size * page_size
+    if num_locs <= 0:
+        raise RuntimeError(
+            "NSA KV offload: not enough GPU memory for "
+            f"{num_regions} decode regions of {region_rows} rows and "
+            f"{staging_rows} staging rows ({fixed / (1 << 30):.2f} GB of "
+            f"{available_bytes / (1 << 30):.2f} GB available). Lower "
+            "--max-running-requests or --nsa-kv-offload-gpu-buffer-size, or raise "
+            "--mem-fraction-static."
+        )
+    return NSAKVOffloadPoolSizes(
+        num_locs=num_locs,
+        num_regions=num_regions,
+        region_rows=region_rows,
+        staging_rows=staging_rows,
+        page_size=page_size,
+        host_capacity_locs=host_capacity,
+    )
+
+
+# Default decode regions when --max-running-requests is not set: at most this
+# share of the KV budget goes to regions, and at most this many regions.
+_DEFAULT_REGION_BUDGET_FRACTION = 0.4
+_DEFAULT_MAX_REGIONS = 256
+
+
+class NSAKVOffloadPoolConfigurator:
+    """Memory-pool sizing with the decode NSA KV offload on (see module doc).
+
+    Plugs into ModelRunner's pool sizing like upstream's configurators:
+    ``max_total_num_tokens`` is the number of logical token locs and
+    ``max_running_requests`` the number of decode regions.
+    """
+
+    def __init__(self, mr):
+        from sglang.srt.configs.model_config import get_nsa_index_head_dim
+
+        sa = mr.server_args
+        self.num_layers = mr.num_effective_layers
+        self.row_bytes = mr.calculate_mla_kv_cache_dim() * torch._utils._element_size(
+            mr.kv_cache_dtype
+        )
+        index_head_dim = get_nsa_index_head_dim(mr.model_config.hf_config)
+        self.indexer_bytes = (
+            index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
+        )
+        self.buffer_size = sa.nsa_kv_offload_gpu_buffer_size
+        self.recent_window = sa.nsa_kv_offload_recent_window
+        self.host_pool_bytes = int(sa.nsa_kv_offload_host_pool_gb * (1 << 30))
+        self.user_max_running_requests = sa.max_running_requests
+        prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
+        # A colocated prefill keeps the whole prompt on the GPU until it is
+        # backed up; two prefill batches can be in flight (overlap scheduler).
+        self.staging_rows = (
+            mr.model_config.context_len + 2 * prefill_budget + 64 * sa.page_size
+        )
+        self.max_total_tokens = sa.max_total_tokens
+
+    def _num_regions(self, available_bytes: int) -> int:
+        if self.user_max_running_requests is not None:
+            return self.user_max_running_requests
+        per_region = offload_bytes_per_region(
+            self.num_layers, self.row_bytes, self.buffer_size, self.recent_window
+        )
+        share = int(_DEFAULT_REGION_BUDGET_FRACTION * available_bytes) // per_region
+        return max(1, min(_DEFAULT_MAX_REGIONS, share))
+
+    def compute_sizes(
+        self, available_bytes: int, page_size: int, num_regions: Optional[int] = None
+    ) -> NSAKVOffloadPoolSizes:
+        return compute_offload_pool_sizes(
+            available_bytes=available_bytes,
+            num_layers=self.num_layers,
+            row_bytes=self.row_bytes,
+            indexer_bytes=self.indexer_bytes,
+            page_size=page_size,
+            buffer_size=self.buffer_size,
+            recent_window=self.recent_window,
+            num_regions=(
+                self._num_regions(available_bytes)
+                if num_regions is None
+                else num_regions
+            ),
+            staging_rows=self.staging_rows,
+            host_pool_bytes=self.host_pool_bytes,
+            max_total_tokens=self.max_total_tokens,
+        )
+
+    def calculate_pool_sizes(self, available_bytes: int, page_size: int):
+        from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+
+        sizes = self.compute_sizes(available_bytes, page_size)
+        self._num_regions_resolved = sizes.num_regions
+        return MemoryPoolConfig(
+            max_total_num_tokens=sizes.num_locs,
+            max_running_requests=sizes.num_regions,
+        )
+
+    def calculate_pool_sizes_from_max_tokens(
+        self, max_total_num_tokens: int, page_size: int
+    ):
+        from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+
+        return MemoryPoolConfig(
+            max_total_num_tokens=max_total_num_tokens // page_size * page_size,
+            max_running_requests=getattr(self, "_num_regions_resolved", None),
+        )
+
+    def final_sizes(
+        self, num_locs: int, num_regions: int, page_size: int
+    ) -> NSAKVOffloadPoolSizes:
+        """Pool layout for the resolved token and request counts."""
+        return NSAKVOffloadPoolSizes(
+            num_locs=num_locs,
+            num_regions=num_regions,
+            region_rows=self.buffer_size + self.recent_window,
+            staging_rows=_round_up(self.staging_rows, page_size),
+            page_size=page_size,
+            host_capacity_locs=self.host_pool_bytes
+            // (self.num_layers * self.row_bytes),
+        )
