@@ -1241,7 +1241,7 @@ def export_patch(
         if existing is None:
             raise RefusedError(f"{out_path} does not exist: name the --files to diff")
         files = [fp.rel for fp in existing.files]
-    rels = sorted({_normalize_rel(f) for f in files})
+    rels = list(dict.fromkeys(_normalize_rel(f) for f in files))  # keep order
 
     # Base: pristine upstream with every other patch of the series applied.
     others = [p for p in series if p.name != name]

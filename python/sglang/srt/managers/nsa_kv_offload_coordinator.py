@@ -239,3 +239,53 @@ class NSAKVOffloadCoordinator:
             f"H2D: {stats['h2d_bytes'] / gap / 1e9:.2f} GB/s, "
             f"regions: {stats['regions_used']}/{stats['regions_total']}"
         )
+
+
+# ------------------------------------------------------------ model runner glue
+
+
+def nsa_kv_offload_pool_kwargs(model_runner) -> dict:
+    """Extra kwargs of the NSA KV pool with the offload on; records the layout."""
+    from sglang.srt.mem_cache.nsa_kv_offload_pool import NSAKVOffloadPoolConfigurator
+
+    configurator = NSAKVOffloadPoolConfigurator(model_runner)
+    sizes = configurator.final_sizes(
+        num_locs=model_runner.max_total_num_tokens,
+        num_regions=model_runner.max_running_requests,
+        page_size=model_runner.page_size,
+    )
+    model_runner.nsa_kv_offload_sizes = sizes
+    return {"num_gpu_rows": sizes.kv_pool_size}
+
+
+def create_nsa_kv_offload_allocator(model_runner, need_sort: bool):
+    sizes = model_runner.nsa_kv_offload_sizes
+    return NSAKVOffloadTokenToKVPoolAllocator(
+        model_runner.max_total_num_tokens,
+        page_size=model_runner.page_size,
+        dtype=model_runner.kv_cache_dtype,
+        device=model_runner.device,
+        kvcache=model_runner.token_to_kv_pool,
+        need_sort=need_sort,
+        staging_start_row=sizes.staging_start_row,
+        staging_rows=sizes.staging_rows,
+    )
+
+
+def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
+    from sglang.srt.configs.model_config import get_nsa_index_topk
+
+    sa = model_runner.server_args
+    max_batch_size = max(
+        model_runner.max_running_requests, sa.cuda_graph_max_bs or 0
+    )
+    return NSAKVOffloadCoordinator(
+        kv_pool=model_runner.token_to_kv_pool,
+        allocator=model_runner.token_to_kv_pool_allocator,
+        req_to_token=model_runner.req_to_token_pool.req_to_token,
+        sizes=model_runner.nsa_kv_offload_sizes,
+        top_k=get_nsa_index_topk(model_runner.model_config.hf_config),
+        buffer_size=sa.nsa_kv_offload_gpu_buffer_size,
+        recent_window=sa.nsa_kv_offload_recent_window,
+        max_batch_size=max_batch_size,
+    )

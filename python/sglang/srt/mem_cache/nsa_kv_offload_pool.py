@@ -42,10 +42,12 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
         super().__init__(size=num_gpu_rows, index_buf_size=size, **kwargs)
         self.num_locs = size
         self.num_gpu_rows = num_gpu_rows
-        # Unmapped locs write into the padding rows, like loc 0 does upstream.
+        # Unmapped locs write into the padding rows, like loc 0 does upstream;
+        # the extra last entry keeps a -1 (padding) index at -1.
         self.loc_to_row = torch.zeros(
             size + page_size + 1, dtype=torch.int64, device=self.device
         )
+        self.loc_to_row[-1] = -1
         # Set by the coordinator once the controller exists.
         self.nsa_kv_offload = None
 
@@ -68,6 +70,12 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
         raise NotImplementedError("the NSA KV offload pool has no CPU copy")
+
+
+def get_nsa_kv_offload(token_to_kv_pool_allocator):
+    """The offload coordinator behind an allocator, or None when it is off."""
+    kvcache = getattr(token_to_kv_pool_allocator, "_kvcache", None)
+    return getattr(kvcache, "nsa_kv_offload", None)
 
 
 class StagingRowAllocator:

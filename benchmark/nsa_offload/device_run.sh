@@ -1,0 +1,36 @@
+#!/bin/bash
+# Runs on the lent H200 (see ../shared/DEVICE.md). Two back-to-back calls:
+#   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a)
+#   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
+# STEP: engine (GPU checks + P1/P2 benchmarks), e2e (server exactness), or a
+# path to a python script. Results go under $OUT.
+set -uo pipefail
+W=.devwheels
+PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site"
+if [ "${1:-}" = install-a ]; then
+  $PIP $W/wheels-a/*.whl && echo "wheels-a installed"; exit $?
+fi
+if [ ! -f /tmp/site/.wheels-b ]; then
+  $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
+fi
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+python3 scripts/apply_patch.py --sglang-dir /tmp/site || exit 1
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+rc=0
+for step in "$@"; do
+  case $step in
+    engine)
+      timeout 100 python3 benchmark/nsa_offload/gpu_check_lru.py --out $OUT/gpu_check_lru.json 2>&1 | tail -40 || rc=1
+      timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -30 || rc=1
+      timeout 70 python3 benchmark/nsa_offload/bench_copy.py --quick --out $OUT/copy 2>&1 | tail -40 || rc=1
+      timeout 80 python3 benchmark/nsa_offload/bench_swap.py --out $OUT/swap 2>&1 | tail -40 || rc=1
+      ;;
+    e2e)
+      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_exactness.py --out $OUT/e2e ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
+      ;;
+    *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
+  esac
+done
+# At most 8 files come back from $OUT: pack them.
+(cd $OUT && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
+exit $rc

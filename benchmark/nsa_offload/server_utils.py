@@ -1,0 +1,159 @@
+"""Launch a real sglang server with the tiny DeepSeek-V3.2-shaped model and talk
+to it with token ids only (stdlib HTTP, no tokenizer)."""
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+TINY_CONFIG = HERE / "tiny_dsv32_config.json"
+VOCAB_SIZE = 4096
+
+# The stack on the H200 host (see ../shared/DEVICE.md): trimmed sgl-kernel
+# without FA3, fp8 KV with FlashMLA sparse prefill + FlashMLA fp8 decode.
+BASE_ARGS = [
+    "--load-format",
+    "dummy",
+    "--kv-cache-dtype",
+    "fp8_e4m3",
+    "--nsa-prefill-backend",
+    "flashmla_sparse",
+    "--nsa-decode-backend",
+    "flashmla_kv",
+    "--sampling-backend",
+    "pytorch",
+    "--grammar-backend",
+    "none",
+    "--skip-tokenizer-init",
+    "--disable-radix-cache",
+]
+BASE_ENV = {
+    "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+def make_model_dir() -> str:
+    d = tempfile.mkdtemp(prefix="tiny_dsv32_")
+    shutil.copy(TINY_CONFIG, os.path.join(d, "config.json"))
+    return d
+
+
+class Server:
+    """A sglang server process; ``with Server(...) as s:`` waits for health."""
+
+    def __init__(
+        self,
+        name: str,
+        extra_args: Sequence[str],
+        port: int,
+        log_dir: str,
+        env: Optional[Dict[str, str]] = None,
+        timeout: float = 600.0,
+    ):
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = os.path.join(log_dir, f"server_{name}.log")
+        self.model_dir = make_model_dir()
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_dir,
+            "--port",
+            str(port),
+            *BASE_ARGS,
+            *extra_args,
+        ]
+        self.env = {**os.environ, **BASE_ENV, **(env or {})}
+        self.timeout = timeout
+        self.proc = None
+
+    def __enter__(self):
+        print(f"[{self.name}] {' '.join(self.cmd)}", flush=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
+        )
+        tic = time.time()
+        while time.time() - tic < self.timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"[{self.name}] server exited with {self.proc.returncode}:\n"
+                    + self.tail()
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        print(
+                            f"[{self.name}] ready in {time.time() - tic:.0f} s",
+                            flush=True,
+                        )
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"[{self.name}] not healthy after {self.timeout} s")
+
+    def __exit__(self, *exc):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+        shutil.rmtree(self.model_dir, ignore_errors=True)
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            with open(self.log_path) as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def get_json(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def generate(self, input_ids: List[int], max_new_tokens: int) -> dict:
+        body = json.dumps(
+            {
+                "input_ids": input_ids,
+                "sampling_params": {
+                    "max_new_tokens": max_new_tokens,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            }
+        ).encode()
+        req = urllib.request.Request(
+            self.url + "/generate",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=1800) as r:
+            return json.loads(r.read())
+
+    def generate_many(
+        self, prompts: List[List[int]], max_new_tokens: int, concurrency: int
+    ) -> List[dict]:
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda p: self.generate(p, max_new_tokens), prompts))
+
+
+def random_prompts(lengths: Sequence[int], seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in lengths]
