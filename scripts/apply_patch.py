@@ -1040,11 +1040,16 @@ def plan_revert(target: Target, modules: Dict[str, bytes], series: List[Patch]) 
             our_modules = sorted(manifest.get("modules", {}))
             created_dirs = manifest.get("created_dirs", [])
         else:
-            # No record: remove only files identical to the repo's modules.
+            # No record: remove only files identical to the repo's modules
+            # that are not upstream files (an empty file may well be one).
+            upstream_files = upstream_file_list(target)
+            known = not isinstance(upstream_files, _AllFiles)
             our_modules = [
                 rel
                 for rel, data in sorted(modules.items())
-                if (pkg / rel).is_file() and (pkg / rel).read_bytes() == data
+                if (pkg / rel).is_file()
+                and (pkg / rel).read_bytes() == data
+                and (rel not in upstream_files if known else data != b"")
             ]
             created_dirs = []
     if plan.errors:
@@ -1142,13 +1147,13 @@ def report(plan: Plan, dry_run: bool, what: str) -> None:
     for error in plan.errors:
         for k, line in enumerate(error.splitlines()):
             print(f"  {'ERROR: ' if k == 0 else '  '}{line}")
+    done = "reverted" if what == "revert" else "up to date"
+    what = f"check {what}" if dry_run else what
     if plan.errors:
         verb = "would fail" if dry_run else "failed, nothing was written"
         print(f"{what} {verb}: {len(plan.errors)} problem(s)")
     elif not plan.has_changes:
-        print(
-            f"{what}: nothing to do (already {'reverted' if what == 'revert' else 'up to date'})"
-        )
+        print(f"{what}: nothing to do (already {done})")
     elif dry_run:
         print(f"{what}: dry run, nothing written")
     else:

@@ -62,7 +62,7 @@ def _check_sglang_location() -> None:
     if spec is None or spec.origin is None:
         return  # tests that need it fail on import with a clear error
     origin = Path(spec.origin).resolve()
-    if REPO_ROOT in origin.parents:
+    if REPO_PYTHON_DIR in origin.parents:
         raise pytest.UsageError(
             f"sglang is imported from this repo ({origin}), not from the venv's "
             "patched install; run the tests with scripts/test.sh"
