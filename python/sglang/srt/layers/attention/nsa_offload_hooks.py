@@ -48,3 +48,11 @@ def translate_locs_to_rows(
     if offload is None or locs is None:
         return locs
     return offload.kv_pool.translate_loc_to_row(locs).to(locs.dtype)
+
+
+def maybe_override_decode_topk(
+    forward_batch: ForwardBatch, layer_id: int, topk_positions: torch.Tensor
+) -> torch.Tensor:
+    """Benchmark-only hook on the decode top-k of every server (offload,
+    HiSparse, none): off unless its environment variable is set."""
+    return topk_positions
