@@ -28,6 +28,9 @@ for step in "$@"; do
     e2e)
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_exactness.py --out $OUT/e2e ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
+    capacity)
+      (cd benchmark/nsa_offload && timeout ${CAP_TIMEOUT:-500} python3 capacity.py server --out $OUT/capacity ${CAP_ARGS:-}) 2>&1 | tail -40 || rc=1
+      ;;
     *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
   esac
 done
