@@ -7,20 +7,17 @@ Two parts:
   (``compute_offload_pool_sizes``) and the bytes the no-offload NSA pool
   allocates per token; with the analytic bound of the issue
   ``L (656 + 132) / (L 132 + R 656)`` and where the offload's memory goes.
-* ``server`` (GPU): the same budget given to two real servers (same
-  ``--mem-fraction-static``), each sent more requests of one length than it
-  can hold; the peak ``#running-req`` of its decode log is the measured
-  capacity, and every request must complete (admission makes the rest wait).
+* the measured side: ``e2e_server.py --capacity-length L`` gives two real
+  servers the same budget and reads their peak ``#running-req`` (it uses
+  ``scan_log`` below).
 
     python benchmark/nsa_offload/capacity.py model --out results/capacity
-    python benchmark/nsa_offload/capacity.py server --length 32768 --out DIR
 """
 
 import argparse
 import json
 import os
 import re
-import time
 
 ROW_BYTES_FP8 = 656  # FlashMLA fp8 row: 512 nope + 4 fp32 scales + 64 bf16 rope
 INDEXER_BYTES = 132  # 128 fp8 + fp32 scale
@@ -36,7 +33,9 @@ def _import_sizing():
         if not torch.cuda.is_available():
             import sys
 
-            sys.path.insert(0, os.path.join(os.path.dirname(__file__), "../../test/srt"))
+            sys.path.insert(
+                0, os.path.join(os.path.dirname(__file__), "../../test/srt")
+            )
             import cpu_shims
 
             cpu_shims.install_all()
@@ -95,8 +94,10 @@ def model_rows(args):
             out[mode] = int(m)
             out[f"{mode}_ratio"] = m / baseline if baseline else float("inf")
             out[f"{mode}_memory"] = used
-        bound = length * (ROW_BYTES_FP8 + INDEXER_BYTES) / (
-            length * INDEXER_BYTES + R * ROW_BYTES_FP8
+        bound = (
+            length
+            * (ROW_BYTES_FP8 + INDEXER_BYTES)
+            / (length * INDEXER_BYTES + R * ROW_BYTES_FP8)
         )
         out["bound"] = bound
         out["decode_only_vs_bound"] = out["decode_only_ratio"] / bound
@@ -146,7 +147,7 @@ def write_model(args):
     print("\n".join(lines))
 
 
-# ---------------------------------------------------------------- server mode
+# ------------------------------------------------------------ server logs
 
 RUNNING_RE = re.compile(r"Decode batch.*?#running-req: (\d+)")
 BASE_TOKENS_RE = re.compile(r"max_total_num_tokens=(\d+)")
@@ -171,72 +172,6 @@ def scan_log(path):
     return peak, total_tokens, regions
 
 
-def run_server_mode(args):
-    from server_utils import Server, random_prompts
-
-    os.makedirs(args.out, exist_ok=True)
-    tokens = args.length + args.new_tokens
-    common = [
-        "--mem-fraction-static",
-        str(args.mem_fraction_static),
-        "--context-length",
-        str(args.context_len),
-        "--decode-log-interval",
-        "5",
-        "--cuda-graph-max-bs",
-        "64",
-    ]
-    results = {}
-    for name, extra in (
-        ("baseline", ["--max-running-requests", str(args.max_running_baseline)]),
-        (
-            "offload",
-            [
-                "--enable-decode-nsa-kv-offload",
-                "--nsa-kv-offload-host-pool-gb",
-                str(args.host_pool_gb),
-                "--max-running-requests",
-                str(args.max_running_offload),
-            ],
-        ),
-    ):
-        env = {"SGLANG_NSA_FUSE_TOPK": "0"}
-        with Server(name, common + extra, args.port, args.out, env=env) as server:
-            _, total_tokens, regions = scan_log(server.log_path)
-            if name == "baseline":
-                predicted = total_tokens // tokens
-            else:
-                predicted = min(regions, total_tokens // (
-                    (tokens + PAGE - 1) // PAGE * PAGE))
-            n = int(predicted * 1.25) + 2
-            prompts = random_prompts([args.length] * n, seed=1)
-            print(f"[{name}] predicted {predicted}, sending {n}", flush=True)
-            tic = time.time()
-            outs = server.generate_many(prompts, args.new_tokens, n)
-            elapsed = time.time() - tic
-            time.sleep(5)
-            alive = server.proc.poll() is None
-        peak, _, _ = scan_log(server.log_path)
-        results[name] = {
-            "total_token_locs": total_tokens,
-            "regions": regions,
-            "predicted_capacity": predicted,
-            "sent": n,
-            "completed": sum(len(o["output_ids"]) == args.new_tokens for o in outs),
-            "peak_running": peak,
-            "elapsed_s": elapsed,
-            "alive_after_idle": alive,
-        }
-        print(f"[{name}] {results[name]}", flush=True)
-    results["ratio_peak_running"] = results["offload"]["peak_running"] / max(
-        results["baseline"]["peak_running"], 1
-    )
-    results["config"] = vars(args)
-    with open(os.path.join(args.out, f"capacity_server_{args.length}.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    print(json.dumps({k: v for k, v in results.items() if k != "config"}, indent=1))
-
-
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="mode", required=True)
@@ -245,7 +180,8 @@ def main():
     m.add_argument("--layers", type=int, default=61)
     m.add_argument("--budget-gb", type=float, default=80.0)
     m.add_argument(
-        "--lengths", type=lambda s: [int(x) for x in s.split(",")],
+        "--lengths",
+        type=lambda s: [int(x) for x in s.split(",")],
         default=[16384, 32768, 65536, 131072],
     )
     m.add_argument("--new-tokens", type=int, default=0)
@@ -253,21 +189,8 @@ def main():
     m.add_argument("--recent-window", type=int, default=64)
     m.add_argument("--context-len", type=int, default=131072 + 4096)
     m.add_argument("--prefill-budget", type=int, default=16384)
-    s = sub.add_parser("server")
-    s.add_argument("--out", required=True)
-    s.add_argument("--length", type=int, default=32768)
-    s.add_argument("--new-tokens", type=int, default=32)
-    s.add_argument("--context-len", type=int, default=36000)
-    s.add_argument("--mem-fraction-static", type=float, default=0.012)
-    s.add_argument("--host-pool-gb", type=float, default=8.0)
-    s.add_argument("--max-running-baseline", type=int, default=256)
-    s.add_argument("--max-running-offload", type=int, default=32)
-    s.add_argument("--port", type=int, default=31100)
     args = p.parse_args()
-    if args.mode == "model":
-        write_model(args)
-    else:
-        run_server_mode(args)
+    write_model(args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # Runs on the lent H200 (see ../shared/DEVICE.md). Two back-to-back calls:
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
-# STEP: engine (GPU checks + P1/P2 benchmarks), e2e (server exactness), or a
+# STEP: engine (GPU checks + P1/P2 benchmarks), e2e (servers: exactness,
+# capacity, idle; args in $E2E_ARGS), or a
 # path to a python script. Results go under $OUT.
 set -uo pipefail
 W=.devwheels
@@ -26,10 +27,7 @@ for step in "$@"; do
       timeout 80 python3 benchmark/nsa_offload/bench_swap.py --out $OUT/swap 2>&1 | tail -40 || rc=1
       ;;
     e2e)
-      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_exactness.py --out $OUT/e2e ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
-      ;;
-    capacity)
-      (cd benchmark/nsa_offload && timeout ${CAP_TIMEOUT:-500} python3 capacity.py server --out $OUT/capacity ${CAP_ARGS:-}) 2>&1 | tail -40 || rc=1
+      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
     *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
   esac

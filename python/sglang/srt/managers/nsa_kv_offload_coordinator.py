@@ -4,9 +4,10 @@ One ``NSAKVOffloadCoordinator`` per rank, built by ModelRunner after its pools.
 It owns the ``SparseCacheController`` (host pool, LRU state, regions, copies)
 and connects it to sglang's scheduling:
 
-* admission (first decode preparation of a request, or the result processing
-  of its last prefill chunk, whichever comes first): back the prompt up to
-  host slots, give the request a region, warm it, and return the staging rows;
+* admission (right after the forward that completes a prompt is enqueued;
+  the first decode preparation admits anything missed): back the prompt up
+  to host slots, give the request a region, warm it, and return the staging
+  rows;
 * every decode preparation: map each new token loc to its window ring row;
 * every forward: make the forward stream wait for the side-stream copies;
   after a decode forward, write that step's new tokens back to host memory
@@ -110,7 +111,9 @@ class NSAKVOffloadCoordinator:
             miss_dst_row=torch.zeros(
                 (max_batch_size, k), dtype=torch.int32, device=self.device
             ),
-            miss_count=torch.zeros(max_batch_size, dtype=torch.int32, device=self.device),
+            miss_count=torch.zeros(
+                max_batch_size, dtype=torch.int32, device=self.device
+            ),
         )
         self.producer_stream = None
         self._admitted = set()
@@ -164,9 +167,13 @@ class NSAKVOffloadCoordinator:
         # Later forwards wait for the backup before writing staging rows again.
         self.allocator.release_staging(locs)
 
-    def admit_prefilled(self, req: Req) -> None:
-        """Result processing of a request's last prefill chunk."""
-        self.admit(req, len(req.fill_ids))
+    def admit_prefilled_batch(self, batch: ScheduleBatch, chunked_req) -> None:
+        """Right after a prefill forward is enqueued: admit every request whose
+        prompt it completes (all but the scheduler's current chunked request).
+        The copies are ordered after that forward on the GPU."""
+        for req in batch.reqs:
+            if req is not chunked_req and req.req_pool_idx not in self._admitted:
+                self.admit(req, len(req.fill_ids))
 
     def prepare_decode(self, batch: ScheduleBatch) -> None:
         """After ``prepare_for_decode`` allocated ``out_cache_loc`` and advanced
@@ -276,9 +283,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     from sglang.srt.configs.model_config import get_nsa_index_topk
 
     sa = model_runner.server_args
-    max_batch_size = max(
-        model_runner.max_running_requests, sa.cuda_graph_max_bs or 0
-    )
+    max_batch_size = max(model_runner.max_running_requests, sa.cuda_graph_max_bs or 0)
     return NSAKVOffloadCoordinator(
         kv_pool=model_runner.token_to_kv_pool,
         allocator=model_runner.token_to_kv_pool_allocator,

@@ -170,9 +170,7 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         rows = self.page_to_staging_row[pages]
         staged = rows >= 0
         if bool(staged.any()):
-            self.staging.free(
-                (rows[staged] - self.staging.start_row) // self.page_size
-            )
+            self.staging.free((rows[staged] - self.staging.start_row) // self.page_size)
             self.page_to_staging_row[pages[staged]] = -1
 
     def free(self, free_index: torch.Tensor):
@@ -244,10 +242,10 @@ def compute_offload_pool_sizes(
     logical token locs, and cap the locs by what the host pool holds."""
     staging_rows = _round_up(staging_rows, page_size)
     region_rows = buffer_size + recent_window
-    fixed = (
-        num_layers * (page_size + staging_rows) * row_bytes
-        + num_regions
-        * offload_bytes_per_region(num_layers, row_bytes, buffer_size, recent_window)
+    fixed = num_layers * (
+        page_size + staging_rows
+    ) * row_bytes + num_regions * offload_bytes_per_region(
+        num_layers, row_bytes, buffer_size, recent_window
     )
     per_loc = offload_bytes_per_loc(num_layers, indexer_bytes)
     host_capacity = host_pool_bytes // (num_layers * row_bytes)

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
-def get_nsa_kv_offload(forward_batch: ForwardBatch) -> Optional[NSAKVOffloadCoordinator]:
+def get_nsa_kv_offload(
+    forward_batch: ForwardBatch,
+) -> Optional[NSAKVOffloadCoordinator]:
     return getattr(forward_batch.token_to_kv_pool, "nsa_kv_offload", None)
 
 

@@ -1,0 +1,1120 @@
+"""Decode NSA KV offload driven through the real sglang pools (CPU integration).
+
+Builds the real ``NSAKVOffloadTokenToKVPool`` (an sglang ``NSATokenToKVPool``),
+``ReqToTokenPool``, ``NSAKVOffloadTokenToKVPoolAllocator`` (an sglang
+``PagedTokenToKVPoolAllocator``) and ``NSAKVOffloadCoordinator`` (host pool +
+``SparseCacheController``), then plays the scheduler's part with small fake
+``Req`` / ``ScheduleBatch`` / ``ForwardBatch`` objects:
+
+* chunked prefill: logical locs from ``alloc_extend``, staging rows through
+  ``loc_to_row``, KV written with ``set_mla_kv_buffer``;
+* admission (result processing of the last chunk, or the first decode
+  preparation as under the overlap scheduler): prompt backed up to host slot
+  ``loc``, staging pages returned, region granted and warmed;
+* decode steps: new token locs mapped onto the window ring, KV written per
+  layer, then every layer's swap must return a page table whose rows hold
+  exactly the KV of the picked tokens (compared with a full-KV reference kept
+  by the test), CUDA-graph padding rows included; new tokens backed up to host;
+* finish: region and LRU state released, locs freed through the allocator,
+  and every pool is back to its initial size (no leaks), with a new request
+  reusing the freed request slot, region and locs.
+
+Also covered: pool sizing arithmetic and its error, the server-args -> pool
+configurator -> pool/allocator/coordinator glue, ``translate_locs_to_rows``
+and ``get_nsa_kv_offload``.
+
+CPU notes: without CUDA the Triton kernels run in the interpreter
+(``TRITON_INTERPRET=1``, set by conftest.py), the host pool is not pinned and
+the controller runs its copies inline (no side stream). Upstream's
+``alloc_extend_kernel`` does not run under the Triton interpreter (its
+runtime-bounded ``range`` fails), so on CPU it is replaced by a torch
+transcription (``_TorchAllocExtendKernel``) while the tests run; everything
+else, including ``alloc_decode_kernel`` and ``set_mla_kv_buffer_triton``, is
+the real code. With CUDA the same tests run on the GPU.
+"""
+
+import os
+import shutil
+import tempfile
+import unittest
+from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:  # test/srt/cpu_shims.py lets sglang import on a CPU-only machine
+    import cpu_shims
+except ImportError:  # pragma: no cover
+    cpu_shims = None
+if cpu_shims is not None:
+    cpu_shims.install_all()
+
+from sglang.srt.layers.attention import nsa_offload_hooks
+from sglang.srt.managers.nsa_kv_offload_coordinator import (
+    NSAKVOffloadCoordinator,
+    create_nsa_kv_offload_allocator,
+    create_nsa_kv_offload_coordinator,
+    nsa_kv_offload_pool_kwargs,
+)
+from sglang.srt.mem_cache import allocator as allocator_module
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.common import get_last_loc_torch
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+    NSAKVOffloadPoolConfigurator,
+    NSAKVOffloadPoolSizes,
+    NSAKVOffloadTokenToKVPool,
+    NSAKVOffloadTokenToKVPoolAllocator,
+    compute_offload_pool_sizes,
+    get_nsa_kv_offload,
+    offload_bytes_per_loc,
+    offload_bytes_per_region,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TINY_DSV32_CONFIG = REPO_ROOT / "benchmark" / "nsa_offload" / "tiny_dsv32_config.json"
+
+PAGE = 64
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+INDEX_HEAD_DIM = 128
+KV_DIM_BF16 = KV_LORA_RANK + ROPE_DIM  # 576 x bf16 = 1152 B
+KV_DIM_FP8 = 656  # FlashMLA fp8 layout: 512 fp8 + 4 x fp32 scales + 64 x bf16
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+class _TorchAllocExtendKernel:
+    """Torch transcription of ``allocator.alloc_extend_kernel`` (same grid call
+    and outputs) for CPU runs: the Triton original does not run under the
+    interpreter. Per request: fill the old partial page after ``last_loc``,
+    then the new pages taken in order from ``free_pages``."""
+
+    def __getitem__(self, grid):
+        def launch(pre_lens, seq_lens, last_loc, free_pages, out, bs_upper, page):
+            out_start = page_start = 0
+            arange = torch.arange(page, device=out.device)
+            for pre, seq, last in zip(
+                pre_lens.tolist(), seq_lens.tolist(), last_loc.tolist()
+            ):
+                new_pages = (seq + page - 1) // page - (pre + page - 1) // page
+                part1 = min(seq, (pre + page - 1) // page * page) - pre
+                out[out_start : out_start + part1] = last + 1 + arange[:part1]
+                rest = seq - pre - part1
+                if rest > 0:
+                    pages = free_pages[page_start : page_start + new_pages]
+                    locs = (pages[:, None] * page + arange).reshape(-1)[:rest]
+                    out[out_start + part1 : out_start + seq - pre] = locs
+                out_start += seq - pre
+                page_start += new_pages
+
+        return launch
+
+
+def setUpModule():
+    if DEVICE == "cpu":
+        patcher = mock.patch.object(
+            allocator_module, "alloc_extend_kernel", _TorchAllocExtendKernel()
+        )
+        patcher.start()
+        unittest.addModuleCleanup(patcher.stop)
+
+
+def _make_pool(num_locs, num_gpu_rows, layer_num, kv_fp8=False):
+    return NSAKVOffloadTokenToKVPool(
+        num_locs,
+        num_gpu_rows=num_gpu_rows,
+        page_size=PAGE,
+        kv_lora_rank=KV_LORA_RANK,
+        dtype=torch.float8_e4m3fn if kv_fp8 else torch.bfloat16,
+        qk_rope_head_dim=ROPE_DIM,
+        layer_num=layer_num,
+        device=DEVICE,
+        index_head_dim=INDEX_HEAD_DIM,
+        enable_memory_saver=False,
+        kv_cache_dim=KV_DIM_FP8 if kv_fp8 else KV_DIM_BF16,
+    )
+
+
+def _layer(layer_id):
+    # set_mla_kv_buffer / get_mla_kv_buffer only read ``layer.layer_id``.
+    return SimpleNamespace(layer_id=layer_id)
+
+
+# --------------------------------------------------------------------- sizing
+
+
+class TestOffloadPoolSizing(unittest.TestCase):
+    L, ROW, IDX, C, W = 3, 656, 132, 4096, 64
+
+    def _sizes(self, available, regions=4, staging=10000, host=1 << 30, **kw):
+        return compute_offload_pool_sizes(
+            available_bytes=available,
+            num_layers=self.L,
+            row_bytes=self.ROW,
+            indexer_bytes=self.IDX,
+            page_size=PAGE,
+            buffer_size=self.C,
+            recent_window=self.W,
+            num_regions=regions,
+            staging_rows=staging,
+            host_pool_bytes=host,
+            **kw,
+        )
+
+    def _fixed(self, regions, staging_rows):
+        return self.L * (PAGE + staging_rows) * self.ROW + regions * self.L * (
+            (self.C + self.W) * self.ROW + self.C * 6
+        )
+
+    def test_per_unit_costs(self):
+        # indexer keys + int16 loc_to_slot per layer, int64 loc_to_row.
+        self.assertEqual(offload_bytes_per_loc(self.L, self.IDX), 3 * 134 + 8)
+        # region rows + int32 slot_loc and int16 lru_order per LRU slot.
+        self.assertEqual(
+            offload_bytes_per_region(self.L, self.ROW, self.C, self.W),
+            3 * (4160 * 656 + 4096 * 6),
+        )
+
+    def test_gpu_bound_split(self):
+        available = 2 << 30
+        sizes = self._sizes(available, host=1 << 40)
+        staging = 10048  # rounded up to a page
+        per_loc = offload_bytes_per_loc(self.L, self.IDX)
+        expect = (available - self._fixed(4, staging)) // per_loc // PAGE * PAGE
+        self.assertEqual(sizes.num_locs, expect)
+        self.assertEqual(sizes.num_locs % PAGE, 0)
+        self.assertEqual(sizes.staging_rows, staging)
+        self.assertEqual(sizes.region_rows, self.C + self.W)
+        self.assertEqual(sizes.num_regions, 4)
+        self.assertEqual(sizes.host_capacity_locs, (1 << 40) // (self.L * self.ROW))
+        # Layout: [padding page][staging][regions], all inside the KV pool.
+        self.assertEqual(sizes.staging_start_row, PAGE)
+        self.assertEqual(sizes.region_start_row, PAGE + staging)
+        self.assertEqual(sizes.kv_pool_size % PAGE, 0)
+        self.assertGreaterEqual(
+            PAGE + sizes.kv_pool_size,
+            sizes.region_start_row + sizes.num_regions * sizes.region_rows,
+        )
+        self.assertLess(
+            PAGE + sizes.kv_pool_size - PAGE,
+            staging + 4 * (self.C + self.W) + PAGE,
+        )
+        # What the split reserves fits the budget.
+        self.assertLessEqual(
+            self._fixed(4, staging) + sizes.num_locs * per_loc, available
+        )
+
+    def test_host_and_user_caps(self):
+        host = 100 * PAGE * self.L * self.ROW + 5
+        sizes = self._sizes(4 << 30, host=host)
+        self.assertEqual(sizes.host_capacity_locs, 100 * PAGE)
+        self.assertEqual(sizes.num_locs, 100 * PAGE)
+        capped = self._sizes(4 << 30, host=1 << 40, max_total_tokens=1000)
+        self.assertEqual(capped.num_locs, 1000 // PAGE * PAGE)
+
+    def test_not_enough_memory(self):
+        fixed = self._fixed(4, 10048)
+        with self.assertRaises(RuntimeError) as ctx:
+            self._sizes(fixed + PAGE * offload_bytes_per_loc(self.L, self.IDX) - 1)
+        msg = str(ctx.exception)
+        self.assertIn("NSA KV offload: not enough GPU memory", msg)
+        self.assertIn("4 decode regions of 4160 rows", msg)
+        self.assertIn("10048 staging rows", msg)
+        self.assertIn("--max-running-requests", msg)
+        self.assertIn("--nsa-kv-offload-gpu-buffer-size", msg)
+        self.assertIn("--mem-fraction-static", msg)
+        # One page of locs more is enough.
+        sizes = self._sizes(fixed + PAGE * offload_bytes_per_loc(self.L, self.IDX))
+        self.assertEqual(sizes.num_locs, PAGE)
+
+
+class TestServerArgsToPools(unittest.TestCase):
+    """ServerArgs (tiny DeepSeek-V3.2 config) -> patched pool configurator ->
+    ModelRunner's pool resolution -> pool kwargs, allocator, coordinator."""
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang.srt.server_args import ServerArgs
+
+        cls.tmp_dir = tempfile.mkdtemp()
+        shutil.copy(TINY_DSV32_CONFIG, os.path.join(cls.tmp_dir, "config.json"))
+        cls.ServerArgs = ServerArgs
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp_dir, ignore_errors=True)
+
+    def _server_args(self, **overrides):
+        # model_path="dummy" stops __post_init__ before the GPU-only steps; the
+        # fields it would resolve for DSA on Hopper are set explicitly.
+        args = self.ServerArgs(model_path="dummy")
+        fields = dict(
+            model_path=self.tmp_dir,
+            skip_tokenizer_init=True,
+            page_size=PAGE,
+            kv_cache_dtype="fp8_e4m3",
+            nsa_prefill_backend="flashmla_sparse",
+            nsa_decode_backend="flashmla_kv",
+            disable_radix_cache=True,
+            enable_decode_nsa_kv_offload=True,
+            nsa_kv_offload_host_pool_gb=0.01,
+            context_length=2048,
+            chunked_prefill_size=1024,
+            max_prefill_tokens=1024,
+            max_running_requests=2,
+        )
+        fields.update(overrides)
+        for name, value in fields.items():
+            setattr(args, name, value)
+        args._handle_decode_nsa_kv_offload()
+        return args
+
+    def _model_runner(self, server_args, available_bytes):
+        from sglang.srt.model_executor.model_runner_kv_cache_mixin import (
+            ModelRunnerKVCacheMixin as Mixin,
+        )
+
+        model_config = server_args.get_model_config()
+        mr = SimpleNamespace(
+            server_args=server_args,
+            model_config=model_config,
+            kv_cache_dtype=torch.float8_e4m3fn,
+            num_effective_layers=model_config.num_hidden_layers,
+            is_draft_worker=False,
+            page_size=server_args.page_size,
+            device=DEVICE,
+            pp_size=1,
+            dp_size=1,
+            mambaish_config=None,
+        )
+        for name in (
+            "calculate_mla_kv_cache_dim",
+            "_apply_token_constraints",
+            "_resolve_max_num_reqs",
+            "_resolve_memory_pool_config",
+        ):
+            setattr(mr, name, getattr(Mixin, name).__get__(mr))
+        mr._profile_available_bytes = lambda pre_model_load_memory: available_bytes
+        return mr
+
+    def test_configurator_fields(self):
+        from sglang.srt.model_executor.pool_configurator import (
+            create_memory_pool_configurator,
+        )
+
+        args = self._server_args()
+        mr = self._model_runner(args, 1 << 30)
+        configurator = create_memory_pool_configurator(mr)
+        self.assertIsInstance(configurator, NSAKVOffloadPoolConfigurator)
+        self.assertEqual(configurator.num_layers, 3)
+        self.assertEqual(configurator.row_bytes, 656)  # fp8 FlashMLA layout
+        self.assertEqual(configurator.indexer_bytes, 128 + 4)
+        self.assertEqual(configurator.buffer_size, 2 * 2048)  # 2 x index_topk
+        self.assertEqual(configurator.recent_window, 64)
+        self.assertEqual(configurator.host_pool_bytes, int(0.01 * (1 << 30)))
+        self.assertEqual(configurator.staging_rows, 2048 + 2 * 1024 + 64 * PAGE)
+
+        # Without the flag (or on a draft worker) upstream's configurator is
+        # picked; the factory is only asked which class it would build.
+        with mock.patch(
+            "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
+        ) as default:
+            mr.is_hybrid_swa = False
+            mr.is_draft_worker = True
+            self.assertIs(create_memory_pool_configurator(mr), default.return_value)
+            mr.is_draft_worker = False
+            args.enable_decode_nsa_kv_offload = False
+            self.assertIs(create_memory_pool_configurator(mr), default.return_value)
+
+        bf16 = self._model_runner(
+            self._server_args(
+                kv_cache_dtype="bfloat16", nsa_decode_backend="flashmla_sparse"
+            ),
+            1 << 30,
+        )
+        bf16.kv_cache_dtype = torch.bfloat16
+        self.assertEqual(NSAKVOffloadPoolConfigurator(bf16).row_bytes, 1152)
+
+    def test_default_regions_from_budget(self):
+        args = self._server_args(max_running_requests=None)
+        configurator = NSAKVOffloadPoolConfigurator(self._model_runner(args, 1 << 30))
+        per_region = offload_bytes_per_region(3, 656, 4096, 64)
+        sizes = configurator.compute_sizes(1 << 30, PAGE)
+        self.assertEqual(sizes.num_regions, int(0.4 * (1 << 30)) // per_region)
+        huge = configurator.compute_sizes(1 << 40, PAGE)
+        self.assertEqual(huge.num_regions, 256)
+        with self.assertRaises(RuntimeError):
+            configurator.compute_sizes(1 << 20, PAGE)
+
+    def test_resolved_pools(self):
+        args = self._server_args()
+        available = 256 << 20
+        mr = self._model_runner(args, available)
+        config = mr._resolve_memory_pool_config(0)
+        mr.max_total_num_tokens = config.max_total_num_tokens
+        mr.max_running_requests = config.max_running_requests
+        self.assertEqual(config.max_running_requests, 2)
+        # Host-bound here: 0.01 GB of 3 x 656 B rows.
+        host_locs = int(0.01 * (1 << 30)) // (3 * 656)
+        self.assertEqual(config.max_total_num_tokens, host_locs // PAGE * PAGE)
+
+        # What the patched model_runner_kv_cache_mixin builds.
+        kwargs = nsa_kv_offload_pool_kwargs(mr)
+        sizes = mr.nsa_kv_offload_sizes
+        self.assertEqual(kwargs, {"num_gpu_rows": sizes.kv_pool_size})
+        self.assertEqual(sizes.num_locs, mr.max_total_num_tokens)
+        self.assertEqual(sizes.num_regions, 2)
+        self.assertEqual(sizes.region_rows, 4096 + 64)
+        mr.token_to_kv_pool = NSAKVOffloadTokenToKVPool(
+            mr.max_total_num_tokens,
+            page_size=mr.page_size,
+            dtype=mr.kv_cache_dtype,
+            kv_lora_rank=mr.model_config.kv_lora_rank,
+            qk_rope_head_dim=mr.model_config.qk_rope_head_dim,
+            layer_num=mr.num_effective_layers,
+            device=DEVICE,
+            kv_cache_dim=mr.calculate_mla_kv_cache_dim(),
+            enable_memory_saver=False,
+            start_layer=0,
+            end_layer=None,
+            index_head_dim=128,
+            **kwargs,
+        )
+        pool = mr.token_to_kv_pool
+        self.assertEqual(pool.kv_buffer[0].shape, (sizes.kv_pool_size + PAGE, 1, 656))
+        self.assertEqual(pool.num_locs, sizes.num_locs)
+        self.assertEqual(pool.loc_to_row.numel(), sizes.num_locs + PAGE + 1)
+        index_rows = pool.index_k_with_scale_buffer[0].shape[0] * PAGE
+        self.assertGreaterEqual(index_rows, sizes.num_locs + PAGE)
+
+        mr.token_to_kv_pool_allocator = create_nsa_kv_offload_allocator(
+            mr, need_sort=False
+        )
+        allocator = mr.token_to_kv_pool_allocator
+        self.assertEqual(allocator.available_size(), sizes.num_locs)
+        self.assertEqual(allocator.staging.start_row, PAGE)
+        self.assertEqual(allocator.staging.num_pages * PAGE, sizes.staging_rows)
+
+        mr.req_to_token_pool = ReqToTokenPool(
+            size=mr.max_running_requests,
+            max_context_len=mr.model_config.context_len + 4,
+            device=DEVICE,
+            enable_memory_saver=False,
+        )
+        coordinator = create_nsa_kv_offload_coordinator(mr)
+        self.assertIs(get_nsa_kv_offload(allocator), coordinator)
+        self.assertIs(pool.nsa_kv_offload, coordinator)
+        self.assertEqual(coordinator.top_k, 2048)
+        self.assertEqual(coordinator.host_pool.size, sizes.num_locs)
+        self.assertEqual(coordinator.host_pool.row_bytes, 656)
+        controller = coordinator.controller
+        self.assertEqual(controller.num_free_regions(), 2)
+        self.assertEqual(controller.regions.start_row, sizes.region_start_row)
+        self.assertLessEqual(controller.regions.end_row, pool.kv_buffer[0].shape[0])
+        self.assertEqual(controller.lru.num_locs, sizes.num_locs + PAGE)
+
+
+# ---------------------------------------------------------- small components
+
+
+class TestHooksAndLookup(unittest.TestCase):
+    def setUp(self):
+        sizes = NSAKVOffloadPoolSizes(
+            num_locs=8 * PAGE,
+            num_regions=1,
+            region_rows=128 + 8,
+            staging_rows=2 * PAGE,
+            page_size=PAGE,
+            host_capacity_locs=8 * PAGE,
+        )
+        self.pool = _make_pool(8 * PAGE, sizes.kv_pool_size, layer_num=2)
+        self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
+            8 * PAGE,
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            device=DEVICE,
+            kvcache=self.pool,
+            need_sort=False,
+            staging_start_row=sizes.staging_start_row,
+            staging_rows=sizes.staging_rows,
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            size=2, max_context_len=256, device=DEVICE, enable_memory_saver=False
+        )
+        self.sizes = sizes
+
+    def _coordinator(self):
+        return NSAKVOffloadCoordinator(
+            self.pool,
+            self.allocator,
+            self.req_to_token_pool.req_to_token,
+            self.sizes,
+            top_k=64,
+            buffer_size=128,
+            recent_window=8,
+            max_batch_size=2,
+        )
+
+    def test_get_nsa_kv_offload(self):
+        plain_pool = NSATokenToKVPool(
+            4 * PAGE,
+            page_size=PAGE,
+            kv_lora_rank=KV_LORA_RANK,
+            dtype=torch.bfloat16,
+            qk_rope_head_dim=ROPE_DIM,
+            layer_num=1,
+            device=DEVICE,
+            index_head_dim=INDEX_HEAD_DIM,
+            enable_memory_saver=False,
+            kv_cache_dim=KV_DIM_BF16,
+        )
+        plain = PagedTokenToKVPoolAllocator(
+            4 * PAGE, PAGE, torch.bfloat16, DEVICE, plain_pool, need_sort=False
+        )
+        self.assertIsNone(get_nsa_kv_offload(plain))
+        self.assertIsNone(get_nsa_kv_offload(SimpleNamespace()))
+        self.assertIsNone(get_nsa_kv_offload(self.allocator))  # not built yet
+        coordinator = self._coordinator()
+        self.assertIs(get_nsa_kv_offload(self.allocator), coordinator)
+
+        # The backend reaches it through forward_batch.token_to_kv_pool.
+        decode = SimpleNamespace(
+            token_to_kv_pool=self.pool, forward_mode=ForwardMode.DECODE
+        )
+        extend = SimpleNamespace(
+            token_to_kv_pool=self.pool, forward_mode=ForwardMode.EXTEND
+        )
+        idle = SimpleNamespace(
+            token_to_kv_pool=self.pool, forward_mode=ForwardMode.IDLE
+        )
+        plain_decode = SimpleNamespace(
+            token_to_kv_pool=plain_pool, forward_mode=ForwardMode.DECODE
+        )
+        self.assertIs(nsa_offload_hooks.get_nsa_kv_offload(decode), coordinator)
+        self.assertIsNone(nsa_offload_hooks.get_nsa_kv_offload(plain_decode))
+        self.assertTrue(nsa_offload_hooks.use_positional_decode_topk(decode))
+        self.assertTrue(nsa_offload_hooks.use_positional_decode_topk(idle))
+        self.assertFalse(nsa_offload_hooks.use_positional_decode_topk(extend))
+        self.assertFalse(nsa_offload_hooks.use_positional_decode_topk(plain_decode))
+        topk = torch.arange(64, dtype=torch.int32, device=DEVICE)[None]
+        self.assertIs(
+            nsa_offload_hooks.maybe_override_decode_topk(decode, 0, topk), topk
+        )
+
+    def test_translate_locs_to_rows(self):
+        self._coordinator()
+        fb = SimpleNamespace(token_to_kv_pool=self.pool)
+        # Locs of a 70-token prompt: two pages, each with its staging page.
+        req = SimpleNamespace(req_pool_idx=None, is_chunked=0, kv_committed_len=0)
+        self.req_to_token_pool.alloc([req])
+        zero = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        seq = torch.full((1,), 70, dtype=torch.int64, device=DEVICE)
+        locs = self.allocator.alloc_extend(
+            zero, zero.cpu(), seq, seq.cpu(), zero - 1, 70
+        )
+        self.assertIsNotNone(locs)
+        self.req_to_token_pool.write((req.req_pool_idx, slice(0, 70)), locs.int())
+        staging_end = self.sizes.staging_start_row + self.sizes.staging_rows
+        self.assertEqual(self.allocator.staging.available_pages(), 0)
+
+        # The extend page table of the backend: int32 locs, -1 padded.
+        page_table = torch.full((2, 96), -1, dtype=torch.int32, device=DEVICE)
+        page_table[0, :70] = self.req_to_token_pool.req_to_token[req.req_pool_idx, :70]
+        page_table[1, :5] = page_table[0, 65:70]
+        rows = nsa_offload_hooks.translate_locs_to_rows(fb, page_table)
+        self.assertEqual(rows.dtype, torch.int32)
+        self.assertEqual(rows.shape, page_table.shape)
+        pad = page_table < 0
+        self.assertTrue(bool((rows[pad] == -1).all()))
+        self.assertTrue(
+            torch.equal(
+                rows[~pad].long(), self.pool.loc_to_row[page_table[~pad].long()]
+            )
+        )
+        self.assertTrue(bool((rows[~pad] >= self.sizes.staging_start_row).all()))
+        self.assertTrue(bool((rows[~pad] < staging_end).all()))
+        self.assertEqual(torch.unique(rows[0, :70]).numel(), 70)
+        # int64 (flattened page table) keeps its dtype too; None passes.
+        flat = nsa_offload_hooks.translate_locs_to_rows(
+            fb, page_table.reshape(-1).long()
+        )
+        self.assertEqual(flat.dtype, torch.int64)
+        self.assertTrue(torch.equal(flat, rows.reshape(-1).long()))
+        self.assertIsNone(nsa_offload_hooks.translate_locs_to_rows(fb, None))
+        # Without the offload the locs are returned as they are.
+        plain_fb = SimpleNamespace(token_to_kv_pool=SimpleNamespace())
+        self.assertIs(
+            nsa_offload_hooks.translate_locs_to_rows(plain_fb, page_table), page_table
+        )
+
+    def test_no_cpu_copy(self):
+        with self.assertRaises(NotImplementedError):
+            self.pool.get_cpu_copy(torch.arange(4))
+        with self.assertRaises(NotImplementedError):
+            self.pool.load_cpu_copy(None, torch.arange(4))
+
+
+class TestStagingAllocator(unittest.TestCase):
+    NUM_LOCS, STAGING_PAGES = 16 * PAGE, 6
+
+    def setUp(self):
+        self.pool = _make_pool(self.NUM_LOCS, (self.STAGING_PAGES + 1) * PAGE, 1)
+        self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
+            self.NUM_LOCS,
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            device=DEVICE,
+            kvcache=self.pool,
+            need_sort=False,
+            staging_start_row=PAGE,
+            staging_rows=self.STAGING_PAGES * PAGE,
+        )
+        self.req_to_token = torch.zeros((4, 1024), dtype=torch.int32, device=DEVICE)
+
+    def _extend(self, items):
+        """items: [(req_idx, prefix_len, extend_len)] -> out locs (int64)."""
+        idx = torch.tensor([r for r, _, _ in items], device=DEVICE)
+        pre = torch.tensor([p for _, p, _ in items], dtype=torch.int64)
+        seq = torch.tensor([p + e for _, p, e in items], dtype=torch.int64)
+        last = get_last_loc_torch(self.req_to_token, idx, pre.to(DEVICE))
+        out = self.allocator.alloc_extend(
+            pre.to(DEVICE), pre, seq.to(DEVICE), seq, last, int((seq - pre).sum())
+        )
+        if out is not None:
+            start = 0
+            for r, p, e in items:
+                self.req_to_token[r, p : p + e] = out[start : start + e].int()
+                start += e
+        return out
+
+    def _check_mapping(self, locs):
+        rows = self.pool.loc_to_row[locs]
+        pages = locs // PAGE
+        staging_row = self.allocator.page_to_staging_row[pages]
+        self.assertTrue(bool((staging_row >= PAGE).all()))
+        self.assertTrue(torch.equal(rows, staging_row + locs % PAGE))
+        self.assertTrue(bool((rows < PAGE + self.STAGING_PAGES * PAGE).all()))
+        return rows
+
+    def test_chunked_prefill_staging(self):
+        avail = self.allocator.available_size()
+        # Two requests; the first chunk of request 0 ends mid-page.
+        self._extend([(0, 0, 100), (1, 0, 64)])
+        self.assertEqual(self.allocator.staging.available_pages(), 6 - 3)
+        self._extend([(0, 100, 120)])  # 220 tokens: 4 pages, 2 new
+        self.assertEqual(self.allocator.staging.available_pages(), 6 - 5)
+        self.assertEqual(self.allocator.available_size(), avail - 5 * PAGE)
+        locs0 = self.req_to_token[0, :220].long()
+        locs1 = self.req_to_token[1, :64].long()
+        rows = torch.cat([self._check_mapping(locs0), self._check_mapping(locs1)])
+        self.assertEqual(torch.unique(rows).numel(), 284)  # no two locs share a row
+        # Tokens 64..219 of request 0: the partial page continues its staging page.
+        self.assertTrue(
+            torch.equal(
+                self.pool.loc_to_row[locs0[96:104]],
+                self.pool.loc_to_row[locs0[96]] + torch.arange(8, device=DEVICE),
+            )
+        )
+
+        # Admission returns the staging pages (any loc of a page frees it).
+        self.allocator.release_staging(locs0[::7])
+        self.assertEqual(self.allocator.staging.available_pages(), 1 + 4)
+        self.assertTrue(
+            bool((self.allocator.page_to_staging_row[locs0 // PAGE] == -1).all())
+        )
+        self.allocator.release_staging(locs0)  # idempotent
+        self.assertEqual(self.allocator.staging.available_pages(), 5)
+
+        # Freeing locs (finish) returns locs and the remaining staging pages,
+        # also through a free group (decode result processing).
+        self.allocator.free(locs0.int())
+        self.allocator.free_group_begin()
+        self.allocator.free(locs1.int())
+        self.assertEqual(self.allocator.staging.available_pages(), 5)
+        self.allocator.free_group_end()
+        self.assertEqual(self.allocator.staging.available_pages(), 6)
+        self.assertEqual(self.allocator.available_size(), avail)
+        self.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))
+
+        # Staging pages come back in a new order: rows no longer follow locs.
+        self._extend([(2, 0, 6 * PAGE)])
+        self._check_mapping(self.req_to_token[2, : 6 * PAGE].long())
+        self.allocator.clear()
+        self.assertEqual(self.allocator.staging.available_pages(), 6)
+        self.assertEqual(self.allocator.available_size(), avail)
+        self.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))
+
+    def test_out_of_staging(self):
+        avail = self.allocator.available_size()
+        self._extend([(0, 0, 2 * PAGE)])
+        with self.assertRaises(RuntimeError) as ctx:
+            self._extend([(1, 0, 5 * PAGE)])
+        self.assertIn("out of GPU staging rows", str(ctx.exception))
+        self.assertIn("--chunked-prefill-size", str(ctx.exception))
+        # The failed extend gave its locs back and took no staging page.
+        self.assertEqual(self.allocator.available_size(), avail - 2 * PAGE)
+        self.assertEqual(self.allocator.staging.available_pages(), 4)
+        self._extend([(1, 0, 4 * PAGE)])
+        self.assertEqual(self.allocator.staging.available_pages(), 0)
+
+    def test_decode_pages_have_no_staging(self):
+        self._extend([(0, 0, PAGE)])  # full page: the next token opens a page
+        self.allocator.release_staging(self.req_to_token[0, :PAGE].long())
+        seq = torch.tensor([PAGE + 1], dtype=torch.int64)
+        last = self.req_to_token[0, PAGE - 1 : PAGE].long()
+        out = self.allocator.alloc_decode(seq.to(DEVICE), seq, last)
+        self.assertEqual(int(out[0]) % PAGE, 0)
+        self.assertEqual(int(self.allocator.page_to_staging_row[out[0] // PAGE]), -1)
+        self.assertEqual(self.allocator.staging.available_pages(), 6)
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+class _Harness:
+    """Real pools + coordinator; the test plays scheduler and model."""
+
+    def __init__(
+        self,
+        test,
+        kv_fp8=False,
+        layers=2,
+        top_k=64,
+        buffer_size=128,
+        window=8,
+        num_locs=16 * PAGE,
+        num_regions=2,
+        staging_pages=10,
+        max_reqs=2,
+        max_ctx=768,
+        seed=0,
+    ):
+        self.t = test
+        self.L, self.K, self.C, self.W = layers, top_k, buffer_size, window
+        self.kv_fp8 = kv_fp8
+        self.sizes = NSAKVOffloadPoolSizes(
+            num_locs=num_locs,
+            num_regions=num_regions,
+            region_rows=buffer_size + window,
+            staging_rows=staging_pages * PAGE,
+            page_size=PAGE,
+            host_capacity_locs=num_locs,
+        )
+        self.pool = _make_pool(num_locs, self.sizes.kv_pool_size, layers, kv_fp8)
+        self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
+            num_locs,
+            page_size=PAGE,
+            dtype=self.pool.dtype,
+            device=DEVICE,
+            kvcache=self.pool,
+            need_sort=False,
+            staging_start_row=self.sizes.staging_start_row,
+            staging_rows=self.sizes.staging_rows,
+        )
+        self.req_to_token_pool = ReqToTokenPool(
+            size=max_reqs,
+            max_context_len=max_ctx,
+            device=DEVICE,
+            enable_memory_saver=False,
+        )
+        self.req_to_token = self.req_to_token_pool.req_to_token
+        self.co = NSAKVOffloadCoordinator(
+            self.pool,
+            self.allocator,
+            self.req_to_token,
+            self.sizes,
+            top_k=top_k,
+            buffer_size=buffer_size,
+            recent_window=window,
+            max_batch_size=max_reqs + 1,
+        )
+        self.controller = self.co.controller
+        self.row_bytes = self.pool.kv_buffer[0][0].nbytes
+        # Full KV of every loc and layer as stored bytes (the reference).
+        self.ref = torch.zeros(
+            (layers, num_locs + PAGE, self.row_bytes), dtype=torch.uint8, device=DEVICE
+        )
+        self.gen = torch.Generator().manual_seed(seed)
+        self.initial = self.snapshot()
+        self.next_rid = 0
+
+    # -------------------------------------------------------------- helpers
+
+    def snapshot(self):
+        return dict(
+            locs=self.allocator.available_size(),
+            staging=self.allocator.staging.available_pages(),
+            regions=self.controller.num_free_regions(),
+            req_slots=self.req_to_token_pool.available_size(),
+        )
+
+    def rows_bytes(self, layer, rows):
+        return (
+            self.pool.kv_buffer[layer].view(torch.uint8).view(-1, self.row_bytes)[rows]
+        )
+
+    def host_bytes(self, layer, locs):
+        return self.controller.host_pool.kv_buffer[layer][locs]
+
+    def new_req(self):
+        req = SimpleNamespace(
+            rid=f"r{self.next_rid}",
+            req_pool_idx=None,
+            is_chunked=0,
+            kv_committed_len=0,
+            fill_ids=[],
+            seq_len=0,
+        )
+        self.next_rid += 1
+        self.t.assertIsNotNone(self.req_to_token_pool.alloc([req]))
+        return req
+
+    def write_kv(self, locs):
+        """The model's KV write of every layer for ``locs``; records the reference."""
+        n = locs.numel()
+        for layer in range(self.L):
+            nope = torch.randn((n, 1, KV_LORA_RANK), generator=self.gen)
+            rope = torch.randn((n, 1, ROPE_DIM), generator=self.gen)
+            nope = nope.to(DEVICE, torch.bfloat16)
+            rope = rope.to(DEVICE, torch.bfloat16)
+            self.pool.set_mla_kv_buffer(_layer(layer), locs, nope, rope)
+            stored = self.rows_bytes(layer, self.pool.loc_to_row[locs])
+            if not self.kv_fp8:
+                # bf16 rows are the inputs, bit for bit.
+                expect = torch.cat([nope, rope], dim=-1).reshape(n, -1)
+                self.t.assertTrue(torch.equal(stored.view(torch.bfloat16), expect))
+                k_nope, k_rope = self.pool.get_mla_kv_buffer(_layer(layer), locs)
+                self.t.assertTrue(torch.equal(k_nope, nope))
+                self.t.assertTrue(torch.equal(k_rope, rope))
+            self.ref[layer, locs] = stored
+
+    def check_host(self, locs):
+        self.controller.synchronize()
+        _sync()
+        for layer in range(self.L):
+            self.t.assertTrue(
+                torch.equal(self.host_bytes(layer, locs), self.ref[layer, locs]),
+                f"host rows of layer {layer} differ from the written KV",
+            )
+
+    # -------------------------------------------------------------- phases
+
+    def prefill(self, chunks):
+        """One extend batch: ``chunks`` = [(req, extend_len)]."""
+        idx = torch.tensor([r.req_pool_idx for r, _ in chunks], device=DEVICE)
+        pre = torch.tensor([r.seq_len for r, _ in chunks], dtype=torch.int64)
+        seq = torch.tensor([r.seq_len + e for r, e in chunks], dtype=torch.int64)
+        last = get_last_loc_torch(self.req_to_token, idx, pre.to(DEVICE))
+        staging_before = self.allocator.staging.available_pages()
+        out = self.allocator.alloc_extend(
+            pre.to(DEVICE), pre, seq.to(DEVICE), seq, last, int((seq - pre).sum())
+        )
+        self.t.assertIsNotNone(out)
+        new_pages = sum(
+            (p + e + PAGE - 1) // PAGE - (p + PAGE - 1) // PAGE
+            for p, e in zip(pre.tolist(), (seq - pre).tolist())
+        )
+        self.t.assertEqual(
+            self.allocator.staging.available_pages(), staging_before - new_pages
+        )
+        start = 0
+        for req, e in chunks:
+            self.req_to_token[req.req_pool_idx, req.seq_len : req.seq_len + e] = out[
+                start : start + e
+            ].int()
+            req.seq_len += e
+            req.fill_ids = list(range(req.seq_len))
+            start += e
+        rows = self.pool.loc_to_row[out]
+        staging_end = self.sizes.staging_start_row + self.sizes.staging_rows
+        self.t.assertTrue(bool((rows >= self.sizes.staging_start_row).all()))
+        self.t.assertTrue(bool((rows < staging_end).all()))
+        fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=len(chunks))
+        self.co.before_forward(fb)
+        self.write_kv(out)
+        # Prefill attention reads every prompt token through loc -> row.
+        fb = SimpleNamespace(token_to_kv_pool=self.pool)
+        for req, _ in chunks:
+            locs = self.req_to_token[req.req_pool_idx, : req.seq_len]
+            rows = nsa_offload_hooks.translate_locs_to_rows(fb, locs)
+            for layer in range(self.L):
+                self.t.assertTrue(
+                    torch.equal(
+                        self.rows_bytes(layer, rows.long()),
+                        self.ref[layer, locs.long()],
+                    )
+                )
+        return out
+
+    def admit_prefilled(self, req):
+        staging_before = self.allocator.staging.available_pages()
+        regions_before = self.controller.num_free_regions()
+        self.co.admit_prefilled(req)
+        self.check_admitted(req, staging_before, regions_before)
+
+    def check_admitted(self, req, staging_before, regions_before, prompt_len=None):
+        n = req.seq_len if prompt_len is None else prompt_len
+        r = req.req_pool_idx
+        self.t.assertTrue(self.co.is_admitted(req))
+        self.t.assertEqual(self.controller.num_free_regions(), regions_before - 1)
+        self.t.assertEqual(
+            self.allocator.staging.available_pages(),
+            staging_before + (n + PAGE - 1) // PAGE,
+        )
+        base = int(self.co.lru.region_base[r])
+        self.t.assertEqual(base, self.controller.region_base(r))
+        self.t.assertEqual((base - self.sizes.region_start_row) % (self.C + self.W), 0)
+        locs = self.req_to_token[r, :n].long()
+        self.check_host(locs)
+        # The window rows of the first decode step hold the newest prompt tokens.
+        pos = torch.arange(max(0, n + 1 - self.W), n, device=DEVICE)
+        rows = base + self.C + pos % self.W
+        for layer in range(self.L):
+            self.t.assertTrue(
+                torch.equal(self.rows_bytes(layer, rows), self.ref[layer, locs[pos]])
+            )
+
+    def pick_topk(self, n, first_step=False):
+        """Unique positions of one request (``-1`` padded, shuffled)."""
+        K, W = self.K, self.W
+        if first_step:
+            # Window + the warmed tokens just below it: no miss expected.
+            lo = max(0, n - W - (K - W))
+            cand = torch.arange(lo, n)
+        else:
+            must = [n - 1, n - W]  # window edges
+            if n - W - 1 >= 0:
+                must.append(n - W - 1)  # just left the window
+            hot = torch.arange(0, n, 7)[:24]  # re-used often: LRU hits
+            rand = torch.randperm(n, generator=self.gen)[:K]
+            cand = torch.cat([torch.tensor(must), hot, rand])
+            cand = cand[(cand >= 0) & (cand < n)]
+            # Unique, first occurrence order.
+            keep, seen = [], set()
+            for p in cand.tolist():
+                if p not in seen:
+                    seen.add(p)
+                    keep.append(p)
+            cand = torch.tensor(keep[: K - 5])  # leave room for padding
+        out = torch.full((K,), -1, dtype=torch.int64)
+        out[: cand.numel()] = cand
+        return out[torch.randperm(K, generator=self.gen)]
+
+    def decode_step(self, reqs, pad_rows=0, first_step_of=()):
+        bs = len(reqs)
+        idx = torch.tensor([r.req_pool_idx for r in reqs], device=DEVICE)
+        seq_cpu = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
+        # ScheduleBatch.prepare_for_decode: alloc, req_to_token, seq_lens + 1.
+        last = self.req_to_token[idx, seq_cpu.to(DEVICE) - 1].long()
+        out = self.allocator.alloc_decode((seq_cpu + 1).to(DEVICE), seq_cpu + 1, last)
+        self.t.assertIsNotNone(out)
+        self.req_to_token[idx, seq_cpu.to(DEVICE)] = out.int()
+        for r in reqs:
+            r.seq_len += 1
+        seq_cpu = seq_cpu + 1
+        batch = SimpleNamespace(
+            reqs=reqs,
+            seq_lens=seq_cpu.to(DEVICE),
+            seq_lens_cpu=seq_cpu,
+            req_pool_indices=idx,
+            out_cache_loc=out,
+        )
+        not_admitted = [r for r in reqs if not self.co.is_admitted(r)]
+        staging_before = self.allocator.staging.available_pages()
+        regions_before = self.controller.num_free_regions()
+        self.co.prepare_decode(batch)
+        for r in not_admitted:
+            # Admitted here (overlap scheduler): prompt = seq_len - 1 tokens.
+            self.check_admitted(r, staging_before, regions_before, r.seq_len - 1)
+            staging_before = self.allocator.staging.available_pages()
+            regions_before = self.controller.num_free_regions()
+        base = self.co.lru.region_base[idx].long()
+        self.t.assertTrue(
+            torch.equal(
+                self.pool.loc_to_row[out],
+                base + self.C + (seq_cpu.to(DEVICE) - 1) % self.W,
+            )
+        )
+
+        # ForwardBatch, padded like a CUDA-graph replay: stale pool index 0,
+        # seq_len 1, while batch_size counts the real rows only.
+        pad_idx = torch.zeros(pad_rows, dtype=idx.dtype, device=DEVICE)
+        pad_seq = torch.ones(pad_rows, dtype=torch.int64, device=DEVICE)
+        fb = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            out_cache_loc=out,
+            req_pool_indices=torch.cat([idx, pad_idx]),
+            seq_lens=torch.cat([batch.seq_lens, pad_seq]),
+            token_to_kv_pool=self.pool,
+        )
+        self.co.before_forward(fb)
+        self.t.assertEqual(int(self.co.num_real_reqs[0]), bs)
+        for layer in range(self.L):
+            # The layer writes its new KV (window row), then attends.
+            self.write_kv_layer(layer, out)
+            topk = torch.stack(
+                [self.pick_topk(r.seq_len, r in first_step_of) for r in reqs]
+                + [self.pick_topk(8) for _ in range(pad_rows)]
+            ).to(DEVICE, torch.int32)
+            page_table = nsa_offload_hooks.decode_page_table(fb, layer, topk)
+            self.check_page_table(layer, reqs, topk, page_table, pad_rows)
+            plan = self.controller.last_plan
+            for b, r in enumerate(reqs):
+                if r in first_step_of:
+                    self.t.assertEqual(int(plan.miss_count[b]), 0)
+        self.co.after_decode_forward(fb)
+        self.check_host(out)
+        return out
+
+    def write_kv_layer(self, layer, locs):
+        n = locs.numel()
+        nope = torch.randn((n, 1, KV_LORA_RANK), generator=self.gen)
+        rope = torch.randn((n, 1, ROPE_DIM), generator=self.gen)
+        self.pool.set_mla_kv_buffer(
+            _layer(layer),
+            locs,
+            nope.to(DEVICE, torch.bfloat16),
+            rope.to(DEVICE, torch.bfloat16),
+        )
+        self.ref[layer, locs] = self.rows_bytes(layer, self.pool.loc_to_row[locs])
+
+    def check_page_table(self, layer, reqs, topk, page_table, pad_rows):
+        bs = len(reqs)
+        self.t.assertEqual(page_table.shape, (bs + pad_rows, self.K))
+        self.t.assertEqual(page_table.dtype, torch.int32)
+        self.t.assertTrue(bool((page_table[bs:] == -1).all()), "padding rows")
+        for b, req in enumerate(reqs):
+            r, n = req.req_pool_idx, req.seq_len
+            pos = topk[b]
+            valid = (pos >= 0) & (pos < n)
+            rows = page_table[b]
+            self.t.assertTrue(bool((rows[~valid] == -1).all()))
+            rows, pos = rows[valid].long(), pos[valid]
+            base = int(self.co.lru.region_base[r])
+            self.t.assertTrue(bool((rows >= base).all()))
+            self.t.assertTrue(bool((rows < base + self.C + self.W).all()))
+            self.t.assertEqual(torch.unique(rows).numel(), rows.numel())
+            window = pos >= n - self.W
+            self.t.assertTrue(
+                torch.equal(rows[window], base + self.C + pos[window] % self.W)
+            )
+            locs = self.req_to_token[r, pos].long()
+            got = self.rows_bytes(layer, rows)
+            bad = (got != self.ref[layer, locs]).any(dim=1)
+            self.t.assertFalse(
+                bool(bad.any()),
+                f"layer {layer} req {req.rid}: positions "
+                f"{pos[bad].tolist()} read wrong KV",
+            )
+
+    def finish(self, req):
+        """Finish: coordinator release, then ChunkCache frees the locs."""
+        r = req.req_pool_idx
+        base = self.controller.region_base(r)
+        locs = self.req_to_token[r, : req.seq_len].long()
+        regions_before = self.controller.num_free_regions()
+        self.co.release(req)
+        self.t.assertFalse(self.co.is_admitted(req))
+        self.t.assertEqual(self.controller.num_free_regions(), regions_before + 1)
+        self.t.assertEqual(int(self.co.lru.region_base[r]), -1)
+        self.t.assertTrue(bool((self.co.lru.loc_to_slot[:, locs] == -1).all()))
+        self.t.assertTrue(bool((self.co.lru.slot_loc[:, r] == -1).all()))
+        self.t.assertIsNotNone(base)
+        self.allocator.free(self.req_to_token[r, : req.seq_len])
+        self.req_to_token_pool.free(req)
+        self.co.release(req)  # no-op once released
+
+    def check_no_leaks(self):
+        self.t.assertEqual(self.snapshot(), self.initial)
+        self.t.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))
+        self.t.assertTrue(bool((self.co.lru.loc_to_slot == -1).all()))
+        self.t.assertTrue(bool((self.co.lru.slot_loc == -1).all()))
+        self.t.assertTrue(bool((self.co.lru.region_base == -1).all()))
+        self.t.assertEqual(
+            self.controller.regions.available_size(), self.sizes.num_regions
+        )
+
+
+class TestOffloadLifecycle(unittest.TestCase):
+    def test_lifecycle_bf16(self):
+        h = _Harness(self)
+        # Chunked prefill of A (first chunk ends mid-page), then A's last
+        # chunk together with B in one extend batch.
+        a = h.new_req()
+        h.prefill([(a, 200)])
+        b = h.new_req()
+        h.prefill([(a, 100), (b, 150)])
+        self.assertEqual(h.allocator.staging.available_pages(), 10 - 5 - 3)
+        # A: result processing of its last chunk; B: at the first decode
+        # preparation (overlap scheduler order).
+        h.admit_prefilled(a)
+        h.co.admit_prefilled(a)  # idempotent
+        h.decode_step([a, b], first_step_of=(a, b))
+        for step in range(9):  # past the window: decode tokens come from host
+            h.decode_step([a, b], pad_rows=1 if step % 3 == 0 else 0)
+        stats = h.controller.get_stats()
+        self.assertGreater(stats["lru_hits"], 0)
+        self.assertGreater(stats["window_hits"], 0)
+        self.assertGreater(stats["misses"], 0)
+        self.assertEqual(stats["regions_used"], 2)
+        msg = h.co.get_decode_log_msg()
+        self.assertIn("nsa-offload hit rate: ", msg)
+        self.assertIn("regions: 2/2", msg)
+        self.assertEqual(h.controller.get_stats()["misses"], 0)  # reset
+
+        # A finishes; C reuses A's request slot, region and (freed) locs.
+        a_idx, a_base = a.req_pool_idx, h.controller.region_base(a.req_pool_idx)
+        a_locs = set(h.req_to_token[a_idx, : a.seq_len].tolist())
+        h.finish(a)
+        c = h.new_req()
+        self.assertEqual(c.req_pool_idx, a_idx)
+        h.prefill([(c, 260)])
+        self.assertTrue(a_locs & set(h.req_to_token[a_idx, :260].tolist()))
+        h.decode_step([b, c], first_step_of=(c,))
+        self.assertEqual(h.controller.region_base(c.req_pool_idx), a_base)
+        for step in range(5):
+            h.decode_step([b, c], pad_rows=1)
+        h.finish(b)
+        h.decode_step([c])
+        h.finish(c)
+        h.check_no_leaks()
+
+    def test_lifecycle_fp8(self):
+        # 656-byte FlashMLA fp8 rows (the production layout).
+        h = _Harness(self, kv_fp8=True, seed=1)
+        self.assertEqual(h.row_bytes, 656)
+        self.assertEqual(h.controller.row_bytes, 656)
+        a = h.new_req()
+        h.prefill([(a, 190)])
+        h.decode_step([a], first_step_of=(a,))
+        for _ in range(9):
+            h.decode_step([a])
+        h.finish(a)
+        h.check_no_leaks()
+
+    def test_retract_before_admission(self):
+        # A request retracted (or aborted) between its prefill and its first
+        # decode: never admitted, release is a no-op, free returns staging.
+        h = _Harness(self)
+        a = h.new_req()
+        h.prefill([(a, 130)])
+        self.assertFalse(h.co.is_admitted(a))
+        h.co.release(a)
+        h.allocator.free(h.req_to_token[a.req_pool_idx, : a.seq_len])
+        h.req_to_token_pool.free(a)
+        h.check_no_leaks()
+
+
+if __name__ == "__main__":
+    unittest.main()
