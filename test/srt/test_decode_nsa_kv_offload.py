@@ -12,9 +12,11 @@ Each server gets the same workload:
 2. ``short``: ``2 x --max-running-requests`` requests, one after the other, that
    finish at their prefill (``max_new_tokens=1``: what ``/health_generate``
    sends). Under the overlap scheduler each of them is already in the next
-   decode batch when its prefill result says it finished;
+   decode batch when its prefill result says it finished; each must give its
+   decode region back (a leaked region is reused stale by the next request
+   with the same request slot, or runs the server out of regions);
 3. ``after_short``: concurrent long requests again; they reuse every request
-   slot the short ones had;
+   slot (and region) the short ones had;
 4. idle: the scheduler goes idle (its own leak checks run), then the server
    must still answer ``/health_generate`` and a generation request.
 
@@ -305,16 +307,31 @@ class TestDecodeNSAKVOffload(CustomTestCase):
 
     @classmethod
     def _run_workload(cls, name: str) -> dict:
+        """Outputs per phase (a list of output_ids lists, or the error text
+        when the phase failed: the tests report it with the server log)."""
         url = cls.base_url
+
+        def phase(run):
+            try:
+                return run()
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+
         result = {}
         tic = time.perf_counter()
         prompts, max_new = cls.workload["main"]
-        result["main"] = _generate_many(url, prompts, max_new, CONCURRENCY)
+        result["main"] = phase(
+            lambda: _generate_many(url, prompts, max_new, CONCURRENCY)
+        )
         # One after the other: each is the only request when its prefill runs.
-        prompts, max_new = cls.workload["short"]
-        result["short"] = [_generate(url, p, max_new) for p in prompts]
-        prompts, max_new = cls.workload["after_short"]
-        result["after_short"] = _generate_many(url, prompts, max_new, CONCURRENCY)
+        short, short_max_new = cls.workload["short"]
+        result["short"] = phase(
+            lambda: [_generate(url, p, short_max_new) for p in short]
+        )
+        after, after_max_new = cls.workload["after_short"]
+        result["after_short"] = phase(
+            lambda: _generate_many(url, after, after_max_new, CONCURRENCY)
+        )
         print(f"[{name}] workload done in {time.perf_counter() - tic:.1f} s")
 
         # Idle: the scheduler runs its self-checks; the server must still serve.
@@ -323,11 +340,8 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         result["health_generate_after_idle"] = _get_status(
             url + "/health_generate", timeout=120
         )
-        try:
-            prompt = _random_prompts([500], seed=3)[0]
-            result["after_idle"] = _generate(url, prompt, 16)
-        except Exception as e:
-            result["after_idle"] = f"{type(e).__name__}: {e}"
+        prompt = _random_prompts([500], seed=3)[0]
+        result["after_idle"] = phase(lambda: _generate(url, prompt, 16))
         result["alive_at_end"] = cls.process.poll() is None
         return result
 
@@ -342,6 +356,13 @@ class TestDecodeNSAKVOffload(CustomTestCase):
     def _assert_phase_identical(self, phase: str):
         base = self.results["baseline"][phase]
         ours = self.results["offload"][phase]
+        for name, outputs in (("baseline", base), ("offload", ours)):
+            self.assertIsInstance(
+                outputs,
+                list,
+                f"{phase} failed on the {name} server: {outputs}; log tail:\n"
+                f"{self.results[name]['log_tail']}",
+            )
         self.assertEqual(len(base), len(ours))
         mismatched = []
         for i, (a, b) in enumerate(zip(base, ours)):

@@ -61,8 +61,11 @@ from sglang.srt.managers.nsa_kv_offload_coordinator import (
     nsa_kv_offload_pool_kwargs,
 )
 from sglang.srt.mem_cache import allocator as allocator_module
+from sglang.srt.mem_cache import common as common_module
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.common import get_last_loc_torch
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolConfigurator,
@@ -120,13 +123,19 @@ class _TorchAllocExtendKernel:
         return launch
 
 
+_alloc_extend_patch = mock.patch.object(
+    allocator_module, "alloc_extend_kernel", _TorchAllocExtendKernel()
+)
+
+
 def setUpModule():
     if DEVICE == "cpu":
-        patcher = mock.patch.object(
-            allocator_module, "alloc_extend_kernel", _TorchAllocExtendKernel()
-        )
-        patcher.start()
-        unittest.addModuleCleanup(patcher.stop)
+        _alloc_extend_patch.start()
+
+
+def tearDownModule():
+    if DEVICE == "cpu":
+        _alloc_extend_patch.stop()
 
 
 def _make_pool(num_locs, num_gpu_rows, layer_num, kv_fp8=False):
@@ -276,7 +285,13 @@ class TestServerArgsToPools(unittest.TestCase):
         fields.update(overrides)
         for name, value in fields.items():
             setattr(args, name, value)
-        args._handle_decode_nsa_kv_offload()
+        # Independent of this machine's free RAM (the handler checks it).
+        from sglang.srt.arg_groups import nsa_kv_offload_hook
+
+        with mock.patch.object(
+            nsa_kv_offload_hook, "pinnable_host_memory_gb", return_value=64.0
+        ):
+            args._handle_decode_nsa_kv_offload()
         return args
 
     def _model_runner(self, server_args, available_bytes):
@@ -681,6 +696,32 @@ class TestStagingAllocator(unittest.TestCase):
 # ------------------------------------------------------------------ lifecycle
 
 
+class _Req:
+    """What the offload, ReqToTokenPool, ChunkCache and release_kv_cache read
+    of a ``Req`` (no output tokens: ``seq_len`` is all committed KV)."""
+
+    def __init__(self, rid):
+        self.rid = rid
+        self.req_pool_idx = None
+        self.mamba_pool_idx = None
+        self.is_chunked = 0
+        self.kv_committed_len = 0
+        self.fill_ids = []
+        self.seq_len = 0
+
+    def pop_committed_kv_cache(self):
+        return self.kv_committed_len
+
+    def pop_overallocated_kv_cache(self):
+        return self.kv_committed_len, self.kv_committed_len
+
+
+# The fields of the global ServerArgs that release_kv_cache reads.
+_GLOBAL_SERVER_ARGS = SimpleNamespace(
+    page_size=PAGE, speculative_algorithm=None, strip_thinking_cache=False
+)
+
+
 class _Harness:
     """Real pools + coordinator; the test plays scheduler and model."""
 
@@ -744,6 +785,14 @@ class _Harness:
         self.ref = torch.zeros(
             (layers, num_locs + PAGE, self.row_bytes), dtype=torch.uint8, device=DEVICE
         )
+        self.tree_cache = ChunkCache(
+            CacheInitParams(
+                disable=True,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=PAGE,
+            )
+        )
         self.gen = torch.Generator().manual_seed(seed)
         self.initial = self.snapshot()
         self.next_rid = 0
@@ -767,14 +816,7 @@ class _Harness:
         return self.controller.host_pool.kv_buffer[layer][locs]
 
     def new_req(self):
-        req = SimpleNamespace(
-            rid=f"r{self.next_rid}",
-            req_pool_idx=None,
-            is_chunked=0,
-            kv_committed_len=0,
-            fill_ids=[],
-            seq_len=0,
-        )
+        req = _Req(f"r{self.next_rid}")
         self.next_rid += 1
         self.t.assertIsNotNone(self.req_to_token_pool.alloc([req]))
         return req
@@ -809,8 +851,11 @@ class _Harness:
 
     # -------------------------------------------------------------- phases
 
-    def prefill(self, chunks):
-        """One extend batch: ``chunks`` = [(req, extend_len)]."""
+    def prefill(self, chunks, chunked_req=None, admit=True):
+        """One extend batch: ``chunks`` = [(req, extend_len)]. ``chunked_req``
+        is the scheduler's request still being prefilled after this batch.
+        With ``admit`` the scheduler's hook right after the forward admits the
+        other requests of the batch (``admit_prefilled_batch``)."""
         idx = torch.tensor([r.req_pool_idx for r, _ in chunks], device=DEVICE)
         pre = torch.tensor([r.seq_len for r, _ in chunks], dtype=torch.int64)
         seq = torch.tensor([r.seq_len + e for r, e in chunks], dtype=torch.int64)
@@ -834,6 +879,7 @@ class _Harness:
             ].int()
             req.seq_len += e
             req.fill_ids = list(range(req.seq_len))
+            req.kv_committed_len = req.seq_len
             start += e
         rows = self.pool.loc_to_row[out]
         staging_end = self.sizes.staging_start_row + self.sizes.staging_rows
@@ -854,35 +900,49 @@ class _Harness:
                         self.ref[layer, locs.long()],
                     )
                 )
+        if admit:
+            reqs = [r for r, _ in chunks]
+            done = [r for r in reqs if r is not chunked_req]
+            staging_before = self.allocator.staging.available_pages()
+            regions_before = self.controller.num_free_regions()
+            self.co.admit_prefilled_batch(SimpleNamespace(reqs=reqs), chunked_req)
+            self.check_admitted(done, staging_before, regions_before)
+            if chunked_req is not None:
+                self.t.assertFalse(self.co.is_admitted(chunked_req))
         return out
 
-    def admit_prefilled(self, req):
-        staging_before = self.allocator.staging.available_pages()
-        regions_before = self.controller.num_free_regions()
-        self.co.admit_prefilled(req)
-        self.check_admitted(req, staging_before, regions_before)
-
-    def check_admitted(self, req, staging_before, regions_before, prompt_len=None):
-        n = req.seq_len if prompt_len is None else prompt_len
-        r = req.req_pool_idx
-        self.t.assertTrue(self.co.is_admitted(req))
-        self.t.assertEqual(self.controller.num_free_regions(), regions_before - 1)
+    def check_admitted(self, reqs, staging_before, regions_before, prompt_lens=None):
+        """``reqs`` were just admitted with prompts of ``prompt_lens`` tokens."""
+        if prompt_lens is None:
+            prompt_lens = [r.seq_len for r in reqs]
+        self.t.assertEqual(
+            self.controller.num_free_regions(), regions_before - len(reqs)
+        )
         self.t.assertEqual(
             self.allocator.staging.available_pages(),
-            staging_before + (n + PAGE - 1) // PAGE,
+            staging_before + sum((n + PAGE - 1) // PAGE for n in prompt_lens),
         )
-        base = int(self.co.lru.region_base[r])
-        self.t.assertEqual(base, self.controller.region_base(r))
-        self.t.assertEqual((base - self.sizes.region_start_row) % (self.C + self.W), 0)
-        locs = self.req_to_token[r, :n].long()
-        self.check_host(locs)
-        # The window rows of the first decode step hold the newest prompt tokens.
-        pos = torch.arange(max(0, n + 1 - self.W), n, device=DEVICE)
-        rows = base + self.C + pos % self.W
-        for layer in range(self.L):
+        for req, n in zip(reqs, prompt_lens):
+            r = req.req_pool_idx
+            self.t.assertTrue(self.co.is_admitted(req))
+            base = int(self.co.lru.region_base[r])
+            self.t.assertEqual(base, self.controller.region_base(r))
+            region = base - self.sizes.region_start_row
+            self.t.assertEqual(region % (self.C + self.W), 0)
+            locs = self.req_to_token[r, :n].long()
             self.t.assertTrue(
-                torch.equal(self.rows_bytes(layer, rows), self.ref[layer, locs[pos]])
+                bool((self.allocator.page_to_staging_row[locs // PAGE] == -1).all())
             )
+            self.check_host(locs)
+            # The first decode step's window rows hold the newest prompt tokens.
+            pos = torch.arange(max(0, n + 1 - self.W), n, device=DEVICE)
+            rows = base + self.C + pos % self.W
+            for layer in range(self.L):
+                self.t.assertTrue(
+                    torch.equal(
+                        self.rows_bytes(layer, rows), self.ref[layer, locs[pos]]
+                    )
+                )
 
     def pick_topk(self, n, first_step=False):
         """Unique positions of one request (``-1`` padded, shuffled)."""
@@ -921,6 +981,7 @@ class _Harness:
         self.req_to_token[idx, seq_cpu.to(DEVICE)] = out.int()
         for r in reqs:
             r.seq_len += 1
+            r.kv_committed_len += 1
         seq_cpu = seq_cpu + 1
         batch = SimpleNamespace(
             reqs=reqs,
@@ -933,11 +994,14 @@ class _Harness:
         staging_before = self.allocator.staging.available_pages()
         regions_before = self.controller.num_free_regions()
         self.co.prepare_decode(batch)
-        for r in not_admitted:
-            # Admitted here (overlap scheduler): prompt = seq_len - 1 tokens.
-            self.check_admitted(r, staging_before, regions_before, r.seq_len - 1)
-            staging_before = self.allocator.staging.available_pages()
-            regions_before = self.controller.num_free_regions()
+        # Requests the prefill hook missed are admitted here, with a prompt of
+        # seq_len - 1 tokens.
+        self.check_admitted(
+            not_admitted,
+            staging_before,
+            regions_before,
+            [r.seq_len - 1 for r in not_admitted],
+        )
         base = self.co.lru.region_base[idx].long()
         self.t.assertTrue(
             torch.equal(
@@ -1019,20 +1083,31 @@ class _Harness:
             )
 
     def finish(self, req):
-        """Finish: coordinator release, then ChunkCache frees the locs."""
+        """Finish, abort or retract: sglang's ``release_kv_cache`` (ChunkCache:
+        radix cache off) drops the offload state of ``req``, then frees its
+        token locs (= host slots, staging pages) and its request slot."""
         r = req.req_pool_idx
-        base = self.controller.region_base(r)
+        admitted = self.co.is_admitted(req)
         locs = self.req_to_token[r, : req.seq_len].long()
         regions_before = self.controller.num_free_regions()
-        self.co.release(req)
-        self.t.assertFalse(self.co.is_admitted(req))
-        self.t.assertEqual(self.controller.num_free_regions(), regions_before + 1)
+        locs_before = self.allocator.available_size()
+        with mock.patch.object(
+            common_module, "get_global_server_args", return_value=_GLOBAL_SERVER_ARGS
+        ):
+            release_kv_cache(req, self.tree_cache)
+        self.t.assertIsNone(req.req_pool_idx)
+        self.t.assertFalse(self.co.is_admitted(SimpleNamespace(req_pool_idx=r)))
+        self.t.assertEqual(
+            self.controller.num_free_regions(), regions_before + int(admitted)
+        )
         self.t.assertEqual(int(self.co.lru.region_base[r]), -1)
         self.t.assertTrue(bool((self.co.lru.loc_to_slot[:, locs] == -1).all()))
         self.t.assertTrue(bool((self.co.lru.slot_loc[:, r] == -1).all()))
-        self.t.assertIsNotNone(base)
-        self.allocator.free(self.req_to_token[r, : req.seq_len])
-        self.req_to_token_pool.free(req)
+        pages = (req.seq_len + PAGE - 1) // PAGE
+        self.t.assertEqual(self.allocator.available_size(), locs_before + pages * PAGE)
+        self.t.assertTrue(
+            bool((self.allocator.page_to_staging_row[locs // PAGE] == -1).all())
+        )
         self.co.release(req)  # no-op once released
 
     def check_no_leaks(self):
@@ -1049,17 +1124,14 @@ class _Harness:
 class TestOffloadLifecycle(unittest.TestCase):
     def test_lifecycle_bf16(self):
         h = _Harness(self)
-        # Chunked prefill of A (first chunk ends mid-page), then A's last
-        # chunk together with B in one extend batch.
+        # Chunked prefill of A (its first chunk ends mid-page), then A's last
+        # chunk and all of B in one extend batch; the hook after that forward
+        # admits both.
         a = h.new_req()
-        h.prefill([(a, 200)])
+        h.prefill([(a, 200)], chunked_req=a)
         b = h.new_req()
         h.prefill([(a, 100), (b, 150)])
-        self.assertEqual(h.allocator.staging.available_pages(), 10 - 5 - 3)
-        # A: result processing of its last chunk; B: at the first decode
-        # preparation (overlap scheduler order).
-        h.admit_prefilled(a)
-        h.co.admit_prefilled(a)  # idempotent
+        self.assertEqual(h.allocator.staging.available_pages(), 10)
         h.decode_step([a, b], first_step_of=(a, b))
         for step in range(9):  # past the window: decode tokens come from host
             h.decode_step([a, b], pad_rows=1 if step % 3 == 0 else 0)
@@ -1073,21 +1145,46 @@ class TestOffloadLifecycle(unittest.TestCase):
         self.assertIn("regions: 2/2", msg)
         self.assertEqual(h.controller.get_stats()["misses"], 0)  # reset
 
-        # A finishes; C reuses A's request slot, region and (freed) locs.
+        # A finishes; C reuses A's request slot, region and (freed) locs. The
+        # hook misses C: the first decode preparation admits it.
         a_idx, a_base = a.req_pool_idx, h.controller.region_base(a.req_pool_idx)
         a_locs = set(h.req_to_token[a_idx, : a.seq_len].tolist())
         h.finish(a)
         c = h.new_req()
         self.assertEqual(c.req_pool_idx, a_idx)
-        h.prefill([(c, 260)])
+        h.prefill([(c, 260)], admit=False)
         self.assertTrue(a_locs & set(h.req_to_token[a_idx, :260].tolist()))
         h.decode_step([b, c], first_step_of=(c,))
         self.assertEqual(h.controller.region_base(c.req_pool_idx), a_base)
-        for step in range(5):
+        for _ in range(5):
             h.decode_step([b, c], pad_rows=1)
         h.finish(b)
         h.decode_step([c])
         h.finish(c)
+        h.check_no_leaks()
+
+    def test_finish_at_prefill(self):
+        # Requests that finish at their prefill (max_new_tokens=1, e.g. the
+        # /health_generate probe): admitted by the prefill hook, released by
+        # release_kv_cache when the prefill result is processed, whether or
+        # not the overlap scheduler already put them in a decode batch.
+        h = _Harness(self)
+        a = h.new_req()
+        h.prefill([(a, 150)])
+        h.finish(a)
+        b = h.new_req()
+        h.prefill([(b, 180)])
+        h.decode_step([b], first_step_of=(b,))  # overlap: next batch prepared
+        h.finish(b)
+        h.check_no_leaks()
+        # Both request slots, regions and the locs are reused exactly.
+        c, d = h.new_req(), h.new_req()
+        h.prefill([(c, 140), (d, 200)])
+        h.decode_step([c, d], first_step_of=(c, d))
+        for _ in range(3):
+            h.decode_step([c, d])
+        h.finish(c)
+        h.finish(d)
         h.check_no_leaks()
 
     def test_lifecycle_fp8(self):
@@ -1103,16 +1200,14 @@ class TestOffloadLifecycle(unittest.TestCase):
         h.finish(a)
         h.check_no_leaks()
 
-    def test_retract_before_admission(self):
-        # A request retracted (or aborted) between its prefill and its first
-        # decode: never admitted, release is a no-op, free returns staging.
+    def test_abort_before_admission(self):
+        # Aborted (or retracted) while still being prefilled: never admitted;
+        # freeing its locs returns its staging pages.
         h = _Harness(self)
         a = h.new_req()
-        h.prefill([(a, 130)])
-        self.assertFalse(h.co.is_admitted(a))
-        h.co.release(a)
-        h.allocator.free(h.req_to_token[a.req_pool_idx, : a.seq_len])
-        h.req_to_token_pool.free(a)
+        h.prefill([(a, 130)], chunked_req=a)
+        self.assertLess(h.allocator.staging.available_pages(), 10)
+        h.finish(a)
         h.check_no_leaks()
 
 

@@ -1,0 +1,1371 @@
+"""Server benchmark: no offload vs HiSparse vs decode NSA KV offload (GPU host).
+
+Starts the tiny DeepSeek-V3.2-shaped model three times, one server after the
+other, with the same GPU memory budget (the same ``--mem-fraction-static``)
+and the same request slots: without offload, with upstream ``--enable-hisparse``
+and with ``--enable-decode-nsa-kv-offload``. Every server takes the positional
+top-k path (``SGLANG_NSA_FUSE_TOPK=0``). Per server: a warm-up, then for each
+context length and concurrency, that many requests of that many prompt tokens
+with ``--new-tokens`` greedy tokens each (``ignore_eos``), streamed.
+
+Measured per (server, context, concurrency), see README.md "Server benchmark":
+
+* decode throughput and inter-token latency from the server's own decode log
+  (``gen throughput`` of the lines logged while the batch held all requests;
+  ITL = batch / throughput), and from the client (streamed chunk times);
+* misses per decode step: ours from its decode log; HiSparse logs none, so
+  both policies are also replayed (``replay.py`` models) on the top-k rows the
+  server actually used, recorded in the server
+  (``SGLANG_NSA_TOPK_TRACE_RECORD``);
+* capacity: requests of a context length the server's pools admit at once,
+  from the pool sizes the server logs.
+
+``--topk model`` uses the model's own top-k, ``--topk override`` replaces it on
+every server alike with a calibrated synthetic trace (``trace_gen.py``, at the
+benchmark's context lengths; ``SGLANG_NSA_TOPK_TRACE_OVERRIDE``); in that mode
+the recorded rows are also checked against a CPU recomputation of the override.
+
+    # ~6-9 min on an H200 each (warm JIT caches)
+    python benchmark/nsa_offload/bench_server.py --quick --topk model --out OUT/model
+    python benchmark/nsa_offload/bench_server.py --quick --topk override --out OUT/override
+    # tables + PNGs of both runs (any machine with matplotlib)
+    python benchmark/nsa_offload/bench_server.py --plot-only OUT/model/bench_server_model.json \\
+        OUT/override/bench_server_override.json --out OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO_ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+from server_utils import TINY_CONFIG, VOCAB_SIZE, Server  # noqa: E402
+
+TRACE_FORMAT_PY = HERE / "trace_format.py"
+TOPK_TRACE_PY = (
+    REPO_ROOT
+    / "python"
+    / "sglang"
+    / "srt"
+    / "layers"
+    / "attention"
+    / "nsa_topk_trace.py"
+)
+SERVER_KINDS = ("baseline", "ours", "hisparse")
+LABELS = {"baseline": "no offload", "hisparse": "HiSparse", "ours": "ours"}
+HISPARSE_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 4}
+PAGE_SIZE = 64
+ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
+INDEXER_BYTES = 132  # fp8 indexer key + fp32 scale
+WEIGHTS_GIB = 0.51  # tiny model, dummy weights (seen on the H200)
+CUDA_CONTEXT_GIB = 0.9  # free memory before start minus sglang's "avail mem"
+CAPACITY_CONTEXTS = (16384, 32768, 65536, 131072)
+SINKS = 64
+RECENT = 1024
+
+MODES = {
+    "quick": dict(
+        contexts=[16384, 32768],
+        concurrency=[1, 8, 32],
+        cap_contexts=[],
+        new_tokens=256,
+        time_budget_s=510.0,
+        trace_steps=128,
+    ),
+    "full": dict(
+        contexts=[16384, 32768, 65536],
+        concurrency=[1, 8, 32],
+        cap_contexts=[131072],
+        new_tokens=256,
+        time_budget_s=3000.0,
+        trace_steps=128,
+    ),
+}
+
+DECODE_RE = re.compile(
+    r"Decode batch.*?#running-req: (\d+).*?gen throughput \(token/s\): "
+    r"([0-9.]+), #queue-req: (\d+)"
+)
+OFFLOAD_RE = re.compile(
+    r"nsa-offload hit rate: ([0-9.]+), misses: (\d+), H2D: ([0-9.]+) GB/s"
+)
+STARTUP_RES = {
+    "pre_load_avail_gib": re.compile(r"Load weight begin\. avail mem=([0-9.]+) GB"),
+    "post_load_avail_gib": re.compile(r"Load weight end\..*avail mem=([0-9.]+) GB"),
+    "pool_end_avail_gib": re.compile(r"Memory pool end\. avail mem=([0-9.]+) GB"),
+    "graph_end_avail_gib": re.compile(
+        r"Capture cuda graph end\..*avail mem=([0-9.]+) GB"
+    ),
+    "kv_tokens": re.compile(r"KV Cache is allocated\. #tokens: (\d+)"),
+    "kv_size_gib": re.compile(r"KV Cache is allocated\..*KV size: ([0-9.]+) GB"),
+    "max_total_num_tokens": re.compile(r"max_total_num_tokens=(\d+)"),
+    "max_running_requests": re.compile(r"max_running_requests=(\d+)"),
+    "context_len": re.compile(r"context_len=(\d+)"),
+    "offload_locs": re.compile(r"NSA KV offload: (\d+) logical token locs"),
+    "offload_regions": re.compile(r"(\d+) decode regions of (\d+) rows"),
+    "offload_staging_rows": re.compile(r"(\d+) staging rows"),
+    "host_pool_pin_s": re.compile(
+        r"pinned [0-9.]+ GB of host memory .* in ([0-9.]+) s"
+    ),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _ints(s: str) -> List[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def num_model_layers() -> int:
+    with open(TINY_CONFIG) as f:
+        return int(json.load(f)["num_hidden_layers"])
+
+
+def page_up(n: int) -> int:
+    return -(-n // PAGE_SIZE) * PAGE_SIZE
+
+
+# ---------------------------------------------------------------- GPU memory
+
+
+def gpu_memory_mib() -> Optional[Tuple[float, float]]:
+    """(total, used) MiB of GPU 0 from nvidia-smi, or None."""
+    try:
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=memory.total,memory.used",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+        total, used = (float(x) for x in out.strip().splitlines()[0].split(","))
+        return total, used
+    except Exception:
+        return None
+
+
+def mem_fraction_for_budget(budget_gib: float) -> Tuple[float, str]:
+    """``--mem-fraction-static`` giving about ``budget_gib`` to the KV pools.
+
+    sglang gives the pools ``avail_after_weights - avail_before * (1 - f)``
+    (``_profile_available_bytes``), i.e. ``f * avail_before - weights``.
+    """
+    mem = gpu_memory_mib()
+    if mem is None:
+        before, how = 139.1, "nvidia-smi unavailable: assumed 139.1 GiB available"
+    else:
+        before = (mem[0] - mem[1]) / 1024 - CUDA_CONTEXT_GIB
+        how = f"{before:.1f} GiB available at start (nvidia-smi)"
+    return round((budget_gib + WEIGHTS_GIB) / before, 5), how
+
+
+def wait_gpu_released(used_before_mib: Optional[float], timeout: float = 60.0):
+    if used_before_mib is None:
+        time.sleep(3)
+        return
+    tic = time.time()
+    while time.time() - tic < timeout:
+        mem = gpu_memory_mib()
+        if mem is None or mem[1] < used_before_mib + 1024:
+            return
+        time.sleep(1)
+    log(f"warning: GPU memory still in use after {timeout:.0f} s")
+
+
+def descendants(pid: int) -> List[int]:
+    """PIDs of the processes below ``pid`` (from /proc)."""
+    children: Dict[int, List[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+class BenchServer(Server):
+    """``server_utils.Server`` that also ends the processes its server started
+    (by PID) if they outlive it, so the next server finds the GPU free."""
+
+    def __exit__(self, *exc):
+        pids = descendants(self.proc.pid) if self.proc is not None else []
+        super().__exit__(*exc)
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+            except OSError:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+# ------------------------------------------------------------------ requests
+
+
+def stream_generate(url: str, input_ids: List[int], new_tokens: int, timeout: float):
+    """POST /generate with ``stream``; returns send time and (time, tokens)
+    per SSE chunk (``meta_info.completion_tokens``: tokens so far)."""
+    body = json.dumps(
+        {
+            "input_ids": input_ids,
+            "sampling_params": {
+                "max_new_tokens": new_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+            "stream": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/generate", data=body, headers={"Content-Type": "application/json"}
+    )
+    chunks: List[Tuple[float, int]] = []
+    t_send = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            t = time.perf_counter()
+            obj = json.loads(payload)
+            if "error" in obj:
+                raise RuntimeError(f"server error: {obj['error']}")
+            meta = obj.get("meta_info", {})
+            n = meta.get("completion_tokens")
+            if n is None:
+                n = len(obj.get("output_ids", []))
+            chunks.append((t, int(n)))
+    return t_send, chunks
+
+
+def make_prompts(ctx: int, count: int, seed: int) -> List[List[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, VOCAB_SIZE, size=ctx).tolist() for _ in range(count)]
+
+
+def client_metrics(results: List[dict], new_tokens: int) -> dict:
+    ok = [r for r in results if r.get("chunks")]
+    out: dict = {"requests_ok": len(ok), "requests": len(results)}
+    if not ok:
+        return out
+    ttft = [r["chunks"][0][0] - r["t_send"] for r in ok]
+    out["ttft_s_median"] = statistics.median(ttft)
+    out["ttft_s_max"] = max(ttft)
+    out["tokens"] = [r["chunks"][-1][1] for r in ok]
+    per_req_itl = [
+        (r["chunks"][-1][0] - r["chunks"][0][0])
+        / (r["chunks"][-1][1] - r["chunks"][0][1])
+        for r in ok
+        if r["chunks"][-1][1] > r["chunks"][0][1]
+    ]
+    if per_req_itl:
+        out["itl_ms_per_request_mean"] = 1000 * statistics.mean(per_req_itl)
+    # Steady window: every request has its first token and none has finished.
+    lo = max(r["chunks"][0][0] for r in ok)
+    hi = min(r["chunks"][-1][0] for r in ok)
+    out["window_s"] = max(hi - lo, 0.0)
+    if hi - lo < 0.05:
+        return out
+    tokens, gaps = 0, []
+    for r in ok:
+        ts = np.array([c[0] for c in r["chunks"]])
+        ns = np.array([c[1] for c in r["chunks"]])
+        n_lo = ns[np.searchsorted(ts, lo, side="right") - 1]
+        n_hi = ns[np.searchsorted(ts, hi, side="right") - 1]
+        tokens += int(n_hi - n_lo)
+        for i in range(1, len(ts)):
+            if lo < ts[i] <= hi and ns[i] > ns[i - 1]:
+                dn = int(ns[i] - ns[i - 1])
+                gaps += [(ts[i] - ts[i - 1]) / dn] * dn
+    out["window_tokens"] = tokens
+    out["throughput_tok_s"] = tokens / (hi - lo)
+    if gaps:
+        g = np.array(gaps) * 1000
+        out["itl_ms_p50"] = float(np.percentile(g, 50))
+        out["itl_ms_p90"] = float(np.percentile(g, 90))
+        out["itl_ms_mean"] = float(g.mean())
+    return out
+
+
+def parse_decode_lines(text: str) -> List[dict]:
+    rows = []
+    for line in text.splitlines():
+        m = DECODE_RE.search(line)
+        if not m:
+            continue
+        row = {
+            "running": int(m.group(1)),
+            "throughput": float(m.group(2)),
+            "queue": int(m.group(3)),
+        }
+        o = OFFLOAD_RE.search(line)
+        if o:
+            row.update(
+                hit_rate=float(o.group(1)),
+                misses=int(o.group(2)),
+                h2d_gbps=float(o.group(3)),
+            )
+        rows.append(row)
+    return rows
+
+
+def server_metrics(rows: List[dict], interval: int, layers: int) -> dict:
+    """Decode-log figures at the largest batch of a run.
+
+    Lines count when they show the run's largest #running-req and the line
+    before showed the same batch and queue (no admission, hence no prefill,
+    in their interval); the median over them is reported.
+    """
+    out: dict = {"log_lines": len(rows)}
+    if not rows:
+        return out
+    peak = max(r["running"] for r in rows)
+    out["peak_running"] = peak
+    clean = [
+        cur
+        for prev, cur in zip(rows, rows[1:])
+        if cur["running"] == peak
+        and prev["running"] == peak
+        and prev["queue"] == cur["queue"]
+    ]
+    out["clean_lines"] = len(clean)
+    use = clean or [r for r in rows if r["running"] == peak][1:]
+    out["lines_used"] = len(use)
+    if not use:
+        return out
+    thr = statistics.median(r["throughput"] for r in use)
+    out["throughput_tok_s"] = thr
+    out["itl_ms"] = 1000.0 * peak / thr if thr > 0 else None
+    if all("misses" in r for r in use):
+        misses = statistics.median(r["misses"] for r in use)
+        out["misses_per_step"] = misses / interval
+        out["misses_per_req_layer_step"] = misses / (interval * peak * layers)
+        out["hit_rate"] = statistics.median(r["hit_rate"] for r in use)
+        out["h2d_gbps"] = statistics.median(r["h2d_gbps"] for r in use)
+    return out
+
+
+def run_point(
+    server: Server, ctx: int, conc: int, new_tokens: int, seed: int, timeout: float
+) -> dict:
+    prompts = make_prompts(ctx, conc, seed)
+    log_off = os.path.getsize(server.log_path)
+    results: List[dict] = [dict() for _ in range(conc)]
+    barrier = threading.Barrier(conc)
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+            t_send, chunks = stream_generate(
+                server.url, prompts[i], new_tokens, timeout
+            )
+            results[i].update(t_send=t_send, chunks=chunks)
+        except Exception as e:  # reported per request
+            results[i]["error"] = f"{type(e).__name__}: {e}"
+
+    tic = time.time()
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 60)
+    elapsed = time.time() - tic
+    time.sleep(0.5)  # let the last decode log lines reach the file
+    with open(server.log_path, errors="replace") as f:
+        f.seek(log_off)
+        segment = f.read()
+    errors = [r["error"] for r in results if "error" in r]
+    return {
+        "elapsed_s": elapsed,
+        "errors": errors[:5],
+        "num_errors": len(errors),
+        "client": client_metrics(results, new_tokens),
+        "decode_log": parse_decode_lines(segment),
+    }
+
+
+# ------------------------------------------------------------------- servers
+
+
+def parse_startup(log_path: str) -> dict:
+    try:
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return {}
+    out: dict = {}
+    for key, rx in STARTUP_RES.items():
+        m = rx.search(text)
+        if not m:
+            continue
+        if key == "offload_regions":
+            out["offload_regions"], out["offload_region_rows"] = map(int, m.groups())
+        else:
+            v = m.group(1)
+            out[key] = float(v) if "." in v else int(v)
+    if "post_load_avail_gib" in out and "pool_end_avail_gib" in out:
+        out["pool_gpu_gib"] = out["post_load_avail_gib"] - out["pool_end_avail_gib"]
+    if "pre_load_avail_gib" in out and "graph_end_avail_gib" in out:
+        out["total_gpu_gib"] = out["pre_load_avail_gib"] - out["graph_end_avail_gib"]
+    return out
+
+
+def capacity(kind: str, pool: dict, ctx: int, new_tokens: int) -> Optional[int]:
+    """Requests of ``ctx`` prompt + ``new_tokens`` tokens the pools hold at once.
+
+    * no offload: ``min(max_running_requests, tokens // need)``;
+    * ours: the same with ``tokens`` = logical token locs (= host slots); each
+      request also needs a decode region, and there are
+      ``max_running_requests`` of them;
+    * HiSparse (upstream pool logic): logical tokens are
+      ``host_to_device_ratio x`` the device pool, each decoding request keeps
+      ``device_buffer_size`` + one page of device rows, and a prefill stages
+      the whole prompt in device rows.
+    """
+    tokens = pool.get("max_total_num_tokens")
+    slots = pool.get("max_running_requests")
+    if tokens is None or slots is None:
+        return None
+    need = page_up(ctx + new_tokens)
+    if kind == "hisparse":
+        logical = HISPARSE_CONFIG["host_to_device_ratio"] * tokens
+        per_req = HISPARSE_CONFIG["device_buffer_size"] + PAGE_SIZE
+        device = 0 if tokens < need else 1 + (tokens - need) // per_req
+        return int(min(slots, logical // need, device))
+    return int(min(slots, tokens // need))
+
+
+def ours_auto_slots(budget_gib: float, layers: int, new_tokens: int) -> int:
+    """Decode regions that let ours fill the budget with 128K requests
+    (mirrors NSAKVOffloadPoolConfigurator's arithmetic for the tiny model:
+    regions of 4096 + 64 rows, staging for context 163840 + 2 x 16384 + 64
+    pages, per logical loc the indexer key, LRU map and loc->row entry)."""
+    budget = budget_gib * (1 << 30)
+    staging = (163840 + 2 * 16384 + 64 * PAGE_SIZE) * layers * ROW_BYTES
+    region = layers * ((4096 + 64) * ROW_BYTES + 4096 * 6)
+    per_loc = layers * (INDEXER_BYTES + 2) + 8
+    need = page_up(131072 + new_tokens)
+    return max(1, int((budget - staging) // (region + need * per_loc)))
+
+
+def server_specs(args) -> Dict[str, List[str]]:
+    common = [
+        "--mem-fraction-static",
+        str(args.mem_fraction_static),
+        "--cuda-graph-max-bs",
+        str(args.max_running_requests),
+        "--decode-log-interval",
+        str(args.decode_log_interval),
+    ]
+    slots = ["--max-running-requests", str(args.max_running_requests)]
+    return {
+        "baseline": common + slots,
+        "hisparse": common
+        + slots
+        + [
+            "--enable-hisparse",
+            "--hisparse-config",
+            json.dumps(HISPARSE_CONFIG),
+            "--nsa-prefill-backend",
+            "flashmla_kv",
+            "--nsa-decode-backend",
+            "flashmla_kv",
+        ],
+        "ours": common
+        + slots
+        + [
+            "--enable-decode-nsa-kv-offload",
+            "--nsa-kv-offload-recent-window",
+            str(args.recent_window),
+            "--nsa-kv-offload-host-pool-gb",
+            str(args.host_pool_gb),
+        ],
+    }
+
+
+def server_env(args, kind: str) -> Dict[str, str]:
+    env = {
+        "SGLANG_NSA_FUSE_TOPK": "0",
+        "SGLANG_NSA_TOPK_TRACE_FORMAT": str(TRACE_FORMAT_PY),
+        "SGLANG_NSA_TOPK_TRACE_SINKS": str(SINKS),
+        "SGLANG_NSA_TOPK_TRACE_RECENT": str(RECENT),
+    }
+    if args.topk == "override":
+        env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
+    if args.record:
+        env.update(
+            SGLANG_NSA_TOPK_TRACE_RECORD=record_path(args, kind),
+            SGLANG_NSA_TOPK_TRACE_RECORD_MAX_STEPS=str(args.record_steps),
+            SGLANG_NSA_TOPK_TRACE_RECORD_MAX_ROWS=str(args.record_rows),
+            SGLANG_NSA_TOPK_TRACE_RECORD_FLUSH_IDLE_S="0",
+            SGLANG_NSA_TOPK_TRACE_RECORD_STAGE="output",
+        )
+    return env
+
+
+def record_path(args, kind: str) -> str:
+    return os.path.join(args.out, f"topk_{kind}_{args.topk}.npz")
+
+
+def flush_recording(path: str, timeout: float = 90.0) -> bool:
+    """Ask the server's recorder to write its file and wait for it."""
+    trigger = path + ".flush"
+    before = os.path.getmtime(path) if os.path.exists(path) else None
+    open(trigger, "w").close()
+    tic = time.time()
+    while os.path.exists(trigger) and time.time() - tic < timeout:
+        time.sleep(0.2)
+    if os.path.exists(trigger):
+        os.remove(trigger)
+        return False
+    return os.path.exists(path) and os.path.getmtime(path) != before
+
+
+# ------------------------------------------------------ recorded top-k check
+
+
+def _load_module(name: str, path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def split_episodes(trace) -> List[Tuple[List[int], List[int]]]:
+    """Runs of recorded steps linked by a request present in consecutive
+    steps: (steps, request columns)."""
+    active = trace.seq_lens > 0
+    episodes: List[Tuple[List[int], set]] = []
+    last: set = set()
+    for s in range(trace.num_steps):
+        cols = set(np.nonzero(active[s])[0].tolist())
+        if episodes and cols & last:
+            episodes[-1][0].append(s)
+            episodes[-1][1].update(cols)
+        else:
+            episodes.append(([s], set(cols)))
+        last = cols
+    return [(steps, sorted(cols)) for steps, cols in episodes]
+
+
+def sub_trace(trace, steps: List[int], cols: List[int]):
+    import trace_format
+
+    return trace_format.NSATopkTrace(
+        trace.topk[steps][:, :, cols],
+        trace.seq_lens[steps][:, cols],
+        trace.layer_ids,
+        [trace.request_ids[c] for c in cols],
+        dict(trace.metadata),
+    )
+
+
+def replay_misses(trace, recent_window: int) -> dict:
+    import replay
+
+    buf = HISPARSE_CONFIG["device_buffer_size"]
+    out = {}
+    for name, make in (
+        ("ours", lambda mp: replay.OursLRU(2 * 2048, recent_window, mp)),
+        ("hisparse", lambda mp: replay.HiSparseLRU(buf, mp)),
+    ):
+        res = replay.replay(trace, make)
+        summary = replay.summarize(res, trace)
+        out[name] = summary["misses_per_row"]
+        out[name + "_steady_rows"] = int(res.steady.sum()) * trace.num_layers
+    return out
+
+
+def check_override_rows(trace, args) -> dict:
+    """Recorded rows (stage output) vs the override recomputed on the CPU."""
+    ntt = _load_module("nsa_topk_trace_bench", TOPK_TRACE_PY)
+    import torch
+
+    ov = ntt.TopkTraceOverride.from_file(
+        args.trace, sinks=SINKS, recent=RECENT, impl="torch"
+    )
+    k = trace.top_k
+    nl = num_model_layers()
+    ov.prepare(torch.device("cpu"), k, list(range(nl)), nl, self_check=False)
+    checked = mismatched = 0
+    first_bad = None
+    layer_pos = {int(l): i for i, l in enumerate(trace.layer_ids.tolist())}
+    for s in range(trace.num_steps):
+        for b in np.nonzero(trace.seq_lens[s] > k)[0]:
+            rid = trace.request_ids[b]
+            m = re.match(r"slot(\d+)_len(\d+)", rid)
+            if not m:
+                continue
+            n = torch.tensor([int(trace.seq_lens[s, b])])
+            r = torch.tensor([int(m.group(1))])
+            for layer, li in layer_pos.items():
+                x = torch.full((1, k), -1, dtype=torch.int32)
+                want = ov.apply(layer, x, n, r)[0].numpy()
+                checked += 1
+                if not np.array_equal(want, trace.topk[s, li, b]):
+                    mismatched += 1
+                    if first_bad is None:
+                        first_bad = {"step": s, "request": rid, "layer": layer}
+    return {"rows_checked": checked, "rows_mismatched": mismatched, "first": first_bad}
+
+
+def analyze_recording(args, kind: str, points: List[dict]) -> dict:
+    path = record_path(args, kind)
+    if not os.path.exists(path):
+        return {"error": f"no recording at {path}"}
+    import trace_format
+
+    try:
+        trace = trace_format.load_trace(path)  # validates: unique, < seq_len
+    except Exception as e:
+        return {"error": f"recorded trace invalid: {e}"}
+    out: dict = {
+        "path": os.path.basename(path),
+        "valid": True,
+        "steps": trace.num_steps,
+        "requests": trace.num_requests,
+        "layers": trace.layer_ids.tolist(),
+    }
+    if args.topk == "override":
+        try:
+            out["override_check"] = check_override_rows(trace, args)
+        except Exception as e:
+            out["override_check"] = {"error": f"{type(e).__name__}: {e}"}
+    # Episodes -> measured points, in order (warm-ups do not match a point).
+    episodes = split_episodes(trace)
+    e = 0
+    for p in points:
+        if "skipped" in p:
+            continue
+        lo, hi = p["ctx"] + 1, p["ctx"] + p["new_tokens"] + 1
+        while e < len(episodes):
+            steps, cols = episodes[e]
+            e += 1
+            n = trace.seq_lens[steps][:, cols]
+            n = n[n > 0]
+            # A measured run decodes new_tokens steps (warm-ups far fewer).
+            span_ok = n.max() - n.min() >= p["new_tokens"] // 2
+            if span_ok and lo <= float(np.median(n)) <= hi:
+                try:
+                    sub = sub_trace(trace, steps, cols)
+                    p["replay"] = replay_misses(sub, args.recent_window)
+                    p["replay"]["recorded_steps"] = len(steps)
+                except Exception as ex:
+                    p["replay"] = {"error": f"{type(ex).__name__}: {ex}"}
+                break
+    return out
+
+
+# ---------------------------------------------------------------- benchmark
+
+
+def prepare_trace(args) -> None:
+    if args.topk != "override" or args.trace:
+        return
+    lens = sorted(set(args.contexts) | set(args.cap_contexts))
+    path = os.path.join(args.out, "trace_bench.npz")
+    cmd = [
+        sys.executable,
+        str(HERE / "trace_gen.py"),
+        "--out",
+        path,
+        "--requests",
+        str(2 * len(lens)),
+        "--prompt-lens",
+        ",".join(str(x) for x in lens for _ in range(2)),
+        "--steps",
+        str(args.trace_steps),
+        "--layers",
+        "0,30,60",
+        "--seed",
+        "0",
+    ]
+    log("generating the override trace: " + " ".join(shlex.quote(c) for c in cmd))
+    tic = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    if proc.returncode != 0:
+        raise RuntimeError("trace_gen failed:\n" + proc.stdout[-3000:] + proc.stderr)
+    log(f"trace ready in {time.time() - tic:.0f} s")
+    args.trace = path
+
+
+def bench_server(
+    args, kind: str, deadline: float, servers_left: int, startup_guess: float
+) -> dict:
+    spec = server_specs(args)[kind]
+    env = server_env(args, kind)
+    res: dict = {"kind": kind, "args": spec, "env": env, "points": []}
+    remaining = deadline - time.time()
+    start_timeout = min(args.start_timeout, remaining - 60)
+    if remaining < 150:
+        res["error"] = "skipped: time budget exhausted before start"
+        return res
+    if args.record and os.path.exists(record_path(args, kind)):
+        os.remove(record_path(args, kind))
+    mem = gpu_memory_mib()
+    tic = time.time()
+    name = f"{kind}_{args.topk}"
+    layers = num_model_layers()
+    try:
+        with BenchServer(
+            name, spec, args.port, args.out, env=env, timeout=start_timeout
+        ) as server:
+            res["startup_s"] = time.time() - tic
+            res["pool"] = parse_startup(server.log_path)
+            log(f"[{kind}] pools: {json.dumps(res['pool'])}")
+            # Equal measuring time for this and each later server, whose
+            # start-up (like this one's, plus stop) comes out of the budget.
+            later = (servers_left - 1) * max(startup_guess, res["startup_s"] + 20)
+            share = (deadline - time.time() - 30 - later) / servers_left
+            share_end = time.time() + max(share, 30.0)
+            res["points"] = measure(args, kind, server, share_end, layers)
+            if args.record:
+                ok = flush_recording(record_path(args, kind))
+                log(f"[{kind}] recorded top-k written: {ok}")
+    except Exception as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+        log(f"[{kind}] FAILED: {res['error']}")
+        traceback.print_exc()
+    if "pool" not in res or not res["pool"]:
+        res["pool"] = parse_startup(os.path.join(args.out, f"server_{name}.log"))
+    res["wall_s"] = time.time() - tic
+    wait_gpu_released(mem[1] if mem else None)
+    res["capacity"] = {
+        str(c): capacity(kind, res["pool"], c, args.new_tokens)
+        for c in CAPACITY_CONTEXTS
+    }
+    if args.record and not res.get("error", "").startswith("skipped"):
+        try:
+            res["recording"] = analyze_recording(args, kind, res["points"])
+        except Exception as e:
+            res["recording"] = {"error": f"{type(e).__name__}: {e}"}
+    return res
+
+
+def measure(args, kind: str, server: Server, share_end: float, layers: int):
+    points: List[dict] = []
+    # Warm-up: a short request, then one at the first context length.
+    for ctx, n in ((4096, 32), (args.contexts[0], 8)):
+        tic = time.time()
+        server.generate(make_prompts(ctx, 1, 7)[0], n)
+        log(f"[{kind}] warm-up {ctx} tokens + {n}: {time.time() - tic:.1f} s")
+    prefill_rate = args.prefill_rate_guess
+    plan = [(c, k, False) for c in args.contexts for k in args.concurrency]
+    pool = parse_startup(server.log_path)
+    for ctx in args.cap_contexts:
+        cap = capacity(kind, pool, ctx, args.new_tokens)
+        if cap:
+            plan.append((ctx, cap, True))
+    for i, (ctx, conc, at_cap) in enumerate(plan):
+        point = {
+            "ctx": ctx,
+            "conc": conc,
+            "at_capacity": at_cap,
+            "new_tokens": args.new_tokens,
+        }
+        cap = capacity(kind, pool, ctx, args.new_tokens)
+        est = ctx * conc / prefill_rate + args.new_tokens * 0.01 + 10
+        if cap is not None and conc > cap:
+            point["skipped"] = f"concurrency {conc} > capacity {cap}"
+        elif time.time() + est > share_end:
+            point["skipped"] = f"time budget (needs ~{est:.0f} s)"
+        if "skipped" in point:
+            log(f"[{kind}] ctx {ctx} x {conc}: skipped ({point['skipped']})")
+            points.append(point)
+            continue
+        timeout = max(60.0, share_end - time.time() + 60)
+        r = run_point(server, ctx, conc, args.new_tokens, 1000 + i, timeout)
+        point.update(r)
+        point["server"] = server_metrics(
+            r["decode_log"], args.decode_log_interval, layers
+        )
+        ttft_max = r["client"].get("ttft_s_max")
+        if ttft_max:
+            prefill_rate = max(ctx * conc / ttft_max, 1000.0)
+            point["prefill_tok_s"] = prefill_rate
+        s, c = point["server"], r["client"]
+        log(
+            f"[{kind}] ctx {ctx} x {conc}: {r['elapsed_s']:.1f} s, "
+            f"server {_fmt(s.get('throughput_tok_s'), '{:.0f}')} tok/s "
+            f"ITL {_fmt(s.get('itl_ms'), '{:.2f}')} ms (batch "
+            f"{s.get('peak_running')}, {s.get('lines_used', 0)} log lines), client "
+            f"{_fmt(c.get('throughput_tok_s'), '{:.0f}')} tok/s ITL p50 "
+            f"{_fmt(c.get('itl_ms_p50'), '{:.2f}')} ms, misses/step "
+            f"{_fmt(s.get('misses_per_step'), '{:.0f}')}, errors {r['num_errors']}"
+        )
+        points.append(point)
+    return points
+
+
+# ------------------------------------------------------------------ targets
+
+
+def _fmt(v, fmt="{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _point(res: dict, ctx: int, conc: Optional[int] = None, at_cap=False):
+    for p in res.get("points", []):
+        if p["ctx"] != ctx or "skipped" in p or p.get("at_capacity") != at_cap:
+            continue
+        if conc is None or p["conc"] == conc:
+            return p
+    return None
+
+
+def evaluate_targets(result: dict) -> dict:
+    srv = result["servers"]
+    base, ours, his = (srv.get(k, {}) for k in ("baseline", "ours", "hisparse"))
+    t: dict = {}
+    # P3: capacity
+    cap = {k: srv[k].get("capacity", {}) for k in srv}
+    c_b, c_o = cap.get("baseline", {}).get("131072"), cap.get("ours", {}).get("131072")
+    p3 = {"ratio_128k": (c_o / c_b) if c_b and c_o is not None else None}
+    p3["vs_hisparse"] = {
+        c: [cap.get("ours", {}).get(c), cap.get("hisparse", {}).get(c)]
+        for c in (str(x) for x in CAPACITY_CONTEXTS)
+    }
+    ge = [
+        o >= h for o, h in p3["vs_hisparse"].values() if o is not None and h is not None
+    ]
+    p3["met"] = (
+        None
+        if p3["ratio_128k"] is None or not ge
+        else bool(p3["ratio_128k"] >= 5.0 and all(ge))
+    )
+    t["P3"] = p3
+    # P4: ITL overhead at equal batch
+    rows = []
+    for p in ours.get("points", []):
+        if "skipped" in p or p.get("at_capacity"):
+            continue
+        b = _point(base, p["ctx"], p["conc"])
+        if b is None:
+            continue
+        i_o, i_b = p["server"].get("itl_ms"), b["server"].get("itl_ms")
+        c_o, c_bb = p["client"].get("itl_ms_p50"), b["client"].get("itl_ms_p50")
+        rows.append(
+            {
+                "ctx": p["ctx"],
+                "conc": p["conc"],
+                "overhead_server": (i_o / i_b - 1) if i_o and i_b else None,
+                "overhead_client_p50": (c_o / c_bb - 1) if c_o and c_bb else None,
+            }
+        )
+    vals = [r["overhead_server"] for r in rows if r["overhead_server"] is not None]
+    t["P4"] = {
+        "rows": rows,
+        "max_overhead": max(vals) if vals else None,
+        "met": (max(vals) <= 0.10) if vals else None,
+    }
+    # P5: throughput at fixed memory (each server at its own capacity)
+    p5 = []
+    for ctx in result["config"]["cap_contexts"]:
+        thr = {}
+        for k in ("baseline", "ours", "hisparse"):
+            p = _point(srv.get(k, {}), ctx, at_cap=True)
+            thr[k] = p["server"].get("throughput_tok_s") if p else None
+        row = {"ctx": ctx, "throughput": thr}
+        if thr["ours"] and thr["baseline"]:
+            row["vs_baseline"] = thr["ours"] / thr["baseline"]
+        if thr["ours"] and thr["hisparse"]:
+            row["vs_hisparse"] = thr["ours"] / thr["hisparse"]
+        p5.append(row)
+    met = [
+        r.get("vs_baseline", 0) >= 3.0 and r.get("vs_hisparse", 0) >= 1.2
+        for r in p5
+        if "vs_baseline" in r and "vs_hisparse" in r
+    ]
+    t["P5"] = {"rows": p5, "met": all(met) if met else None}
+    return t
+
+
+# ------------------------------------------------------------------- report
+
+
+def _verdict(met) -> str:
+    return "not measured" if met is None else ("MET" if met else "NOT MET")
+
+
+def render_markdown(results: List[dict]) -> str:
+    out = [
+        "# Server benchmark: no offload vs HiSparse vs ours (tiny DeepSeek-V3.2)",
+        "",
+    ]
+    for result in results:
+        cfg = result["config"]
+        t = result.get("targets") or evaluate_targets(result)
+        srv = result["servers"]
+        kinds = [k for k in SERVER_KINDS if k in srv]
+        out += [
+            f"## Top-k: {cfg['topk']}"
+            + (
+                f" (trace `{os.path.basename(cfg['trace'])}`)"
+                if cfg.get("trace")
+                else ""
+            ),
+            "",
+            f"Mode {cfg['mode']}; budget {cfg['kv_budget_gib']} GiB for the KV pools "
+            f"(`--mem-fraction-static {cfg['mem_fraction_static']}`, "
+            f"{cfg['mem_fraction_how']}); `--max-running-requests "
+            f"{cfg['max_running_requests']}` for all; {cfg['new_tokens']} new tokens "
+            f"per request; decode log every {cfg['decode_log_interval']} steps; "
+            f"{cfg['layers']} layers. Started {cfg['started']}, "
+            f"{cfg['wall_s']:.0f} s.",
+            "",
+            "| server | start (s) | pools GPU (GiB) | KV tokens / locs | request slots "
+            + "".join(f"| cap. {c // 1024}K " for c in CAPACITY_CONTEXTS)
+            + "| status |",
+            "|---|---:|---:|---:|---:" + "|---:" * len(CAPACITY_CONTEXTS) + "|---|",
+        ]
+        for k in kinds:
+            r = srv[k]
+            pool = r.get("pool", {})
+            caps = "".join(
+                f"| {_fmt(r.get('capacity', {}).get(str(c)), '{}')} "
+                for c in CAPACITY_CONTEXTS
+            )
+            out.append(
+                f"| {LABELS[k]} | {_fmt(r.get('startup_s'), '{:.0f}')} "
+                f"| {_fmt(pool.get('pool_gpu_gib'), '{:.2f}')} "
+                f"| {_fmt(pool.get('max_total_num_tokens'), '{:,}')} "
+                f"| {_fmt(pool.get('max_running_requests'), '{}')} {caps}"
+                f"| {r.get('error', 'ok')} |"
+            )
+        out += [
+            "",
+            "Capacity: requests of that prompt length + the new tokens that the "
+            "server's pools hold at once (from the pool sizes it logs; HiSparse: "
+            "4x logical tokens, 4160 device rows per request). HiSparse's pool "
+            "GPU memory includes its 4x indexer buffer, which upstream does not "
+            "count against the budget.",
+            "",
+            "| context | batch | "
+            + " | ".join(
+                f"{LABELS[k]} tok/s | {LABELS[k]} ITL ms (p50 client)" for k in kinds
+            )
+            + " | ours misses/step (per req-layer) | replayed misses per req-layer-step: ours / HiSparse |",
+            "|---:|---:|" + "---:|---:|" * len(kinds) + "---:|---:|",
+        ]
+        keys = sorted(
+            {
+                (p["ctx"], p["conc"], p.get("at_capacity", False))
+                for k in kinds
+                for p in srv[k].get("points", [])
+                if "skipped" not in p and not p.get("at_capacity")
+            }
+        )
+        for ctx, conc, _ in keys:
+            cells = []
+            for k in kinds:
+                p = _point(srv[k], ctx, conc)
+                if p is None:
+                    cells += ["-", "-"]
+                    continue
+                s, c = p["server"], p["client"]
+                cells += [
+                    _fmt(s.get("throughput_tok_s"), "{:.0f}"),
+                    f"{_fmt(s.get('itl_ms'), '{:.2f}')} "
+                    f"({_fmt(c.get('itl_ms_p50'), '{:.2f}')})",
+                ]
+            out.append(
+                f"| {ctx // 1024}K | {conc} | "
+                + " | ".join(cells)
+                + f" | {_misses_cell(srv.get('ours', {}), ctx, conc)}"
+                + f" | {_replay_cell(srv, ctx, conc)} |"
+            )
+        out += _cap_table(srv, kinds)
+        out += ["", *_targets_md(t), ""]
+        for k in kinds:
+            rec = srv[k].get("recording")
+            if rec:
+                chk = rec.get("override_check")
+                line = f"- recorded top-k of {LABELS[k]}: " + (
+                    rec["error"]
+                    if "error" in rec
+                    else f"{rec['steps']} steps x {rec['requests']} requests, valid "
+                    "(unique, < seq_len)"
+                )
+                if chk:
+                    line += (
+                        f"; override check: {chk['error']}"
+                        if "error" in chk
+                        else f"; override check: {chk['rows_mismatched']} of "
+                        f"{chk['rows_checked']} rows differ from the CPU recomputation"
+                    )
+                out.append(line)
+        out.append("")
+    return "\n".join(out)
+
+
+def _cap_table(srv: dict, kinds: List[str]) -> List[str]:
+    rows = []
+    for k in kinds:
+        for p in srv[k].get("points", []):
+            if not p.get("at_capacity") or "skipped" in p:
+                continue
+            s, rp = p["server"], p.get("replay") or {}
+            rows.append(
+                f"| {p['ctx'] // 1024}K | {LABELS[k]} | {p['conc']} "
+                f"({_fmt(s.get('peak_running'), '{}')}) "
+                f"| {_fmt(s.get('throughput_tok_s'), '{:.0f}')} "
+                f"| {_fmt(s.get('itl_ms'), '{:.2f}')} "
+                f"| {_fmt(s.get('misses_per_step'), '{:.0f}')} "
+                f"| {_fmt(rp.get('ours'), '{:.0f}')} / "
+                f"{_fmt(rp.get('hisparse'), '{:.0f}')} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "Each server at its own capacity (same GPU budget):",
+        "",
+        "| context | server | requests (decoding at once) | tok/s | ITL ms "
+        "| misses/step | replayed misses per req-layer-step ours / HiSparse |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
+def _misses_cell(ours: dict, ctx: int, conc: int) -> str:
+    p = _point(ours, ctx, conc)
+    if p is None or p["server"].get("misses_per_step") is None:
+        return "-"
+    s = p["server"]
+    return f"{s['misses_per_step']:.0f} ({s['misses_per_req_layer_step']:.0f})"
+
+
+def _replay_cell(srv: dict, ctx: int, conc: int) -> str:
+    cells = []
+    for k in ("ours", "baseline", "hisparse"):
+        p = _point(srv.get(k, {}), ctx, conc)
+        rp = (p or {}).get("replay") or {}
+        if "ours" in rp:
+            cells.append(f"{LABELS[k]}: {rp['ours']:.0f} / {rp['hisparse']:.0f}")
+    return "; ".join(cells) or "-"
+
+
+def _targets_md(t: dict) -> List[str]:
+    p3, p4, p5 = t["P3"], t["P4"], t["P5"]
+    lines = [
+        f"- **P3** capacity ours / no offload at 128K = "
+        f"{_fmt(p3['ratio_128k'], '{:.2f}')}x (target >= 5.0x); ours vs HiSparse "
+        + ", ".join(
+            f"{int(c) // 1024}K {_fmt(o, '{}')} vs {_fmt(h, '{}')}"
+            for c, (o, h) in p3["vs_hisparse"].items()
+        )
+        + f" (target >=): **{_verdict(p3['met'])}**",
+        f"- **P4** ITL overhead ours vs no offload at equal batch (server log): "
+        + ", ".join(
+            f"{r['ctx'] // 1024}K x {r['conc']}: {_fmt(r['overhead_server'], '{:+.1%}')}"
+            f" (client p50 {_fmt(r['overhead_client_p50'], '{:+.1%}')})"
+            for r in p4["rows"]
+        )
+        + f" (target <= +10%): **{_verdict(p4['met'])}**",
+    ]
+    if p5["rows"]:
+        lines.append(
+            "- **P5** throughput at fixed memory (each server at its capacity): "
+            + ", ".join(
+                f"{r['ctx'] // 1024}K: ours / no offload "
+                f"{_fmt(r.get('vs_baseline'), '{:.2f}')}x, ours / HiSparse "
+                f"{_fmt(r.get('vs_hisparse'), '{:.2f}')}x"
+                for r in p5["rows"]
+            )
+            + f" (targets >= 3x, >= 1.2x): **{_verdict(p5['met'])}**"
+        )
+    else:
+        lines.append(
+            "- **P5** throughput at fixed memory: **not measured** in this run "
+            "(needs runs at capacity: `--full` or `--cap-contexts`)"
+        )
+    return lines
+
+
+def render_plots(results: List[dict], out_dir: str) -> List[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib not available: no PNG (render later with --plot-only JSON)")
+        return []
+    colors = {"baseline": "tab:gray", "hisparse": "tab:orange", "ours": "tab:blue"}
+    written = []
+    for result in results:
+        srv = result["servers"]
+        fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+        styles = ["-", "--", ":", "-."]
+        ctxs = sorted({p["ctx"] for r in srv.values() for p in r.get("points", [])})
+        for k, r in srv.items():
+            for ci, ctx in enumerate(ctxs):
+                pts = [
+                    p
+                    for p in r.get("points", [])
+                    if p["ctx"] == ctx and "skipped" not in p and "server" in p
+                ]
+                pts.sort(key=lambda p: p["conc"])
+                xs = [p["server"].get("peak_running") or p["conc"] for p in pts]
+                thr = [p["server"].get("throughput_tok_s") for p in pts]
+                itl = [p["server"].get("itl_ms") for p in pts]
+                kw = dict(
+                    color=colors[k],
+                    linestyle=styles[ci % len(styles)],
+                    marker="o",
+                    label=f"{LABELS[k]} {ctx // 1024}K",
+                )
+                if any(v is not None for v in thr):
+                    axes[0].plot(xs, [v or np.nan for v in thr], **kw)
+                    axes[1].plot(xs, [v or np.nan for v in itl], **kw)
+        for ax, title in zip(
+            axes[:2], ("decode throughput (tok/s)", "inter-token latency (ms)")
+        ):
+            ax.set_xlabel("requests decoding (batch)")
+            ax.set_title(title)
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=7)
+        width = 0.8 / max(len(srv), 1)
+        for i, (k, r) in enumerate(srv.items()):
+            caps = [r.get("capacity", {}).get(str(c)) or 0 for c in CAPACITY_CONTEXTS]
+            axes[2].bar(
+                np.arange(len(CAPACITY_CONTEXTS)) + i * width,
+                caps,
+                width,
+                color=colors[k],
+                label=LABELS[k],
+            )
+        axes[2].set_xticks(np.arange(len(CAPACITY_CONTEXTS)) + width)
+        axes[2].set_xticklabels([f"{c // 1024}K" for c in CAPACITY_CONTEXTS])
+        axes[2].set_title("capacity (requests at once, same GPU budget)")
+        axes[2].legend(fontsize=7)
+        cfg = result["config"]
+        fig.suptitle(f"tiny DeepSeek-V3.2, top-k: {cfg['topk']}, mode {cfg['mode']}")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"bench_server_{cfg['topk']}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(results: List[dict], out_dir: str) -> None:
+    md = render_markdown(results)
+    path = os.path.join(out_dir, "bench_server.md")
+    with open(path, "w") as f:
+        f.write(md)
+    log(f"wrote {path}")
+    for p in render_plots(results, out_dir):
+        log(f"wrote {p}")
+    print(md, flush=True)
+
+
+# --------------------------------------------------------------------- main
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="output directory")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="mode", action="store_const", const="quick")
+    mode.add_argument("--full", dest="mode", action="store_const", const="full")
+    p.set_defaults(mode="quick")
+    p.add_argument("--topk", choices=["model", "override"], default="model")
+    p.add_argument("--trace", help="override trace (default: generated into --out)")
+    p.add_argument("--servers", default=",".join(SERVER_KINDS))
+    p.add_argument("--contexts", type=_ints)
+    p.add_argument("--concurrency", type=_ints)
+    p.add_argument(
+        "--cap-contexts",
+        type=_ints,
+        help="contexts where each server also runs at its own capacity (P5)",
+    )
+    p.add_argument("--new-tokens", type=int)
+    p.add_argument("--time-budget-s", type=float)
+    p.add_argument("--trace-steps", type=int)
+    p.add_argument(
+        "--kv-budget-gib",
+        type=float,
+        default=4.0,
+        help="GPU memory for the KV pools of every server (sets "
+        "--mem-fraction-static); ~ a 61-layer model's KV budget x 3/61",
+    )
+    p.add_argument("--mem-fraction-static", type=float, help="overrides the budget")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        help="request slots of every server (= ours' decode regions); default: "
+        "what lets ours fill the budget with 128K requests, at least the "
+        "largest concurrency",
+    )
+    p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
+    p.add_argument("--recent-window", type=int, default=64)
+    p.add_argument("--decode-log-interval", type=int, default=16)
+    p.add_argument("--port", type=int, default=31200)
+    p.add_argument("--start-timeout", type=float, default=420.0)
+    p.add_argument("--prefill-rate-guess", type=float, default=40000.0)
+    p.add_argument(
+        "--no-record",
+        dest="record",
+        action="store_false",
+        help="do not record the top-k in the servers",
+    )
+    p.add_argument("--record-rows", type=int, default=2)
+    p.add_argument(
+        "--plot-only",
+        nargs="+",
+        metavar="JSON",
+        help="render the table and PNGs of earlier runs (no GPU)",
+    )
+    args = p.parse_args(argv)
+    for key, value in MODES[args.mode].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.plot_only:
+        results = []
+        for path in args.plot_only:
+            with open(path) as f:
+                results.append(json.load(f))
+        out = args.out or os.path.dirname(os.path.abspath(args.plot_only[0]))
+        os.makedirs(out, exist_ok=True)
+        write_report(results, out)
+        return 0
+    if not args.out:
+        raise SystemExit("--out is required")
+    started = time.time()
+    deadline = started + args.time_budget_s
+    os.makedirs(args.out, exist_ok=True)
+    args.out = os.path.abspath(args.out)
+    kinds = [k for k in SERVER_KINDS if k in args.servers.split(",")]
+    layers = num_model_layers()
+    if args.mem_fraction_static is None:
+        args.mem_fraction_static, how = mem_fraction_for_budget(args.kv_budget_gib)
+    else:
+        how = "given"
+    if args.max_running_requests is None:
+        args.max_running_requests = max(
+            ours_auto_slots(args.kv_budget_gib, layers, args.new_tokens),
+            max(args.concurrency),
+        )
+    if args.host_pool_gb is None:
+        # Enough host slots for every logical loc the budget allows.
+        per_loc = layers * (INDEXER_BYTES + 2) + 8
+        args.host_pool_gb = math.ceil(
+            args.kv_budget_gib * (1 << 30) / per_loc * layers * ROW_BYTES / 1e9 + 1
+        )
+    ring = len(args.contexts) * len(args.concurrency) + len(args.cap_contexts) + 2
+    args.record_steps = min(8192, ring * (args.new_tokens + 16))
+    if args.trace:
+        args.trace = os.path.abspath(args.trace)
+    log(
+        f"mode {args.mode}, top-k {args.topk}, servers {kinds}, contexts "
+        f"{args.contexts}, concurrency {args.concurrency}, capacity runs at "
+        f"{args.cap_contexts}, {args.new_tokens} new tokens; mem fraction "
+        f"{args.mem_fraction_static} ({how}), {args.max_running_requests} request "
+        f"slots, host pool {args.host_pool_gb} GB; budget {args.time_budget_s:.0f} s"
+    )
+    result = {
+        "config": {
+            "mode": args.mode,
+            "topk": args.topk,
+            "trace": None,
+            "servers": kinds,
+            "contexts": args.contexts,
+            "concurrency": args.concurrency,
+            "cap_contexts": args.cap_contexts,
+            "new_tokens": args.new_tokens,
+            "kv_budget_gib": args.kv_budget_gib,
+            "mem_fraction_static": args.mem_fraction_static,
+            "mem_fraction_how": how,
+            "max_running_requests": args.max_running_requests,
+            "host_pool_gb": args.host_pool_gb,
+            "recent_window": args.recent_window,
+            "decode_log_interval": args.decode_log_interval,
+            "layers": layers,
+            "sinks": SINKS,
+            "recent": RECENT,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "command": " ".join(shlex.quote(a) for a in sys.argv),
+        },
+        "servers": {},
+    }
+    json_path = os.path.join(args.out, f"bench_server_{args.topk}.json")
+
+    def save():
+        result["config"]["wall_s"] = time.time() - started
+        result["targets"] = evaluate_targets(result)
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+    try:
+        prepare_trace(args)
+        result["config"]["trace"] = args.trace
+        startup_guess = 90.0
+        for i, kind in enumerate(kinds):
+            log(f"=== server {i + 1}/{len(kinds)}: {kind} ===")
+            res = bench_server(args, kind, deadline, len(kinds) - i, startup_guess)
+            if "startup_s" in res:
+                startup_guess = max(startup_guess, res["startup_s"] + 20)
+            result["servers"][kind] = res
+            save()
+            args.port += 1
+    except KeyboardInterrupt:
+        log("interrupted: writing what was measured")
+    save()
+    log(f"wrote {json_path}")
+    write_report([result], args.out)
+    failed = [k for k, r in result["servers"].items() if "error" in r]
+    return 1 if failed or len(result["servers"]) < len(kinds) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
