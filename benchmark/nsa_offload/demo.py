@@ -6,10 +6,10 @@ policy and HiSparse's at equal GPU rows, prints the calibration of the trace,
 the P6 table (ours <= 0.8x HiSparse's misses) and the exactness line of the
 reference engine (``LRUCacheState(use_triton=False)`` against the replay model).
 
-A GPU server-comparison mode (launch the server with and without
-``--enable-decode-nsa-kv-offload`` and with HiSparse, compare outputs and
-throughput) will plug in at :func:`run_gpu_comparison`; for now the demo only
-reports whether the machine could run it.
+On a GPU host with sglang 0.5.12.post1 installed and patched, it runs the
+server comparison instead (:func:`run_gpu_comparison`): real servers without
+and with ``--enable-decode-nsa-kv-offload``, identical greedy outputs, peak
+running requests at the same GPU memory budget.
 
 Usage (repository root)::
 
@@ -62,9 +62,26 @@ def detect_gpu_stack() -> GpuStack:
     return GpuStack(True, f"CUDA device {torch.cuda.get_device_name(0)}")
 
 
+# The server comparison the H200 results were made with (results/h200_e2e).
+GPU_E2E_ARGS = [
+    "--num-requests", "32", "--min-len", "3000", "--max-len", "30000",
+    "--max-new-tokens", "256", "--concurrency", "16",
+    "--mem-fraction-static", "0.018", "--context-length", "36000",
+    "--max-running-baseline", "256", "--max-running-offload", "88",
+    "--host-pool-gb", "8", "--capacity-length", "32768",
+    "--capacity-new-tokens", "512",
+]  # fmt: skip
+
+
 def run_gpu_comparison(args: argparse.Namespace) -> int:
-    """Server comparison on a GPU (ours vs HiSparse vs no offload). Not yet available."""
-    raise NotImplementedError("the GPU server-comparison mode is not available yet")
+    """Real servers without and with the offload (e2e_server.py): identical
+    outputs, peak running requests at the same memory budget, idle check."""
+    import subprocess
+
+    out = args.out_dir or Path("/tmp/nsa_offload_demo")
+    cmd = [sys.executable, str(HERE / "e2e_server.py"), "--out", str(out)]
+    print("$", " ".join(cmd + GPU_E2E_ARGS), flush=True)
+    return subprocess.call(cmd + GPU_E2E_ARGS, cwd=str(HERE))
 
 
 def run_cpu_replay(args: argparse.Namespace) -> int:
@@ -126,14 +143,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stack = detect_gpu_stack()
         if stack.available:
             print(f"GPU detected ({stack.reason}).")
-            try:
-                return run_gpu_comparison(args)
-            except NotImplementedError as e:
-                print(f"{e}; running the offline CPU replay instead.\n")
+            return run_gpu_comparison(args)
         elif args.mode == "gpu":
             print(f"GPU mode requested but unavailable: {stack.reason}.")
-            print("The GPU server-comparison mode is not available yet either;")
-            print("running the offline CPU replay instead.\n")
+            return 2
         else:
             print(f"No GPU stack ({stack.reason}): offline CPU replay.\n")
     return run_cpu_replay(args)

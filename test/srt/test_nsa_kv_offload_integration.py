@@ -8,16 +8,20 @@ Builds the real ``NSAKVOffloadTokenToKVPool`` (an sglang ``NSATokenToKVPool``),
 
 * chunked prefill: logical locs from ``alloc_extend``, staging rows through
   ``loc_to_row``, KV written with ``set_mla_kv_buffer``;
-* admission (result processing of the last chunk, or the first decode
-  preparation as under the overlap scheduler): prompt backed up to host slot
-  ``loc``, staging pages returned, region granted and warmed;
+* admission (``admit_prefilled_batch`` right after the forward that completes
+  a prompt, or the first decode preparation for a request it missed): prompt
+  backed up to host slot ``loc``, staging pages returned, region granted and
+  warmed;
 * decode steps: new token locs mapped onto the window ring, KV written per
   layer, then every layer's swap must return a page table whose rows hold
   exactly the KV of the picked tokens (compared with a full-KV reference kept
   by the test), CUDA-graph padding rows included; new tokens backed up to host;
-* finish: region and LRU state released, locs freed through the allocator,
-  and every pool is back to its initial size (no leaks), with a new request
-  reusing the freed request slot, region and locs.
+* finish / abort / retract through sglang's own ``release_kv_cache`` (with a
+  real ``ChunkCache``; the patched function releases the offload state): region
+  and LRU state released, locs and staging pages freed, every pool back to its
+  initial size (no leaks), including requests that finish at their prefill
+  while the overlap scheduler already put them in a decode batch; new requests
+  then reuse the freed request slot, region and locs exactly.
 
 Also covered: pool sizing arithmetic and its error, the server-args -> pool
 configurator -> pool/allocator/coordinator glue, ``translate_locs_to_rows``
