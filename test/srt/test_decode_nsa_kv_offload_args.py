@@ -127,9 +127,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         args._handle_decode_nsa_kv_offload()
 
     def test_reject_non_nsa_model(self):
-        self._assert_rejected(
-            "only DSA/NSA models", model_path=self.dense_dir
-        )
+        self._assert_rejected("only DSA/NSA models", model_path=self.dense_dir)
 
     def test_reject_page_size(self):
         self._assert_rejected("requires --page-size 64", page_size=1)
@@ -158,10 +156,14 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "--disaggregation-mode prefill", disaggregation_mode="prefill"
         )
 
-    def test_reject_kv_cache_dtype(self):
+    def test_reject_pd_decode_server(self):
         self._assert_rejected(
-            "--kv-cache-dtype fp8_e5m2", kv_cache_dtype="fp8_e5m2"
+            "--disaggregation-mode decode is not supported yet",
+            disaggregation_mode="decode",
         )
+
+    def test_reject_kv_cache_dtype(self):
+        self._assert_rejected("--kv-cache-dtype fp8_e5m2", kv_cache_dtype="fp8_e5m2")
 
     def test_reject_decode_backend(self):
         self._assert_rejected(

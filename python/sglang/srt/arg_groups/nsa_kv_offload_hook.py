@@ -74,6 +74,13 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             "it is a decode-side feature and cannot be used with "
             "--disaggregation-mode prefill."
         )
+    if server_args.disaggregation_mode == "decode":
+        # PD transfers write device pages by token loc; with the offload the
+        # host pool has to be the transfer target, which is not wired yet.
+        _fail(
+            "--disaggregation-mode decode is not supported yet; run a colocated "
+            "server (--disaggregation-mode null)."
+        )
     if server_args.enable_hisparse:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
     if server_args.speculative_algorithm is not None:
@@ -93,9 +100,7 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             f"page), but got --page-size {server_args.page_size}."
         )
 
-    expected_backend = _OFFLOAD_DECODE_BACKENDS_BY_DTYPE.get(
-        server_args.kv_cache_dtype
-    )
+    expected_backend = _OFFLOAD_DECODE_BACKENDS_BY_DTYPE.get(server_args.kv_cache_dtype)
     if expected_backend is None:
         _fail(
             "it supports --kv-cache-dtype fp8_e4m3 or bfloat16, but got "

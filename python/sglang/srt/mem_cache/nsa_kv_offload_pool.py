@@ -149,7 +149,9 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         new_pages = out[out % self.page_size == 0] // self.page_size
         staging_pages = self.staging.alloc(new_pages.numel())
         if staging_pages is None:
-            super().free(out)
+            # Give back only the pages this extend took: the first one may
+            # continue a page the request still owns.
+            super().free(new_pages * self.page_size)
             raise RuntimeError(
                 "NSA KV offload: out of GPU staging rows for prefill "
                 f"({self.staging.num_pages} pages). Lower --chunked-prefill-size "
