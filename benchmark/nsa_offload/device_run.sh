@@ -3,7 +3,8 @@
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
 # STEP: engine (GPU checks + P1/P2 benchmarks), e2e (servers: exactness,
-# capacity, idle; args in $E2E_ARGS), or a
+# capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs
+# no offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), or a
 # path to a python script. Results go under $OUT.
 set -uo pipefail
 W=.devwheels
@@ -28,6 +29,9 @@ for step in "$@"; do
       ;;
     e2e)
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
+      ;;
+    bench)
+      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
       ;;
     *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
   esac

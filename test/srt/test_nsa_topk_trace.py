@@ -18,7 +18,6 @@ and its entry point ``nsa_offload_hooks.maybe_override_decode_topk``:
 """
 
 import os
-import sys
 import tempfile
 import time
 import unittest

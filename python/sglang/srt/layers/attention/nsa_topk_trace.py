@@ -60,7 +60,9 @@ Recorder (``SGLANG_NSA_TOPK_TRACE_RECORD=/path/out.npz``)
     layer (``SGLANG_NSA_TOPK_TRACE_RECORD_LAYERS``, default all) it copies the
     top-k of the first ``SGLANG_NSA_TOPK_TRACE_RECORD_MAX_ROWS`` (8) batch rows
     plus their sequence length and request pool index into a ring of the
-    latest ``SGLANG_NSA_TOPK_TRACE_RECORD_MAX_STEPS`` (256) steps.
+    latest ``SGLANG_NSA_TOPK_TRACE_RECORD_MAX_STEPS`` (256) steps (capped at
+    512 MB of pinned memory). The file is dense over steps x requests: keep
+    rows x steps modest, or flush once per run of requests.
     ``SGLANG_NSA_TOPK_TRACE_RECORD_STAGE``: ``output`` (default: what attention
     uses, i.e. after the override if any) or ``input`` (the indexer's own).
     The ring lives in pinned host memory and is written by a small Triton
@@ -122,6 +124,7 @@ DEFAULT_RECORD_MAX_ROWS = 8
 DEFAULT_RECORD_FLUSH_IDLE_S = 2.0
 FLUSH_TRIGGER_SUFFIX = ".flush"
 _POLL_S = 0.2
+_RECORD_RING_BYTES_CAP = 512 << 20  # pinned host memory of the ring
 _INT64_MAX = tl.constexpr(9223372036854775807)
 
 
@@ -158,6 +161,8 @@ _TRACE_FORMAT = None
 def import_trace_format(near: Optional[str] = None):
     """The ``trace_format`` module of ``benchmark/nsa_offload`` (numpy only)."""
     global _TRACE_FORMAT
+    if _TRACE_FORMAT is None and "trace_format" in sys.modules:
+        _TRACE_FORMAT = sys.modules["trace_format"]
     if _TRACE_FORMAT is not None:
         return _TRACE_FORMAT
     candidates = []
@@ -165,9 +170,9 @@ def import_trace_format(near: Optional[str] = None):
         candidates.append(_env(ENV_FORMAT))
     else:
         try:
-            import trace_format  # noqa: F401  (benchmark dir on sys.path)
+            import trace_format  # benchmark dir on sys.path
 
-            _TRACE_FORMAT = sys.modules["trace_format"]
+            _TRACE_FORMAT = trace_format
             return _TRACE_FORMAT
         except ImportError:
             pass
@@ -184,10 +189,14 @@ def import_trace_format(near: Optional[str] = None):
         if os.path.isfile(path):
             spec = importlib.util.spec_from_file_location("trace_format", path)
             module = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault("trace_format", module)
-            spec.loader.exec_module(module)
-            _TRACE_FORMAT = sys.modules["trace_format"]
-            return _TRACE_FORMAT
+            sys.modules["trace_format"] = module  # dataclasses look it up
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules["trace_format"]
+                raise
+            _TRACE_FORMAT = module
+            return module
     raise ImportError(
         "NSA top-k trace: cannot find trace_format.py (tried "
         f"{candidates or 'import trace_format'}); set {ENV_FORMAT}=/path/to/"
@@ -741,7 +750,17 @@ class TopkTraceRecorder:
         on_cuda = self.device.type == "cuda"
         self._use_triton = self.impl == "triton" or (self.impl == "auto" and on_cuda)
         pin = on_cuda
-        L, R, S = len(self.layer_ids), self.max_rows, self.num_slots
+        L, R = len(self.layer_ids), self.max_rows
+        step_bytes = L * R * self.k * 4
+        if (self.max_steps + 1) * step_bytes > _RECORD_RING_BYTES_CAP:
+            self.max_steps = max(1, _RECORD_RING_BYTES_CAP // step_bytes - 1)
+            self.num_slots = self.max_steps + 1
+            logger.warning(
+                "NSA top-k trace recorder: ring capped at %d steps (%d MB)",
+                self.max_steps,
+                _RECORD_RING_BYTES_CAP >> 20,
+            )
+        S = self.num_slots
         self.ring_topk = torch.full((S, L, R, self.k), -1, dtype=torch.int32)
         self.ring_meta = torch.zeros((S, R, 2), dtype=torch.int64)
         self.stamps = torch.zeros((S,), dtype=torch.int64)
