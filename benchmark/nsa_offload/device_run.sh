@@ -5,7 +5,12 @@
 # STEP: engine (GPU checks + P1/P2 benchmarks), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs
 # no offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), or a
-# path to a python script. Results go under $OUT.
+# path to a python script, or "pytest FILES..." (the rest of the arguments).
+# Results go under $OUT.
+#
+# One-time setup in the checkout (the wheelhouse is too big for git):
+#   mkdir -p .devwheels && cp -r ../shared/device/{wheels-a,wheels-b,jitcache-h200.tgz} .devwheels/
+#   echo /.devwheels/ >> .git/info/exclude
 set -uo pipefail
 W=.devwheels
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site"
@@ -19,6 +24,11 @@ export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 scripts/apply_patch.py --sglang-dir /tmp/site || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 rc=0
+if [ "${1:-}" = pytest ]; then
+  shift
+  timeout 500 python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -40 || rc=1
+  set --
+fi
 for step in "$@"; do
   case $step in
     engine)
