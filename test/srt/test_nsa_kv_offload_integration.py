@@ -817,7 +817,8 @@ class _Harness:
         )
 
     def host_bytes(self, layer, locs):
-        return self.controller.host_pool.kv_buffer[layer][locs]
+        host = self.controller.host_pool.kv_buffer[layer]
+        return host[locs.to(host.device)].to(locs.device)
 
     def new_req(self):
         req = _Req(f"r{self.next_rid}")

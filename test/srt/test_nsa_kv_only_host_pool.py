@@ -223,6 +223,8 @@ class TestGatherRows(unittest.TestCase):
         # Plans may be views of larger CUDA-graph buffers (row stride > K).
         row_bytes, bs, k = FP8_ROW_BYTES, 3, 16
         src = _random_rows(100, row_bytes, device="cpu")
+        if torch.cuda.is_available():
+            src = src.pin_memory()  # GPU kernels read host rows through UVA
         dst = _random_rows(60, row_bytes, seed=3)
         big_src = torch.full((bs, 2 * k), GARBAGE_BIG, dtype=torch.int64)
         big_dst = torch.full((bs, 2 * k), GARBAGE_NEG, dtype=torch.int64)

@@ -199,7 +199,7 @@ class TestOverride(unittest.TestCase):
         for s in range(STEPS):
             n = int(trace.seq_lens[s, 2]) + shift
             x = torch.zeros((1, K), dtype=torch.int64, device=DEVICE)
-            out = ov.apply(0, x, torch.tensor([n], device=DEVICE), torch.tensor([0]))
+            out = ov.apply(0, x, torch.tensor([n], device=DEVICE), torch.tensor([0], device=DEVICE))
             lives.append(set(out.cpu().numpy()[0].tolist()))
             srcs.append(set(trace.topk[s, 0, 2].tolist()))
         for s in range(STEPS - 1):
