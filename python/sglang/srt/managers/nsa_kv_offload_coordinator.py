@@ -116,7 +116,6 @@ class NSAKVOffloadCoordinator:
             ),
         )
         self.producer_stream = None
-        self._admitted = set()
         self._last_log_tic = time.perf_counter()
 
         logger.info(
@@ -145,12 +144,12 @@ class NSAKVOffloadCoordinator:
             torch.cuda.current_stream().wait_stream(self.producer_stream)
 
     def is_admitted(self, req: Req) -> bool:
-        return req.req_pool_idx in self._admitted
+        return self.controller.is_admitted(req.req_pool_idx)
 
     def admit(self, req: Req, num_tokens: int) -> None:
         """Back up the prompt, give ``req`` a region and free its staging rows."""
         r = req.req_pool_idx
-        if r in self._admitted:
+        if self.controller.is_admitted(r):
             return
         self._wait_producer()
         locs = self.req_to_token[r, :num_tokens].to(torch.int64)
@@ -163,7 +162,6 @@ class NSAKVOffloadCoordinator:
                 f"{req.rid} ({self.sizes.num_regions} regions); this is a bug: "
                 "regions are sized by --max-running-requests."
             )
-        self._admitted.add(r)
         # Later forwards wait for the backup before writing staging rows again.
         self.allocator.release_staging(locs)
 
@@ -172,14 +170,14 @@ class NSAKVOffloadCoordinator:
         prompt it completes (all but the scheduler's current chunked request).
         The copies are ordered after that forward on the GPU."""
         for req in batch.reqs:
-            if req is not chunked_req and req.req_pool_idx not in self._admitted:
+            if req is not chunked_req and not self.is_admitted(req):
                 self.admit(req, len(req.fill_ids))
 
     def prepare_decode(self, batch: ScheduleBatch) -> None:
         """After ``prepare_for_decode`` allocated ``out_cache_loc`` and advanced
         ``seq_lens``: admit new requests and map the new tokens to ring rows."""
         for i, req in enumerate(batch.reqs):
-            if req.req_pool_idx not in self._admitted:
+            if not self.is_admitted(req):
                 self.admit(req, int(batch.seq_lens_cpu[i]) - 1)
         base = self.lru.region_base[batch.req_pool_indices].to(torch.int64)
         pos = batch.seq_lens.to(torch.int64) - 1
@@ -191,11 +189,10 @@ class NSAKVOffloadCoordinator:
         Its token locs (= host slots) and staging pages are freed by the token
         allocator right after."""
         r = req.req_pool_idx
-        if r is None or r not in self._admitted:
+        if r is None or not self.controller.is_admitted(r):
             return
         self._wait_producer()
         self.controller.release_request(r)
-        self._admitted.discard(r)
 
     # -------------------------------------------------------------- forward
 
