@@ -156,6 +156,11 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "--disaggregation-mode prefill", disaggregation_mode="prefill"
         )
 
+    def test_reject_mixed_chunk(self):
+        self._assert_rejected(
+            "--enable-mixed-chunk is not supported", enable_mixed_chunk=True
+        )
+
     def test_reject_pd_decode_server(self):
         self._assert_rejected(
             "--disaggregation-mode decode is not supported yet",

@@ -94,6 +94,9 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         )
     if not server_args.disable_radix_cache:
         _fail("it requires --disable-radix-cache.")
+    if server_args.enable_mixed_chunk:
+        # Decode requests inside an extend batch would read KV by token loc.
+        _fail("--enable-mixed-chunk is not supported.")
     if server_args.page_size != NSA_KV_OFFLOAD_PAGE_SIZE:
         _fail(
             f"it requires --page-size {NSA_KV_OFFLOAD_PAGE_SIZE} (the NSA indexer "
