@@ -5,7 +5,7 @@ overlap, sinks and "recency"; they do not fix how fast reuse decays with the lag
 (``--long-memory``) nor the exact shape of the recency profile. This script
 regenerates the deep-layer part of the default trace under variations of those
 free parameters (and two what-if overlap levels), replays each variant, and
-tabulates ours / HiSparse, the alternative tie rule and Belady's OPT at equal
+tabulates ours / HiSparse, the alternative tie rule (misses most recent) and Belady's OPT at equal
 GPU rows.
 
     python benchmark/nsa_offload/sensitivity.py \\

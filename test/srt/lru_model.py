@@ -66,9 +66,9 @@ class LRUModel:
             resident[locs[i]] = victim
             self.slot_loc[layer, r][victim] = locs[i]
             slots[i] = victim
-        # Tie rule: [untaken evictables] + [hits in old order] + [victims].
+        # Tie rule: [untaken evictables] + [victims] + [hits in old order].
         hits_in_order = [s for s in order if s in hit_slots]
-        self.lru_order[layer, r] = evictable[len(missed) :] + hits_in_order + victims
+        self.lru_order[layer, r] = evictable[len(missed) :] + victims + hits_in_order
         return slots, missed, victims
 
     def swap(

@@ -424,14 +424,17 @@ class TestLRUCacheStateBasics(unittest.TestCase):
             pt, copies, order = swap([5, 1, 6, 3], 11)
             self.assertEqual(pt, [102, 101, 103, 100])
             self.assertEqual(copies, [(15, 102), (16, 103)])
-            # No evictables left untaken; hits keep old order (0 before 1).
-            self.assertEqual(order, [0, 1, 2, 3])
-            # One miss (position 7) evicts slot 0 (loc 13); hit 6 (slot 3).
+            # No evictables left untaken: victims (2, 3), then the hits in
+            # their old order (0 before 1) as the most recent.
+            self.assertEqual(order, [2, 3, 0, 1])
+            # One miss (position 7) evicts slot 2 (loc 15), the least recent
+            # slot not hit; hit 6 (slot 3) becomes the most recent.
             pt, copies, order = swap([6, 7, 11, 12], 12)
-            self.assertEqual(pt, [103, 100, 105, -1])
-            self.assertEqual(copies, [(17, 100)])
-            self.assertEqual(order, [1, 2, 3, 0])
-            self.assertEqual(int(s.loc_to_slot[0, 13]), -1)
+            self.assertEqual(pt, [103, 102, 105, -1])
+            self.assertEqual(copies, [(17, 102)])
+            self.assertEqual(order, [0, 1, 2, 3])
+            self.assertEqual(int(s.loc_to_slot[0, 15]), -1)
+            self.assertEqual(int(s.loc_to_slot[0, 13]), 0)
             self.assertEqual(s.counters[0].tolist(), [3, 2, 5])
             s.release_request(1)
             self.assertTrue(bool((s.loc_to_slot == -1).all()))
@@ -444,10 +447,10 @@ class TestLRUCacheStateBasics(unittest.TestCase):
             rows = s.warm_request(range(2), 2, torch.tensor([40, -1, 41, 42]))
             self.assertEqual(rows.tolist(), [[50, -1, 51, 52]] * 2)
             self.assertEqual(s.lru_order[0, 2].tolist(), [3, 4, 5, 6, 7, 0, 1, 2])
-            # Re-warming a resident loc is a hit: it moves to the hit group.
+            # Re-warming a resident loc is a hit: it becomes the most recent.
             rows = s.warm_request(1, 2, torch.tensor([41, 43]))
             self.assertEqual(rows.tolist(), [[51, 53]])
-            self.assertEqual(s.lru_order[1, 2].tolist(), [4, 5, 6, 7, 0, 2, 1, 3])
+            self.assertEqual(s.lru_order[1, 2].tolist(), [4, 5, 6, 7, 0, 2, 3, 1])
             r2t = torch.zeros((3, 16), dtype=torch.int32, device=DEVICE)
             r2t[2, :4] = torch.tensor([40, 41, 42, 43])
             plan = s.swap_layer(

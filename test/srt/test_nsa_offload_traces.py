@@ -33,13 +33,17 @@ from trace_format import (  # noqa: E402
 
 EMBEDDED_TRACE = BENCH_DIR / "traces" / "dsv32_synth_default.npz"
 
-# Hand-computed example (K=3, C=H=4; ours W=1): the tie rules make the two
-# policies evict different slots at step 2 (ours evicts position 0, a hit of
-# step 1; HiSparse evicts position 2, a miss of step 1), so step 3 differs.
+# Hand-computed example (K=3, C=H=4; ours W=1). Both policies make hits the
+# most recent, so at step 2 both evict position 2 (a miss of step 1) and keep
+# position 0 (a hit of step 1), which step 3 then hits. With misses most recent
+# (the engine's first rule) ours evicted position 0 instead and missed it at
+# step 3: TINY_MISSES_MRU_* below.
 TINY_SEQ_LENS = [20, 21, 22, 23]
 TINY_TOPK = [[0, 1, 19], [0, 2, 3], [4, 5, 21], [0, 3, 22]]
-TINY_OURS_MISSES = [2, 2, 2, 1]
-TINY_OURS_ORDERS = [[2, 3, 0, 1], [1, 0, 2, 3], [2, 3, 1, 0], [1, 0, 3, 2]]
+TINY_OURS_MISSES = [2, 2, 2, 0]
+TINY_OURS_ORDERS = [[2, 3, 0, 1], [1, 2, 3, 0], [3, 0, 1, 2], [1, 2, 3, 0]]
+TINY_MISSES_MRU_MISSES = [2, 2, 2, 1]
+TINY_MISSES_MRU_ORDERS = [[2, 3, 0, 1], [1, 0, 2, 3], [2, 3, 1, 0], [1, 0, 3, 2]]
 TINY_HISPARSE_MISSES = [2, 2, 2, 0]
 TINY_HISPARSE_ORDERS = [[2, 3, 0, 1], [1, 2, 3, 0], [3, 0, 1, 2], [1, 2, 3, 0]]
 
@@ -234,6 +238,16 @@ class TestReplayModels(unittest.TestCase):
         m = OursLRU(lru_slots=4, window=1, max_pos=30)
         for n, row, misses, order in zip(
             TINY_SEQ_LENS, TINY_TOPK, TINY_OURS_MISSES, TINY_OURS_ORDERS
+        ):
+            r = m.step(np.array(row), n)
+            self.assertEqual(r.misses, misses)
+            self.assertEqual(m.order.tolist(), order)
+        self.assertEqual(m.slot_pos.tolist(), [0, 4, 5, 3])
+
+    def test_ours_misses_mru_hand_example(self):
+        m = OursLRU(lru_slots=4, window=1, max_pos=30, hits_mru=False)
+        for n, row, misses, order in zip(
+            TINY_SEQ_LENS, TINY_TOPK, TINY_MISSES_MRU_MISSES, TINY_MISSES_MRU_ORDERS
         ):
             r = m.step(np.array(row), n)
             self.assertEqual(r.misses, misses)

@@ -526,7 +526,7 @@ class LRUCacheState:
         )
 
     def _reorder_lru(self, work: LayerSwapWork) -> None:
-        # New order: [untaken evictables] + [hits] + [victims], each in old order
+        # New order: [untaken evictables] + [victims] + [hits], each in old order
         # (victims in old order == misses in top-k order).
         C = self.buffer_size
         m = work.num_misses[:, None]
@@ -535,8 +535,8 @@ class LRUCacheState:
         hit_rank = self._arange_c[None, :] - ev_rank
         new_pos = torch.where(
             work.order_evictable,
-            torch.where(ev_rank >= m, ev_rank - m, C - m + ev_rank),
-            num_evictable - m + hit_rank,
+            torch.where(ev_rank >= m, ev_rank - m, num_evictable - m + ev_rank),
+            num_evictable + hit_rank,
         )
         new_order = torch.empty_like(work.order).scatter_(1, new_pos, work.order)
         # Padding rows target the sink row; their new order equals the old one.
@@ -561,7 +561,7 @@ def _swap_kernel_is_interpreted() -> bool:
 #   2. walk lru_order (C entries): gather the hit flags, cumsum ranks the
 #      evictable slots; the first num_misses of them are the victims (their old
 #      locs leave loc_to_slot) and are written to scratch by rank; lru_order is
-#      permuted in place to [untaken evictables, hits, victims].
+#      permuted in place to [untaken evictables, victims, hits].
 #   3. each miss gathers its victim by rank, updates loc_to_slot / slot_loc and
 #      the page table; the copy list is compacted by miss rank.
 # Scatter -> gather between phases (by slot, by rank) crosses threads, so it
@@ -673,9 +673,11 @@ if _HAS_TRITON:
         new_pos = tl.where(
             evictable,
             tl.where(
-                ev_rank >= num_misses, ev_rank - num_misses, C - num_misses + ev_rank
+                ev_rank >= num_misses,
+                ev_rank - num_misses,
+                C - num_hits - num_misses + ev_rank,
             ),
-            C - num_hits - num_misses + hit_rank,
+            C - num_hits + hit_rank,
         )
         taken = evictable & (ev_rank < num_misses)
         # Victims' old locs leave the map now (phase 1 has read it already).
