@@ -5,6 +5,7 @@
 # STEP: engine (GPU checks + P1/P2 benchmarks), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs
 # no offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), or a
+# savejit (pack ~/.triton into $OUT/jitcache-extra.tgz for the next machine),
 # path to a python script, or "pytest FILES..." (the rest of the arguments).
 # Results go under $OUT.
 #
@@ -19,6 +20,9 @@ if [ "${1:-}" = install-a ]; then
 fi
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
+  # JIT caches saved by an earlier "savejit" step (Triton MoE kernels etc.):
+  # carry .devwheels/jitcache-extra.tgz to skip ~2 min of compiling per start.
+  [ -f $W/jitcache-extra.tgz ] && tar xzf $W/jitcache-extra.tgz -C ~
 fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 scripts/apply_patch.py --sglang-dir /tmp/site || exit 1
@@ -43,9 +47,15 @@ for step in "$@"; do
     bench)
       timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
       ;;
+    savejit)
+      # Triton's cache after the servers ran; copy it into .devwheels/ here.
+      tar czf $OUT/jitcache-extra.tgz -C ~ .triton 2>/dev/null && ls -la $OUT/jitcache-extra.tgz
+      ;;
     *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
   esac
 done
-# At most 8 files come back from $OUT: pack them.
-(cd $OUT && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz .)
+# At most 8 files come back from $OUT: pack them (the JIT cache stays apart).
+(cd $OUT && { [ ! -f jitcache-extra.tgz ] || mv jitcache-extra.tgz /tmp/jit-keep.tgz; } \
+  && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz . \
+  && { [ ! -f /tmp/jit-keep.tgz ] || mv /tmp/jit-keep.tgz jitcache-extra.tgz; })
 exit $rc
