@@ -192,7 +192,7 @@ class Sim:
         staging = torch.arange(n, dtype=torch.int64, device=self.dev)
         for layer in range(self.L):  # prefill writes the prompt KV to staging rows
             self.gpu[layer].view(-1, FP8_ROW_BYTES)[staging] = self.full[layer][loc_t]
-        self.ctrl.backup_prefilled_request(staging, loc_t, req_pool_idx=r)
+        self.ctrl.backup_prefilled_request(staging, loc_t)
         base = self.ctrl.admit_request(r, prefix_locs=loc_t)
         assert base is not None, "no free region"
         # Staging rows are reused by the next prefill: wait for the backup.

@@ -186,7 +186,7 @@ class TestEndToEnd(_ControllerCase):
             loc_t = torch.tensor(locs, dtype=torch.int64, device=DEVICE)
             for layer in range(L):
                 self.gpu[layer].view(-1, ROW_BYTES)[staging] = truth_dev[layer][loc_t]
-            ctrl.backup_prefilled_request(staging, loc_t, req_pool_idx=r)
+            ctrl.backup_prefilled_request(staging, loc_t)
             base = ctrl.admit_request(r, prefix_locs=loc_t)
             self.assertIsNotNone(base)
             live[r] = n

@@ -154,7 +154,7 @@ class NSAKVOffloadCoordinator:
         self._wait_producer()
         locs = self.req_to_token[r, :num_tokens].to(torch.int64)
         rows = self.kv_pool.loc_to_row[locs]
-        self.controller.backup_prefilled_request(rows, locs, req_pool_idx=r)
+        self.controller.backup_prefilled_request(rows, locs)
         base = self.controller.admit_request(r, prefix_locs=locs)
         if base is None:
             raise RuntimeError(

@@ -23,8 +23,8 @@ Synchronization rules (callers):
   by :meth:`admit_request` or host rows written by a backup, and before reusing
   GPU staging rows that a :meth:`backup_prefilled_request` reads. Side-stream
   copies themselves wait for the work enqueued so far on the caller's stream.
-* :meth:`release_request` blocks until the side-stream copies that may touch
-  the request are done, then frees its region and LRU state.
+* :meth:`release_request` frees a region and LRU state without a host sync:
+  everything that reuses them is ordered after the request's copies on the GPU.
 
 See ``docs/ENGINE.md`` for the swap semantics and address spaces.
 """
@@ -213,7 +213,6 @@ class SparseCacheController:
         else:
             self.side_stream = None
         self._last_side_event = None
-        self._req_events: Dict[int, object] = {}
         self._req_base: Dict[int, int] = {}
         self.last_plan: Optional[LayerSwapPlan] = None
 
@@ -406,7 +405,6 @@ class SparseCacheController:
         self,
         gpu_rows: torch.Tensor,
         locs: torch.Tensor,
-        req_pool_idx: Optional[int] = None,
         wait_event=None,
     ):
         """Copy every layer of a prefilled request's tokens from the GPU
@@ -418,14 +416,11 @@ class SparseCacheController:
         """
         gpu_rows = self._as_device_index(gpu_rows, torch.int64)
         locs = self._as_device_index(locs, torch.int64)
-        event = self._launch_side(
+        return self._launch_side(
             lambda: self._d2h_all_layers(gpu_rows, locs, None),
             [gpu_rows, locs],
             wait_event,
         )
-        if req_pool_idx is not None and event is not None:
-            self._req_events[int(req_pool_idx)] = event
-        return event
 
     def wait_backup(self, stream=None) -> None:
         """Make ``stream`` (default: current) wait on the GPU for every side-stream
@@ -440,11 +435,6 @@ class SparseCacheController:
         """Block the host until every side-stream copy issued so far is done."""
         if self.side_stream is not None:
             self.side_stream.synchronize()
-
-    @staticmethod
-    def _sync_event(event) -> None:
-        if event is not None and not event.query():
-            event.synchronize()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -526,20 +516,22 @@ class SparseCacheController:
             self.wait_backup()
 
     def release_request(self, req_pool_idx: int) -> None:
-        """Wait for the side-stream copies that may touch the request, then free
-        its region and drop its LRU state (its host slots belong to the token
-        allocator)."""
+        """Free the request's region and drop its LRU state (its host slots
+        belong to the token allocator).
+
+        The host does not wait: whoever reuses the region, the LRU slots or the
+        host slots is ordered after the request's copies on the GPU (later
+        side-stream copies run in issue order, and forwards wait for the side
+        stream). The caller's stream waits for the side stream before the LRU
+        state is cleared, and the caller must already have made it wait for any
+        forward that may still read the request (the coordinator does).
+        """
         r = int(req_pool_idx)
         if r not in self._req_base:
             raise ValueError(f"request {r} is not admitted")
-        self._sync_event(self._req_events.pop(r, None))
-        self._sync_event(self._last_side_event)
+        self.wait_backup()
         self.lru.release_request(r)
         self.regions.free(self._req_base.pop(r))
-
-    def forget_request(self, req_pool_idx: int) -> None:
-        """Drop bookkeeping of a request that was backed up but never admitted."""
-        self._sync_event(self._req_events.pop(int(req_pool_idx), None))
 
     # ------------------------------------------------------------------- stats
 
