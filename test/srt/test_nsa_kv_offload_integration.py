@@ -46,17 +46,6 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:  # test/srt/cpu_shims.py lets sglang import on a CPU-only machine
-    import cpu_shims
-except ImportError:  # pragma: no cover
-    cpu_shims = None
-if cpu_shims is not None:
-    cpu_shims.install_all()
-
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.managers.nsa_kv_offload_coordinator import (
     NSAKVOffloadCoordinator,

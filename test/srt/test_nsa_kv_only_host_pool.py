@@ -5,22 +5,10 @@ On a machine without CUDA the Triton kernels run in the interpreter
 buffers are then both CPU tensors.
 """
 
-import os
 import unittest
 from types import SimpleNamespace
 
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:  # test/srt/cpu_shims.py lets sglang import on a CPU-only machine
-    import cpu_shims
-except ImportError:  # pragma: no cover
-    cpu_shims = None
-if cpu_shims is not None:
-    cpu_shims.install_all()
-
 from sglang.srt.mem_cache import sparse_kv_copy as skc
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 

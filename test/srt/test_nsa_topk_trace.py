@@ -27,17 +27,6 @@ from unittest import mock
 
 import numpy as np
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:  # test/srt/cpu_shims.py lets sglang import on a CPU-only machine
-    import cpu_shims
-except ImportError:  # pragma: no cover
-    cpu_shims = None
-if cpu_shims is not None:
-    cpu_shims.install_all()
-
 from sglang.srt.layers.attention import nsa_offload_hooks, nsa_topk_trace  # noqa
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -199,7 +188,9 @@ class TestOverride(unittest.TestCase):
         for s in range(STEPS):
             n = int(trace.seq_lens[s, 2]) + shift
             x = torch.zeros((1, K), dtype=torch.int64, device=DEVICE)
-            out = ov.apply(0, x, torch.tensor([n], device=DEVICE), torch.tensor([0], device=DEVICE))
+            out = ov.apply(
+                0, x, torch.tensor([n], device=DEVICE), torch.tensor([0], device=DEVICE)
+            )
             lives.append(set(out.cpu().numpy()[0].tolist()))
             srcs.append(set(trace.topk[s, 0, 2].tolist()))
         for s in range(STEPS - 1):

@@ -11,22 +11,10 @@ rows listed in the page table hold exactly the KV of the picked tokens:
 On a machine without CUDA the Triton kernels run in the interpreter.
 """
 
-import os
 import random
 import unittest
 
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-try:  # test/srt/cpu_shims.py lets sglang import on a CPU-only machine
-    import cpu_shims
-except ImportError:  # pragma: no cover
-    cpu_shims = None
-if cpu_shims is not None:
-    cpu_shims.install_all()
-
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import (
     RegionAllocator,
