@@ -128,6 +128,43 @@ def _copy_tile(
 
 
 @triton.jit
+def _copy_indexed_tiles(
+    src_base,
+    dst_base,
+    src_idx_row,
+    dst_idx_row,
+    count,
+    pid,
+    nprog,
+    ROW_WORDS: tl.constexpr,
+    HEAD_COLS: tl.constexpr,
+    TAIL_COLS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    NUM_ITERS: tl.constexpr,
+):
+    # Program ``pid`` copies tiles pid, pid + nprog, ... (NUM_ITERS of them,
+    # static); with the default grid NUM_ITERS == 1. Tiles past ``count`` are
+    # skipped, so programs beyond it exit at once and read no index.
+    for it in tl.static_range(NUM_ITERS):
+        start = (pid + it * nprog) * BLOCK_ROWS
+        if start < count:
+            offs = start + tl.arange(0, BLOCK_ROWS)
+            row_mask = offs < count
+            src_rows = tl.load(src_idx_row + offs, mask=row_mask, other=0)
+            dst_rows = tl.load(dst_idx_row + offs, mask=row_mask, other=0)
+            _copy_tile(
+                src_base,
+                dst_base,
+                src_rows.to(tl.int64),
+                dst_rows.to(tl.int64),
+                row_mask,
+                ROW_WORDS,
+                HEAD_COLS,
+                TAIL_COLS,
+            )
+
+
+@triton.jit
 def _gather_rows_kernel(
     src_ptr,
     dst_ptr,
@@ -158,34 +195,20 @@ def _gather_rows_kernel(
                 counters_ptr + COUNTER_IDX + 1, count.to(tl.int64) * ROW_BYTES
             )
 
-    # Program ``pid`` copies tiles pid, pid + nprog, ... (NUM_ITERS of them,
-    # static); with the default grid NUM_ITERS == 1. Tiles past the count are
-    # skipped, so programs beyond it exit at once and read nothing.
-    for it in tl.static_range(NUM_ITERS):
-        start = (pid + it * nprog) * BLOCK_ROWS
-        if start < count:
-            offs = start + tl.arange(0, BLOCK_ROWS)
-            row_mask = offs < count
-            src_rows = tl.load(
-                src_idx_ptr + b.to(tl.int64) * src_idx_stride + offs,
-                mask=row_mask,
-                other=0,
-            ).to(tl.int64)
-            dst_rows = tl.load(
-                dst_idx_ptr + b.to(tl.int64) * dst_idx_stride + offs,
-                mask=row_mask,
-                other=0,
-            ).to(tl.int64)
-            _copy_tile(
-                src_ptr,
-                dst_ptr,
-                src_rows,
-                dst_rows,
-                row_mask,
-                ROW_WORDS,
-                HEAD_COLS,
-                TAIL_COLS,
-            )
+    _copy_indexed_tiles(
+        src_ptr,
+        dst_ptr,
+        src_idx_ptr + b.to(tl.int64) * src_idx_stride,
+        dst_idx_ptr + b.to(tl.int64) * dst_idx_stride,
+        count,
+        pid,
+        nprog,
+        ROW_WORDS,
+        HEAD_COLS,
+        TAIL_COLS,
+        BLOCK_ROWS,
+        NUM_ITERS,
+    )
 
 
 @triton.jit
@@ -230,31 +253,20 @@ def _copy_rows_all_layers_kernel(
     dst_base = tl.load(dst_layer_ptrs + layer).to(tl.pointer_type(WORD))
     src_base = tl.multiple_of(src_base, 16)
     dst_base = tl.multiple_of(dst_base, 16)
-    for it in tl.static_range(NUM_ITERS):
-        start = (pid + it * nprog) * BLOCK_ROWS
-        if start < count:
-            offs = start + tl.arange(0, BLOCK_ROWS)
-            row_mask = offs < count
-            src_rows = tl.load(
-                src_idx_ptr + layer * src_idx_layer_stride + offs,
-                mask=row_mask,
-                other=0,
-            )
-            dst_rows = tl.load(
-                dst_idx_ptr + layer * dst_idx_layer_stride + offs,
-                mask=row_mask,
-                other=0,
-            )
-            _copy_tile(
-                src_base,
-                dst_base,
-                src_rows.to(tl.int64),
-                dst_rows.to(tl.int64),
-                row_mask,
-                ROW_WORDS,
-                HEAD_COLS,
-                TAIL_COLS,
-            )
+    _copy_indexed_tiles(
+        src_base,
+        dst_base,
+        src_idx_ptr + layer * src_idx_layer_stride,
+        dst_idx_ptr + layer * dst_idx_layer_stride,
+        count,
+        pid,
+        nprog,
+        ROW_WORDS,
+        HEAD_COLS,
+        TAIL_COLS,
+        BLOCK_ROWS,
+        NUM_ITERS,
+    )
 
 
 def gather_rows(
