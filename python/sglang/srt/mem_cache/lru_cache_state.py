@@ -35,9 +35,6 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build
 
 IndexLike = Union[int, Sequence[int], torch.Tensor]
 
-# Column of the hit/window/miss counters.
-COUNTER_HIT, COUNTER_WINDOW, COUNTER_MISS = 0, 1, 2
-
 
 class LayerSwapPlan(NamedTuple):
     """Result of one layer's swap for a batch of ``bs`` rows.
@@ -189,18 +186,6 @@ class LRUCacheState:
             self._alloc_scratch(max_batch_size or max_num_reqs)
 
     # ------------------------------------------------------------------ counters
-
-    @property
-    def hit_counts(self) -> torch.Tensor:
-        return self.counters[:, COUNTER_HIT]
-
-    @property
-    def window_counts(self) -> torch.Tensor:
-        return self.counters[:, COUNTER_WINDOW]
-
-    @property
-    def miss_counts(self) -> torch.Tensor:
-        return self.counters[:, COUNTER_MISS]
 
     def reset_counters(self) -> None:
         self.counters.zero_()
