@@ -155,11 +155,15 @@ def page_up(n: int) -> int:
 
 
 def gpu_memory_mib() -> Optional[Tuple[float, float]]:
-    """(total, used) MiB of GPU 0 from nvidia-smi, or None."""
+    """(total, used) MiB from nvidia-smi of the first GPU this process sees
+    (``CUDA_VISIBLE_DEVICES``, e.g. when two runs share a host), or None."""
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     try:
         out = subprocess.run(
             [
                 "nvidia-smi",
+                "-i",
+                gpu,
                 "--query-gpu=memory.total,memory.used",
                 "--format=csv,noheader,nounits",
             ],

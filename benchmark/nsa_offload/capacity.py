@@ -156,19 +156,19 @@ OFFLOAD_RE = re.compile(
 )
 
 
-def scan_log(path):
-    peak, total_tokens, regions = 0, None, None
-    with open(path) as f:
-        for line in f:
-            m = RUNNING_RE.search(line)
-            if m:
-                peak = max(peak, int(m.group(1)))
-            m = BASE_TOKENS_RE.search(line)
-            if m:
-                total_tokens = int(m.group(1))
-            m = OFFLOAD_RE.search(line)
-            if m:
-                total_tokens, regions = int(m.group(1)), int(m.group(2))
+def scan_log(path, start: int = 0):
+    """(peak #running-req, token locs, decode regions) of a server log, the
+    peak counted from byte offset ``start`` on (one capacity phase)."""
+    with open(path, "rb") as f:
+        data = f.read().decode(errors="replace")
+        f.seek(start)
+        phase = f.read().decode(errors="replace")
+    peak = max((int(m.group(1)) for m in RUNNING_RE.finditer(phase)), default=0)
+    total_tokens, regions = None, None
+    for m in BASE_TOKENS_RE.finditer(data):
+        total_tokens = int(m.group(1))
+    for m in OFFLOAD_RE.finditer(data):
+        total_tokens, regions = int(m.group(1)), int(m.group(2))
     return peak, total_tokens, regions
 
 
