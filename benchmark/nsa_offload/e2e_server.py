@@ -293,6 +293,16 @@ def main():
         help="request lengths of the capacity phases; the offload runs one "
         "server per length with the decode regions the sizing model gives",
     )
+    p.add_argument(
+        "--offload-capacity-lengths",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="the offload's capacity lengths (default: --capacity-lengths)",
+    )
+    p.add_argument(
+        "--baseline-from",
+        help="e2e_server.json of an earlier run whose no-offload results the "
+        "capacity report compares with (with --servers offload)",
+    )
     p.add_argument("--capacity-new-tokens", type=int, default=512)
     p.add_argument("--capacity-oversubscribe", type=float, default=1.25)
     p.add_argument(
@@ -346,13 +356,24 @@ def main():
             args.capacity_lengths,
         )
         result["baseline"] = {k: v for k, v in base.items() if k != "output_ids"}
+    elif args.baseline_from:
+        with open(args.baseline_from) as f:
+            earlier = json.load(f)
+        base = earlier["baseline"]
+        result["baseline"] = base
+        result["baseline_from"] = args.baseline_from
+        if args.budget_gib is None:
+            args.budget_gib = earlier.get("budget_gib")
+    offload_lengths = args.offload_capacity_lengths
+    if offload_lengths is None:
+        offload_lengths = args.capacity_lengths
     offload = {}
     if "offload" in servers:
         budget = args.budget_gib
         if budget is None and base is not None:
             budget = base["memory"].get("budget_gib")
         result["budget_gib"] = budget
-        if args.capacity_lengths and budget is None:
+        if offload_lengths and budget is None:
             raise SystemExit("--budget-gib is needed without the no-offload server")
         # One server per capacity length (its own region count); the first
         # also runs the exactness requests. Without lengths: one server.
@@ -378,7 +399,7 @@ def main():
         }
     ok = True
     first = next(iter(offload.values()), None)
-    if base is not None and first is not None and prompts:
+    if base is not None and first is not None and "output_ids" in base and prompts:
         mismatched = []
         for i, (a, b) in enumerate(zip(base["output_ids"], first["output_ids"])):
             if a != b:
@@ -408,7 +429,7 @@ def main():
         )
         ok = ok and r["alive_after_idle"] and not r["leak_reported"]
         ok = ok and all(c["completed"] == c["sent"] for c in r["capacity"].values())
-    if base is not None and args.capacity_lengths:
+    if base is not None and offload and args.capacity_lengths:
         region_rows = (args.buffer_size or 4096) + args.recent_window
         result["capacity"] = capacity_rows(base, offload, region_rows)
         write_capacity_report(result["capacity"], args.out)
