@@ -378,7 +378,7 @@ def main():
         # One server per capacity length (its own region count); the first
         # also runs the exactness requests. Without lengths: one server.
         plan = [
-            (L, offload_regions_for(L, budget, args)) for L in args.capacity_lengths
+            (L, offload_regions_for(L, budget, args)) for L in offload_lengths
         ]
         plan = plan or [(None, None)]
         for i, (length, model) in enumerate(plan):
