@@ -113,7 +113,8 @@ def check_valid(test, out, inp, seq_lens):
 
 
 def fake_forward_batch(seq_lens, req_pool_indices, layer_num=3):
-    pool = SimpleNamespace(layer_num=layer_num, start_layer=0, end_layer=layer_num - 1)
+    # What sglang's model runner passes: the model's exclusive end layer.
+    pool = SimpleNamespace(layer_num=layer_num, start_layer=0, end_layer=layer_num)
     return SimpleNamespace(
         seq_lens=seq_lens.to(DEVICE),
         req_pool_indices=req_pool_indices.to(DEVICE),
@@ -319,6 +320,14 @@ class TestRecorder(HookEnvCase):
             time.sleep(0.05)
         self.assertFalse(os.path.exists(trigger))
         self.assertEqual(tf.load_trace(path).num_steps, 2)
+
+    def test_model_layers_from_pool(self):
+        # sglang's pools get the model's exclusive end layer; an MTP layer of
+        # the checkpoint is not a layer of the target model's pool.
+        fb = fake_forward_batch(torch.tensor([5]), torch.tensor([0]), layer_num=3)
+        self.assertEqual(nsa_topk_trace._model_layers(fb), ([0, 1, 2], 3))
+        fb.token_to_kv_pool = SimpleNamespace(layer_num=3, start_layer=2, end_layer=5)
+        self.assertEqual(nsa_topk_trace._model_layers(fb), ([2, 3, 4], 5))
 
     def test_override_and_record_output(self):
         os.environ[nsa_topk_trace.ENV_OVERRIDE] = self.save_trace()

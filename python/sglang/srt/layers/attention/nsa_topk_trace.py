@@ -1002,15 +1002,18 @@ class TopkTraceRecorder:
 
 
 def _model_layers(forward_batch) -> tuple:
-    """(model layer ids on this rank, number of model layers)."""
+    """(model layer ids on this rank, number of model layers).
+
+    The pool's ``end_layer`` is what the model runner passes: the model's
+    exclusive end (a model's MTP layer has no pool layers here), so the
+    layers are ``start_layer .. start_layer + layer_num - 1``."""
     pool = getattr(forward_batch, "token_to_kv_pool", None)
     layer_num = getattr(pool, "layer_num", None)
     if layer_num is None:
         raise RuntimeError("NSA top-k trace: the KV pool has no layer_num")
     start = int(getattr(pool, "start_layer", 0) or 0)
-    end = getattr(pool, "end_layer", None)
-    end = start + int(layer_num) - 1 if end is None else int(end)
-    return list(range(start, end + 1)), end + 1
+    end = start + int(layer_num)
+    return list(range(start, end)), end
 
 
 def _is_tp_rank0() -> bool:
