@@ -27,9 +27,12 @@ second GPU).
 """
 
 import argparse
+import gzip
 import json
 import os
 import re
+import shutil
+import tempfile
 import time
 
 from capacity import INDEXER_BYTES, PAGE
@@ -197,8 +200,11 @@ def capacity_rows(base: dict, offload: dict, region_rows: int) -> list:
             "baseline_pools_gib": base["memory"].get("pools_gib"),
             "offload_pools_gib": ours["memory"].get("pools_gib"),
             "model": ours.get("model"),
-            "all_completed": b["completed"] == b["sent"]
-            and o["completed"] == o["sent"],
+            "all_completed": (
+                None
+                if None in (b["completed"], o["completed"])
+                else b["completed"] == b["sent"] and o["completed"] == o["sent"]
+            ),
         }
         if row["baseline_pools_gib"] and row["offload_pools_gib"]:
             scale = row["offload_pools_gib"] / row["baseline_pools_gib"]
@@ -207,6 +213,104 @@ def capacity_rows(base: dict, offload: dict, region_rows: int) -> list:
             row["equal_bytes_vs_bound"] = row["ratio_equal_bytes"] / bound
         rows.append(row)
     return sorted(rows, key=lambda r: r["length"])
+
+
+DRIVER_PREDICTED_RE = re.compile(
+    r"^\[(\S+)\] capacity (\d+): predicted (\d+), sending (\d+)", re.M
+)
+DRIVER_PEAK_RE = re.compile(r"^\[(\S+)\] capacity (\d+): peak running (\d+)", re.M)
+MEM_FRACTION_RE = re.compile(r"mem_fraction_static=([0-9.]+)")
+
+
+def _unzipped(run_dir: str) -> str:
+    """``run_dir``, or a temporary copy with its ``*.gz`` files unpacked
+    (committed results keep server logs gzipped)."""
+    gz = [f for f in os.listdir(run_dir) if f.endswith(".gz")]
+    if not gz:
+        return run_dir
+    tmp = tempfile.mkdtemp(prefix="e2e_run_")
+    for f in os.listdir(run_dir):
+        src = os.path.join(run_dir, f)
+        if f.endswith(".gz"):
+            with gzip.open(src) as fin, open(os.path.join(tmp, f[:-3]), "wb") as fout:
+                shutil.copyfileobj(fin, fout)
+        elif os.path.isfile(src):
+            shutil.copy(src, tmp)
+    return tmp
+
+
+def load_run(run_dir: str, new_tokens: int) -> tuple:
+    """(no-offload result, {length: offload result}) of an earlier run: its
+    ``e2e_server.json``, or, for a run cut before writing it, this script's
+    own output (``RUN_DIR/driver.log``: predicted / sent / peak per phase)
+    and the server logs (memory). Requests completed are then unknown."""
+    run_dir = _unzipped(run_dir)
+    path = os.path.join(run_dir, "e2e_server.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            r = json.load(f)
+        return r.get("baseline"), r.get("offload", {})
+    with open(os.path.join(run_dir, "driver.log")) as f:
+        text = f.read()
+    servers: dict = {}
+    for name, length, predicted, sent in DRIVER_PREDICTED_RE.findall(text):
+        servers.setdefault(name, {"name": name, "capacity": {}})["capacity"][length] = {
+            "length": int(length),
+            "new_tokens": new_tokens,
+            "predicted": int(predicted),
+            "sent": int(sent),
+            "completed": None,
+        }
+    for name, length, peak in DRIVER_PEAK_RE.findall(text):
+        servers[name]["capacity"][length]["peak_running"] = int(peak)
+    for name, res in servers.items():
+        log_path = os.path.join(run_dir, f"server_{name}.log")
+        with open(log_path) as f:
+            fraction = float(MEM_FRACTION_RE.search(f.read()).group(1))
+        res["memory"] = memory_from_log(log_path, fraction)
+        regions = scan_log(log_path)[2]
+        for c in res["capacity"].values():
+            c["regions"] = regions
+        # a phase the run was cut in has no peak
+        res["capacity"] = {
+            k: c for k, c in res["capacity"].items() if "peak_running" in c
+        }
+    base = servers.pop("baseline", None)
+    offload = {}
+    for res in servers.values():
+        for length in res["capacity"]:
+            offload[length] = res
+    return base, offload
+
+
+def report_from_runs(args) -> None:
+    """One capacity table from several runs (each offload length with the
+    no-offload result of its own run if it has one, else of another run)."""
+    bases, rows = [], []
+    region_rows = (args.buffer_size or 4096) + args.recent_window
+    loaded = [(d, *load_run(d, args.capacity_new_tokens)) for d in args.report_from]
+    for run_dir, base, _ in loaded:
+        if base is not None:
+            bases.append((run_dir, base))
+    for run_dir, base, offload in loaded:
+        for length, ours in offload.items():
+            for base_dir, b in [(run_dir, base)] * (base is not None) + bases:
+                if length in b.get("capacity", {}):
+                    break
+            else:
+                continue
+            if ours.get("model") is None:
+                ours["model"] = offload_regions_for(
+                    int(length), b["memory"]["budget_gib"], args
+                )
+            for row in capacity_rows(b, {length: ours}, region_rows):
+                row.update(offload_run=run_dir, baseline_run=base_dir)
+                rows.append(row)
+    rows.sort(key=lambda r: r["length"])
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "capacity.json"), "w") as f:
+        json.dump({"config": vars(args), "rows": rows}, f, indent=1)
+    write_capacity_report(rows, args.out)
 
 
 def write_capacity_report(rows: list, out: str) -> None:
@@ -223,7 +327,8 @@ def write_capacity_report(rows: list, out: str) -> None:
             f"{r['offload_regions']} | {r['offload_peak']} | {r['offload_pools_gib']} | "
             f"{r['ratio_same_fraction']:.2f} | {r.get('ratio_equal_bytes', float('nan')):.2f} | "
             f"{r['bound']:.2f} | {r.get('equal_bytes_vs_bound', float('nan')):.2f} | "
-            f"{m.get('colocated_ratio', float('nan')):.2f} | {r['all_completed']} |"
+            f"{m.get('colocated_ratio', float('nan')):.2f} | "
+            f"{'not recorded' if r['all_completed'] is None else r['all_completed']} |"
         )
     with open(os.path.join(out, "capacity.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -315,7 +420,17 @@ def main():
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--idle-wait", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--report-from",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="no servers: one capacity table (capacity.json/md/png in --out) "
+        "from earlier runs' directories",
+    )
     args = p.parse_args()
+    if args.report_from:
+        report_from_runs(args)
+        return
     os.makedirs(args.out, exist_ok=True)
     servers = args.servers.split(",")
 
@@ -377,9 +492,7 @@ def main():
             raise SystemExit("--budget-gib is needed without the no-offload server")
         # One server per capacity length (its own region count); the first
         # also runs the exactness requests. Without lengths: one server.
-        plan = [
-            (L, offload_regions_for(L, budget, args)) for L in offload_lengths
-        ]
+        plan = [(L, offload_regions_for(L, budget, args)) for L in offload_lengths]
         plan = plan or [(None, None)]
         for i, (length, model) in enumerate(plan):
             regions = model["colocated"] if model else args.max_running_offload
