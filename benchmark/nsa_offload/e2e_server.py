@@ -460,7 +460,14 @@ def main():
             extra += ["--nsa-kv-offload-gpu-buffer-size", str(args.buffer_size)]
         return extra
 
-    result = {"config": vars(args), "prompt_lens": lengths}
+    result = {"config": vars(args), "prompt_lens": lengths, "complete": False}
+    json_path = os.path.join(args.out, "e2e_server.json")
+
+    def save():
+        # after every server: a run cut by a time limit keeps what it measured
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+
     base = None
     if "baseline" in servers:
         base = run_server(
@@ -471,6 +478,7 @@ def main():
             args.capacity_lengths,
         )
         result["baseline"] = {k: v for k, v in base.items() if k != "output_ids"}
+        save()
     elif args.baseline_from:
         with open(args.baseline_from) as f:
             earlier = json.load(f)
@@ -506,10 +514,11 @@ def main():
             )
             res["model"] = model
             offload[str(length)] = res
-        result["offload"] = {
-            k: {kk: vv for kk, vv in v.items() if kk != "output_ids"}
-            for k, v in offload.items()
-        }
+            result["offload"] = {
+                k: {kk: vv for kk, vv in v.items() if kk != "output_ids"}
+                for k, v in offload.items()
+            }
+            save()
     ok = True
     first = next(iter(offload.values()), None)
     if base is not None and first is not None and "output_ids" in base and prompts:
@@ -546,8 +555,8 @@ def main():
         region_rows = (args.buffer_size or 4096) + args.recent_window
         result["capacity"] = capacity_rows(base, offload, region_rows)
         write_capacity_report(result["capacity"], args.out)
-    with open(os.path.join(args.out, "e2e_server.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    result["complete"] = True
+    save()
     raise SystemExit(0 if ok else 1)
 
 

@@ -1,0 +1,112 @@
+"""The capacity report of ``benchmark/nsa_offload/e2e_server.py`` (CPU).
+
+The end-to-end script itself needs a GPU; what it derives from the server
+logs does not: the per-phase peak of ``#running-req``, the pool memory and
+budget from sglang's startup lines, and the table rebuilt from the committed
+H200 runs (one of them cut by the device's time limit before its JSON).
+"""
+
+import json
+import os
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+from unittest import mock
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
+RESULTS = BENCH_DIR / "results" / "h200_e2e_capacity"
+sys.path.insert(0, str(BENCH_DIR))
+
+import e2e_server  # noqa: E402
+from capacity import scan_log  # noqa: E402
+
+STARTUP = """\
+[t] Load weight begin. avail mem=139.13 GB
+[t] Load weight end. elapsed=0.20 s, type=X, avail mem=138.62 GB, mem usage=0.51 GB.
+[t] NSA KV offload: 8000 logical token locs (host capacity 9000), 7 decode regions of 4160 rows (4096 LRU + 64 window), 100 staging rows, 29184 GPU KV rows per layer.
+[t] Capture cuda graph begin. This can take up to several minutes. avail mem=134.52 GB
+"""
+
+
+def decode_line(running: int) -> str:
+    return f"[t] Decode batch, #running-req: {running}, #token: 1, gen throughput (token/s): 1.0\n"
+
+
+class TestLogParsing(unittest.TestCase):
+    def setUp(self):
+        fd, self.path = tempfile.mkstemp(suffix=".log")
+        os.close(fd)
+        self.addCleanup(os.remove, self.path)
+
+    def test_memory_and_budget(self):
+        with open(self.path, "w") as f:
+            f.write(STARTUP)
+        mem = e2e_server.memory_from_log(self.path, mem_fraction=0.0324)
+        self.assertAlmostEqual(mem["pools_gib"], 138.62 - 134.52, places=3)
+        # sglang: after weights - before weights x (1 - f)
+        self.assertAlmostEqual(mem["budget_gib"], 138.62 - 139.13 * (1 - 0.0324), 3)
+
+    def test_peak_counts_from_the_phase_start(self):
+        with open(self.path, "w") as f:
+            f.write(STARTUP + decode_line(40) + decode_line(12))
+        start = os.path.getsize(self.path)
+        with open(self.path, "a") as f:
+            f.write(decode_line(9) + decode_line(25) + decode_line(3))
+        peak, locs, regions = scan_log(self.path)
+        self.assertEqual((peak, locs, regions), (40, 8000, 7))
+        self.assertEqual(scan_log(self.path, start)[0], 25)
+        self.assertEqual(scan_log(self.path, os.path.getsize(self.path))[0], 0)
+
+
+class TestCapacityReport(unittest.TestCase):
+    def test_cut_run_is_read_from_its_driver_log(self):
+        base, offload = e2e_server.load_run(str(RESULTS / "run_a"), new_tokens=128)
+        self.assertEqual(
+            {k: c["peak_running"] for k, c in base["capacity"].items()},
+            {"16384": 120, "32768": 60, "65536": 30, "131072": 15},
+        )
+        # the 64K offload phase was cut before its peak was printed: left out
+        self.assertEqual(
+            {k: r["capacity"][k]["peak_running"] for k, r in offload.items()},
+            {"16384": 254, "32768": 177},
+        )
+        self.assertIsNone(offload["16384"]["capacity"]["16384"]["completed"])
+        self.assertEqual(offload["16384"]["capacity"]["16384"]["regions"], 262)
+
+    def test_report_reproduces_the_committed_table(self):
+        with tempfile.TemporaryDirectory() as out:
+            argv = [
+                "e2e_server.py",
+                "--out",
+                out,
+                "--context-length",
+                "131584",
+                "--capacity-new-tokens",
+                "128",
+                "--report-from",
+                str(RESULTS / "run_a"),
+                str(RESULTS / "run_b"),
+            ]
+            with mock.patch.object(sys, "argv", argv):
+                e2e_server.main()
+            with open(os.path.join(out, "capacity.json")) as f:
+                rows = json.load(f)["rows"]
+        with open(RESULTS / "capacity.json") as f:
+            committed = json.load(f)["rows"]
+        keys = ("length", "baseline_peak", "offload_peak", "offload_regions")
+        self.assertEqual(
+            [[r[k] for k in keys] for r in rows],
+            [[r[k] for k in keys] for r in committed],
+        )
+        for r, c in zip(rows, committed):
+            self.assertAlmostEqual(r["ratio_equal_bytes"], c["ratio_equal_bytes"])
+            self.assertAlmostEqual(r["bound"], c["bound"])
+            # the sizing model's region count is what the server was given
+            self.assertEqual(r["model"]["colocated"], r["offload_regions"])
+            self.assertLess(r["ratio_equal_bytes"], r["bound"])
+
+
+if __name__ == "__main__":
+    unittest.main()
