@@ -7,17 +7,26 @@ Two parts:
   (``compute_offload_pool_sizes``) and the bytes the no-offload NSA pool
   allocates per token; with the analytic bound of the issue
   ``L (656 + 132) / (L 132 + R 656)`` and where the offload's memory goes.
-* the measured side: ``e2e_server.py --capacity-length L`` gives two real
-  servers the same budget and reads their peak ``#running-req`` (it uses
-  ``scan_log`` below).
+* the measured side: ``e2e_server.py --capacity-lengths L1,L2,..`` gives
+  real servers the same budget and reads their peak ``#running-req`` with the
+  log parsing below; ``report`` builds the table (JSON, Markdown, PNG) from
+  one or more of its runs, also from a run cut before it wrote its JSON.
 
     python benchmark/nsa_offload/capacity.py model --out results/capacity
+    python benchmark/nsa_offload/capacity.py report --out DIR --context-length 131584 \
+        --capacity-new-tokens 128 RUN_A RUN_B
 """
 
 import argparse
+import atexit
+import gzip
 import json
 import os
 import re
+import shutil
+import tempfile
+
+from server_utils import TINY_CONFIG
 
 ROW_BYTES_FP8 = 656  # FlashMLA fp8 row: 512 nope + 4 fp32 scales + 64 bf16 rope
 INDEXER_BYTES = 132  # 128 fp8 + fp32 scale
@@ -172,6 +181,266 @@ def scan_log(path, start: int = 0):
     return peak, total_tokens, regions
 
 
+# ------------------------------------------------------- measured capacity
+#
+# What e2e_server.py measures on real servers, and the table built from its
+# runs: ``python capacity.py report --out DIR RUN_DIR...``.
+
+MEM_RES = {
+    "before_weights": re.compile(r"Load weight begin\. avail mem=([0-9.]+) GB"),
+    "after_weights": re.compile(r"Load weight end\..*?avail mem=([0-9.]+) GB"),
+    "graph_begin": re.compile(r"Capture cuda graph begin\..*?avail mem=([0-9.]+) GB"),
+}
+
+
+def memory_from_log(path: str, mem_fraction: float) -> dict:
+    """GPU memory the server's pools took (after weights -> before CUDA graph
+    capture: KV/indexer pools, and with the offload its regions, staging and
+    LRU state) and the budget sglang handed the pool sizing
+    (``_profile_available_bytes``: after weights - before x (1 - f))."""
+    with open(path) as f:
+        text = f.read()
+    found = {
+        k: float(r.search(text).group(1)) for k, r in MEM_RES.items() if r.search(text)
+    }
+    out = dict(found)
+    if {"after_weights", "graph_begin"} <= found.keys():
+        out["pools_gib"] = round(found["after_weights"] - found["graph_begin"], 3)
+    if {"before_weights", "after_weights"} <= found.keys():
+        out["budget_gib"] = round(
+            found["after_weights"] - found["before_weights"] * (1 - mem_fraction), 3
+        )
+    return out
+
+
+def offload_regions_for(length: int, budget_gib: float, args) -> dict:
+    """Decode regions (``--max-running-requests``) for requests of ``length``
+    tokens: the largest count whose token locs still fit the budget, from the
+    offload's own sizing code (``capacity.py model``, colocated staging)."""
+    rows = model_rows(
+        argparse.Namespace(
+            budget_gb=budget_gib - args.budget_margin_gib,
+            layers=num_model_layers(),
+            lengths=[length],
+            new_tokens=args.capacity_new_tokens,
+            buffer_size=args.buffer_size or 4096,
+            recent_window=args.recent_window,
+            context_len=args.context_length,
+            prefill_budget=16384,  # max(chunked_prefill_size, max_prefill_tokens)
+        )
+    )
+    return rows[0]
+
+
+def num_model_layers() -> int:
+    with open(TINY_CONFIG) as f:
+        return json.load(f)["num_hidden_layers"]
+
+
+def capacity_rows(base: dict, offload: dict, region_rows: int) -> list:
+    """Measured capacity per length: raw (same --mem-fraction-static) and at
+    equal GPU bytes. Upstream's fp8 NSA pool sizing counts 576 B per KV row
+    but allocates 656 B, so the no-offload server takes ~11% more GPU memory
+    than the budget it was given; its capacity scales linearly with its pool
+    bytes, so it is rescaled to the offload server's pool bytes."""
+    rows = []
+    for key, ours in offload.items():
+        b = base.get("capacity", {}).get(key)
+        if b is None:
+            continue
+        o = ours["capacity"][key]
+        tokens = o["length"] + o["new_tokens"]
+        bound = (
+            tokens
+            * (ROW_BYTES_FP8 + INDEXER_BYTES)
+            / (tokens * INDEXER_BYTES + region_rows * ROW_BYTES_FP8)
+        )
+        row = {
+            "length": o["length"],
+            "baseline_peak": b["peak_running"],
+            "offload_peak": o["peak_running"],
+            "offload_regions": o["regions"],
+            "ratio_same_fraction": o["peak_running"] / max(b["peak_running"], 1),
+            "bound": bound,
+            "baseline_pools_gib": base["memory"].get("pools_gib"),
+            "offload_pools_gib": ours["memory"].get("pools_gib"),
+            "model": ours.get("model"),
+            "all_completed": (
+                None
+                if None in (b["completed"], o["completed"])
+                else b["completed"] == b["sent"] and o["completed"] == o["sent"]
+            ),
+        }
+        if row["baseline_pools_gib"] and row["offload_pools_gib"]:
+            scale = row["offload_pools_gib"] / row["baseline_pools_gib"]
+            row["baseline_at_equal_bytes"] = b["peak_running"] * scale
+            row["ratio_equal_bytes"] = o["peak_running"] / (b["peak_running"] * scale)
+            row["equal_bytes_vs_bound"] = row["ratio_equal_bytes"] / bound
+        rows.append(row)
+    return sorted(rows, key=lambda r: r["length"])
+
+
+DRIVER_PREDICTED_RE = re.compile(
+    r"^\[(\S+)\] capacity (\d+): predicted (\d+), sending (\d+)", re.M
+)
+DRIVER_PEAK_RE = re.compile(r"^\[(\S+)\] capacity (\d+): peak running (\d+)", re.M)
+MEM_FRACTION_RE = re.compile(r"mem_fraction_static=([0-9.]+)")
+
+
+def _unzipped(run_dir: str) -> str:
+    """``run_dir``, or a temporary copy with its ``*.gz`` files unpacked
+    (committed results keep server logs gzipped)."""
+    gz = [f for f in os.listdir(run_dir) if f.endswith(".gz")]
+    if not gz:
+        return run_dir
+    tmp = tempfile.mkdtemp(prefix="e2e_run_")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    for f in os.listdir(run_dir):
+        src = os.path.join(run_dir, f)
+        if f.endswith(".gz"):
+            with gzip.open(src) as fin, open(os.path.join(tmp, f[:-3]), "wb") as fout:
+                shutil.copyfileobj(fin, fout)
+        elif os.path.isfile(src):
+            shutil.copy(src, tmp)
+    return tmp
+
+
+def load_run(run_dir: str, new_tokens: int) -> tuple:
+    """(no-offload result, {length: offload result}) of an earlier run: its
+    ``e2e_server.json``, or, for a run cut before writing it, this script's
+    own output (``RUN_DIR/driver.log``: predicted / sent / peak per phase)
+    and the server logs (memory). Requests completed are then unknown."""
+    run_dir = _unzipped(run_dir)
+    path = os.path.join(run_dir, "e2e_server.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            r = json.load(f)
+        return r.get("baseline"), r.get("offload", {})
+    with open(os.path.join(run_dir, "driver.log")) as f:
+        text = f.read()
+    servers: dict = {}
+    for name, length, predicted, sent in DRIVER_PREDICTED_RE.findall(text):
+        servers.setdefault(name, {"name": name, "capacity": {}})["capacity"][length] = {
+            "length": int(length),
+            "new_tokens": new_tokens,
+            "predicted": int(predicted),
+            "sent": int(sent),
+            "completed": None,
+        }
+    for name, length, peak in DRIVER_PEAK_RE.findall(text):
+        servers[name]["capacity"][length]["peak_running"] = int(peak)
+    for name, res in servers.items():
+        log_path = os.path.join(run_dir, f"server_{name}.log")
+        with open(log_path) as f:
+            fraction = float(MEM_FRACTION_RE.search(f.read()).group(1))
+        res["memory"] = memory_from_log(log_path, fraction)
+        regions = scan_log(log_path)[2]
+        for c in res["capacity"].values():
+            c["regions"] = regions
+        # a phase the run was cut in has no peak
+        res["capacity"] = {
+            k: c for k, c in res["capacity"].items() if "peak_running" in c
+        }
+    base = servers.pop("baseline", None)
+    offload = {}
+    for res in servers.values():
+        for length in res["capacity"]:
+            offload[length] = res
+    return base, offload
+
+
+def report_from_runs(args) -> None:
+    """One capacity table from several runs (each offload length with the
+    no-offload result of its own run if it has one, else of another run)."""
+    bases, rows = [], []
+    region_rows = (args.buffer_size or 4096) + args.recent_window
+    loaded = [(d, *load_run(d, args.capacity_new_tokens)) for d in args.runs]
+    for run_dir, base, _ in loaded:
+        if base is not None:
+            bases.append((run_dir, base))
+    for run_dir, base, offload in loaded:
+        for length, ours in offload.items():
+            # the no-offload result of the same run first, else another run's
+            own = [(run_dir, base)] if base is not None else []
+            match = [(d, b) for d, b in own + bases if length in b.get("capacity", {})]
+            if not match:
+                continue
+            base_dir, b = match[0]
+            if ours.get("model") is None:
+                ours["model"] = offload_regions_for(
+                    int(length), b["memory"]["budget_gib"], args
+                )
+            for row in capacity_rows(b, {length: ours}, region_rows):
+                row.update(offload_run=run_dir, baseline_run=base_dir)
+                rows.append(row)
+    rows.sort(key=lambda r: r["length"])
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "capacity.json"), "w") as f:
+        json.dump({"config": vars(args), "rows": rows}, f, indent=1)
+    write_capacity_report(rows, args.out)
+
+
+def write_capacity_report(rows: list, out: str) -> None:
+    lines = [
+        "| length (+new) | no offload: peak running | pools GiB | offload: regions | "
+        "peak running | pools GiB | ratio (same fraction) | ratio (equal bytes) | "
+        "bound | equal bytes / bound | model (colocated) | all completed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        m = r.get("model") or {}
+        lines.append(
+            f"| {r['length']} | {r['baseline_peak']} | {r['baseline_pools_gib']} | "
+            f"{r['offload_regions']} | {r['offload_peak']} | {r['offload_pools_gib']} | "
+            f"{r['ratio_same_fraction']:.2f} | {r.get('ratio_equal_bytes', float('nan')):.2f} | "
+            f"{r['bound']:.2f} | {r.get('equal_bytes_vs_bound', float('nan')):.2f} | "
+            f"{m.get('colocated_ratio', float('nan')):.2f} | "
+            f"{'not recorded' if r['all_completed'] is None else r['all_completed']} |"
+        )
+    with open(os.path.join(out, "capacity.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    x = [r["length"] // 1024 for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(
+        x, [r["bound"] for r in rows], "k--", label="bound L(656+132)/(L 132 + R 656)"
+    )
+    ax.plot(
+        x,
+        [r.get("ratio_equal_bytes") for r in rows],
+        "o-",
+        label="measured, equal GPU bytes",
+    )
+    ax.plot(
+        x,
+        [r["ratio_same_fraction"] for r in rows],
+        "s:",
+        label="measured, same --mem-fraction-static",
+    )
+    ax.plot(
+        x,
+        [(r.get("model") or {}).get("colocated_ratio") for r in rows],
+        "^-.",
+        label="sizing model (colocated)",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{v}K" for v in x])
+    ax.set_xlabel("request length (tokens)")
+    ax.set_ylabel("running requests: offload / no offload")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "capacity.png"), dpi=110)
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="mode", required=True)
@@ -189,8 +458,19 @@ def main():
     m.add_argument("--recent-window", type=int, default=64)
     m.add_argument("--context-len", type=int, default=131072 + 4096)
     m.add_argument("--prefill-budget", type=int, default=16384)
+    r = sub.add_parser("report", help="capacity table from e2e_server.py runs")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    r.add_argument("--out", required=True)
+    r.add_argument("--context-length", type=int, required=True)
+    r.add_argument("--capacity-new-tokens", type=int, required=True)
+    r.add_argument("--buffer-size", type=int, default=None)
+    r.add_argument("--recent-window", type=int, default=64)
+    r.add_argument("--budget-margin-gib", type=float, default=0.02)
     args = p.parse_args()
-    write_model(args)
+    if args.mode == "report":
+        report_from_runs(args)
+    else:
+        write_model(args)
 
 
 if __name__ == "__main__":

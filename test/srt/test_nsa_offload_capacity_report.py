@@ -1,4 +1,4 @@
-"""The capacity report of ``benchmark/nsa_offload/e2e_server.py`` (CPU).
+"""The measured-capacity report of ``benchmark/nsa_offload/capacity.py`` (CPU).
 
 The end-to-end script itself needs a GPU; what it derives from the server
 logs does not: the per-phase peak of ``#running-req``, the pool memory and
@@ -19,7 +19,7 @@ BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
 RESULTS = BENCH_DIR / "results" / "h200_e2e_capacity"
 sys.path.insert(0, str(BENCH_DIR))
 
-import e2e_server  # noqa: E402
+import capacity  # noqa: E402
 from capacity import scan_log  # noqa: E402
 
 STARTUP = """\
@@ -43,7 +43,7 @@ class TestLogParsing(unittest.TestCase):
     def test_memory_and_budget(self):
         with open(self.path, "w") as f:
             f.write(STARTUP)
-        mem = e2e_server.memory_from_log(self.path, mem_fraction=0.0324)
+        mem = capacity.memory_from_log(self.path, mem_fraction=0.0324)
         self.assertAlmostEqual(mem["pools_gib"], 138.62 - 134.52, places=3)
         # sglang: after weights - before weights x (1 - f)
         self.assertAlmostEqual(mem["budget_gib"], 138.62 - 139.13 * (1 - 0.0324), 3)
@@ -62,7 +62,7 @@ class TestLogParsing(unittest.TestCase):
 
 class TestCapacityReport(unittest.TestCase):
     def test_cut_run_is_read_from_its_driver_log(self):
-        base, offload = e2e_server.load_run(str(RESULTS / "run_a"), new_tokens=128)
+        base, offload = capacity.load_run(str(RESULTS / "run_a"), new_tokens=128)
         self.assertEqual(
             {k: c["peak_running"] for k, c in base["capacity"].items()},
             {"16384": 120, "32768": 60, "65536": 30, "131072": 15},
@@ -78,19 +78,19 @@ class TestCapacityReport(unittest.TestCase):
     def test_report_reproduces_the_committed_table(self):
         with tempfile.TemporaryDirectory() as out:
             argv = [
-                "e2e_server.py",
+                "capacity.py",
+                "report",
                 "--out",
                 out,
                 "--context-length",
                 "131584",
                 "--capacity-new-tokens",
                 "128",
-                "--report-from",
                 str(RESULTS / "run_a"),
                 str(RESULTS / "run_b"),
             ]
             with mock.patch.object(sys, "argv", argv):
-                e2e_server.main()
+                capacity.main()
             with open(os.path.join(out, "capacity.json")) as f:
                 rows = json.load(f)["rows"]
         with open(RESULTS / "capacity.json") as f:
