@@ -224,6 +224,24 @@ class TestOffloadPoolSizing(unittest.TestCase):
         capped = self._sizes(4 << 30, host=1 << 40, max_total_tokens=1000)
         self.assertEqual(capped.num_locs, 1000 // PAGE * PAGE)
 
+    def test_requests_that_fit(self):
+        # 8 regions and 40 pages of locs: short requests are region-bound,
+        # long ones loc-bound (whole pages each).
+        sizes = self._sizes(1 << 30, regions=8, host=40 * PAGE * self.L * self.ROW)
+        self.assertEqual(sizes.num_locs, 40 * PAGE)
+        self.assertEqual(sizes.requests_that_fit(PAGE), 8)
+        self.assertEqual(sizes.requests_that_fit(5 * PAGE), 8)
+        self.assertEqual(sizes.requests_that_fit(5 * PAGE + 1), 6)  # 6 pages each
+        self.assertEqual(sizes.requests_that_fit(41 * PAGE), 0)
+        self.assertEqual(
+            sizes.describe_capacity(40000),
+            "16K x 0, 32K x 0, 39K x 0",
+        )
+        big = self._sizes(8 << 30, regions=8, host=1 << 40)
+        text = big.describe_capacity(131072 + 512)
+        self.assertEqual(text.count(" x "), 5)  # 16K, 32K, 64K, 128K, context
+        self.assertTrue(text.startswith("16K x 8, "))
+
     def test_not_enough_memory(self):
         fixed = self._fixed(4, 10048)
         with self.assertRaises(RuntimeError) as ctx:
@@ -419,7 +437,12 @@ class TestServerArgsToPools(unittest.TestCase):
             device=DEVICE,
             enable_memory_saver=False,
         )
-        coordinator = create_nsa_kv_offload_coordinator(mr)
+        with self.assertLogs(
+            "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
+        ) as logs:
+            coordinator = create_nsa_kv_offload_coordinator(mr)
+        held = sizes.describe_capacity(mr.model_config.context_len)
+        self.assertTrue(any(held in line for line in logs.output), logs.output)
         self.assertIs(get_nsa_kv_offload(allocator), coordinator)
         self.assertIs(pool.nsa_kv_offload, coordinator)
         self.assertEqual(coordinator.top_k, 2048)

@@ -281,11 +281,17 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
 
     sa = model_runner.server_args
     max_batch_size = max(model_runner.max_running_requests, sa.cuda_graph_max_bs or 0)
+    sizes = model_runner.nsa_kv_offload_sizes
+    logger.info(
+        "NSA KV offload: requests held at once by length (prompt + output): %s; "
+        "--max-running-requests trades decode regions for token locs.",
+        sizes.describe_capacity(model_runner.model_config.context_len),
+    )
     return NSAKVOffloadCoordinator(
         kv_pool=model_runner.token_to_kv_pool,
         allocator=model_runner.token_to_kv_pool_allocator,
         req_to_token=model_runner.req_to_token_pool.req_to_token,
-        sizes=model_runner.nsa_kv_offload_sizes,
+        sizes=sizes,
         top_k=get_nsa_index_topk(model_runner.model_config.hf_config),
         buffer_size=sa.nsa_kv_offload_gpu_buffer_size,
         recent_window=sa.nsa_kv_offload_recent_window,

@@ -207,6 +207,18 @@ class NSAKVOffloadPoolSizes:
     def region_start_row(self) -> int:
         return self.page_size + self.staging_rows
 
+    def requests_that_fit(self, tokens: int) -> int:
+        """Requests of ``tokens`` tokens (prompt + output) held at once: each
+        needs a decode region and its token locs (whole pages)."""
+        return min(self.num_regions, self.num_locs // _round_up(tokens, self.page_size))
+
+    def describe_capacity(self, context_len: int) -> str:
+        """``16K x 254, 32K x 177, ...`` up to the context length, for the
+        startup log: what ``--max-running-requests`` traded regions for."""
+        lengths = [n for n in (16384, 32768, 65536, 131072) if n < context_len]
+        lengths.append(context_len)
+        return ", ".join(f"{n // 1024}K x {self.requests_that_fit(n)}" for n in lengths)
+
 
 def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
