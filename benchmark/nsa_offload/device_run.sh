@@ -7,7 +7,9 @@
 # no offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), or a
 # savejit (pack ~/.triton into $OUT/jitcache-extra.tgz for the next machine),
 # path to a python script, or "pytest FILES..." (the rest of the arguments).
-# Results go under $OUT.
+# Results go under $OUT. A cold machine compiles Triton kernels for ~150-210 s
+# at each first server start: end the first warm call with "savejit" and carry
+# the returned jitcache-extra.tgz as .devwheels/jitcache-extra.tgz afterwards.
 #
 # One-time setup in the checkout (the wheelhouse is too big for git):
 #   mkdir -p .devwheels && cp -r ../shared/device/{wheels-a,wheels-b,jitcache-h200.tgz} .devwheels/
