@@ -310,6 +310,25 @@ class TestRecorder(HookEnvCase):
     def test_round_trip_triton(self):
         self._check_round_trip("triton")
 
+    def test_warns_when_the_last_layer_never_runs(self):
+        rec = nsa_topk_trace.TopkTraceRecorder(
+            os.path.join(self.tmp, "never.npz"),
+            max_steps=4,
+            max_rows=2,
+            layer_ids=[0, 1, 2, 3],
+            impl="torch",
+            start_thread=False,
+        )
+        rec.setup(DEVICE, K, [0, 1, 2, 3], 4)
+        gen = torch.Generator().manual_seed(3)
+        n, r = torch.tensor([300, 200]), torch.tensor([1, 2])
+        for layer in range(3):  # layer 3 never runs
+            rec.record(layer, indexer_rows(n, gen).to(DEVICE), n, r)
+        with self.assertLogs(nsa_topk_trace.logger, "WARNING") as logs:
+            self.assertIsNone(rec.flush())
+        self.assertIn("layer 3", logs.output[0])
+        self.assertFalse(os.path.exists(rec.path))
+
     def test_flush_trigger_file(self):
         path, _ = self._run_steps("torch", num_steps=2, max_steps=8)
         os.remove(path)

@@ -922,6 +922,7 @@ class TopkTraceRecorder:
             newest = self.newest_step()
             trace = self.snapshot()
             if trace is None:
+                self._warn_if_uncommitted()
                 return None
             tf = import_trace_format(near=self.path)
             tmp = f"{self.path}.tmp{os.getpid()}"
@@ -958,6 +959,19 @@ class TopkTraceRecorder:
                 trace.num_requests,
             )
             return written
+
+    def _warn_if_uncommitted(self) -> None:
+        # A step is committed after its last layer: rows written at the
+        # first layer without any committed step mean that layer never runs.
+        if self.newest_step() == 0 and bool((self.ring_meta[..., 0] > 0).any()):
+            logger.warning(
+                "NSA top-k trace recorder: top-k rows were recorded but no step "
+                "was committed: layer %d (the last of %s) never ran a decode "
+                "forward; set %s to the layers that do",
+                self.last_layer,
+                self.layer_ids,
+                ENV_RECORD_LAYERS,
+            )
 
     def _run(self) -> None:
         trigger = self.path + FLUSH_TRIGGER_SUFFIX
