@@ -496,7 +496,9 @@ def ours_auto_slots(budget_gib: float, layers: int, new_tokens: int) -> int:
     """Decode regions that let ours fill the budget with 128K requests
     (mirrors NSAKVOffloadPoolConfigurator's arithmetic for the tiny model:
     regions of 4096 + 64 rows, staging for context 163840 + 2 x 16384 + 64
-    pages, per logical loc the indexer key, LRU map and loc->row entry)."""
+    pages (a page per request of a prefill batch once there are more than 64
+    regions; not counted here: about one request fewer at that point), per
+    logical loc the indexer key, LRU map and loc->row entry)."""
     budget = budget_gib * (1 << 30)
     staging = (163840 + 2 * 16384 + 64 * PAGE_SIZE) * layers * ROW_BYTES
     region = layers * ((4096 + 64) * ROW_BYTES + 4096 * 6)

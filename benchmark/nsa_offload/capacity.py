@@ -19,6 +19,7 @@ Two parts:
 
 import argparse
 import atexit
+import functools
 import gzip
 import json
 import os
@@ -58,6 +59,7 @@ def model_rows(args):
         compute_offload_pool_sizes,
         offload_bytes_per_loc,
         offload_bytes_per_region,
+        prefill_staging_rows,
     )
 
     budget = int(args.budget_gb * (1 << 30))
@@ -70,15 +72,20 @@ def model_rows(args):
         tokens = length + args.new_tokens
         baseline = budget // (L * (ROW_BYTES_FP8 + INDEXER_BYTES)) // tokens
         out = {"length": length, "baseline": int(baseline)}
-        for mode, staging in (
-            ("colocated", args.context_len + 2 * args.prefill_budget + 64 * PAGE),
-            ("decode_only", 0),
-        ):
+        for mode in ("colocated", "decode_only"):
+            # Colocated: staging rows for prefills (they grow with the region
+            # count: a partly used page per request of a prefill batch).
+            colocated = mode == "colocated"
+            staging_for = functools.partial(
+                prefill_staging_rows, args.context_len, args.prefill_budget
+            )
             # Largest region count whose tokens still fit: M (L per_loc + region)
             # plus the fixed staging must stay within the budget.
+            staging = staging_for(0, PAGE) if colocated else 0
             fixed = L * (PAGE + staging) * ROW_BYTES_FP8
             m = max((budget - fixed) // (tokens * per_loc + per_region), 0)
             while m > 0:
+                staging = staging_for(m, PAGE) if colocated else 0
                 sizes = compute_offload_pool_sizes(
                     available_bytes=budget,
                     num_layers=L,
@@ -94,6 +101,7 @@ def model_rows(args):
                 if sizes.num_locs // PAGE >= m * ((tokens + PAGE - 1) // PAGE):
                     break
                 m -= 1
+            staging = staging_for(m, PAGE) if colocated else 0
             used = {
                 "indexer_and_maps_gb": m * tokens * per_loc / (1 << 30),
                 "regions_kv_gb": m * L * R * ROW_BYTES_FP8 / (1 << 30),

@@ -348,7 +348,13 @@ class TestServerArgsToPools(unittest.TestCase):
         self.assertEqual(configurator.buffer_size, 2 * 2048)  # 2 x index_topk
         self.assertEqual(configurator.recent_window, 64)
         self.assertEqual(configurator.host_pool_bytes, int(0.01 * (1 << 30)))
-        self.assertEqual(configurator.staging_rows, 2048 + 2 * 1024 + 64 * PAGE)
+        # One max prompt, two prefill batches, a page per request of a batch.
+        self.assertEqual(
+            configurator.staging_rows(2, PAGE), 2048 + 2 * 1024 + 64 * PAGE
+        )
+        self.assertEqual(
+            configurator.staging_rows(300, PAGE), 2048 + 2 * 1024 + 300 * PAGE
+        )
 
         # Without the flag (or on a draft worker) upstream's configurator is
         # picked; the factory is only asked which class it would build.

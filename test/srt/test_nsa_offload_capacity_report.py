@@ -103,8 +103,13 @@ class TestCapacityReport(unittest.TestCase):
         for r, c in zip(rows, committed):
             self.assertAlmostEqual(r["ratio_equal_bytes"], c["ratio_equal_bytes"])
             self.assertAlmostEqual(r["bound"], c["bound"])
-            # the sizing model's region count is what the server was given
-            self.assertEqual(r["model"]["colocated"], r["offload_regions"])
+            # the region count the sizing model gave the server (run_b stores
+            # it; run_a's is recomputed, and the sizing has since reserved a
+            # staging page per region beyond 64: never more regions)
+            if r["offload_run"].endswith("run_b"):
+                self.assertEqual(r["model"]["colocated"], r["offload_regions"])
+            else:
+                self.assertLessEqual(r["model"]["colocated"], r["offload_regions"])
             self.assertLess(r["ratio_equal_bytes"], r["bound"])
 
 

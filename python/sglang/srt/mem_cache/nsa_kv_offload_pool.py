@@ -239,6 +239,17 @@ def offload_bytes_per_region(
     return num_layers * (rows * row_bytes + buffer_size * 6)
 
 
+def prefill_staging_rows(
+    context_len: int, prefill_budget: int, num_regions: int, page_size: int
+) -> int:
+    """GPU rows colocated prefills hold until their KV is backed up: one prompt
+    being chunked (up to the context length), two prefill batches (the overlap
+    scheduler prepares one while another runs), and the partly used last page
+    of every request in a batch (at most one per decode region; 64 at least).
+    Sized for the worst case: running out would fail a prefill."""
+    return context_len + 2 * prefill_budget + max(64, num_regions) * page_size
+
+
 def compute_offload_pool_sizes(
     available_bytes: int,
     num_layers: int,
@@ -316,13 +327,14 @@ class NSAKVOffloadPoolConfigurator:
         self.recent_window = sa.nsa_kv_offload_recent_window
         self.host_pool_bytes = int(sa.nsa_kv_offload_host_pool_gb * (1 << 30))
         self.user_max_running_requests = sa.max_running_requests
-        prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
-        # A colocated prefill keeps the whole prompt on the GPU until it is
-        # backed up; two prefill batches can be in flight (overlap scheduler).
-        self.staging_rows = (
-            mr.model_config.context_len + 2 * prefill_budget + 64 * sa.page_size
-        )
+        self.context_len = mr.model_config.context_len
+        self.prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
         self.max_total_tokens = sa.max_total_tokens
+
+    def staging_rows(self, num_regions: int, page_size: int) -> int:
+        return prefill_staging_rows(
+            self.context_len, self.prefill_budget, num_regions, page_size
+        )
 
     def _num_regions(self, available_bytes: int) -> int:
         if self.user_max_running_requests is not None:
@@ -336,6 +348,8 @@ class NSAKVOffloadPoolConfigurator:
     def compute_sizes(
         self, available_bytes: int, page_size: int, num_regions: Optional[int] = None
     ) -> NSAKVOffloadPoolSizes:
+        if num_regions is None:
+            num_regions = self._num_regions(available_bytes)
         return compute_offload_pool_sizes(
             available_bytes=available_bytes,
             num_layers=self.num_layers,
@@ -344,12 +358,8 @@ class NSAKVOffloadPoolConfigurator:
             page_size=page_size,
             buffer_size=self.buffer_size,
             recent_window=self.recent_window,
-            num_regions=(
-                self._num_regions(available_bytes)
-                if num_regions is None
-                else num_regions
-            ),
-            staging_rows=self.staging_rows,
+            num_regions=num_regions,
+            staging_rows=self.staging_rows(num_regions, page_size),
             host_pool_bytes=self.host_pool_bytes,
             max_total_tokens=self.max_total_tokens,
         )
@@ -382,7 +392,9 @@ class NSAKVOffloadPoolConfigurator:
             num_locs=num_locs,
             num_regions=num_regions,
             region_rows=self.buffer_size + self.recent_window,
-            staging_rows=_round_up(self.staging_rows, page_size),
+            staging_rows=_round_up(
+                self.staging_rows(num_regions, page_size), page_size
+            ),
             page_size=page_size,
             host_capacity_locs=self.host_pool_bytes
             // (self.num_layers * self.row_bytes),
