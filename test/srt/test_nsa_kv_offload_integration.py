@@ -235,7 +235,7 @@ class TestOffloadPoolSizing(unittest.TestCase):
         self.assertEqual(sizes.requests_that_fit(41 * PAGE), 0)
         self.assertEqual(
             sizes.describe_capacity(40000),
-            "16K x 0, 32K x 0, 39K x 0",
+            "16K x 0, 32K x 0, 40000 x 0",
         )
         big = self._sizes(8 << 30, regions=8, host=1 << 40)
         text = big.describe_capacity(131072 + 512)

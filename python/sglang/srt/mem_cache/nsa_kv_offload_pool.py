@@ -213,11 +213,16 @@ class NSAKVOffloadPoolSizes:
         return min(self.num_regions, self.num_locs // _round_up(tokens, self.page_size))
 
     def describe_capacity(self, context_len: int) -> str:
-        """``16K x 254, 32K x 177, ...`` up to the context length, for the
-        startup log: what ``--max-running-requests`` traded regions for."""
-        lengths = [n for n in (16384, 32768, 65536, 131072) if n < context_len]
-        lengths.append(context_len)
-        return ", ".join(f"{n // 1024}K x {self.requests_that_fit(n)}" for n in lengths)
+        """``16K x 254, 32K x 177, ..., 131584 x 62`` (the last: the context
+        length), for the startup log: what ``--max-running-requests`` traded
+        decode regions for."""
+        held = [
+            f"{n // 1024}K x {self.requests_that_fit(n)}"
+            for n in (16384, 32768, 65536, 131072)
+            if n < context_len
+        ]
+        held.append(f"{context_len} x {self.requests_that_fit(context_len)}")
+        return ", ".join(held)
 
 
 def _round_up(x: int, m: int) -> int:
