@@ -393,6 +393,20 @@ def server_metrics(rows: List[dict], interval: int, layers: int) -> dict:
     return out
 
 
+def median_of_runs(runs: List[dict]) -> dict:
+    """Per key, the median over the runs that have a number for it (None
+    when none has); other values from the last run."""
+    out = dict(runs[-1])
+    for key in set().union(*runs):
+        values = [r[key] for r in runs if isinstance(r.get(key), (int, float))]
+        if values and not isinstance(values[0], bool):
+            out[key] = statistics.median(values)
+        elif isinstance(runs[-1].get(key), (int, float)):
+            out[key] = None
+    out["runs"] = len(runs)
+    return out
+
+
 def run_point(
     server: Server, ctx: int, conc: int, new_tokens: int, seed: int, timeout: float
 ) -> dict:
@@ -852,7 +866,10 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
             "new_tokens": args.new_tokens,
         }
         cap = capacity(kind, pool, ctx, args.new_tokens)
-        est = ctx * conc / prefill_rate + args.new_tokens * 0.01 + 10
+        # The same requests again (greedy: the same work) for a median; a
+        # point at capacity runs once (its prefill dominates).
+        reps = 1 if at_cap else args.repeats
+        est = reps * (ctx * conc / prefill_rate + args.new_tokens * 0.01 + 10)
         if cap is not None and conc > cap:
             point["skipped"] = f"concurrency {conc} > capacity {cap}"
         elif time.time() + est > share_end:
@@ -863,12 +880,25 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
             log(f"[{kind}] ctx {ctx} x {conc}: skipped ({point['skipped']})")
             points.append(point)
             continue
-        timeout = max(30.0, share_end - time.time() + 30)
-        r = run_point(server, ctx, conc, args.new_tokens, 1000 + i, timeout)
+        runs = []
+        for _ in range(reps):
+            timeout = max(30.0, share_end - time.time() + 30)
+            runs.append(
+                run_point(server, ctx, conc, args.new_tokens, 1000 + i, timeout)
+            )
+        r = runs[-1]
         point.update(r)
-        point["server"] = server_metrics(
-            r["decode_log"], args.decode_log_interval, layers
-        )
+        per_run = [
+            server_metrics(run["decode_log"], args.decode_log_interval, layers)
+            for run in runs
+        ]
+        point["server"] = median_of_runs(per_run)
+        point["server_runs"] = [
+            {k: m.get(k) for k in ("throughput_tok_s", "itl_ms", "misses_per_step")}
+            for m in per_run
+        ]
+        point["client"] = median_of_runs([run["client"] for run in runs])
+        point["num_errors"] = sum(run["num_errors"] for run in runs)
         ttft_max = r["client"].get("ttft_s_max")
         if ttft_max:
             prefill_rate = max(ctx * conc / ttft_max, 1000.0)
@@ -881,7 +911,7 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
             f"{s.get('peak_running')}, {s.get('lines_used', 0)} log lines), client "
             f"{_fmt(c.get('throughput_tok_s'), '{:.0f}')} tok/s ITL p50 "
             f"{_fmt(c.get('itl_ms_p50'), '{:.2f}')} ms, misses/step "
-            f"{_fmt(s.get('misses_per_step'), '{:.0f}')}, errors {r['num_errors']}"
+            f"{_fmt(s.get('misses_per_step'), '{:.0f}')}, errors {point['num_errors']}"
         )
         points.append(point)
         if recorder_ok:
@@ -1011,7 +1041,9 @@ def render_markdown(results: List[dict]) -> str:
             f"(`--mem-fraction-static {cfg['mem_fraction_static']}`, "
             f"{cfg['mem_fraction_how']}); `--max-running-requests "
             f"{cfg['max_running_requests']}` for all; {cfg['new_tokens']} new tokens "
-            f"per request; decode log every {cfg['decode_log_interval']} steps; "
+            f"per request; {cfg.get('repeats', 1)} run(s) per point (medians; "
+            "at capacity one); "
+            f"decode log every {cfg['decode_log_interval']} steps; "
             f"{cfg['layers']} layers. Started {cfg['started']}, "
             f"{cfg['wall_s']:.0f} s.",
             "",
@@ -1302,6 +1334,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="contexts where each server also runs at its own capacity (P5)",
     )
     p.add_argument("--new-tokens", type=int)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per (context, concurrency) point; its figures are medians",
+    )
     p.add_argument("--time-budget-s", type=float)
     p.add_argument("--trace-steps", type=int)
     p.add_argument(
@@ -1405,6 +1443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "concurrency": args.concurrency,
             "cap_contexts": args.cap_contexts,
             "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
             "kv_budget_gib": args.kv_budget_gib,
             "mem_fraction_static": args.mem_fraction_static,
             "mem_fraction_how": how,

@@ -1,0 +1,71 @@
+"""What ``benchmark/nsa_offload/bench_server.py`` reads from server logs and how
+it combines repeated runs (CPU; the servers themselves need a GPU)."""
+
+import sys
+import unittest
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench_server  # noqa: E402
+
+
+def decode_line(running, throughput, queue=0, misses=None):
+    line = (
+        f"[t] Decode batch, #running-req: {running}, #token: 9, token usage: 0.5, "
+        f"cuda graph: True, gen throughput (token/s): {throughput}, "
+        f"#queue-req: {queue}"
+    )
+    if misses is not None:
+        line += (
+            f", nsa-offload hit rate: 0.800, misses: {misses}, H2D: 3.00 GB/s, "
+            "regions: 4/8"
+        )
+    return line
+
+
+class TestDecodeLog(unittest.TestCase):
+    def test_figures_at_the_full_batch(self):
+        text = "\n".join(
+            [
+                decode_line(2, 100.0, queue=2),  # still admitting
+                decode_line(4, 150.0, misses=999),  # first line at 4: has a prefill
+                decode_line(4, 400.0, misses=4 * 32 * 3 * 100),
+                decode_line(4, 420.0, misses=4 * 32 * 3 * 120),
+                decode_line(4, 380.0, misses=4 * 32 * 3 * 110),
+                "[t] Prefill batch, #new-seq: 1",
+                decode_line(1, 90.0, misses=10),  # draining
+            ]
+        )
+        rows = bench_server.parse_decode_lines(text)
+        self.assertEqual(len(rows), 6)
+        m = bench_server.server_metrics(rows, interval=32, layers=3)
+        self.assertEqual(m["peak_running"], 4)
+        self.assertEqual(m["lines_used"], 3)  # the ones after a line at 4
+        self.assertEqual(m["throughput_tok_s"], 400.0)
+        self.assertAlmostEqual(m["itl_ms"], 1000.0 * 4 / 400.0)
+        self.assertAlmostEqual(m["misses_per_req_layer_step"], 110.0)
+        self.assertAlmostEqual(m["misses_per_step"], 4 * 3 * 110.0)
+
+
+class TestRepeats(unittest.TestCase):
+    def test_median_of_runs(self):
+        runs = [
+            {"itl_ms": 2.0, "peak_running": 8, "misses": None, "note": "a"},
+            {"itl_ms": 9.0, "peak_running": 8, "misses": 30, "note": "b"},
+            {"itl_ms": 3.0, "peak_running": 8, "misses": 10, "note": "c"},
+        ]
+        out = bench_server.median_of_runs(runs)
+        self.assertEqual(out["itl_ms"], 3.0)  # an outlier run does not move it
+        self.assertEqual(out["peak_running"], 8)
+        self.assertEqual(out["misses"], 20)  # over the runs that have a number
+        self.assertEqual(out["note"], "c")  # non-numbers: the last run's
+        self.assertEqual(out["runs"], 3)
+        self.assertEqual(
+            bench_server.median_of_runs([{"itl_ms": None}])["itl_ms"], None
+        )
+
+
+if __name__ == "__main__":
+    unittest.main()
