@@ -83,6 +83,15 @@ def _decode(data: bytes) -> str:
     return data.decode("utf-8", "surrogateescape")
 
 
+def _plan_file_changes(plan, state) -> None:
+    """The plan's writes and deletes: every file the state changed."""
+    for rel, text in state.changed().items():
+        if text is None:
+            plan.deletes.append(rel)
+        else:
+            plan.writes[rel] = _encode(text)
+
+
 def _encode(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
@@ -983,11 +992,7 @@ def plan_apply(
     if plan.errors:
         return plan
 
-    for rel, text in state.changed().items():
-        if text is None:
-            plan.deletes.append(rel)
-        else:
-            plan.writes[rel] = _encode(text)
+    _plan_file_changes(plan, state)
 
     new_manifest = {
         "format": MANIFEST_FORMAT,
@@ -1070,11 +1075,7 @@ def plan_revert(target: Target, modules: Dict[str, bytes], series: List[Patch]) 
             )
     if plan.errors:
         return plan
-    for rel, text in state.changed().items():
-        if text is None:
-            plan.deletes.append(rel)
-        else:
-            plan.writes[rel] = _encode(text)
+    _plan_file_changes(plan, state)
 
     for rel in our_modules:
         if (pkg / rel).is_file():

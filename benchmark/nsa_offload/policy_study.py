@@ -50,11 +50,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -598,11 +596,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     md = render(results, budgets, args.window)
     print(md)
     if args.out_dir:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.md").write_text(md)
-        with open(out / "summary.json", "w") as f:
-            json.dump(results, f, indent=1)
+        replay.write_summary(args.out_dir, md, results)
     return 0
 
 

@@ -901,6 +901,16 @@ def engine_line(engine: Optional[Dict]) -> str:
     return line
 
 
+def write_summary(out_dir: str, md: str, result) -> Path:
+    """``summary.md`` and ``summary.json`` in ``out_dir`` (created)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(md)
+    with open(out / "summary.json", "w") as f:
+        json.dump(result, f, indent=1)
+    return out
+
+
 def make_plots(
     out_dir: Path,
     trace: NSATopkTrace,
@@ -1105,11 +1115,7 @@ def run(args: argparse.Namespace) -> Dict:
         "seconds": time.time() - t0,
     }
     if args.out_dir:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.md").write_text(md)
-        with open(out / "summary.json", "w") as f:
-            json.dump(result, f, indent=1)
+        out = write_summary(args.out_dir, md, result)
         if not args.no_plots:
             for p in make_plots(out, trace, sweep, args.window, headline, args.warmup):
                 print(f"wrote {p}", file=sys.stderr)

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -156,13 +154,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     md = render(results, base, args.window)
     print(md)
     if args.out_dir:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.md").write_text(md)
-        with open(out / "summary.json", "w") as f:
-            json.dump(
-                {"base": dataclasses.asdict(base), "results": results}, f, indent=1
-            )
+        replay.write_summary(
+            args.out_dir, md, {"base": dataclasses.asdict(base), "results": results}
+        )
     return 0
 
 
