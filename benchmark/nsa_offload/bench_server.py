@@ -59,7 +59,13 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from server_utils import TINY_CONFIG, VOCAB_SIZE, Server  # noqa: E402
+from server_utils import (  # noqa: E402
+    HISPARSE_ARGS,
+    HISPARSE_CONFIG,
+    TINY_CONFIG,
+    VOCAB_SIZE,
+    Server,
+)
 
 TRACE_FORMAT_PY = HERE / "trace_format.py"
 MAX_CHECKED_ROWS = 3000  # override check: rows recomputed per run
@@ -74,7 +80,6 @@ TOPK_TRACE_PY = (
 )
 SERVER_KINDS = ("baseline", "ours", "hisparse")
 LABELS = {"baseline": "no offload", "hisparse": "HiSparse", "ours": "ours"}
-HISPARSE_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 4}
 PAGE_SIZE = 64
 ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
 INDEXER_BYTES = 132  # fp8 indexer key + fp32 scale
@@ -533,17 +538,7 @@ def server_specs(args) -> Dict[str, List[str]]:
     slots = ["--max-running-requests", str(args.max_running_requests)]
     return {
         "baseline": common + slots,
-        "hisparse": common
-        + slots
-        + [
-            "--enable-hisparse",
-            "--hisparse-config",
-            json.dumps(HISPARSE_CONFIG),
-            "--nsa-prefill-backend",
-            "flashmla_kv",
-            "--nsa-decode-backend",
-            "flashmla_kv",
-        ],
+        "hisparse": common + slots + HISPARSE_ARGS,
         "ours": common
         + slots
         + [

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+from typing import Optional
 
 from server_utils import TINY_CONFIG
 
@@ -245,12 +246,15 @@ def num_model_layers() -> int:
         return json.load(f)["num_hidden_layers"]
 
 
-def capacity_rows(base: dict, offload: dict, region_rows: int) -> list:
+def capacity_rows(
+    base: dict, offload: dict, region_rows: int, hisparse: Optional[dict] = None
+) -> list:
     """Measured capacity per length: raw (same --mem-fraction-static) and at
     equal GPU bytes. Upstream's fp8 NSA pool sizing counts 576 B per KV row
     but allocates 656 B, so the no-offload server takes ~11% more GPU memory
     than the budget it was given; its capacity scales linearly with its pool
-    bytes, so it is rescaled to the offload server's pool bytes."""
+    bytes, so it is rescaled to the offload server's pool bytes. HiSparse
+    (if run) is compared the same way: requests per GiB of pools."""
     rows = []
     for key, ours in offload.items():
         b = base.get("capacity", {}).get(key)
@@ -284,6 +288,18 @@ def capacity_rows(base: dict, offload: dict, region_rows: int) -> list:
             row["baseline_at_equal_bytes"] = b["peak_running"] * scale
             row["ratio_equal_bytes"] = o["peak_running"] / (b["peak_running"] * scale)
             row["equal_bytes_vs_bound"] = row["ratio_equal_bytes"] / bound
+        h = (hisparse or {}).get("capacity", {}).get(key)
+        if h is not None:
+            row["hisparse_peak"] = h["peak_running"]
+            row["hisparse_pools_gib"] = hisparse["memory"].get("pools_gib")
+            row["vs_hisparse_same_fraction"] = o["peak_running"] / max(
+                h["peak_running"], 1
+            )
+            if row["hisparse_pools_gib"] and row["offload_pools_gib"]:
+                scale = row["offload_pools_gib"] / row["hisparse_pools_gib"]
+                row["vs_hisparse_equal_bytes"] = o["peak_running"] / max(
+                    h["peak_running"] * scale, 1e-9
+                )
         rows.append(row)
     return sorted(rows, key=lambda r: r["length"])
 
@@ -388,23 +404,35 @@ def report_from_runs(args) -> None:
     write_capacity_report(rows, args.out)
 
 
-def write_capacity_report(rows: list, out: str) -> None:
-    lines = [
+def write_capacity_report(rows: list, out: str, sizing: str = "colocated") -> None:
+    """``sizing``: the offload's sizing model, ``colocated`` (prefill staging)
+    or ``decode_only`` (PD decode server)."""
+    nan = float("nan")
+    his = any("hisparse_peak" in r for r in rows)
+    head = (
         "| length (+new) | no offload: peak running | pools GiB | offload: regions | "
         "peak running | pools GiB | ratio (same fraction) | ratio (equal bytes) | "
-        "bound | equal bytes / bound | model (colocated) | all completed |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        f"bound | equal bytes / bound | model ({sizing}) | all completed |"
+    )
+    if his:
+        head += " HiSparse: peak running | pools GiB | ours / HiSparse (equal bytes) |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         m = r.get("model") or {}
-        lines.append(
+        line = (
             f"| {r['length']} | {r['baseline_peak']} | {r['baseline_pools_gib']} | "
             f"{r['offload_regions']} | {r['offload_peak']} | {r['offload_pools_gib']} | "
-            f"{r['ratio_same_fraction']:.2f} | {r.get('ratio_equal_bytes', float('nan')):.2f} | "
-            f"{r['bound']:.2f} | {r.get('equal_bytes_vs_bound', float('nan')):.2f} | "
-            f"{m.get('colocated_ratio', float('nan')):.2f} | "
+            f"{r['ratio_same_fraction']:.2f} | {r.get('ratio_equal_bytes', nan):.2f} | "
+            f"{r['bound']:.2f} | {r.get('equal_bytes_vs_bound', nan):.2f} | "
+            f"{m.get(sizing + '_ratio', nan):.2f} | "
             f"{'not recorded' if r['all_completed'] is None else r['all_completed']} |"
         )
+        if his:
+            line += (
+                f" {r.get('hisparse_peak', '-')} | {r.get('hisparse_pools_gib', '-')} | "
+                f"{r.get('vs_hisparse_equal_bytes', nan):.2f} |"
+            )
+        lines.append(line)
     with open(os.path.join(out, "capacity.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -434,9 +462,9 @@ def write_capacity_report(rows: list, out: str) -> None:
     )
     ax.plot(
         x,
-        [(r.get("model") or {}).get("colocated_ratio") for r in rows],
+        [(r.get("model") or {}).get(sizing + "_ratio") for r in rows],
         "^-.",
-        label="sizing model (colocated)",
+        label=f"sizing model ({sizing})",
     )
     ax.set_xscale("log", base=2)
     ax.set_xticks(x)

@@ -21,7 +21,13 @@ top-k + page-table transform: SGLANG_NSA_FUSE_TOPK=0). On each server:
    then, a leak aborts it) and answer nothing wrong afterwards.
 
 ``--servers offload --budget-gib B`` runs the offload side alone (e.g. on a
-second GPU).
+second GPU); ``hisparse`` in ``--servers`` adds upstream HiSparse's capacity.
+
+``--pd-decode``: every server is a PD decode server (``--disaggregation-mode
+decode``) fed by sglang's fake transfer backend (no prefill server: requests
+are admitted with their KV unwritten), so capacity is measured without
+prefill staging; the offload gets the region count of the decode-only sizing
+model. No exactness requests there (the KV is not real).
 
     python benchmark/nsa_offload/e2e_server.py --out DIR [--capacity-lengths 16384,131072]
 """
@@ -40,7 +46,13 @@ from capacity import (
     scan_log,
     write_capacity_report,
 )
-from server_utils import Server, random_prompts
+from server_utils import (
+    HISPARSE_ARGS,
+    HISPARSE_CONFIG,
+    PD_DECODE_FAKE_ARGS,
+    Server,
+    random_prompts,
+)
 
 OFFLOAD_LOG_RE = re.compile(
     r"#running-req: (\d+).*nsa-offload hit rate: ([0-9.]+), misses: (\d+), "
@@ -67,15 +79,25 @@ def parse_offload_log(path: str):
 
 
 # Memory lines of sglang's startup log (GB = GiB there).
+def predict_capacity(name, total_tokens, regions, per_req):
+    """Requests of ``per_req`` token locs the server should hold at once."""
+    if name == "hisparse":
+        # Logical locs are host_to_device_ratio x the device pool it logs;
+        # each decoding request keeps device_buffer_size + a page on device.
+        logical = HISPARSE_CONFIG["host_to_device_ratio"] * total_tokens
+        device = total_tokens // (HISPARSE_CONFIG["device_buffer_size"] + PAGE)
+        return min(logical // per_req, device)
+    predicted = total_tokens // per_req
+    return predicted if regions is None else min(regions, predicted)
+
+
 def capacity_phase(server, name, args, length):
     """More requests of ``length`` tokens than the server holds, all at once;
     the peak #running-req logged meanwhile is the measured capacity."""
     tokens = length + args.capacity_new_tokens
     _, total_tokens, regions = scan_log(server.log_path)
     per_req = (tokens + PAGE - 1) // PAGE * PAGE
-    predicted = total_tokens // per_req
-    if regions is not None:
-        predicted = min(regions, predicted)
+    predicted = predict_capacity(name, total_tokens, regions, per_req)
     n = int(predicted * args.capacity_oversubscribe) + 2
     print(f"[{name}] capacity {length}: predicted {predicted}, sending {n}", flush=True)
     prompts = random_prompts([length] * n, seed=length)
@@ -139,6 +161,12 @@ def main():
     p.add_argument("--context-length", type=int, default=None)
     p.add_argument("--max-running-baseline", type=int, default=32)
     p.add_argument("--max-running-offload", type=int, default=32)
+    p.add_argument("--max-running-hisparse", type=int, default=256)
+    p.add_argument(
+        "--pd-decode",
+        action="store_true",
+        help="PD decode servers with the fake transfer backend (capacity only)",
+    )
     p.add_argument(
         "--capacity-lengths",
         "--capacity-length",
@@ -172,6 +200,11 @@ def main():
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     servers = args.servers.split(",")
+    if args.pd_decode and args.num_requests:
+        raise SystemExit(
+            "--pd-decode takes --num-requests 0: the fake transfer backend "
+            "leaves the KV unwritten, so outputs cannot be compared"
+        )
 
     step = (args.max_len - args.min_len) / max(args.num_requests - 1, 1)
     lengths = [int(args.min_len + i * step) for i in range(args.num_requests)]
@@ -184,6 +217,8 @@ def main():
     ]
     if args.context_length:
         common += ["--context-length", str(args.context_length)]
+    if args.pd_decode:
+        common += PD_DECODE_FAKE_ARGS
 
     def offload_args(regions):
         extra = [
@@ -241,8 +276,9 @@ def main():
         # also runs the exactness requests. Without lengths: one server.
         plan = [(L, offload_regions_for(L, budget, args)) for L in offload_lengths]
         plan = plan or [(None, None)]
+        sizing = "decode_only" if args.pd_decode else "colocated"
         for i, (length, model) in enumerate(plan):
-            regions = model["colocated"] if model else args.max_running_offload
+            regions = model[sizing] if model else args.max_running_offload
             name = "offload" if length is None else f"offload_{length // 1024}k"
             res = run_server(
                 name,
@@ -258,6 +294,19 @@ def main():
                 for k, v in offload.items()
             }
             save()
+    hisparse = None
+    if "hisparse" in servers:
+        hisparse = run_server(
+            "hisparse",
+            common
+            + ["--max-running-requests", str(args.max_running_hisparse)]
+            + HISPARSE_ARGS,
+            args,
+            [],
+            args.capacity_lengths,
+        )
+        result["hisparse"] = hisparse
+        save()
     ok = True
     first = next(iter(offload.values()), None)
     if base is not None and first is not None and "output_ids" in base and prompts:
@@ -281,7 +330,7 @@ def main():
         for r in log_rows[:: max(len(log_rows) // 12, 1)]:
             print("  ", r)
         ok = not mismatched
-    for r in [base, *offload.values()]:
+    for r in [base, *offload.values(), hisparse]:
         if r is None:
             continue
         print(
@@ -292,8 +341,9 @@ def main():
         ok = ok and all(c["completed"] == c["sent"] for c in r["capacity"].values())
     if base is not None and offload and args.capacity_lengths:
         region_rows = (args.buffer_size or 4096) + args.recent_window
-        result["capacity"] = capacity_rows(base, offload, region_rows)
-        write_capacity_report(result["capacity"], args.out)
+        result["capacity"] = capacity_rows(base, offload, region_rows, hisparse)
+        sizing = "decode_only" if args.pd_decode else "colocated"
+        write_capacity_report(result["capacity"], args.out, sizing)
     result["complete"] = True
     save()
     raise SystemExit(0 if ok else 1)

@@ -37,6 +37,28 @@ BASE_ARGS = [
     "--skip-tokenizer-init",
     "--disable-radix-cache",
 ]
+
+# Upstream HiSparse, the peer (seen working on the H200, ../shared/DEVICE.md):
+# with fp8 KV it insists on FlashMLA fp8 for prefill as well.
+HISPARSE_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 4}
+HISPARSE_ARGS = [
+    "--enable-hisparse",
+    "--hisparse-config",
+    json.dumps(HISPARSE_CONFIG),
+    "--nsa-prefill-backend",
+    "flashmla_kv",
+    "--nsa-decode-backend",
+    "flashmla_kv",
+]
+
+# A PD decode server with no prefill server: the fake transfer backend admits
+# requests at once with their KV unwritten (capacity and speed only).
+PD_DECODE_FAKE_ARGS = [
+    "--disaggregation-mode",
+    "decode",
+    "--disaggregation-transfer-backend",
+    "fake",
+]
 BASE_ENV = {
     "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
     "HF_HUB_OFFLINE": "1",

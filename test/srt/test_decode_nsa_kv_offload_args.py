@@ -161,10 +161,24 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "--enable-mixed-chunk is not supported", enable_mixed_chunk=True
         )
 
-    def test_reject_pd_decode_server(self):
+    def test_accept_pd_decode_server(self):
+        # KV arrives in the host pool through the PD transfer.
+        args = self._server_args(disaggregation_mode="decode")
+        args._handle_decode_nsa_kv_offload()
+        self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
+
+    def test_reject_pd_decode_radix_cache(self):
         self._assert_rejected(
-            "--disaggregation-mode decode is not supported yet",
+            "--disaggregation-decode-enable-radix-cache is not supported",
             disaggregation_mode="decode",
+            disaggregation_decode_enable_radix_cache=True,
+        )
+
+    def test_reject_pd_decode_kvcache_offload(self):
+        self._assert_rejected(
+            "--disaggregation-decode-enable-offload-kvcache is not supported",
+            disaggregation_mode="decode",
+            disaggregation_decode_enable_offload_kvcache=True,
         )
 
     def test_reject_kv_cache_dtype(self):

@@ -377,6 +377,22 @@ class TestServerArgsToPools(unittest.TestCase):
         bf16.kv_cache_dtype = torch.bfloat16
         self.assertEqual(NSAKVOffloadPoolConfigurator(bf16).row_bytes, 1152)
 
+    def test_pd_decode_has_no_staging(self):
+        # The prefill server writes KV into the host pool: no staging rows, so
+        # the same budget holds more token locs than a colocated server's.
+        sizes = {}
+        for mode in ("null", "decode"):
+            mr = self._model_runner(self._server_args(disaggregation_mode=mode), 0)
+            configurator = NSAKVOffloadPoolConfigurator(mr)
+            configurator.host_pool_bytes = 1 << 40  # GPU-bound split
+            sizes[mode] = configurator.compute_sizes(64 << 20, PAGE)
+        colocated, decode = sizes["null"], sizes["decode"]
+        self.assertGreater(colocated.staging_rows, 0)
+        self.assertEqual(decode.staging_rows, 0)
+        self.assertEqual(decode.region_start_row, PAGE)
+        freed = 3 * colocated.staging_rows * 656 // offload_bytes_per_loc(3, 132)
+        self.assertAlmostEqual(decode.num_locs - colocated.num_locs, freed, delta=PAGE)
+
     def test_default_regions_from_budget(self):
         args = self._server_args(max_running_requests=None)
         configurator = NSAKVOffloadPoolConfigurator(self._model_runner(args, 1 << 30))
@@ -594,12 +610,6 @@ class TestHooksAndLookup(unittest.TestCase):
             nsa_offload_hooks.translate_locs_to_rows(plain_fb, page_table), page_table
         )
 
-    def test_no_cpu_copy(self):
-        with self.assertRaises(NotImplementedError):
-            self.pool.get_cpu_copy(torch.arange(4))
-        with self.assertRaises(NotImplementedError):
-            self.pool.load_cpu_copy(None, torch.arange(4))
-
 
 class TestStagingAllocator(unittest.TestCase):
     NUM_LOCS, STAGING_PAGES = 16 * PAGE, 6
@@ -761,8 +771,11 @@ class _Harness:
         max_reqs=2,
         max_ctx=768,
         seed=0,
+        kv_arrives_in_host=False,
     ):
         self.t = test
+        if kv_arrives_in_host:
+            staging_pages = 0  # a PD decode server runs no prefill
         self.L, self.K, self.C, self.W = layers, top_k, buffer_size, window
         self.kv_fp8 = kv_fp8
         self.sizes = NSAKVOffloadPoolSizes(
@@ -800,6 +813,7 @@ class _Harness:
             buffer_size=buffer_size,
             recent_window=window,
             max_batch_size=max_reqs + 1,
+            kv_arrives_in_host=kv_arrives_in_host,
         )
         self.controller = self.co.controller
         self.row_bytes = self.pool.kv_buffer[0][0].nbytes
@@ -874,6 +888,39 @@ class _Harness:
 
     # -------------------------------------------------------------- phases
 
+    def transfer(self, req, n):
+        """PD decode: ``DecodePreallocQueue._pre_alloc`` takes ``n`` locs with
+        ``alloc_extend``, then the prefill server's KV transfer writes every
+        layer's rows into host slots = locs and the indexer keys into their
+        pages (through the host pool's ``get_contiguous_buf_infos``)."""
+        zero = torch.zeros(1, dtype=torch.int64)
+        seq = torch.tensor([n], dtype=torch.int64)
+        out = self.allocator.alloc_extend(
+            zero.to(DEVICE), zero, seq.to(DEVICE), seq, zero.to(DEVICE) - 1, n
+        )
+        self.t.assertIsNotNone(out)
+        # No GPU row: the decode step writes its new tokens into the window.
+        self.t.assertTrue(bool((self.pool.loc_to_row[out] == 0).all()))
+        self.req_to_token[req.req_pool_idx, :n] = out.int()
+        req.seq_len = req.kv_committed_len = n
+        req.fill_ids = list(range(n))
+        ptrs, lens, item_lens = self.controller.host_pool.get_contiguous_buf_infos()
+        self.t.assertEqual(item_lens, [PAGE * self.row_bytes] * self.L)
+        for layer in range(self.L):
+            host = self.controller.host_pool.kv_buffer[layer]
+            self.t.assertEqual(host.data_ptr(), ptrs[layer])
+            rows = torch.randint(
+                0, 256, (n, self.row_bytes), dtype=torch.uint8, generator=self.gen
+            )
+            host[out.cpu()] = rows
+            self.ref[layer, out] = rows.to(DEVICE)
+            pages = out[::PAGE] // PAGE
+            index_k = self.pool.index_k_with_scale_buffer[layer]
+            index_k[pages] = torch.randint(
+                0, 256, index_k[pages].shape, dtype=torch.uint8, generator=self.gen
+            ).to(DEVICE)
+        return out
+
     def prefill(self, chunks, chunked_req=None, admit=True):
         """One extend batch: ``chunks`` = [(req, extend_len)]. ``chunked_req``
         is the scheduler's request still being prefilled after this batch.
@@ -941,9 +988,10 @@ class _Harness:
         self.t.assertEqual(
             self.controller.num_free_regions(), regions_before - len(reqs)
         )
+        staged_pages = sum((n + PAGE - 1) // PAGE for n in prompt_lens)
         self.t.assertEqual(
             self.allocator.staging.available_pages(),
-            staging_before + sum((n + PAGE - 1) // PAGE for n in prompt_lens),
+            staging_before + (0 if self.co.kv_arrives_in_host else staged_pages),
         )
         for req, n in zip(reqs, prompt_lens):
             r = req.req_pool_idx
@@ -1231,6 +1279,74 @@ class TestOffloadLifecycle(unittest.TestCase):
         h.prefill([(a, 130)], chunked_req=a)
         self.assertLess(h.allocator.staging.available_pages(), 10)
         h.finish(a)
+        h.check_no_leaks()
+
+
+class TestPDDecodeLifecycle(unittest.TestCase):
+    """``--disaggregation-mode decode``: no staging, KV arrives in host slots."""
+
+    def test_transfer_admit_decode_release(self):
+        h = _Harness(self, kv_fp8=True, seed=2, kv_arrives_in_host=True)
+        self.assertEqual(h.allocator.staging.num_pages, 0)
+        a, b = h.new_req(), h.new_req()
+        h.transfer(a, 300)
+        h.transfer(b, 190)
+        # Nothing backed up, no staging: the first decode preparation gives
+        # the regions and warms them from the host slots (no first-step miss).
+        h.decode_step([a, b], first_step_of=(a, b))
+        for step in range(8):
+            h.decode_step([a, b], pad_rows=step % 2)
+        self.assertGreater(h.controller.get_stats()["misses"], 0)
+        h.finish(a)
+        c = h.new_req()
+        h.transfer(c, 250)
+        h.decode_step([b, c], first_step_of=(c,))
+        h.decode_step([b, c])
+        h.finish(b)
+        h.finish(c)
+        h.check_no_leaks()
+
+    def test_retract_and_resume(self):
+        # sglang's PD decode retraction keeps a request's KV in CPU memory
+        # (get_cpu_copy), frees its locs, and later loads it into new locs.
+        h = _Harness(self, seed=3, kv_arrives_in_host=True, num_regions=3, max_reqs=3)
+        a, b = h.new_req(), h.new_req()
+        h.transfer(a, 200)
+        h.transfer(b, 260)
+        h.decode_step([a, b], first_step_of=(a, b))
+        for _ in range(4):
+            h.decode_step([a, b])
+        n = a.seq_len
+        old = h.req_to_token[a.req_pool_idx, :n].long()
+        saved = h.allocator.get_cpu_copy(old)
+        old_ref = h.ref[:, old].clone()
+        pages = old[::PAGE] // PAGE
+        old_index_k = [buf[pages].clone() for buf in h.pool.index_k_with_scale_buffer]
+        h.finish(a)
+        # Another request takes the freed locs (and overwrites them) first.
+        c = h.new_req()
+        h.transfer(c, 240)
+        a2 = h.new_req()
+        zero = torch.zeros(1, dtype=torch.int64)
+        seq = torch.tensor([n], dtype=torch.int64)
+        new = h.allocator.alloc_extend(
+            zero.to(DEVICE), zero, seq.to(DEVICE), seq, zero.to(DEVICE) - 1, n
+        )
+        h.req_to_token[a2.req_pool_idx, :n] = new.int()
+        a2.seq_len = a2.kv_committed_len = n
+        h.allocator.load_cpu_copy(saved, new)
+        h.ref[:, new] = old_ref
+        h.check_host(new)
+        new_pages = new[::PAGE] // PAGE
+        for buf, before in zip(h.pool.index_k_with_scale_buffer, old_index_k):
+            self.assertTrue(torch.equal(buf[new_pages], before))
+        # Resumed: admitted by the next decode preparation, reads its KV exactly.
+        h.decode_step([b, a2, c], first_step_of=(a2, c))
+        for _ in range(3):
+            h.decode_step([b, a2, c])
+        h.finish(b)
+        h.finish(a2)
+        h.finish(c)
         h.check_no_leaks()
 
 

@@ -60,6 +60,42 @@ class TestLogParsing(unittest.TestCase):
         self.assertEqual(scan_log(self.path, os.path.getsize(self.path))[0], 0)
 
 
+def _server(peak, pools_gib, length=131072, sent=20):
+    return {
+        "capacity": {
+            str(length): {
+                "length": length,
+                "new_tokens": 128,
+                "peak_running": peak,
+                "regions": None,
+                "sent": sent,
+                "completed": sent,
+            }
+        },
+        "memory": {"pools_gib": pools_gib},
+    }
+
+
+class TestHiSparseColumns(unittest.TestCase):
+    def test_ours_vs_hisparse_at_equal_bytes(self):
+        base, ours, his = _server(15, 4.6), _server(66, 4.0), _server(60, 6.0)
+        (row,) = capacity.capacity_rows(base, {"131072": ours}, 4160, his)
+        self.assertEqual(row["hisparse_peak"], 60)
+        self.assertAlmostEqual(row["vs_hisparse_same_fraction"], 66 / 60)
+        # HiSparse rescaled to ours' 4.0 GiB: 60 x 4/6 = 40 requests.
+        self.assertAlmostEqual(row["vs_hisparse_equal_bytes"], 66 / 40)
+        self.assertAlmostEqual(row["ratio_equal_bytes"], 66 / (15 * 4.0 / 4.6))
+        with tempfile.TemporaryDirectory() as out:
+            capacity.write_capacity_report([row], out, "decode_only")
+            with open(os.path.join(out, "capacity.md")) as f:
+                header, sep, line = f.read().splitlines()
+        self.assertIn("model (decode_only)", header)
+        self.assertIn("HiSparse: peak running", header)
+        self.assertEqual(header.count("|"), sep.count("|"))
+        self.assertEqual(header.count("|"), line.count("|"))
+        self.assertIn("| 1.65 |", line)
+
+
 class TestCapacityReport(unittest.TestCase):
     def test_cut_run_is_read_from_its_driver_log(self):
         base, offload = capacity.load_run(str(RESULTS / "run_a"), new_tokens=128)

@@ -75,12 +75,15 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             "--disaggregation-mode prefill."
         )
     if server_args.disaggregation_mode == "decode":
-        # PD transfers write device pages by token loc; with the offload the
-        # host pool has to be the transfer target, which is not wired yet.
-        _fail(
-            "--disaggregation-mode decode is not supported yet; run a colocated "
-            "server (--disaggregation-mode null)."
-        )
+        # The prefill server writes KV rows into the host pool (host slot = token
+        # loc); the decode-side caches below would keep them on the GPU instead.
+        if server_args.disaggregation_decode_enable_radix_cache:
+            _fail("--disaggregation-decode-enable-radix-cache is not supported.")
+        if server_args.disaggregation_decode_enable_offload_kvcache:
+            _fail(
+                "--disaggregation-decode-enable-offload-kvcache is not supported "
+                "(the offload already keeps every request's KV in host memory)."
+            )
     if server_args.enable_hisparse:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
     if server_args.speculative_algorithm is not None:

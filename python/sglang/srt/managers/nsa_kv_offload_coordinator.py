@@ -7,7 +7,9 @@ and connects it to sglang's scheduling:
 * admission (right after the forward that completes a prompt is enqueued;
   the first decode preparation admits anything missed): back the prompt up
   to host slots, give the request a region, warm it, and return the staging
-  rows;
+  rows. On a PD decode server the prompt's KV arrives in the host slots
+  through the KV transfer: admission (first decode preparation) only gives
+  the region and warms it;
 * every decode preparation: map each new token loc to its window ring row;
 * every forward: make the forward stream wait for the side-stream copies;
   after a decode forward, write that step's new tokens back to host memory
@@ -25,7 +27,6 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolSizes,
@@ -53,8 +54,10 @@ class NSAKVOffloadCoordinator:
         buffer_size: int,
         recent_window: int,
         max_batch_size: int,
+        kv_arrives_in_host: bool = False,
     ):
         self.kv_pool = kv_pool
+        self.kv_arrives_in_host = kv_arrives_in_host
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.sizes = sizes
@@ -147,14 +150,16 @@ class NSAKVOffloadCoordinator:
         return self.controller.is_admitted(req.req_pool_idx)
 
     def admit(self, req: Req, num_tokens: int) -> None:
-        """Back up the prompt, give ``req`` a region and free its staging rows."""
+        """Back up the prompt (unless the KV transfer already put it in host
+        memory), give ``req`` a region and free its staging rows."""
         r = req.req_pool_idx
         if self.controller.is_admitted(r):
             return
         self._wait_producer()
         locs = self.req_to_token[r, :num_tokens].to(torch.int64)
-        rows = self.kv_pool.loc_to_row[locs]
-        self.controller.backup_prefilled_request(rows, locs)
+        if not self.kv_arrives_in_host:
+            rows = self.kv_pool.loc_to_row[locs]
+            self.controller.backup_prefilled_request(rows, locs)
         base = self.controller.admit_request(r, prefix_locs=locs)
         if base is None:
             raise RuntimeError(
@@ -193,6 +198,13 @@ class NSAKVOffloadCoordinator:
             return
         self._wait_producer()
         self.controller.release_request(r)
+
+    def synchronize(self) -> None:
+        """Block until every forward and copy issued so far is done (before
+        the host reads or rewrites host slots itself: PD retraction)."""
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.controller.synchronize()
 
     # -------------------------------------------------------------- forward
 
@@ -296,4 +308,5 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         buffer_size=sa.nsa_kv_offload_gpu_buffer_size,
         recent_window=sa.nsa_kv_offload_recent_window,
         max_batch_size=max_batch_size,
+        kv_arrives_in_host=sa.disaggregation_mode == "decode",
     )

@@ -11,6 +11,11 @@ scores all tokens), while the MLA KV rows on the GPU shrink to
 Every KV write goes through ``loc_to_row`` (token loc -> GPU row). Prefill maps
 a request's new pages onto staging pages; the decode step maps each new token
 onto its request's recent-window ring row (``NSAKVOffloadCoordinator``).
+
+A PD decode server (``--disaggregation-mode decode``) runs no prefill: the
+prefill server writes a prompt's KV rows straight into the host pool (host slot
+= token loc), so it has no staging rows and its locs map to no GPU row until
+the decode step writes them.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
-
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
@@ -65,11 +69,38 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
     def get_mla_kv_buffer(self, layer: RadixAttention, loc, dst_dtype=None):
         return super().get_mla_kv_buffer(layer, self.loc_to_row[loc], dst_dtype)
 
+    def _index_k_pages(self, indices: torch.Tensor) -> torch.Tensor:
+        # A request's locs are whole pages from its first token on.
+        return indices[:: self.page_size].to(self.device, torch.int64) // self.page_size
+
     def get_cpu_copy(self, indices, mamba_indices=None):
-        raise NotImplementedError("the NSA KV offload pool has no CPU copy")
+        """Retraction on a PD decode server (sglang keeps the KV of a retracted
+        request in CPU memory): the KV rows from their host slots and the
+        indexer-key pages, copied before the locs are freed."""
+        offload = self.nsa_kv_offload
+        offload.synchronize()  # the last step's new tokens are on the host
+        locs = indices.to("cpu", torch.int64)
+        host = offload.host_pool
+        layers = range(self.start_layer, self.start_layer + self.layer_num)
+        pages = self._index_k_pages(indices)
+        return {
+            "kv_rows": [host.get_kv_buffer(layer)[locs] for layer in layers],
+            "index_k": [buf[pages].cpu() for buf in self.index_k_with_scale_buffer],
+        }
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
-        raise NotImplementedError("the NSA KV offload pool has no CPU copy")
+        """Resume a retracted request into its new locs (see ``get_cpu_copy``);
+        the decode step that follows admits it and warms its region."""
+        offload = self.nsa_kv_offload
+        offload.synchronize()  # nothing still reads the reused host slots
+        locs = indices.to("cpu", torch.int64)
+        host = offload.host_pool
+        layers = range(self.start_layer, self.start_layer + self.layer_num)
+        for layer, rows in zip(layers, kv_cache_cpu["kv_rows"]):
+            host.get_kv_buffer(layer)[locs] = rows
+        pages = self._index_k_pages(indices)
+        for buf, saved in zip(self.index_k_with_scale_buffer, kv_cache_cpu["index_k"]):
+            buf[pages] = saved.to(self.device)
 
 
 def get_nsa_kv_offload(token_to_kv_pool_allocator):
@@ -113,7 +144,8 @@ class StagingRowAllocator:
 class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """Paged allocator of logical token locs that also gives every new page of
     a prefill a GPU staging page, and takes it back when the page is freed or
-    the request is admitted for decode (``release_staging``)."""
+    the request is admitted for decode (``release_staging``). Without staging
+    rows (PD decode: KV arrives in host memory) it hands out locs only."""
 
     def __init__(
         self,
@@ -143,6 +175,11 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     def alloc_extend(self, *args, **kwargs):
         out = super().alloc_extend(*args, **kwargs)
         if out is None or out.numel() == 0:
+            return out
+        if self.staging.num_pages == 0:
+            # KV arrives in host slots; a freed decode token's window row must
+            # not stay mapped (unmapped locs point at the padding rows).
+            self._kvcache.loc_to_row[out] = 0
             return out
         # A page is new to this extend iff its first token is in it. Prefill is
         # off the decode hot path, so the host sync of the mask is fine here.
@@ -335,8 +372,11 @@ class NSAKVOffloadPoolConfigurator:
         self.context_len = mr.model_config.context_len
         self.prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
         self.max_total_tokens = sa.max_total_tokens
+        self.kv_arrives_in_host = sa.disaggregation_mode == "decode"
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
+        if self.kv_arrives_in_host:
+            return 0
         return prefill_staging_rows(
             self.context_len, self.prefill_budget, num_regions, page_size
         )
