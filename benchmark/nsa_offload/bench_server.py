@@ -575,7 +575,7 @@ def record_path(args, kind: str) -> str:
     return os.path.join(args.out, f"topk_{kind}_{args.topk}.npz")
 
 
-def flush_recording(path: str, timeout: float = 30.0) -> bool:
+def flush_recording(path: str, timeout: float = 120.0) -> bool:
     """Ask the server's recorder to write its file and wait for it."""
     trigger = path + ".flush"
     before = os.path.getmtime(path) if os.path.exists(path) else None

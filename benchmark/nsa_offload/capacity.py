@@ -272,6 +272,8 @@ def capacity_rows(
             "baseline_peak": b["peak_running"],
             "offload_peak": o["peak_running"],
             "offload_regions": o["regions"],
+            "baseline_saturated": b.get("saturated"),
+            "offload_saturated": o.get("saturated"),
             "ratio_same_fraction": o["peak_running"] / max(b["peak_running"], 1),
             "bound": bound,
             "baseline_pools_gib": base["memory"].get("pools_gib"),
@@ -291,6 +293,7 @@ def capacity_rows(
         h = (hisparse or {}).get("capacity", {}).get(key)
         if h is not None:
             row["hisparse_peak"] = h["peak_running"]
+            row["hisparse_saturated"] = h.get("saturated")
             row["hisparse_pools_gib"] = hisparse["memory"].get("pools_gib")
             row["vs_hisparse_same_fraction"] = o["peak_running"] / max(
                 h["peak_running"], 1
@@ -404,6 +407,17 @@ def report_from_runs(args) -> None:
     write_capacity_report(rows, args.out)
 
 
+def _peak(row: dict, server: str) -> str:
+    """Peak running requests; marked when the phase never filled the server
+    (requests finished before the last ones were admitted)."""
+    peak = row.get(f"{server}_peak", "-")
+    return (
+        f"{peak} (not saturated)"
+        if row.get(f"{server}_saturated") is False
+        else str(peak)
+    )
+
+
 def write_capacity_report(rows: list, out: str, sizing: str = "colocated") -> None:
     """``sizing``: the offload's sizing model, ``colocated`` (prefill staging)
     or ``decode_only`` (PD decode server)."""
@@ -420,8 +434,8 @@ def write_capacity_report(rows: list, out: str, sizing: str = "colocated") -> No
     for r in rows:
         m = r.get("model") or {}
         line = (
-            f"| {r['length']} | {r['baseline_peak']} | {r['baseline_pools_gib']} | "
-            f"{r['offload_regions']} | {r['offload_peak']} | {r['offload_pools_gib']} | "
+            f"| {r['length']} | {_peak(r, 'baseline')} | {r['baseline_pools_gib']} | "
+            f"{r['offload_regions']} | {_peak(r, 'offload')} | {r['offload_pools_gib']} | "
             f"{r['ratio_same_fraction']:.2f} | {r.get('ratio_equal_bytes', nan):.2f} | "
             f"{r['bound']:.2f} | {r.get('equal_bytes_vs_bound', nan):.2f} | "
             f"{m.get(sizing + '_ratio', nan):.2f} | "
@@ -429,7 +443,7 @@ def write_capacity_report(rows: list, out: str, sizing: str = "colocated") -> No
         )
         if his:
             line += (
-                f" {r.get('hisparse_peak', '-')} | {r.get('hisparse_pools_gib', '-')} | "
+                f" {_peak(r, 'hisparse')} | {r.get('hisparse_pools_gib', '-')} | "
                 f"{r.get('vs_hisparse_equal_bytes', nan):.2f} |"
             )
         lines.append(line)

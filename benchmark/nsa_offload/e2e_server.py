@@ -27,7 +27,11 @@ second GPU); ``hisparse`` in ``--servers`` adds upstream HiSparse's capacity.
 decode``) fed by sglang's fake transfer backend (no prefill server: requests
 are admitted with their KV unwritten), so capacity is measured without
 prefill staging; the offload gets the region count of the decode-only sizing
-model. No exactness requests there (the KV is not real).
+model. No exactness requests there (the KV is not real). Requests arrive
+without prefill and finish fast: give them enough new tokens to still be
+decoding when the last one is admitted (``--capacity-new-tokens 4096`` at
+128K); a phase whose peak stays below the prediction is reported as not
+saturated.
 
     python benchmark/nsa_offload/e2e_server.py --out DIR [--capacity-lengths 16384,131072]
 """
@@ -109,6 +113,17 @@ def capacity_phase(server, name, args, length):
     print(
         f"[{name}] capacity {length}: peak running {peak} ({elapsed:.0f} s)", flush=True
     )
+    # The peak only measures capacity if requests were still decoding when the
+    # last ones were admitted (a PD decode server admits them without any
+    # prefill, so short outputs finish before the rest arrive).
+    saturated = peak >= predicted - 1
+    if not saturated:
+        print(
+            f"[{name}] capacity {length}: NOT SATURATED (peak {peak} < predicted "
+            f"{predicted}): requests finished before the rest were admitted; "
+            "raise --capacity-new-tokens",
+            flush=True,
+        )
     return {
         "length": length,
         "new_tokens": args.capacity_new_tokens,
@@ -120,6 +135,7 @@ def capacity_phase(server, name, args, length):
             len(o["output_ids"]) == args.capacity_new_tokens for o in outs
         ),
         "peak_running": peak,
+        "saturated": saturated,
         "elapsed_s": elapsed,
     }
 

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -53,6 +54,7 @@ HISPARSE_ARGS = [
 
 # A PD decode server with no prefill server: the fake transfer backend admits
 # requests at once with their KV unwritten (capacity and speed only).
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils
 PD_DECODE_FAKE_ARGS = [
     "--disaggregation-mode",
     "decode",
@@ -102,6 +104,12 @@ class Server:
         self.env = {**os.environ, **BASE_ENV, **(env or {})}
         self.timeout = timeout
         self.proc = None
+        args = list(extra_args)
+        self.fake_transfer = any(
+            args[i : i + 2] == PD_DECODE_FAKE_ARGS[2:] for i in range(len(args))
+        )
+        self._room_lock = threading.Lock()
+        self._next_room = 0
 
     def __enter__(self):
         print(f"[{self.name}] {' '.join(self.cmd)}", flush=True)
@@ -151,16 +159,26 @@ class Server:
             return json.loads(r.read())
 
     def generate(self, input_ids: List[int], max_new_tokens: int) -> dict:
-        body = json.dumps(
-            {
-                "input_ids": input_ids,
-                "sampling_params": {
-                    "max_new_tokens": max_new_tokens,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                },
-            }
-        ).encode()
+        payload = {
+            "input_ids": input_ids,
+            "sampling_params": {
+                "max_new_tokens": max_new_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            },
+        }
+        if self.fake_transfer:
+            # sglang's fake KV transfer: this bootstrap host marks the request
+            # (without one the decode scheduler fails to build its address).
+            with self._room_lock:
+                self._next_room += 1
+                room = self._next_room
+            payload.update(
+                bootstrap_host=FAKE_BOOTSTRAP_HOST,
+                bootstrap_port=8998,
+                bootstrap_room=room,
+            )
+        body = json.dumps(payload).encode()
         req = urllib.request.Request(
             self.url + "/generate",
             data=body,

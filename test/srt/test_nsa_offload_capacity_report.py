@@ -95,6 +95,18 @@ class TestHiSparseColumns(unittest.TestCase):
         self.assertEqual(header.count("|"), line.count("|"))
         self.assertIn("| 1.65 |", line)
 
+    def test_unsaturated_phase_is_marked(self):
+        base, ours = _server(15, 4.6), _server(6, 4.0)
+        ours["capacity"]["131072"]["saturated"] = False
+        (row,) = capacity.capacity_rows(base, {"131072": ours}, 4160)
+        self.assertFalse(row["offload_saturated"])
+        with tempfile.TemporaryDirectory() as out:
+            capacity.write_capacity_report([row], out)
+            with open(os.path.join(out, "capacity.md")) as f:
+                line = f.read().splitlines()[2]
+        self.assertIn("| 6 (not saturated) |", line)
+        self.assertIn("| 15 |", line)
+
 
 class TestCapacityReport(unittest.TestCase):
     def test_cut_run_is_read_from_its_driver_log(self):

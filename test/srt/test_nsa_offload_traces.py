@@ -149,6 +149,10 @@ class TestTraceFormat(unittest.TestCase):
             t = _random_trace(2)
             self.assertEqual(save_trace(path, t, encoding="dense"), "dense")
             np.testing.assert_array_equal(load_trace(path).topk, t.topk)
+            # Uncompressed (the in-server recorder's choice) reads back the same.
+            t = _random_trace(4, sorted_rows=False)
+            self.assertEqual(save_trace(path, t, compress=False), "dense")
+            np.testing.assert_array_equal(load_trace(path).topk, t.topk)
 
     def test_version_and_validation(self):
         t = _random_trace(3)
