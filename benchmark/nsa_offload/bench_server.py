@@ -486,7 +486,9 @@ def parse_startup(log_path: str) -> dict:
     return out
 
 
-def capacity(kind: str, pool: dict, ctx: int, new_tokens: int) -> Optional[int]:
+def capacity(
+    kind: str, pool: dict, ctx: int, new_tokens: int, pd_decode: bool = False
+) -> Optional[int]:
     """Requests of ``ctx`` prompt + ``new_tokens`` tokens the pools hold at once.
 
     * no offload: ``min(max_running_requests, tokens // need)``;
@@ -496,7 +498,8 @@ def capacity(kind: str, pool: dict, ctx: int, new_tokens: int) -> Optional[int]:
     * HiSparse (upstream pool logic): logical tokens are
       ``host_to_device_ratio x`` the device pool, each decoding request keeps
       ``device_buffer_size`` + one page of device rows, and a prefill stages
-      the whole prompt in device rows.
+      the whole prompt in device rows (not on a PD decode server: its KV
+      transfer writes straight into host memory).
     """
     tokens = pool.get("max_total_num_tokens")
     slots = pool.get("max_running_requests")
@@ -506,7 +509,10 @@ def capacity(kind: str, pool: dict, ctx: int, new_tokens: int) -> Optional[int]:
     if kind == "hisparse":
         logical = HISPARSE_CONFIG["host_to_device_ratio"] * tokens
         per_req = HISPARSE_CONFIG["device_buffer_size"] + PAGE_SIZE
-        device = 0 if tokens < need else 1 + (tokens - need) // per_req
+        if pd_decode:
+            device = tokens // per_req
+        else:
+            device = 0 if tokens < need else 1 + (tokens - need) // per_req
         return int(min(slots, logical // need, device))
     return int(min(slots, tokens // need))
 

@@ -491,6 +491,111 @@ def write_capacity_report(rows: list, out: str, sizing: str = "colocated") -> No
     fig.savefig(os.path.join(out, "capacity.png"), dpi=110)
 
 
+def _pool_servers(run_dir: str) -> dict:
+    """{kind: {length or None: pool sizes and GiB}} of one run's server logs."""
+    import bench_server
+
+    servers = {}
+    run_dir = _unzipped(run_dir)
+    for f in sorted(os.listdir(run_dir)):
+        m = re.fullmatch(r"server_(baseline|hisparse|offload_(\d+)k)\.log", f)
+        if not m:
+            continue
+        path = os.path.join(run_dir, f)
+        kind = "ours" if m.group(2) else m.group(1)
+        length = int(m.group(2)) * 1024 if m.group(2) else None
+        servers.setdefault(kind, {})[length] = {
+            "pool": bench_server.parse_startup(path),
+            "pools_gib": memory_from_log(path, 0.0).get("pools_gib"),
+        }
+    return servers
+
+
+def pool_report(args) -> list:
+    """Capacity of every server of each run (the lengths of its offload
+    servers) from the pool sizes it logged at startup (``bench_server.capacity``:
+    what its allocator admits at most), compared at equal GPU bytes. In the
+    colocated runs the measured peaks equal these counts whenever a phase
+    filled the server. No offload and HiSparse are counted by their pools
+    alone (their request slots are only a flag; marked where the run had
+    fewer); ours also by its decode regions, which are GPU memory."""
+    import bench_server
+
+    region_rows = args.buffer_size + args.recent_window
+    rows = []
+    for run in args.runs:
+        servers = _pool_servers(run)
+        for length in sorted(servers.get("ours", {})):
+            tokens = length + args.new_tokens
+            row = {"run": os.path.basename(os.path.normpath(run)), "length": length}
+            for kind in ("baseline", "ours", "hisparse"):
+                per_length = servers.get(kind, {})
+                entry = per_length.get(length) or per_length.get(None)
+                if entry is None:
+                    continue
+                pool = dict(entry["pool"])
+                slots = pool.get("max_running_requests")
+                if kind != "ours":
+                    # Request slots are a flag there, not memory: count the pools.
+                    pool["max_running_requests"] = 1 << 30
+                n = bench_server.capacity(
+                    kind, pool, length, args.new_tokens, pd_decode=args.pd_decode
+                )
+                row[kind] = n
+                if kind != "ours" and n is not None and slots is not None and n > slots:
+                    row[f"{kind}_slots"] = slots
+                row[f"{kind}_pools_gib"] = entry["pools_gib"]
+            row["bound"] = (
+                tokens
+                * (ROW_BYTES_FP8 + INDEXER_BYTES)
+                / (tokens * INDEXER_BYTES + region_rows * ROW_BYTES_FP8)
+            )
+
+            def per_gib(kind):
+                n, gib = row.get(kind), row.get(f"{kind}_pools_gib")
+                return n / gib if n is not None and gib else None
+
+            for other in ("baseline", "hisparse"):
+                if per_gib("ours") is not None and per_gib(other):
+                    row[f"ours_vs_{other}_equal_bytes"] = per_gib("ours") / per_gib(
+                        other
+                    )
+            if "ours_vs_baseline_equal_bytes" in row:
+                row["vs_bound"] = row["ours_vs_baseline_equal_bytes"] / row["bound"]
+            rows.append(row)
+    rows.sort(key=lambda r: r["length"])
+
+    def cell(row, key, fmt="{}"):
+        v = row.get(key)
+        if v is None:
+            return "-"
+        slots = row.get(f"{key}_slots")
+        return fmt.format(v) + (f" (ran with {slots} slots)" if slots else "")
+
+    lines = [
+        "| length (+new) | no offload | GiB | ours | GiB | HiSparse | GiB | "
+        "ours / no offload (equal bytes) | bound | of bound | "
+        "ours / HiSparse (equal bytes) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['length']} | {cell(r, 'baseline')} | {cell(r, 'baseline_pools_gib')} "
+            f"| {cell(r, 'ours')} | {cell(r, 'ours_pools_gib')} | {cell(r, 'hisparse')} "
+            f"| {cell(r, 'hisparse_pools_gib')} "
+            f"| {cell(r, 'ours_vs_baseline_equal_bytes', '{:.2f}')} "
+            f"| {r['bound']:.2f} | {cell(r, 'vs_bound', '{:.2f}')} "
+            f"| {cell(r, 'ours_vs_hisparse_equal_bytes', '{:.2f}')} |"
+        )
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "pool_capacity.json"), "w") as f:
+        json.dump({"config": vars(args), "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "pool_capacity.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="mode", required=True)
@@ -516,9 +621,21 @@ def main():
     r.add_argument("--buffer-size", type=int, default=None)
     r.add_argument("--recent-window", type=int, default=64)
     r.add_argument("--budget-margin-gib", type=float, default=0.02)
+    q = sub.add_parser(
+        "pool-report",
+        help="capacity per server from the pool sizes its log shows (e2e_server.py runs)",
+    )
+    q.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    q.add_argument("--out", required=True)
+    q.add_argument("--new-tokens", type=int, required=True)
+    q.add_argument("--pd-decode", action="store_true", help="PD decode servers")
+    q.add_argument("--buffer-size", type=int, default=4096)
+    q.add_argument("--recent-window", type=int, default=64)
     args = p.parse_args()
     if args.mode == "report":
         report_from_runs(args)
+    elif args.mode == "pool-report":
+        pool_report(args)
     else:
         write_model(args)
 
