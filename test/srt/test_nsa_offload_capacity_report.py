@@ -161,5 +161,54 @@ class TestCapacityReport(unittest.TestCase):
             self.assertLess(r["ratio_equal_bytes"], r["bound"])
 
 
+class TestPoolReport(unittest.TestCase):
+    """Capacity from the pool sizes the servers logged (``pool-report``)."""
+
+    def _rows(self, pd_decode, *runs):
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["capacity.py", "pool-report", "--out", out, "--new-tokens", "128"]
+            argv += ["--pd-decode"] * pd_decode + [str(r) for r in runs]
+            with mock.patch.object(sys, "argv", argv):
+                capacity.main()
+            with open(os.path.join(out, "pool_capacity.json")) as f:
+                return json.load(f)["rows"]
+
+    def test_equals_the_measured_colocated_peaks(self):
+        runs = ("run_a", "run_b", "run_c")
+        rows = self._rows(False, *(RESULTS / run for run in runs))
+        measured = {}
+        for run in runs:
+            path = RESULTS / run / "driver.log"
+            for m in capacity.DRIVER_PEAK_RE.finditer(path.read_text()):
+                measured[(run, m.group(1), int(m.group(2)))] = int(m.group(3))
+        self.assertEqual(len(rows), 7)  # run_a cut during its 64K phase
+        compared = 0
+        for r in rows:
+            run, L = r["run"], r["length"]
+            for kind, name in (
+                ("baseline", "baseline"),
+                ("ours", f"offload_{L >> 10}k"),
+            ):
+                if (run, name, L) in measured:  # phases the runs completed
+                    self.assertEqual(r[kind], measured[(run, name, L)])
+                    compared += 1
+        self.assertEqual(compared, 11)
+
+    def test_pd_decode_servers(self):
+        pd = RESULTS.parent / "h200_pd_decode"
+        rows = self._rows(True, pd / "run_16k_64k", pd / "run_128k")
+        by_len = {r["length"]: r for r in rows}
+        r = by_len[131072]
+        self.assertEqual((r["baseline"], r["ours"], r["hisparse"]), (15, 68, 60))
+        self.assertAlmostEqual(
+            r["ours_vs_baseline_equal_bytes"], (68 / 4.1) / (15 / 4.61), places=6
+        )
+        self.assertGreaterEqual(r["ours_vs_baseline_equal_bytes"], 5.0)
+        self.assertLess(r["ours_vs_baseline_equal_bytes"], r["bound"])
+        # HiSparse ran with 300 request slots; its pools hold more at 16K.
+        self.assertEqual(by_len[16384]["hisparse"], 477)
+        self.assertEqual(by_len[16384]["hisparse_slots"], 300)
+
+
 if __name__ == "__main__":
     unittest.main()
