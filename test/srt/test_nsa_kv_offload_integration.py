@@ -1350,5 +1350,53 @@ class TestPDDecodeLifecycle(unittest.TestCase):
         h.check_no_leaks()
 
 
+class TestPDDecodeTransferTarget(unittest.TestCase):
+    def test_kv_manager_registers_the_host_pool(self):
+        # Patch 0005: DecodePreallocQueue._init_kv_manager gives the KV transfer
+        # the host pool's per-layer buffers (page p of a layer at p * page
+        # bytes, like the device pool's) and the GPU indexer keys as NSA state.
+        from sglang.srt.disaggregation import decode as decode_module
+        from sglang.srt.disaggregation.utils import TransferBackend
+
+        h = _Harness(self, kv_fp8=True, kv_arrives_in_host=True)
+        queue = decode_module.DecodePreallocQueue.__new__(
+            decode_module.DecodePreallocQueue
+        )
+        queue.transfer_backend = TransferBackend.FAKE
+        queue.tp_rank = queue.pp_rank = 0
+        queue.scheduler = SimpleNamespace(
+            enable_hisparse=False,
+            nsa_kv_offload=h.co,
+            dp_rank=0,
+            gpu_id=0,
+            model_config=SimpleNamespace(num_hidden_layers=h.L),
+            server_args=SimpleNamespace(disaggregation_ib_device=None),
+        )
+        queue.token_to_kv_pool = h.pool
+        queue.draft_token_to_kv_pool = None
+        queue.metadata_buffers = SimpleNamespace(get_buf_infos=lambda: ([], [], []))
+        queue.is_mla_backend = True
+        queue.enable_staging = False
+        with mock.patch.object(decode_module, "get_attention_tp_size", return_value=1):
+            kv_args = queue._init_kv_manager().kv_args
+        host = h.controller.host_pool
+        self.assertEqual(
+            kv_args.kv_data_ptrs, [buf.data_ptr() for buf in host.kv_buffer]
+        )
+        self.assertEqual(kv_args.kv_item_lens, [PAGE * h.row_bytes] * h.L)
+        self.assertEqual(kv_args.page_size, PAGE)
+        self.assertEqual(  # one state component: the indexer keys
+            kv_args.state_data_ptrs,
+            [[buf.data_ptr() for buf in h.pool.index_k_with_scale_buffer]],
+        )
+        # Without the offload the device pool stays the target.
+        queue.scheduler.nsa_kv_offload = None
+        with mock.patch.object(decode_module, "get_attention_tp_size", return_value=1):
+            kv_args = queue._init_kv_manager().kv_args
+        self.assertEqual(
+            kv_args.kv_data_ptrs, [buf.data_ptr() for buf in h.pool.kv_buffer]
+        )
+
+
 if __name__ == "__main__":
     unittest.main()
