@@ -27,6 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
+
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolSizes,
