@@ -113,7 +113,8 @@ DECODE_RE = re.compile(
     r"([0-9.]+), #queue-req: (\d+)"
 )
 OFFLOAD_RE = re.compile(
-    r"nsa-offload hit rate: ([0-9.]+), misses: (\d+), H2D: ([0-9.]+) GB/s"
+    r"nsa-offload hit rate: ([0-9.]+), misses: (\d+), (?:prefetched: \d+, )?"
+    r"H2D: ([0-9.]+) GB/s"
 )
 STARTUP_RES = {
     "pre_load_avail_gib": re.compile(r"Load weight begin\. avail mem=([0-9.]+) GB"),

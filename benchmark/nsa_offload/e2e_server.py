@@ -60,7 +60,7 @@ from server_utils import (
 
 OFFLOAD_LOG_RE = re.compile(
     r"#running-req: (\d+).*nsa-offload hit rate: ([0-9.]+), misses: (\d+), "
-    r"H2D: ([0-9.]+) GB/s, regions: (\d+)/(\d+)"
+    r"(?:prefetched: \d+, )?H2D: ([0-9.]+) GB/s, regions: (\d+)/(\d+)"
 )
 
 

@@ -465,6 +465,29 @@ class TestLRUCacheStateBasics(unittest.TestCase):
             self.assertEqual(s.counters[1].tolist(), [4, 0, 0])
             check_invariants(self, s)
 
+    def test_counters_elsewhere(self):
+        # A cross-layer prefetch counts its hits and loads apart.
+        for use_triton in self._impls():
+            s = LRUCacheState(2, 3, 100, 8, 2, 4, device=DEVICE, use_triton=use_triton)
+            s.admit_request(2, 50)
+            r2t = torch.zeros((3, 16), dtype=torch.int32, device=DEVICE)
+            r2t[2, :4] = torch.tensor([40, 41, 42, 43])
+            args = (
+                torch.tensor([[0, 1, 2, -1]], device=DEVICE),
+                torch.tensor([2], device=DEVICE),
+                torch.tensor([10], device=DEVICE),
+                r2t,
+            )
+            elsewhere = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+            plan = s.swap_layer(1, *args, counters=elsewhere)
+            self.assertEqual(plan.miss_count.tolist(), [3])
+            self.assertEqual(elsewhere.tolist(), [0, 0, 3])
+            self.assertEqual(s.counters.tolist(), [[0, 0, 0], [0, 0, 0]])
+            s.swap_layer(1, *args)  # now resident: hits, in the layer's counters
+            self.assertEqual(s.counters[1].tolist(), [3, 0, 0])
+            self.assertEqual(elsewhere.tolist(), [0, 0, 3])
+            check_invariants(self, s)
+
     def test_padding_rows_are_noops(self):
         # Stale padding rows point at a live request with positions it holds.
         for use_triton in self._impls():

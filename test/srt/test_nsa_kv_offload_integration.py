@@ -772,6 +772,7 @@ class _Harness:
         max_ctx=768,
         seed=0,
         kv_arrives_in_host=False,
+        cross_layer_prefetch=False,
     ):
         self.t = test
         if kv_arrives_in_host:
@@ -814,6 +815,7 @@ class _Harness:
             recent_window=window,
             max_batch_size=max_reqs + 1,
             kv_arrives_in_host=kv_arrives_in_host,
+            cross_layer_prefetch=cross_layer_prefetch,
         )
         self.controller = self.co.controller
         self.row_bytes = self.pool.kv_buffer[0][0].nbytes
@@ -1041,7 +1043,10 @@ class _Harness:
         out[: cand.numel()] = cand
         return out[torch.randperm(K, generator=self.gen)]
 
-    def decode_step(self, reqs, pad_rows=0, first_step_of=()):
+    def decode_step(self, reqs, pad_rows=0, first_step_of=(), shared_topk=False):
+        """One decode step; ``shared_topk``: every layer picks the same top-k
+        (with the cross-layer prefetch, layers after the first then miss
+        nothing)."""
         bs = len(reqs)
         idx = torch.tensor([r.req_pool_idx for r in reqs], device=DEVICE)
         seq_cpu = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
@@ -1095,19 +1100,23 @@ class _Harness:
         )
         self.co.before_forward(fb)
         self.t.assertEqual(int(self.co.num_real_reqs[0]), bs)
+        topk = None
         for layer in range(self.L):
             # The layer writes its new KV (window row), then attends.
             self.write_kv_layer(layer, out)
-            topk = torch.stack(
-                [self.pick_topk(r.seq_len, r in first_step_of) for r in reqs]
-                + [self.pick_topk(8) for _ in range(pad_rows)]
-            ).to(DEVICE, torch.int32)
+            if topk is None or not shared_topk:
+                topk = torch.stack(
+                    [self.pick_topk(r.seq_len, r in first_step_of) for r in reqs]
+                    + [self.pick_topk(8) for _ in range(pad_rows)]
+                ).to(DEVICE, torch.int32)
             page_table = nsa_offload_hooks.decode_page_table(fb, layer, topk)
             self.check_page_table(layer, reqs, topk, page_table, pad_rows)
             plan = self.controller.last_plan
             for b, r in enumerate(reqs):
                 if r in first_step_of:
                     self.t.assertEqual(int(plan.miss_count[b]), 0)
+            if shared_topk and self.co.cross_layer_prefetch and layer > 0:
+                self.t.assertEqual(int(plan.miss_count[:bs].sum()), 0)
         self.co.after_decode_forward(fb)
         self.check_host(out)
         return out
@@ -1279,6 +1288,50 @@ class TestOffloadLifecycle(unittest.TestCase):
         h.prefill([(a, 130)], chunked_req=a)
         self.assertLess(h.allocator.staging.available_pages(), 10)
         h.finish(a)
+        h.check_no_leaks()
+
+
+class TestCrossLayerPrefetch(unittest.TestCase):
+    """``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH``: layer l's top-k is loaded
+    into layer l+1's LRU slots right after layer l's swap."""
+
+    def test_shared_topk_leaves_only_the_first_layer_missing(self):
+        h = _Harness(self, layers=3, seed=4, cross_layer_prefetch=True)
+        a, b = h.new_req(), h.new_req()
+        h.prefill([(a, 300), (b, 220)])
+        h.decode_step([a, b], first_step_of=(a, b))
+        h.controller.reset_stats()
+        for step in range(6):
+            h.decode_step([a, b], pad_rows=step % 2, shared_topk=True)
+        stats = h.controller.get_stats()
+        per_layer = h.controller.lru.counters[:, 2].tolist()
+        self.assertGreater(per_layer[0], 0)
+        self.assertEqual(per_layer[1:], [0, 0])  # demand misses after layer 0
+        # Every layer-0 miss was loaded into layers 1 and 2 ahead of time.
+        self.assertEqual(stats["prefetched"], 2 * per_layer[0])
+        self.assertEqual(stats["h2d_rows"], stats["misses"] + stats["prefetched"])
+        self.assertIn("prefetched: ", h.co.get_decode_log_msg())
+        h.finish(a)
+        h.finish(b)
+        h.check_no_leaks()
+
+    def test_independent_topk_stays_exact(self):
+        # Per-layer top-k: prefetched rows may be useless, never wrong (every
+        # page table is checked against the full-KV reference).
+        h = _Harness(self, layers=3, seed=5, cross_layer_prefetch=True)
+        a, b = h.new_req(), h.new_req()
+        h.prefill([(a, 250), (b, 310)])
+        h.decode_step([a, b], first_step_of=(a, b))
+        for step in range(10):
+            h.decode_step([a, b], pad_rows=int(step % 3 == 0))
+        self.assertGreater(h.controller.get_stats()["prefetched"], 0)
+        h.finish(a)
+        c = h.new_req()
+        h.prefill([(c, 200)])
+        h.decode_step([b, c], first_step_of=(c,))
+        h.decode_step([b, c], shared_topk=True)
+        h.finish(b)
+        h.finish(c)
         h.check_no_leaks()
 
 

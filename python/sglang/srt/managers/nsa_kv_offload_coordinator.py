@@ -14,6 +14,11 @@ and connects it to sglang's scheduling:
 * every forward: make the forward stream wait for the side-stream copies;
   after a decode forward, write that step's new tokens back to host memory
   (all layers, one launch, side stream);
+* optional cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``,
+  experimental): right after layer l's swap, layer l's top-k is loaded into
+  layer l+1's LRU slots on a second stream, overlapping layer l's attention
+  and MLP; layer l+1's swap waits for it and then misses only what the two
+  layers do not share;
 * finish / abort / retract: release the region and LRU state after the GPU work
   that may still touch them.
 
@@ -43,6 +48,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
+
 
 class NSAKVOffloadCoordinator:
     def __init__(
@@ -56,6 +63,7 @@ class NSAKVOffloadCoordinator:
         recent_window: int,
         max_batch_size: int,
         kv_arrives_in_host: bool = False,
+        cross_layer_prefetch: bool = False,
     ):
         self.kv_pool = kv_pool
         self.kv_arrives_in_host = kv_arrives_in_host
@@ -104,21 +112,24 @@ class NSAKVOffloadCoordinator:
         # Rows of the batch that are real (CUDA-graph padding rows are inert).
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
         # Static swap outputs, sliced per batch size (CUDA-graph safe).
-        k = top_k
-        self._plan_buffers = LayerSwapPlan(
-            page_table=torch.full(
-                (max_batch_size, k), -1, dtype=torch.int32, device=self.device
-            ),
-            miss_src_loc=torch.zeros(
-                (max_batch_size, k), dtype=torch.int64, device=self.device
-            ),
-            miss_dst_row=torch.zeros(
-                (max_batch_size, k), dtype=torch.int32, device=self.device
-            ),
-            miss_count=torch.zeros(
-                max_batch_size, dtype=torch.int32, device=self.device
-            ),
-        )
+        self._plan_buffers = self._new_plan_buffers(max_batch_size, top_k)
+        self.cross_layer_prefetch = cross_layer_prefetch
+        if cross_layer_prefetch:
+            # Its own plan buffers and a copy of the top-k it loads: the
+            # forward stream moves on while the prefetch stream reads them.
+            self._prefetch_plan = self._new_plan_buffers(max_batch_size, top_k)
+            self._prefetch_topk = torch.full(
+                (max_batch_size, top_k), -1, dtype=torch.int32, device=self.device
+            )
+            first = kv_pool.start_layer
+            self._layer_range = (first, first + kv_pool.layer_num - 1)
+            on_gpu = torch.device(self.device).type == "cuda"
+            self._prefetch_stream = torch.cuda.Stream(self.device) if on_gpu else None
+            self._prefetch_done = (
+                [torch.cuda.Event() for _ in range(kv_pool.layer_num)]
+                if on_gpu
+                else None
+            )
         self.producer_stream = None
         self._last_log_tic = time.perf_counter()
 
@@ -134,6 +145,17 @@ class NSAKVOffloadCoordinator:
             recent_window,
             sizes.staging_rows,
             kv_pool.kv_buffer[0].shape[0],
+        )
+
+    def _new_plan_buffers(self, rows: int, k: int) -> LayerSwapPlan:
+        def buf(shape, dtype, fill=0):
+            return torch.full(shape, fill, dtype=dtype, device=self.device)
+
+        return LayerSwapPlan(
+            page_table=buf((rows, k), torch.int32, -1),
+            miss_src_loc=buf((rows, k), torch.int64),
+            miss_dst_row=buf((rows, k), torch.int32),
+            miss_count=buf((rows,), torch.int32),
         )
 
     # ------------------------------------------------------------ scheduling
@@ -229,15 +251,45 @@ class NSAKVOffloadCoordinator:
         loading the misses of this layer."""
         bs = topk_positions.shape[0]
         out = LayerSwapPlan(*(t[:bs] for t in self._plan_buffers))
-        return self.controller.swap_one_layer(
-            layer_id,
-            topk_positions,
+        args = (
             forward_batch.req_pool_indices,
             forward_batch.seq_lens,
             self.req_to_token,
             self.num_real_reqs,
-            out=out,
         )
+        if not self.cross_layer_prefetch:
+            return self.controller.swap_one_layer(
+                layer_id, topk_positions, *args, out=out
+            )
+        first, last = self._layer_range
+        if layer_id > first and self._prefetch_stream is not None:
+            # The previous layer's prefetch into this layer is done.
+            torch.cuda.current_stream().wait_event(
+                self._prefetch_done[layer_id - first]
+            )
+        page_table = self.controller.swap_one_layer(
+            layer_id, topk_positions, *args, out=out
+        )
+        if layer_id < last:
+            self._prefetch_next_layer(layer_id + 1, topk_positions, args)
+        return page_table
+
+    def _prefetch_next_layer(self, layer_id: int, topk_positions, args) -> None:
+        bs = topk_positions.shape[0]
+        topk = self._prefetch_topk[:bs]
+        topk.copy_(topk_positions)
+        out = LayerSwapPlan(*(t[:bs] for t in self._prefetch_plan))
+        if self._prefetch_stream is None:  # CPU: inline
+            self.controller.prefetch_one_layer(layer_id, topk, *args, out=out)
+            return
+        # Fork after this layer's swap (its LRU scratch and the top-k copy are
+        # ready); joined by the next layer's swap, inside the same forward, so
+        # CUDA-graph capture sees every fork joined.
+        stream = self._prefetch_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.controller.prefetch_one_layer(layer_id, topk, *args, out=out)
+            self._prefetch_done[layer_id - self._layer_range[0]].record(stream)
 
     # ---------------------------------------------------------------- stats
 
@@ -249,10 +301,13 @@ class NSAKVOffloadCoordinator:
         self._last_log_tic = now
         self.controller.reset_stats()
         lookups = stats["lru_hits"] + stats["window_hits"] + stats["misses"]
+        prefetched = (
+            f"prefetched: {stats['prefetched']}, " if self.cross_layer_prefetch else ""
+        )
         return (
             f", nsa-offload hit rate: "
             f"{(lookups - stats['misses']) / max(lookups, 1):.3f}, "
-            f"misses: {stats['misses']}, "
+            f"misses: {stats['misses']}, {prefetched}"
             f"H2D: {stats['h2d_bytes'] / gap / 1e9:.2f} GB/s, "
             f"regions: {stats['regions_used']}/{stats['regions_total']}"
         )
@@ -291,6 +346,7 @@ def create_nsa_kv_offload_allocator(model_runner, need_sort: bool):
 
 def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     from sglang.srt.configs.model_config import get_nsa_index_topk
+    from sglang.srt.utils import get_bool_env_var
 
     sa = model_runner.server_args
     max_batch_size = max(model_runner.max_running_requests, sa.cuda_graph_max_bs or 0)
@@ -310,4 +366,5 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         recent_window=sa.nsa_kv_offload_recent_window,
         max_batch_size=max_batch_size,
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
+        cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
     )

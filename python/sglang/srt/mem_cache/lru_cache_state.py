@@ -270,13 +270,16 @@ class LRUCacheState:
         req_to_token: torch.Tensor,
         num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
         out: Optional[LayerSwapPlan] = None,
+        counters: Optional[torch.Tensor] = None,
     ) -> LayerSwapPlan:
         """Swap one layer for a batch: page table in top-k order + copy plan.
 
         ``num_real_reqs`` is a 1-element int32 device tensor (rows at or past it
         are CUDA-graph padding); ``None`` means every row is real. ``out`` holds
         preallocated buffers with at least ``bs`` rows (CUDA-graph capture);
-        the returned plan views their first ``bs`` rows.
+        the returned plan views their first ``bs`` rows. ``counters`` (3,)
+        int64 receives the hit / window / miss counts instead of the layer's
+        own (a prefetch counts apart from the demand swaps).
         """
         if not self.use_triton:
             work = self.prepare_layer_swap(
@@ -285,7 +288,9 @@ class LRUCacheState:
             page_table = self.build_gpu_page_table(
                 work, out=None if out is None else out.page_table
             )
-            return self.post_process_layer_swap(work, page_table, out=out)
+            return self.post_process_layer_swap(
+                work, page_table, out=out, counters=counters
+            )
 
         bs, k = topk_pos.shape
         assert k == self.top_k, f"top-k width {k} != {self.top_k}"
@@ -305,7 +310,9 @@ class LRUCacheState:
             req_to_token = req_to_token.contiguous()
         if bs == 0:
             return plan
-        loc_to_slot, slot_loc, lru, counters = self._layer_views[layer]
+        loc_to_slot, slot_loc, lru, layer_counters = self._layer_views[layer]
+        if counters is None:
+            counters = layer_counters
         _swap_layer_kernel[(bs,)](
             topk_pos,
             topk_pos.stride(0),
@@ -424,6 +431,7 @@ class LRUCacheState:
         work: LayerSwapWork,
         page_table: torch.Tensor,
         out: Optional[LayerSwapPlan] = None,
+        counters: Optional[torch.Tensor] = None,
     ) -> LayerSwapPlan:
         """Compact the misses into the copy list and apply the recency rule."""
         bs, k = work.miss.shape
@@ -437,7 +445,9 @@ class LRUCacheState:
         stats = torch.stack([work.hit.sum(), work.in_window.sum(), work.miss.sum()]).to(
             torch.int64
         )
-        self.counters[work.layer] += stats
+        if counters is None:
+            counters = self.counters[work.layer]
+        counters += stats
         plan = LayerSwapPlan(page_table, src[:, :k], dst[:, :k].to(torch.int32), count)
         if out is None:
             return plan

@@ -207,6 +207,10 @@ class SparseCacheController:
 
         # Rows/bytes moved (see sparse_kv_copy.COUNTER_*), on the device.
         self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=self.device)
+        # (LRU hits, window hits, loads) of cross-layer prefetches, per layer.
+        self.prefetch_counters = torch.zeros(
+            (self.layer_num, 3), dtype=torch.int64, device=self.device
+        )
 
         if self.device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device=self.device)
@@ -360,19 +364,67 @@ class SparseCacheController:
         ``(bs, K)`` int32 GPU rows in top-k order (-1 = skip), ready for FlashMLA.
         ``out`` passes preallocated plan buffers (CUDA-graph capture).
         """
+        plan = self._swap_and_load(
+            layer_id,
+            topk_pos,
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            num_real_reqs,
+            out,
+            counters=None,
+        )
+        self.last_plan = plan
+        return plan.page_table
+
+    def prefetch_one_layer(
+        self,
+        layer_id: int,
+        topk_pos: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_to_token: torch.Tensor,
+        num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
+        out: Optional[LayerSwapPlan] = None,
+    ) -> None:
+        """Load ``topk_pos`` (another layer's top-k of this step) into this
+        layer's LRU slots ahead of its own swap, exactly as a swap would (same
+        residency and recency rules); its hits and loads count apart."""
         layer = self._local_layer(layer_id)
+        self._swap_and_load(
+            layer_id,
+            topk_pos,
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            num_real_reqs,
+            out,
+            counters=self.prefetch_counters[layer],
+        )
+
+    def _swap_and_load(
+        self,
+        layer_id,
+        topk_pos,
+        req_pool_indices,
+        seq_lens,
+        req_to_token,
+        num_real_reqs,
+        out,
+        counters,
+    ) -> LayerSwapPlan:
         plan = self.lru.swap_layer(
-            layer,
+            self._local_layer(layer_id),
             topk_pos,
             req_pool_indices,
             seq_lens,
             req_to_token,
             num_real_reqs,
             out=out,
+            counters=counters,
         )
         self.load_tokens_h2d_one_layer(layer_id, plan)
-        self.last_plan = plan
-        return plan.page_table
+        return plan
 
     # ------------------------------------------------------------------ backups
 
@@ -537,6 +589,7 @@ class SparseCacheController:
 
     def reset_stats(self) -> None:
         self.counters.zero_()
+        self.prefetch_counters.zero_()
         self.lru.reset_counters()
 
     def get_stats(self) -> Dict[str, float]:
@@ -546,10 +599,12 @@ class SparseCacheController:
             int(x) for x in self.counters.tolist()
         )
         lookups = hits + misses
+        prefetched = int(self.prefetch_counters[:, 2].sum())
         return {
             "lru_hits": hits,
             "window_hits": window,
             "misses": misses,
+            "prefetched": prefetched,  # rows loaded ahead (in h2d_* as well)
             "hit_rate": hits / lookups if lookups else 0.0,
             "h2d_rows": h2d_rows,
             "h2d_bytes": h2d_bytes,
