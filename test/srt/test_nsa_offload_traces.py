@@ -20,6 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
 sys.path.insert(0, str(BENCH_DIR))
 
+import prefetch_study  # noqa: E402
 import replay  # noqa: E402
 import trace_format  # noqa: E402
 import trace_gen  # noqa: E402
@@ -366,6 +367,31 @@ class TestEmbeddedTrace(unittest.TestCase):
         self.assertIn("P6", res["markdown"])
         if res["engine_check"]["status"] != "unavailable":
             self.assertEqual(res["engine_check"]["status"], "exact")
+
+
+class TestPrefetchStudy(unittest.TestCase):
+    def _shared_across_layers(self, layer_ids):
+        base = _random_trace(7, S=14, L=1, B=2, K=32, max_len=300)
+        L = len(layer_ids)
+        topk = np.repeat(base.topk, L, axis=1)
+        return NSATopkTrace(topk, base.seq_lens, layer_ids, base.request_ids)
+
+    def test_neighbouring_layers_share_everything(self):
+        # The same top-k in 3 consecutive layers: after the prefetch only the
+        # first layer misses on demand; the others' misses became prefetches.
+        r = prefetch_study.study(self._shared_across_layers([5, 6, 7]), 48, 8, 2)
+        p = r["per_row"]
+        self.assertGreater(p["ours"], 0)
+        self.assertAlmostEqual(p["demand"], p["ours"] / 3)
+        self.assertAlmostEqual(p["prefetch"], 2 * p["ours"] / 3)
+        self.assertEqual(r["consecutive_layer_pairs"], 2)
+
+    def test_no_neighbours_no_prefetch(self):
+        r = prefetch_study.study(self._shared_across_layers([0, 20, 40]), 48, 8, 2)
+        p = r["per_row"]
+        self.assertEqual(p["prefetch"], 0)
+        self.assertEqual(p["demand"], p["ours"])
+        self.assertEqual(r["consecutive_layer_pairs"], 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,197 @@
+"""Cross-layer prefetch on calibrated traces (CPU replay).
+
+With ``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1`` the engine swaps layer
+l's top-k into layer l+1's LRU slots right after layer l's swap, on a second
+stream, so that layer l+1's own swap misses only what the two layers do not
+share (adjacent DSA layers share 70-100% of their top-k, IndexCache). This
+replays that policy (``OursLRU.step`` on the previous layer's top-k, then on
+the layer's own: the engine's residency and recency rules) next to ours without
+prefetch and HiSparse, per (request, layer, decode step) in the steady state:
+
+* demand misses: loads the layer's attention waits for (the P6 metric);
+* prefetch loads: loads issued one layer ahead, off the critical path when
+  they finish within the previous layer's attention + MLP + this layer's
+  indexer;
+* total H2D rows: both, what PCIe carries.
+
+Only traces that hold consecutive model layers tell anything (the embedded
+default trace has layers 0, 20, 21, 40, 60: only 20 -> 21 are neighbours).
+
+    python benchmark/nsa_offload/trace_gen.py --out /tmp/dsv32_61l_68k.npz \\
+        --requests 1 --prompt-lens 68000 --steps 32 --seed 0
+    python benchmark/nsa_offload/prefetch_study.py --out-dir \\
+        benchmark/nsa_offload/results/prefetch_study 61l=/tmp/dsv32_61l_68k.npz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from replay import DEFAULT_WARMUP, HiSparseLRU, OursLRU, steady_mask  # noqa: E402
+from trace_format import NSATopkTrace, load_trace  # noqa: E402
+
+
+def consecutive_layers(trace: NSATopkTrace) -> np.ndarray:
+    """(L,) bool: layer index i >= 1 whose model layer follows layer i - 1's."""
+    ids = np.asarray(trace.layer_ids)
+    out = np.zeros(ids.size, dtype=bool)
+    out[1:] = ids[1:] == ids[:-1] + 1
+    return out
+
+
+def study(
+    trace: NSATopkTrace, budget: int, window: int, warmup: int = DEFAULT_WARMUP
+) -> Dict:
+    """Misses per (request, layer, step) of HiSparse, ours and ours + prefetch
+    at ``budget`` GPU rows per (request, layer)."""
+    S, L, B, _ = trace.topk.shape
+    lru_slots = budget - window
+    steady = steady_mask(trace, warmup)
+    max_pos = trace.seq_lens.max(axis=0)
+    prefetched_from_prev = consecutive_layers(trace)
+    states: Dict[tuple, tuple] = {}
+    totals = dict.fromkeys(("hisparse", "ours", "demand", "prefetch"), 0)
+    for s in range(S):
+        for b in np.nonzero(trace.seq_lens[s] > 0)[0]:
+            n = int(trace.seq_lens[s, b])
+            for li in range(L):
+                key = (li, int(b))
+                if key not in states:
+                    m = int(max_pos[b])
+                    states[key] = (
+                        HiSparseLRU(budget - 1, m),
+                        OursLRU(lru_slots, window, m),
+                        OursLRU(lru_slots, window, m),
+                    )
+                his, ours, pre = states[key]
+                pos = trace.topk[s, li, b]
+                counts = {
+                    "hisparse": his.step(pos, n).misses,
+                    "ours": ours.step(pos, n).misses,
+                    "prefetch": (
+                        pre.step(trace.topk[s, li - 1, b], n).misses
+                        if prefetched_from_prev[li]
+                        else 0
+                    ),
+                }
+                counts["demand"] = pre.step(pos, n).misses
+                if steady[s, b]:
+                    for k, v in counts.items():
+                        totals[k] += v
+    rows = max(int(steady.sum()) * L, 1)
+    per = {k: v / rows for k, v in totals.items()}
+    his = per["hisparse"] or 1.0
+    return {
+        "budget": budget,
+        "window": window,
+        "consecutive_layer_pairs": int(prefetched_from_prev.sum()),
+        "per_row": per,
+        "ours_vs_hisparse": per["ours"] / his,
+        "demand_vs_hisparse": per["demand"] / his,
+        "total_h2d_vs_hisparse": (per["demand"] + per["prefetch"]) / his,
+    }
+
+
+def render(results: Dict[str, List[Dict]]) -> str:
+    lines = [
+        "| trace | B | HiSparse | ours | ours + prefetch: demand | ratio | prefetch "
+        "loads | total H2D rows | ratio |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, rows in results.items():
+        for r in rows:
+            p = r["per_row"]
+            lines.append(
+                f"| {name} | {r['budget']} | {p['hisparse']:.1f} | {p['ours']:.1f} "
+                f"| {p['demand']:.1f} | {r['demand_vs_hisparse']:.3f} "
+                f"| {p['prefetch']:.1f} | {p['demand'] + p['prefetch']:.1f} "
+                f"| {r['total_h2d_vs_hisparse']:.3f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: Dict[str, List[Dict]], path: str) -> None:
+    """Per trace, at each trace's middle budget: misses per (request, layer,
+    step) of HiSparse, ours, ours + prefetch (demand) and its total H2D rows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = list(results)
+    picks = [rows[len(rows) // 2] for rows in results.values()]
+    series = [
+        ("HiSparse", lambda r: r["per_row"]["hisparse"]),
+        ("ours", lambda r: r["per_row"]["ours"]),
+        ("ours + prefetch: demand", lambda r: r["per_row"]["demand"]),
+        (
+            "ours + prefetch: total H2D",
+            lambda r: r["per_row"]["demand"] + r["per_row"]["prefetch"],
+        ),
+    ]
+    x = np.arange(len(names))
+    w = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, (label, get) in enumerate(series):
+        ax.bar(x + i * w, [get(r) for r in picks], w, label=label)
+    ax.set_xticks(x + w * (len(series) - 1) / 2)
+    ax.set_xticklabels(
+        [f"{n}\nB={r['budget']}" for n, r in zip(names, picks)], fontsize=8
+    )
+    ax.set_ylabel("rows per (request, layer, step)")
+    ax.set_title("cross-layer prefetch: demand misses vs rows moved")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("traces", nargs="+", metavar="NAME=PATH")
+    p.add_argument("--out-dir")
+    p.add_argument(
+        "--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[4160]
+    )
+    p.add_argument("--window", type=int, default=64)
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    results: Dict[str, List[Dict]] = {}
+    for spec in args.traces:
+        name, _, path = spec.partition("=")
+        trace = load_trace(path)
+        results[name] = [study(trace, b, args.window) for b in args.budgets]
+    md = render(results)
+    print(md, end="")
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
+        with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+            json.dump(
+                {
+                    "traces": dict(t.split("=", 1) for t in args.traces),
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
+        with open(os.path.join(args.out_dir, "summary.md"), "w") as f:
+            f.write(md)
+        plot(results, os.path.join(args.out_dir, "prefetch.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
