@@ -567,6 +567,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
     }
     if args.topk == "override":
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
+    if kind == "ours" and args.cross_layer_prefetch:
+        env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
     if args.record:
         env.update(
             SGLANG_NSA_TOPK_TRACE_RECORD=record_path(args, kind),
@@ -1361,6 +1363,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
     p.add_argument("--recent-window", type=int, default=64)
+    p.add_argument(
+        "--cross-layer-prefetch",
+        action="store_true",
+        help="ours with SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1 (experimental)",
+    )
     p.add_argument("--decode-log-interval", type=int, default=32)
     p.add_argument("--port", type=int, default=31200)
     p.add_argument("--start-timeout", type=float, default=420.0)

@@ -144,6 +144,8 @@ def run_server(name, extra_args, args, prompts, lengths):
     """One server: the exactness requests (if ``prompts``), the capacity
     phases, then idle (sglang's own leak check runs when it goes idle)."""
     env = {"SGLANG_NSA_FUSE_TOPK": "0"}
+    if args.cross_layer_prefetch and "--enable-decode-nsa-kv-offload" in extra_args:
+        env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
     result = {"name": name, "args": extra_args, "capacity": {}}
     with Server(name, extra_args, args.port, args.out, env=env) as server:
         if prompts:
@@ -178,6 +180,11 @@ def main():
     p.add_argument("--max-running-baseline", type=int, default=32)
     p.add_argument("--max-running-offload", type=int, default=32)
     p.add_argument("--max-running-hisparse", type=int, default=256)
+    p.add_argument(
+        "--cross-layer-prefetch",
+        action="store_true",
+        help="offload servers with SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1",
+    )
     p.add_argument(
         "--pd-decode",
         action="store_true",

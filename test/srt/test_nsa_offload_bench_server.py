@@ -11,18 +11,37 @@ sys.path.insert(0, str(BENCH_DIR))
 import bench_server  # noqa: E402
 
 
-def decode_line(running, throughput, queue=0, misses=None):
+def decode_line(running, throughput, queue=0, misses=None, prefetched=None):
     line = (
         f"[t] Decode batch, #running-req: {running}, #token: 9, token usage: 0.5, "
         f"cuda graph: True, gen throughput (token/s): {throughput}, "
         f"#queue-req: {queue}"
     )
     if misses is not None:
+        extra = "" if prefetched is None else f"prefetched: {prefetched}, "
         line += (
-            f", nsa-offload hit rate: 0.800, misses: {misses}, H2D: 3.00 GB/s, "
-            "regions: 4/8"
+            f", nsa-offload hit rate: 0.800, misses: {misses}, {extra}"
+            "H2D: 3.00 GB/s, regions: 4/8"
         )
     return line
+
+
+class TestCrossLayerPrefetchOption(unittest.TestCase):
+    def test_env_and_log(self):
+        args = bench_server.parse_args(["--out", "/tmp/x", "--cross-layer-prefetch"])
+        args.record = False
+        env_var = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
+        self.assertEqual(bench_server.server_env(args, "ours")[env_var], "1")
+        for kind in ("baseline", "hisparse"):
+            self.assertNotIn(env_var, bench_server.server_env(args, kind))
+        plain = bench_server.parse_args(["--out", "/tmp/x"])
+        plain.record = False
+        self.assertNotIn(env_var, bench_server.server_env(plain, "ours"))
+        # The decode log line with prefetch still parses (demand misses).
+        m = bench_server.OFFLOAD_RE.search(
+            decode_line(4, 100.0, misses=77, prefetched=9)
+        )
+        self.assertEqual(m.group(2), "77")
 
 
 class TestDecodeLog(unittest.TestCase):

@@ -161,6 +161,26 @@ class TestCapacityReport(unittest.TestCase):
             self.assertLess(r["ratio_equal_bytes"], r["bound"])
 
 
+class TestOffloadLogLine(unittest.TestCase):
+    def test_with_and_without_prefetch(self):
+        import e2e_server
+
+        lines = [
+            decode_line(3).rstrip("\n") + ", nsa-offload hit rate: 0.810, misses: 42, "
+            "H2D: 1.50 GB/s, regions: 3/8\n",
+            decode_line(4).rstrip("\n") + ", nsa-offload hit rate: 0.900, misses: 7, "
+            "prefetched: 30, H2D: 2.00 GB/s, regions: 4/8\n",
+        ]
+        with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as f:
+            f.writelines(lines)
+        try:
+            rows = e2e_server.parse_offload_log(f.name)
+        finally:
+            os.remove(f.name)
+        self.assertEqual([(r["running"], r["misses"]) for r in rows], [(3, 42), (4, 7)])
+        self.assertEqual(rows[1]["h2d_gbps"], 2.0)
+
+
 class TestPoolReport(unittest.TestCase):
     """Capacity from the pool sizes the servers logged (``pool-report``)."""
 
