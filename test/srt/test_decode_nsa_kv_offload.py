@@ -20,7 +20,12 @@ Each server gets the same workload:
 4. idle: the scheduler goes idle (its own leak checks run), then the server
    must still answer ``/health_generate`` and a generation request.
 
-The test checks identical ``output_ids`` for every phase and a healthy server.
+The test checks identical ``output_ids`` for every phase and a healthy server,
+also for a third server with the experimental cross-layer prefetch
+(``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``). A second class starts a PD
+decode server (``--disaggregation-mode decode``, sglang's fake KV transfer: no
+prefill server, KV unwritten, so no output comparison) with the offload and
+checks that it admits, decodes, idles and still serves.
 It needs a Hopper GPU with the DSA stack (``sgl_kernel.flash_mla``) and is
 skipped elsewhere (e.g. in the CPU test suite).
 
@@ -203,6 +208,24 @@ def _local_popen_launch_server(
     raise TimeoutError("server failed to start within the timeout period")
 
 
+def _launch_env(tmp_dir: str, extra_env: Optional[Dict[str, str]] = None) -> dict:
+    env = {**os.environ, **BASE_ENV, **(extra_env or {})}
+    if popen_launch_server is not None and shutil.which("sglang") is None:
+        # popen_launch_server runs the `sglang` console script; provide it
+        # when sglang is installed without scripts (e.g. pip --target).
+        bin_dir = os.path.join(tmp_dir, "bin")
+        os.makedirs(bin_dir, exist_ok=True)
+        script = os.path.join(bin_dir, "sglang")
+        with open(script, "w") as f:
+            f.write(
+                f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; '
+                'from sglang.cli.main import main; sys.exit(main())" "$@"\n'
+            )
+        os.chmod(script, 0o755)
+        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    return env
+
+
 def _kill(process) -> None:
     if process is None or process.poll() is not None:
         return
@@ -252,6 +275,11 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         cls.results = {}
         cls.results["baseline"] = cls._run_server("baseline", common)
         cls.results["offload"] = cls._run_server("offload", common + OFFLOAD_ARGS)
+        cls.results["offload_prefetch"] = cls._run_server(
+            "offload_prefetch",
+            common + OFFLOAD_ARGS,
+            {"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
+        )
 
     @classmethod
     def tearDownClass(cls):
@@ -261,25 +289,9 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         shutil.rmtree(getattr(cls, "tmp_dir", ""), ignore_errors=True)
 
     @classmethod
-    def _launch_env(cls) -> Dict[str, str]:
-        env = {**os.environ, **BASE_ENV}
-        if popen_launch_server is not None and shutil.which("sglang") is None:
-            # popen_launch_server runs the `sglang` console script; provide it
-            # when sglang is installed without scripts (e.g. pip --target).
-            bin_dir = os.path.join(cls.tmp_dir, "bin")
-            os.makedirs(bin_dir, exist_ok=True)
-            script = os.path.join(bin_dir, "sglang")
-            with open(script, "w") as f:
-                f.write(
-                    f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; '
-                    'from sglang.cli.main import main; sys.exit(main())" "$@"\n'
-                )
-            os.chmod(script, 0o755)
-            env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-        return env
-
-    @classmethod
-    def _run_server(cls, name: str, extra_args: List[str]) -> dict:
+    def _run_server(
+        cls, name: str, extra_args: List[str], extra_env: Optional[Dict] = None
+    ) -> dict:
         log_out = os.path.join(cls.tmp_dir, f"{name}.stdout.log")
         log_err = os.path.join(cls.tmp_dir, f"{name}.stderr.log")
         # Closed in tearDownClass: popen_launch_server's reader threads may
@@ -292,7 +304,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
             cls.base_url,
             timeout=DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
             other_args=BASE_ARGS + extra_args,
-            env=cls._launch_env(),
+            env=_launch_env(cls.tmp_dir, extra_env),
             return_stdout_stderr=(out, err),
         )
         try:
@@ -353,10 +365,10 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         except OSError:
             return ""
 
-    def _assert_phase_identical(self, phase: str):
+    def _assert_phase_identical(self, phase: str, offload: str = "offload"):
         base = self.results["baseline"][phase]
-        ours = self.results["offload"][phase]
-        for name, outputs in (("baseline", base), ("offload", ours)):
+        ours = self.results[offload][phase]
+        for name, outputs in (("baseline", base), (offload, ours)):
             self.assertIsInstance(
                 outputs,
                 list,
@@ -377,7 +389,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
             mismatched,
             [],
             f"{phase}: (request, first differing token) with the offload; "
-            f"offload server log tail:\n{self.results['offload']['log_tail']}",
+            f"{offload} server log tail:\n{self.results[offload]['log_tail']}",
         )
 
     def test_decode_outputs_identical(self):
@@ -390,8 +402,14 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         self._assert_phase_identical("short")
         self._assert_phase_identical("after_short")
 
+    def test_cross_layer_prefetch_outputs_identical(self):
+        for phase in ("main", "short", "after_short"):
+            self._assert_phase_identical(phase, offload="offload_prefetch")
+        log = self.results["offload_prefetch"]["log_tail"]
+        self.assertNotIn("Traceback", log)
+
     def test_server_healthy_after_idle(self):
-        for name in ("baseline", "offload"):
+        for name in ("baseline", "offload", "offload_prefetch"):
             result = self.results[name]
             msg = f"{name} server log tail:\n{result['log_tail']}"
             self.assertTrue(result["alive_after_idle"], msg)
@@ -407,3 +425,87 @@ class TestDecodeNSAKVOffload(CustomTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
+class TestDecodeNSAKVOffloadPDDecode(CustomTestCase):
+    """A PD decode server with the offload: requests arrive through sglang's
+    fake KV transfer (KV unwritten), are admitted into host slots, decode and
+    finish; the server idles and still serves."""
+
+    PROMPT_LENS = [20000 + 1000 * i for i in range(8)]
+    MAX_NEW_TOKENS = 32
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp_dir = tempfile.mkdtemp(prefix="test_decode_nsa_kv_offload_pd_")
+        model_dir = os.path.join(cls.tmp_dir, "tiny_dsv32")
+        os.makedirs(model_dir)
+        shutil.copy(TINY_DSV32_CONFIG, os.path.join(model_dir, "config.json"))
+        cls.log = open(os.path.join(cls.tmp_dir, "server.log"), "w")
+        launch = popen_launch_server or _local_popen_launch_server
+        cls.process = None
+        try:
+            cls.process = launch(
+                model_dir,
+                DEFAULT_URL_FOR_TEST,
+                timeout=DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
+                other_args=BASE_ARGS
+                + OFFLOAD_ARGS
+                + [
+                    "--max-running-requests",
+                    "16",
+                    "--disaggregation-mode",
+                    "decode",
+                    "--disaggregation-transfer-backend",
+                    "fake",
+                ],
+                env=_launch_env(cls.tmp_dir),
+                return_stdout_stderr=(cls.log, cls.log),
+            )
+        except BaseException:
+            cls.tearDownClass()
+            raise
+
+    @classmethod
+    def tearDownClass(cls):
+        _kill(getattr(cls, "process", None))
+        log = getattr(cls, "log", None)
+        if log is not None:
+            log.close()
+        shutil.rmtree(getattr(cls, "tmp_dir", ""), ignore_errors=True)
+
+    def _generate(self, input_ids, room):
+        out = _post_json(
+            DEFAULT_URL_FOR_TEST + "/generate",
+            {
+                "input_ids": input_ids,
+                "sampling_params": {
+                    "max_new_tokens": self.MAX_NEW_TOKENS,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+                # sglang's fake transfer: this bootstrap host marks the request
+                "bootstrap_host": "2.2.2.2",
+                "bootstrap_port": 8998,
+                "bootstrap_room": room,
+            },
+        )
+        return out["output_ids"]
+
+    def test_admit_decode_idle(self):
+        prompts = _random_prompts(self.PROMPT_LENS, seed=5)
+        with ThreadPoolExecutor(4) as pool:
+            outputs = list(pool.map(self._generate, prompts, range(1, 9)))
+        self.assertEqual([len(o) for o in outputs], [self.MAX_NEW_TOKENS] * 8)
+        time.sleep(IDLE_WAIT_S)
+        self.assertIsNone(self.process.poll())
+        self.assertEqual(
+            _get_status(DEFAULT_URL_FOR_TEST + "/health_generate", timeout=120), 200
+        )
+        self.log.flush()
+        with open(self.log.name) as f:
+            text = f.read()
+        self.assertIn("0 staging rows", text)
+        self.assertIn("nsa-offload hit rate", text)
+        self.assertNotIn("Traceback", text)
