@@ -364,16 +364,8 @@ class SparseCacheController:
         ``(bs, K)`` int32 GPU rows in top-k order (-1 = skip), ready for FlashMLA.
         ``out`` passes preallocated plan buffers (CUDA-graph capture).
         """
-        plan = self._swap_and_load(
-            layer_id,
-            topk_pos,
-            req_pool_indices,
-            seq_lens,
-            req_to_token,
-            num_real_reqs,
-            out,
-            counters=None,
-        )
+        swap_args = (topk_pos, req_pool_indices, seq_lens, req_to_token, num_real_reqs)
+        plan = self._swap_and_load(layer_id, swap_args, out, counters=None)
         self.last_plan = plan
         return plan.page_table
 
@@ -390,38 +382,13 @@ class SparseCacheController:
         """Load ``topk_pos`` (another layer's top-k of this step) into this
         layer's LRU slots ahead of its own swap, exactly as a swap would (same
         residency and recency rules); its hits and loads count apart."""
-        layer = self._local_layer(layer_id)
-        self._swap_and_load(
-            layer_id,
-            topk_pos,
-            req_pool_indices,
-            seq_lens,
-            req_to_token,
-            num_real_reqs,
-            out,
-            counters=self.prefetch_counters[layer],
-        )
+        swap_args = (topk_pos, req_pool_indices, seq_lens, req_to_token, num_real_reqs)
+        counters = self.prefetch_counters[self._local_layer(layer_id)]
+        self._swap_and_load(layer_id, swap_args, out, counters=counters)
 
-    def _swap_and_load(
-        self,
-        layer_id,
-        topk_pos,
-        req_pool_indices,
-        seq_lens,
-        req_to_token,
-        num_real_reqs,
-        out,
-        counters,
-    ) -> LayerSwapPlan:
+    def _swap_and_load(self, layer_id, swap_args, out, counters) -> LayerSwapPlan:
         plan = self.lru.swap_layer(
-            self._local_layer(layer_id),
-            topk_pos,
-            req_pool_indices,
-            seq_lens,
-            req_to_token,
-            num_real_reqs,
-            out=out,
-            counters=counters,
+            self._local_layer(layer_id), *swap_args, out=out, counters=counters
         )
         self.load_tokens_h2d_one_layer(layer_id, plan)
         return plan
