@@ -82,17 +82,24 @@ def parse_offload_log(path: str):
     return rows
 
 
-# Memory lines of sglang's startup log (GB = GiB there).
-def predict_capacity(name, total_tokens, regions, per_req):
-    """Requests of ``per_req`` token locs the server should hold at once."""
+SLOTS_RE = re.compile(r"max_total_num_tokens=\d+.*?max_running_requests=(\d+)")
+
+
+def predict_capacity(name, total_tokens, regions, per_req, slots=None):
+    """Requests of ``per_req`` token locs the server should hold at once
+    (``slots``: its --max-running-requests as it logged them)."""
     if name == "hisparse":
         # Logical locs are host_to_device_ratio x the device pool it logs;
         # each decoding request keeps device_buffer_size + a page on device.
         logical = HISPARSE_CONFIG["host_to_device_ratio"] * total_tokens
         device = total_tokens // (HISPARSE_CONFIG["device_buffer_size"] + PAGE)
-        return min(logical // per_req, device)
-    predicted = total_tokens // per_req
-    return predicted if regions is None else min(regions, predicted)
+        predicted = min(logical // per_req, device)
+    else:
+        predicted = total_tokens // per_req
+    for cap in (regions, slots):
+        if cap is not None:
+            predicted = min(predicted, cap)
+    return predicted
 
 
 def capacity_phase(server, name, args, length):
@@ -101,7 +108,11 @@ def capacity_phase(server, name, args, length):
     tokens = length + args.capacity_new_tokens
     _, total_tokens, regions = scan_log(server.log_path)
     per_req = (tokens + PAGE - 1) // PAGE * PAGE
-    predicted = predict_capacity(name, total_tokens, regions, per_req)
+    with open(server.log_path, errors="replace") as f:
+        slots = [int(x) for x in SLOTS_RE.findall(f.read())]
+    predicted = predict_capacity(
+        name, total_tokens, regions, per_req, slots[-1] if slots else None
+    )
     n = int(predicted * args.capacity_oversubscribe) + 2
     print(f"[{name}] capacity {length}: predicted {predicted}, sending {n}", flush=True)
     prompts = random_prompts([length] * n, seed=length)

@@ -181,6 +181,19 @@ class TestOffloadLogLine(unittest.TestCase):
         self.assertEqual(rows[1]["h2d_gbps"], 2.0)
 
 
+class TestPredictCapacity(unittest.TestCase):
+    def test_caps(self):
+        import e2e_server
+
+        predict = e2e_server.predict_capacity
+        self.assertEqual(predict("baseline", 1987584, None, 131200), 15)
+        self.assertEqual(predict("offload_128k", 8926400, 68, 131200), 68)
+        # HiSparse: 4x logical locs, 4160 device rows per request, its slots.
+        self.assertEqual(predict("hisparse", 1987584, None, 131200), 60)
+        self.assertEqual(predict("hisparse", 1987584, None, 16512), 477)
+        self.assertEqual(predict("hisparse", 1987584, None, 16512, slots=300), 300)
+
+
 class TestPoolReport(unittest.TestCase):
     """Capacity from the pool sizes the servers logged (``pool-report``)."""
 
