@@ -176,8 +176,8 @@ def save_trace(
 
     ``encoding``: ``"auto"`` (``sorted_delta`` when lossless, else ``dense``),
     ``"dense"`` or ``"sorted_delta"``. ``compress=False`` stores the arrays
-    uncompressed: ~150x faster for the in-server recorder's unsorted dense
-    rows (which zlib shrinks by only ~40%); readers see no difference.
+    uncompressed: no zlib pass over the in-server recorder's unsorted dense
+    rows (random positions compress poorly); readers see no difference.
     """
     trace.validate()
     if encoding == "auto":
