@@ -52,7 +52,6 @@ from capacity import (
 )
 from server_utils import (
     HISPARSE_ARGS,
-    HISPARSE_CONFIG,
     PD_DECODE_FAKE_ARGS,
     Server,
     random_prompts,
@@ -87,19 +86,18 @@ SLOTS_RE = re.compile(r"max_total_num_tokens=\d+.*?max_running_requests=(\d+)")
 
 def predict_capacity(name, total_tokens, regions, per_req, slots=None):
     """Requests of ``per_req`` token locs the server should hold at once
-    (``slots``: its --max-running-requests as it logged them)."""
-    if name == "hisparse":
-        # Logical locs are host_to_device_ratio x the device pool it logs;
-        # each decoding request keeps device_buffer_size + a page on device.
-        logical = HISPARSE_CONFIG["host_to_device_ratio"] * total_tokens
-        device = total_tokens // (HISPARSE_CONFIG["device_buffer_size"] + PAGE)
-        predicted = min(logical // per_req, device)
-    else:
-        predicted = total_tokens // per_req
-    for cap in (regions, slots):
-        if cap is not None:
-            predicted = min(predicted, cap)
-    return predicted
+    (``slots``: its --max-running-requests as it logged them), by
+    ``bench_server.capacity``; HiSparse's device rows are counted as on a PD
+    decode server (no prefill staging): at most what a colocated one holds."""
+    import bench_server
+
+    caps = [c for c in (regions, slots) if c is not None]
+    pool = {
+        "max_total_num_tokens": total_tokens,
+        "max_running_requests": min(caps) if caps else 1 << 30,
+    }
+    kind = "hisparse" if name == "hisparse" else "ours"
+    return bench_server.capacity(kind, pool, per_req, 0, pd_decode=True)
 
 
 def capacity_phase(server, name, args, length):

@@ -35,16 +35,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from policy_study import prev_layer_index  # noqa: E402
 from replay import DEFAULT_WARMUP, HiSparseLRU, OursLRU, steady_mask  # noqa: E402
 from trace_format import NSATopkTrace, load_trace  # noqa: E402
-
-
-def consecutive_layers(trace: NSATopkTrace) -> np.ndarray:
-    """(L,) bool: layer index i >= 1 whose model layer follows layer i - 1's."""
-    ids = np.asarray(trace.layer_ids)
-    out = np.zeros(ids.size, dtype=bool)
-    out[1:] = ids[1:] == ids[:-1] + 1
-    return out
 
 
 def study(
@@ -56,7 +49,7 @@ def study(
     lru_slots = budget - window
     steady = steady_mask(trace, warmup)
     max_pos = trace.seq_lens.max(axis=0)
-    prefetched_from_prev = consecutive_layers(trace)
+    prev = prev_layer_index(trace)  # the model layer before, if recorded
     states: Dict[tuple, tuple] = {}
     totals = dict.fromkeys(("hisparse", "ours", "demand", "prefetch"), 0)
     for s in range(S):
@@ -77,9 +70,9 @@ def study(
                     "hisparse": his.step(pos, n).misses,
                     "ours": ours.step(pos, n).misses,
                     "prefetch": (
-                        pre.step(trace.topk[s, li - 1, b], n).misses
-                        if prefetched_from_prev[li]
-                        else 0
+                        0
+                        if prev[li] is None
+                        else pre.step(trace.topk[s, prev[li], b], n).misses
                     ),
                 }
                 counts["demand"] = pre.step(pos, n).misses
@@ -92,7 +85,7 @@ def study(
     return {
         "budget": budget,
         "window": window,
-        "consecutive_layer_pairs": int(prefetched_from_prev.sum()),
+        "consecutive_layer_pairs": sum(p is not None for p in prev),
         "per_row": per,
         "ours_vs_hisparse": per["ours"] / his,
         "demand_vs_hisparse": per["demand"] / his,

@@ -370,19 +370,12 @@ class SparseCacheController:
         return plan.page_table
 
     def prefetch_one_layer(
-        self,
-        layer_id: int,
-        topk_pos: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        req_to_token: torch.Tensor,
-        num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
-        out: Optional[LayerSwapPlan] = None,
+        self, layer_id: int, *swap_args, out: Optional[LayerSwapPlan] = None
     ) -> None:
-        """Load ``topk_pos`` (another layer's top-k of this step) into this
-        layer's LRU slots ahead of its own swap, exactly as a swap would (same
-        residency and recency rules); its hits and loads count apart."""
-        swap_args = (topk_pos, req_pool_indices, seq_lens, req_to_token, num_real_reqs)
+        """``swap_one_layer``'s arguments, with ``topk_pos`` another layer's
+        top-k of this step: loads it into this layer's LRU slots ahead of its
+        own swap, exactly as a swap would (same residency and recency rules);
+        its hits and loads count apart, no page table is kept."""
         counters = self.prefetch_counters[self._local_layer(layer_id)]
         self._swap_and_load(layer_id, swap_args, out, counters=counters)
 
