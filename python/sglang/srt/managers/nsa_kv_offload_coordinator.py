@@ -257,20 +257,18 @@ class NSAKVOffloadCoordinator:
             self.req_to_token,
             self.num_real_reqs,
         )
-        if not self.cross_layer_prefetch:
-            return self.controller.swap_one_layer(
-                layer_id, topk_positions, *args, out=out
-            )
-        first, last = self._layer_range
-        if layer_id > first and self._prefetch_stream is not None:
-            # The previous layer's prefetch into this layer is done.
-            torch.cuda.current_stream().wait_event(
-                self._prefetch_done[layer_id - first]
-            )
+        prefetch = self.cross_layer_prefetch
+        if prefetch and self._prefetch_stream is not None:
+            first = self._layer_range[0]
+            if layer_id > first:
+                # The previous layer's prefetch into this layer is done.
+                torch.cuda.current_stream().wait_event(
+                    self._prefetch_done[layer_id - first]
+                )
         page_table = self.controller.swap_one_layer(
             layer_id, topk_positions, *args, out=out
         )
-        if layer_id < last:
+        if prefetch and layer_id < self._layer_range[1]:
             self._prefetch_next_layer(layer_id + 1, topk_positions, args)
         return page_table
 
