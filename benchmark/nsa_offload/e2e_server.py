@@ -116,7 +116,12 @@ def capacity_phase(server, name, args, length):
     prompts = random_prompts([length] * n, seed=length)
     start = os.path.getsize(server.log_path)
     tic = time.time()
-    outs = server.generate_many(prompts, args.capacity_new_tokens, n)
+    error = None
+    try:
+        outs = server.generate_many(prompts, args.capacity_new_tokens, n)
+    except OSError as e:  # the server died: keep what its log shows
+        error, outs = f"{type(e).__name__}: {e}", []
+        print(f"[{name}] capacity {length}: FAILED: {error}", flush=True)
     elapsed = time.time() - tic
     peak = scan_log(server.log_path, start)[0]
     print(
@@ -146,6 +151,7 @@ def capacity_phase(server, name, args, length):
         "peak_running": peak,
         "saturated": saturated,
         "elapsed_s": elapsed,
+        "error": error,
     }
 
 
@@ -163,7 +169,10 @@ def run_server(name, extra_args, args, prompts, lengths):
             result["exactness_elapsed_s"] = time.time() - tic
             result["output_ids"] = [o["output_ids"] for o in outs]
         for length in lengths:
-            result["capacity"][str(length)] = capacity_phase(server, name, args, length)
+            phase = capacity_phase(server, name, args, length)
+            result["capacity"][str(length)] = phase
+            if phase["error"]:
+                break
         time.sleep(args.idle_wait)
         result["alive_after_idle"] = server.proc.poll() is None
     with open(server.log_path) as f:
@@ -250,7 +259,12 @@ def main():
     if args.context_length:
         common += ["--context-length", str(args.context_length)]
     if args.pd_decode:
-        common += PD_DECODE_FAKE_ARGS
+        # Reserve every request's whole output at admission: sglang's default
+        # (512) over-admits long outputs and then retracts, and retracting on
+        # a no-offload NSA decode server crashes in sglang 0.5.12.post1
+        # (NSATokenToKVPool.get_cpu_copy has no mamba_indices argument).
+        reserved = max(512, args.capacity_new_tokens)
+        common += PD_DECODE_FAKE_ARGS + ["--num-reserved-decode-tokens", str(reserved)]
 
     def offload_args(regions):
         extra = [

@@ -146,6 +146,15 @@ def _post_json(url: str, payload: dict, timeout: float = 1800) -> dict:
         return json.loads(response.read())
 
 
+# Known harmless traceback: sglang logs one at startup when the optional
+# openai_harmony package is missing (OpenAIServingResponses is then off).
+_HARMLESS_TRACEBACK = "Can not initialize OpenAIServingResponses, error: Traceback"
+
+
+def _unexpected_tracebacks(log: str) -> int:
+    return log.count("Traceback") - log.count(_HARMLESS_TRACEBACK)
+
+
 def _get_status(url: str, timeout: float = 60) -> int:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
@@ -406,7 +415,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         for phase in ("main", "short", "after_short"):
             self._assert_phase_identical(phase, offload="offload_prefetch")
         log = self.results["offload_prefetch"]["log_tail"]
-        self.assertNotIn("Traceback", log)
+        self.assertEqual(_unexpected_tracebacks(log), 0, log)
 
     def test_server_healthy_after_idle(self):
         for name in ("baseline", "offload", "offload_prefetch"):
@@ -421,10 +430,6 @@ class TestDecodeNSAKVOffload(CustomTestCase):
             self.results["baseline"]["after_idle"],
             self.results["offload"]["after_idle"],
         )
-
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
@@ -508,4 +513,8 @@ class TestDecodeNSAKVOffloadPDDecode(CustomTestCase):
             text = f.read()
         self.assertIn("0 staging rows", text)
         self.assertIn("nsa-offload hit rate", text)
-        self.assertNotIn("Traceback", text)
+        self.assertEqual(_unexpected_tracebacks(text), 0, text[-8000:])
+
+
+if __name__ == "__main__":
+    unittest.main()
