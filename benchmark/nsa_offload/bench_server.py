@@ -773,7 +773,7 @@ def prepare_trace(args) -> None:
         "--steps",
         str(args.trace_steps),
         "--layers",
-        "0,30,60",
+        args.trace_layers,
         "--seed",
         "0",
     ]
@@ -1346,6 +1346,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--time-budget-s", type=float)
     p.add_argument("--trace-steps", type=int)
+    p.add_argument(
+        "--trace-layers",
+        default="0,30,60",
+        help="DeepSeek-V3.2 layers of the generated override trace, one per "
+        "model layer (adjacent ones, e.g. 29,30,31, share most of their top-k: "
+        "what the cross-layer prefetch needs)",
+    )
     p.add_argument(
         "--kv-budget-gib",
         type=float,

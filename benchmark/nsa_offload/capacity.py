@@ -22,9 +22,11 @@ import atexit
 import functools
 import gzip
 import json
+import math
 import os
 import re
 import shutil
+import statistics
 import tempfile
 from typing import Optional
 
@@ -333,7 +335,8 @@ def _unzipped(run_dir: str) -> str:
 
 
 def load_run(run_dir: str, new_tokens: int) -> tuple:
-    """(no-offload result, {length: offload result}) of an earlier run: its
+    """(no-offload result, {length: offload result}, HiSparse result or None)
+    of an earlier run: its
     ``e2e_server.json``, or, for a run cut before writing it, this script's
     own output (``RUN_DIR/driver.log``: predicted / sent / peak per phase)
     and the server logs (memory). Requests completed are then unknown."""
@@ -342,7 +345,7 @@ def load_run(run_dir: str, new_tokens: int) -> tuple:
     if os.path.exists(path):
         with open(path) as f:
             r = json.load(f)
-        return r.get("baseline"), r.get("offload", {})
+        return r.get("baseline"), r.get("offload", {}), r.get("hisparse")
     with open(os.path.join(run_dir, "driver.log")) as f:
         text = f.read()
     servers: dict = {}
@@ -369,42 +372,181 @@ def load_run(run_dir: str, new_tokens: int) -> tuple:
             k: c for k, c in res["capacity"].items() if "peak_running" in c
         }
     base = servers.pop("baseline", None)
+    hisparse = servers.pop("hisparse", None)
     offload = {}
     for res in servers.values():
         for length in res["capacity"]:
             offload[length] = res
-    return base, offload
+    return base, offload, hisparse
 
 
 def report_from_runs(args) -> None:
     """One capacity table from several runs (each offload length with the
-    no-offload result of its own run if it has one, else of another run)."""
-    bases, rows = [], []
+    no-offload and HiSparse results of its own run if it has them, else of
+    another run), plus the decode throughput each server reached at its
+    capacity (``throughput.md``)."""
+    rows = []
     region_rows = (args.buffer_size or 4096) + args.recent_window
+    sizing = "decode_only" if args.pd_decode else "colocated"
     loaded = [(d, *load_run(d, args.capacity_new_tokens)) for d in args.runs]
-    for run_dir, base, _ in loaded:
-        if base is not None:
-            bases.append((run_dir, base))
-    for run_dir, base, offload in loaded:
+
+    def first_with(length, own_dir, own, kind):
+        """(run dir, result) of ``kind`` with a phase at ``length``."""
+        pos = 1 if kind == "baseline" else 3
+        ordered = [(own_dir, own)] + [(run[0], run[pos]) for run in loaded]
+        return next(
+            ((d, r) for d, r in ordered if r and length in r.get("capacity", {})),
+            (None, None),
+        )
+
+    for run_dir, base, offload, hisparse in loaded:
         for length, ours in offload.items():
-            # the no-offload result of the same run first, else another run's
-            own = [(run_dir, base)] if base is not None else []
-            match = [(d, b) for d, b in own + bases if length in b.get("capacity", {})]
-            if not match:
+            base_dir, b = first_with(length, run_dir, base, "baseline")
+            if b is None:
                 continue
-            base_dir, b = match[0]
+            his_dir, h = first_with(length, run_dir, hisparse, "hisparse")
             if ours.get("model") is None:
                 ours["model"] = offload_regions_for(
                     int(length), b["memory"]["budget_gib"], args
                 )
-            for row in capacity_rows(b, {length: ours}, region_rows):
+            for row in capacity_rows(b, {length: ours}, region_rows, h):
                 row.update(offload_run=run_dir, baseline_run=base_dir)
+                if his_dir:
+                    row["hisparse_run"] = his_dir
+                row["throughput"] = {
+                    kind: throughput_at_capacity(_log_of(d, name), res, length)
+                    for kind, d, name, res in (
+                        ("baseline", base_dir, "baseline", b),
+                        ("offload", run_dir, ours.get("name"), ours),
+                        ("hisparse", his_dir, "hisparse", h),
+                    )
+                    if d and name
+                }
                 rows.append(row)
     rows.sort(key=lambda r: r["length"])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "capacity.json"), "w") as f:
         json.dump({"config": vars(args), "rows": rows}, f, indent=1)
-    write_capacity_report(rows, args.out)
+    write_capacity_report(rows, args.out, sizing)
+    write_throughput_report(rows, args.out)
+
+
+def _log_of(run_dir: str, name: str) -> Optional[str]:
+    path = os.path.join(_unzipped(run_dir), f"server_{name}.log")
+    return path if os.path.exists(path) else None
+
+
+DECODE_LINE_RE = re.compile(
+    r"#running-req: (\d+), .*?#(?:cpu )?token: (\d+), .*?cuda graph: (\w+), "
+    r"gen throughput \(token/s\): ([0-9.]+)(?:.*?nsa-offload hit rate: ([0-9.]+))?"
+)
+
+
+def throughput_at_capacity(
+    log_path: Optional[str], result: dict, length: str
+) -> Optional[dict]:
+    """Decode throughput of one capacity phase while the server held (nearly)
+    its peak: median over the decode log lines of that phase with
+    ``#running-req >= 0.95 x peak``. A server that ran several lengths logs
+    them one after another; a line belongs to the phase whose request length
+    (prompt + half the output) is nearest to its tokens per running request."""
+    if log_path is None:
+        return None
+    phases = result["capacity"]
+    mids = {k: c["length"] + c["new_tokens"] / 2 for k, c in phases.items()}
+    peak = phases[length]["peak_running"]
+    lines = []
+    with open(log_path, errors="replace") as f:
+        for m in DECODE_LINE_RE.finditer(f.read()):
+            running, tokens = int(m.group(1)), int(m.group(2))
+            if running < max(0.95 * peak, 1):
+                continue
+            if len(mids) > 1:
+                if tokens == 0:
+                    continue
+                per_req = tokens / running
+                if min(mids, key=lambda k: abs(math.log(per_req / mids[k]))) != length:
+                    continue
+            lines.append((running, float(m.group(4)), m.group(5), m.group(3)))
+    if not lines:
+        return None
+    tok_s = statistics.median(x[1] for x in lines)
+    running = statistics.median(x[0] for x in lines)
+    hits = [float(x[2]) for x in lines if x[2] is not None]
+    return {
+        "log_lines": len(lines),
+        "running": running,
+        "tokens_per_s": tok_s,
+        "step_ms": 1000.0 * running / tok_s if tok_s else None,
+        "offload_hit_rate": statistics.median(hits) if hits else None,
+        # batches above --cuda-graph-max-bs run eagerly (much slower)
+        "cuda_graph_share": sum(x[3] == "True" for x in lines) / len(lines),
+    }
+
+
+def write_throughput_report(rows: list, out: str) -> None:
+    """Throughput at fixed GPU memory: each server at its own capacity."""
+
+    def tput(row, kind, key="tokens_per_s", fmt="{:.0f}"):
+        t = (row.get("throughput") or {}).get(kind)
+        return "-" if not t or t.get(key) is None else fmt.format(t[key])
+
+    def ratio(row, a, b):
+        ta, tb = ((row.get("throughput") or {}).get(k) for k in (a, b))
+        if not ta or not tb:
+            return "-"
+        return f"{ta['tokens_per_s'] / tb['tokens_per_s']:.2f}"
+
+    lines = [
+        "| length (+new) | no offload tok/s (running, step ms, CUDA graph) | ours "
+        "tok/s (running, step ms, CUDA graph, hit rate) | HiSparse tok/s (running, "
+        "step ms, CUDA graph) | "
+        "ours / no offload | ours / HiSparse |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = []
+        for kind in ("baseline", "offload", "hisparse"):
+            extra = [
+                tput(r, kind, "running"),
+                tput(r, kind, "step_ms", "{:.1f}"),
+                tput(r, kind, "cuda_graph_share", "{:.0%}"),
+            ]
+            if kind == "offload":
+                extra.append(tput(r, kind, "offload_hit_rate", "{:.3f}"))
+            cells.append(f"{tput(r, kind)} ({', '.join(extra)})")
+        lines.append(
+            f"| {r['length']} | {' | '.join(cells)} | {ratio(r, 'offload', 'baseline')} "
+            f"| {ratio(r, 'offload', 'hisparse')} |"
+        )
+    with open(os.path.join(out, "throughput.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    x = [r["length"] // 1024 for r in rows]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for kind, label in (
+        ("baseline", "no offload"),
+        ("offload", "ours"),
+        ("hisparse", "HiSparse"),
+    ):
+        y = [((r.get("throughput") or {}).get(kind) or {}) for r in rows]
+        ax.plot(x, [t.get("tokens_per_s") for t in y], "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x)
+    ax.set_xticklabels([f"{v}K" for v in x])
+    ax.set_xlabel("request length (tokens)")
+    ax.set_ylabel("decode tokens/s, each server at its capacity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "throughput.png"), dpi=110)
 
 
 def _peak(row: dict, server: str) -> str:
@@ -621,6 +763,11 @@ def main():
     r.add_argument("--buffer-size", type=int, default=None)
     r.add_argument("--recent-window", type=int, default=64)
     r.add_argument("--budget-margin-gib", type=float, default=0.02)
+    r.add_argument(
+        "--pd-decode",
+        action="store_true",
+        help="PD decode servers (decode-only sizing)",
+    )
     q = sub.add_parser(
         "pool-report",
         help="capacity per server from the pool sizes its log shows (e2e_server.py runs)",

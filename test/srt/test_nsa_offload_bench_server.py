@@ -26,6 +26,24 @@ def decode_line(running, throughput, queue=0, misses=None, prefetched=None):
     return line
 
 
+class TestOverrideTraceLayers(unittest.TestCase):
+    def test_generated_trace_holds_the_chosen_layers(self):
+        import tempfile
+
+        import trace_format
+
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["--out", out, "--topk", "override", "--contexts", "4096"]
+            argv += ["--trace-steps", "3", "--trace-layers", "29,30,31"]
+            args = bench_server.parse_args(argv)
+            bench_server.prepare_trace(args)
+            trace = trace_format.load_trace(args.trace)
+        self.assertEqual(trace.layer_ids.tolist(), [29, 30, 31])
+        self.assertEqual(trace.topk.shape[0], 3)
+        default = bench_server.parse_args(["--out", "/tmp/x"])
+        self.assertEqual(default.trace_layers, "0,30,60")
+
+
 class TestCrossLayerPrefetchOption(unittest.TestCase):
     def test_env_and_log(self):
         args = bench_server.parse_args(["--out", "/tmp/x", "--cross-layer-prefetch"])

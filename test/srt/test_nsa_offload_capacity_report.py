@@ -110,7 +110,7 @@ class TestHiSparseColumns(unittest.TestCase):
 
 class TestCapacityReport(unittest.TestCase):
     def test_cut_run_is_read_from_its_driver_log(self):
-        base, offload = capacity.load_run(str(RESULTS / "run_a"), new_tokens=128)
+        base, offload, _ = capacity.load_run(str(RESULTS / "run_a"), new_tokens=128)
         self.assertEqual(
             {k: c["peak_running"] for k, c in base["capacity"].items()},
             {"16384": 120, "32768": 60, "65536": 30, "131072": 15},
@@ -159,6 +159,90 @@ class TestCapacityReport(unittest.TestCase):
             else:
                 self.assertLessEqual(r["model"]["colocated"], r["offload_regions"])
             self.assertLess(r["ratio_equal_bytes"], r["bound"])
+
+
+class TestThroughputAtCapacity(unittest.TestCase):
+    """Decode throughput while a server held its peak, per capacity phase."""
+
+    @staticmethod
+    def line(running, tokens, tok_s, graph=True, hit=None):
+        tail = "" if hit is None else f", #queue-req: 0, nsa-offload hit rate: {hit}"
+        return (
+            f"[t] Decode batch, #running-req: {running}, #token: {tokens}, token "
+            f"usage: 0.9, cuda graph: {graph}, gen throughput (token/s): {tok_s}"
+            f"{tail}\n"
+        )
+
+    def test_phases_told_apart_by_tokens_per_request(self):
+        result = {
+            "capacity": {
+                "65536": {"length": 65536, "new_tokens": 2048, "peak_running": 20},
+                "32768": {"length": 32768, "new_tokens": 2048, "peak_running": 40},
+            }
+        }
+        lines = [
+            self.line(20, 20 * 66000, 1000.0, hit=0.9),
+            self.line(19, 19 * 67000, 3000.0, hit=0.7),
+            self.line(18, 18 * 66000, 9999.0),  # below 0.95 x peak: dropped
+            self.line(20, 20 * 34000, 7777.0),  # 32K phase, below its peak
+            self.line(40, 40 * 34000, 5000.0, graph=False),
+            self.line(39, 39 * 33500, 6000.0, graph=True),
+        ]
+        fd, path = tempfile.mkstemp(suffix=".log")
+        os.close(fd)
+        self.addCleanup(os.remove, path)
+        with open(path, "w") as f:
+            f.write(STARTUP + "".join(lines))
+        long = capacity.throughput_at_capacity(path, result, "65536")
+        self.assertEqual(long["log_lines"], 2)
+        self.assertEqual(long["tokens_per_s"], 2000.0)
+        self.assertEqual(long["running"], 19.5)
+        self.assertAlmostEqual(long["offload_hit_rate"], 0.8)
+        self.assertAlmostEqual(long["step_ms"], 1000 * 19.5 / 2000)
+        short = capacity.throughput_at_capacity(path, result, "32768")
+        self.assertEqual(short["log_lines"], 2)
+        self.assertEqual(short["tokens_per_s"], 5500.0)
+        self.assertEqual(short["cuda_graph_share"], 0.5)
+        self.assertIsNone(short["offload_hit_rate"])
+
+    def test_hisparse_logs_cpu_tokens(self):
+        line = (
+            "[t] Decode batch, #running-req: 58, #gpu token: 241280, gpu token "
+            "usage: 0.12, #cpu token: 7840000, cpu token usage: 0.9, cuda graph: "
+            "True, gen throughput (token/s): 19370.5, #queue-req: 0\n"
+        )
+        m = capacity.DECODE_LINE_RE.search(line)
+        self.assertEqual(m.group(1, 2, 3, 4), ("58", "7840000", "True", "19370.5"))
+
+    def test_committed_pd_decode_run(self):
+        # The session-4 PD decode runs: measured peaks, HiSparse from the run
+        # that ran it alone, and the throughput table rebuilt from the logs.
+        pd = RESULTS.parent / "h200_pd_decode_s4"
+        with open(pd / "capacity.json") as f:
+            committed = json.load(f)["rows"]
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["capacity.py", "report", "--pd-decode", "--out", out]
+            argv += ["--context-length", "135680", "--capacity-new-tokens", "2048"]
+            argv += [str(pd / d) for d in ("run_128k", "run_64k_32k", "run_16k")]
+            argv += [str(pd / "run_hisparse_64k_32k")]
+            with mock.patch.object(sys, "argv", argv):
+                capacity.main()
+            with open(os.path.join(out, "capacity.json")) as f:
+                rows = json.load(f)["rows"]
+        keys = ("length", "baseline_peak", "offload_peak", "hisparse_peak")
+        self.assertEqual(
+            [[r[k] for k in keys] for r in rows],
+            [
+                [16384, 105, 257, 426],
+                [32768, 56, 184, 222],
+                [65536, 29, 116, 109],
+                [131072, 14, 65, 58],
+            ],
+        )
+        for r, c in zip(rows, committed):
+            self.assertEqual(r["throughput"], c["throughput"])
+            self.assertGreaterEqual(r["equal_bytes_vs_bound"], 0.9)
+        self.assertGreaterEqual(rows[-1]["ratio_equal_bytes"], 5.0)
 
 
 class TestOffloadLogLine(unittest.TestCase):
