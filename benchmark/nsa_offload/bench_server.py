@@ -78,8 +78,14 @@ TOPK_TRACE_PY = (
     / "attention"
     / "nsa_topk_trace.py"
 )
-SERVER_KINDS = ("baseline", "ours", "hisparse")
-LABELS = {"baseline": "no offload", "hisparse": "HiSparse", "ours": "ours"}
+SERVER_KINDS = ("baseline", "ours", "ours_prefetch", "hisparse")
+DEFAULT_SERVERS = "baseline,ours,hisparse"
+LABELS = {
+    "baseline": "no offload",
+    "hisparse": "HiSparse",
+    "ours": "ours",
+    "ours_prefetch": "ours + prefetch",
+}
 PAGE_SIZE = 64
 ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
 INDEXER_BYTES = 132  # fp8 indexer key + fp32 scale
@@ -543,18 +549,15 @@ def server_specs(args) -> Dict[str, List[str]]:
         str(args.decode_log_interval),
     ]
     slots = ["--max-running-requests", str(args.max_running_requests)]
+    ours = common + slots
+    ours += ["--enable-decode-nsa-kv-offload"]
+    ours += ["--nsa-kv-offload-recent-window", str(args.recent_window)]
+    ours += ["--nsa-kv-offload-host-pool-gb", str(args.host_pool_gb)]
     return {
         "baseline": common + slots,
         "hisparse": common + slots + HISPARSE_ARGS,
-        "ours": common
-        + slots
-        + [
-            "--enable-decode-nsa-kv-offload",
-            "--nsa-kv-offload-recent-window",
-            str(args.recent_window),
-            "--nsa-kv-offload-host-pool-gb",
-            str(args.host_pool_gb),
-        ],
+        "ours": ours,
+        "ours_prefetch": ours,  # + the prefetch's env var (server_env)
     }
 
 
@@ -567,7 +570,7 @@ def server_env(args, kind: str) -> Dict[str, str]:
     }
     if args.topk == "override":
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
-    if kind == "ours" and args.cross_layer_prefetch:
+    if kind == "ours_prefetch" or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
     if args.record:
         env.update(
@@ -1033,6 +1036,7 @@ def render_markdown(results: List[dict]) -> str:
         t = evaluate_targets(result)
         srv = result["servers"]
         kinds = [k for k in SERVER_KINDS if k in srv]
+        offload_kinds = [k for k in ("ours", "ours_prefetch") if k in srv] or ["ours"]
         out += [
             f"## Top-k: {cfg['topk']}"
             + (
@@ -1082,9 +1086,14 @@ def render_markdown(results: List[dict]) -> str:
             + " | ".join(
                 f"{LABELS[k]} tok/s | {LABELS[k]} ITL ms (p50 client)" for k in kinds
             )
-            + " | ours misses/step (per req-layer) | replayed misses per"
-            " req-layer-step: ours / HiSparse |",
-            "|---:|---:|" + "---:|---:|" * len(kinds) + "---:|---:|",
+            + "".join(
+                f" | {LABELS[k]} misses/step (per req-layer)" for k in offload_kinds
+            )
+            + " | replayed misses per req-layer-step: ours / HiSparse |",
+            "|---:|---:|"
+            + "---:|---:|" * len(kinds)
+            + "---:|" * len(offload_kinds)
+            + "---:|",
         ]
         keys = sorted(
             {
@@ -1110,7 +1119,10 @@ def render_markdown(results: List[dict]) -> str:
             out.append(
                 f"| {ctx // 1024}K | {conc} | "
                 + " | ".join(cells)
-                + f" | {_misses_cell(srv.get('ours', {}), ctx, conc)}"
+                + "".join(
+                    f" | {_misses_cell(srv.get(k, {}), ctx, conc)}"
+                    for k in offload_kinds
+                )
                 + f" | {_replay_cell(srv, ctx, conc)} |"
             )
         out += _cap_table(srv, kinds)
@@ -1238,7 +1250,12 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
     except ImportError:
         log("matplotlib not available: no PNG (render later with --plot-only JSON)")
         return []
-    colors = {"baseline": "tab:gray", "hisparse": "tab:orange", "ours": "tab:blue"}
+    colors = {
+        "baseline": "tab:gray",
+        "hisparse": "tab:orange",
+        "ours": "tab:blue",
+        "ours_prefetch": "tab:green",
+    }
     written = []
     for result in results:
         srv = result["servers"]
@@ -1329,7 +1346,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.set_defaults(mode="quick")
     p.add_argument("--topk", choices=["model", "override"], default="model")
     p.add_argument("--trace", help="override trace (default: generated into --out)")
-    p.add_argument("--servers", default=",".join(SERVER_KINDS))
+    p.add_argument(
+        "--servers",
+        default=DEFAULT_SERVERS,
+        help=f"some of {','.join(SERVER_KINDS)} (ours_prefetch: ours with the "
+        "experimental cross-layer prefetch, side by side with ours)",
+    )
     p.add_argument("--contexts", type=_ints)
     p.add_argument("--concurrency", type=_ints)
     p.add_argument(
@@ -1421,7 +1443,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     deadline = started + args.time_budget_s
     os.makedirs(args.out, exist_ok=True)
     args.out = os.path.abspath(args.out)
-    kinds = [k for k in SERVER_KINDS if k in args.servers.split(",")]
+    asked = [k for k in args.servers.split(",") if k]
+    unknown = sorted(set(asked) - set(SERVER_KINDS))
+    if unknown:
+        raise SystemExit(f"--servers: unknown {unknown}; choose from {SERVER_KINDS}")
+    kinds = [k for k in SERVER_KINDS if k in asked]
     layers = num_model_layers()
     if args.mem_fraction_static is None:
         args.mem_fraction_static, how = mem_fraction_for_budget(args.kv_budget_gib)

@@ -93,6 +93,27 @@ def study(
     }
 
 
+def as_served(trace: NSATopkTrace, model_layers: int) -> NSATopkTrace:
+    """The trace as the benchmark's top-k override feeds it to a model with
+    ``model_layers`` layers: model layer i reads the trace layer whose id is
+    nearest to round(i (L_src - 1) / (model_layers - 1)), so the served layers
+    are consecutive even where the trace's are not (the tiny 3-layer model
+    reads DeepSeek-V3.2 layers 0, 30 and 60 as its layers 0, 1 and 2)."""
+    src = int(trace.metadata.get("num_model_layers", int(trace.layer_ids.max()) + 1))
+    picks = []
+    for i in range(model_layers):
+        target = round(i * (src - 1) / max(model_layers - 1, 1))
+        picks.append(int(np.argmin(np.abs(trace.layer_ids - target))))
+    metadata = dict(trace.metadata, num_model_layers=model_layers)
+    return NSATopkTrace(
+        trace.topk[:, picks],
+        trace.seq_lens,
+        np.arange(model_layers, dtype=np.int32),
+        trace.request_ids,
+        metadata,
+    )
+
+
 def render(results: Dict[str, List[Dict]]) -> str:
     lines = [
         "| trace | B | HiSparse | ours | ours + prefetch: demand | ratio | prefetch "
@@ -157,6 +178,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[4160]
     )
     p.add_argument("--window", type=int, default=64)
+    p.add_argument(
+        "--served-to-layers",
+        type=int,
+        help="replay each trace as the top-k override serves it to a model with "
+        "this many layers (3: the tiny model of the server benchmark)",
+    )
     return p.parse_args(argv)
 
 
@@ -166,6 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for spec in args.traces:
         name, _, path = spec.partition("=")
         trace = load_trace(path)
+        if args.served_to_layers:
+            trace = as_served(trace, args.served_to_layers)
         results[name] = [study(trace, b, args.window) for b in args.budgets]
     md = render(results)
     print(md, end="")

@@ -62,6 +62,82 @@ class TestCrossLayerPrefetchOption(unittest.TestCase):
         self.assertEqual(m.group(2), "77")
 
 
+class TestPrefetchServerSideBySide(unittest.TestCase):
+    ENV_VAR = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
+
+    def test_same_flags_plus_the_env_var(self):
+        argv = ["--out", "/tmp/x", "--servers", "baseline,ours,ours_prefetch"]
+        args = bench_server.parse_args(argv)
+        args.record = False
+        args.host_pool_gb = 8
+        args.max_running_requests = 4
+        args.mem_fraction_static = 0.03
+        specs = bench_server.server_specs(args)
+        self.assertEqual(specs["ours_prefetch"], specs["ours"])
+        self.assertEqual(
+            bench_server.server_env(args, "ours_prefetch")[self.ENV_VAR], "1"
+        )
+        self.assertNotIn(self.ENV_VAR, bench_server.server_env(args, "ours"))
+        self.assertEqual(
+            bench_server.parse_args(["--out", "/tmp/x"]).servers,
+            "baseline,ours,hisparse",
+        )
+
+    def test_unknown_server_is_refused(self):
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as out:
+            with self.assertRaises(SystemExit) as ctx:
+                bench_server.main(["--out", out, "--servers", "ours,ours_prefech"])
+        self.assertIn("ours_prefech", str(ctx.exception))
+
+    def test_report_has_a_misses_column_per_offload_server(self):
+        def point(itl, misses):
+            server = {"throughput_tok_s": 1000.0 / itl, "itl_ms": itl}
+            if misses is not None:
+                server.update(
+                    misses_per_step=3 * misses, misses_per_req_layer_step=misses
+                )
+            return {
+                "ctx": 16384,
+                "conc": 1,
+                "at_capacity": False,
+                "server": server,
+                "client": {},
+            }
+
+        result = {
+            "config": {
+                "topk": "override",
+                "trace": "/tmp/t.npz",
+                "mode": "quick",
+                "kv_budget_gib": 4.0,
+                "mem_fraction_static": 0.03,
+                "mem_fraction_how": "given",
+                "max_running_requests": 8,
+                "new_tokens": 256,
+                "repeats": 3,
+                "decode_log_interval": 32,
+                "layers": 3,
+                "started": "now",
+                "wall_s": 1.0,
+                "cap_contexts": [],
+            },
+            "servers": {
+                "baseline": {"points": [point(1.5, None)]},
+                "ours": {"points": [point(1.8, 1100)]},
+                "ours_prefetch": {"points": [point(1.7, 430)]},
+            },
+        }
+        md = bench_server.render_markdown([result])
+        self.assertIn("ours misses/step (per req-layer)", md)
+        self.assertIn("ours + prefetch misses/step (per req-layer)", md)
+        row = next(l for l in md.splitlines() if l.startswith("| 16K | 1 |"))
+        self.assertIn("| 3300 (1100) | 1290 (430) |", row)
+        header = next(l for l in md.splitlines() if l.startswith("| context | batch"))
+        self.assertEqual(header.count("|"), row.count("|"))
+
+
 class TestDecodeLog(unittest.TestCase):
     def test_figures_at_the_full_batch(self):
         text = "\n".join(

@@ -393,6 +393,28 @@ class TestPrefetchStudy(unittest.TestCase):
         self.assertEqual(p["demand"], p["ours"])
         self.assertEqual(r["consecutive_layer_pairs"], 0)
 
+    def test_served_to_a_smaller_model(self):
+        # Layers 0, 20, 40 of a 61-layer trace (plus 30, unused) served to a
+        # 3-layer model become its consecutive layers 0, 1, 2: the prefetch
+        # then applies, as in the live server.
+        base = _random_trace(8, S=10, L=4, B=2, K=32, max_len=300)
+        trace = NSATopkTrace(
+            base.topk,
+            base.seq_lens,
+            [0, 20, 31, 60],
+            base.request_ids,
+            {"num_model_layers": 61},
+        )
+        served = prefetch_study.as_served(trace, 3)
+        self.assertEqual(served.layer_ids.tolist(), [0, 1, 2])
+        self.assertEqual(served.metadata["num_model_layers"], 3)
+        # model layer 1 -> target 30 -> nearest trace layer 31
+        for i, src in enumerate([0, 2, 3]):
+            np.testing.assert_array_equal(served.topk[:, i], trace.topk[:, src])
+        r = prefetch_study.study(served, 48, 8, 2)
+        self.assertEqual(r["consecutive_layer_pairs"], 2)
+        self.assertGreater(r["per_row"]["prefetch"], 0)
+
 
 if __name__ == "__main__":
     unittest.main()
