@@ -519,18 +519,11 @@ def write_throughput_report(rows: list, out: str) -> None:
             f"| {r['length']} | {' | '.join(cells)} | {ratio(r, 'offload', 'baseline')} "
             f"| {ratio(r, 'offload', 'hisparse')} |"
         )
-    with open(os.path.join(out, "throughput.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    _write_table(lines, os.path.join(out, "throughput.md"))
+    plot = _length_plot(rows)
+    if plot is None:
         return
-    x = [r["length"] // 1024 for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax, x = plot
     for kind, label in (
         ("baseline", "no offload"),
         ("offload", "ours"),
@@ -538,15 +531,45 @@ def write_throughput_report(rows: list, out: str) -> None:
     ):
         y = [((r.get("throughput") or {}).get(kind) or {}) for r in rows]
         ax.plot(x, [t.get("tokens_per_s") for t in y], "o-", label=label)
+    _save_length_plot(
+        fig,
+        ax,
+        x,
+        "decode tokens/s, each server at its capacity",
+        os.path.join(out, "throughput.png"),
+    )
+
+
+def _write_table(lines: list, path: str) -> None:
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+def _length_plot(rows: list):
+    """(figure, axes, x in K tokens) for a curve over request lengths; None
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    return fig, ax, [r["length"] // 1024 for r in rows]
+
+
+def _save_length_plot(fig, ax, x: list, ylabel: str, path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(x)
     ax.set_xticklabels([f"{v}K" for v in x])
     ax.set_xlabel("request length (tokens)")
-    ax.set_ylabel("decode tokens/s, each server at its capacity")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "throughput.png"), dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 def _peak(row: dict, server: str) -> str:
@@ -589,18 +612,11 @@ def write_capacity_report(rows: list, out: str, sizing: str = "colocated") -> No
                 f"{r.get('vs_hisparse_equal_bytes', nan):.2f} |"
             )
         lines.append(line)
-    with open(os.path.join(out, "capacity.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    _write_table(lines, os.path.join(out, "capacity.md"))
+    plot = _length_plot(rows)
+    if plot is None:
         return
-    x = [r["length"] // 1024 for r in rows]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax, x = plot
     ax.plot(
         x, [r["bound"] for r in rows], "k--", label="bound L(656+132)/(L 132 + R 656)"
     )
@@ -622,15 +638,13 @@ def write_capacity_report(rows: list, out: str, sizing: str = "colocated") -> No
         "^-.",
         label=f"sizing model ({sizing})",
     )
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(x)
-    ax.set_xticklabels([f"{v}K" for v in x])
-    ax.set_xlabel("request length (tokens)")
-    ax.set_ylabel("running requests: offload / no offload")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "capacity.png"), dpi=110)
+    _save_length_plot(
+        fig,
+        ax,
+        x,
+        "running requests: offload / no offload",
+        os.path.join(out, "capacity.png"),
+    )
 
 
 def _pool_servers(run_dir: str) -> dict:
@@ -732,9 +746,7 @@ def pool_report(args) -> list:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "pool_capacity.json"), "w") as f:
         json.dump({"config": vars(args), "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "pool_capacity.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    _write_table(lines, os.path.join(args.out, "pool_capacity.md"))
     return rows
 
 
