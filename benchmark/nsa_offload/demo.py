@@ -9,7 +9,9 @@ reference engine (``LRUCacheState(use_triton=False)`` against the replay model).
 On a GPU host with sglang 0.5.12.post1 installed and patched, it runs the
 server comparison instead (:func:`run_gpu_comparison`): real servers without
 and with ``--enable-decode-nsa-kv-offload``, identical greedy outputs, peak
-running requests at the same GPU memory budget.
+running requests at the same GPU memory budget; then (not with ``--quick``)
+PD decode servers at 128K, no offload vs ours vs HiSparse, for the capacity
+headline (``results/h200_pd_decode_s4/``).
 
 Usage (repository root)::
 
@@ -63,6 +65,7 @@ def detect_gpu_stack() -> GpuStack:
 
 
 # The server comparison the H200 results were made with (results/h200_e2e).
+# Colocated servers: exactness of 32 requests + capacity at 32K.
 GPU_E2E_ARGS = [
     "--num-requests", "32", "--min-len", "3000", "--max-len", "30000",
     "--max-new-tokens", "256", "--concurrency", "16",
@@ -71,6 +74,15 @@ GPU_E2E_ARGS = [
     "--host-pool-gb", "8", "--capacity-length", "32768",
     "--capacity-new-tokens", "512",
 ]  # fmt: skip
+# PD decode servers (fake transfer): capacity at 128K, as in
+# results/h200_pd_decode_s4/run_128k.
+GPU_PD_CAPACITY_ARGS = [
+    "--pd-decode", "--servers", "baseline,offload,hisparse", "--num-requests", "0",
+    "--mem-fraction-static", "0.0324", "--context-length", "135680",
+    "--host-pool-gb", "24", "--max-running-baseline", "256",
+    "--capacity-lengths", "131072", "--capacity-new-tokens", "4096",
+    "--capacity-oversubscribe", "1.1",
+]  # fmt: skip
 
 
 def run_gpu_comparison(args: argparse.Namespace) -> int:
@@ -78,10 +90,16 @@ def run_gpu_comparison(args: argparse.Namespace) -> int:
     outputs, peak running requests at the same memory budget, idle check."""
     import subprocess
 
-    out = args.out_dir or Path("/tmp/nsa_offload_demo")
-    cmd = [sys.executable, str(HERE / "e2e_server.py"), "--out", str(out)]
-    print("$", " ".join(cmd + GPU_E2E_ARGS), flush=True)
-    return subprocess.call(cmd + GPU_E2E_ARGS, cwd=str(HERE))
+    out = Path(args.out_dir or "/tmp/nsa_offload_demo")
+    runs = [("colocated", GPU_E2E_ARGS)]
+    if not args.quick:
+        runs.append(("pd_decode_128k", GPU_PD_CAPACITY_ARGS))
+    rc = 0
+    for name, run_args in runs:
+        cmd = [sys.executable, str(HERE / "e2e_server.py"), "--out", str(out / name)]
+        print(f"\n== {name}\n$", " ".join(cmd + run_args), flush=True)
+        rc = subprocess.call(cmd + run_args, cwd=str(HERE)) or rc
+    return rc
 
 
 def run_cpu_replay(args: argparse.Namespace) -> int:
