@@ -336,10 +336,10 @@ def _unzipped(run_dir: str) -> str:
 
 def load_run(run_dir: str, new_tokens: int) -> tuple:
     """(no-offload result, {length: offload result}, HiSparse result or None)
-    of an earlier run: its
-    ``e2e_server.json``, or, for a run cut before writing it, this script's
-    own output (``RUN_DIR/driver.log``: predicted / sent / peak per phase)
-    and the server logs (memory). Requests completed are then unknown."""
+    of an earlier run: its ``e2e_server.json``, or, for a run cut before
+    writing it, this script's own output (``RUN_DIR/driver.log``: predicted /
+    sent / peak per phase) and the server logs (memory). Requests completed
+    are then unknown."""
     run_dir = _unzipped(run_dir)
     path = os.path.join(run_dir, "e2e_server.json")
     if os.path.exists(path):

@@ -30,8 +30,9 @@ prefill staging; the offload gets the region count of the decode-only sizing
 model. No exactness requests there (the KV is not real). Requests arrive
 without prefill and finish fast: give them enough new tokens to still be
 decoding when the last one is admitted (``--capacity-new-tokens 4096`` at
-128K); a phase whose peak stays below the prediction is reported as not
-saturated.
+128K); every server reserves that whole output at admission
+(``--num-reserved-decode-tokens``), so none over-admits and retracts; a phase
+whose peak stays below the prediction is reported as not saturated.
 
     python benchmark/nsa_offload/e2e_server.py --out DIR [--capacity-lengths 16384,131072]
 """
