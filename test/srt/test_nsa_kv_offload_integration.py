@@ -333,6 +333,19 @@ class TestServerArgsToPools(unittest.TestCase):
         mr._profile_available_bytes = lambda pre_model_load_memory: available_bytes
         return mr
 
+    def test_cuda_graph_coverage_warning(self):
+        from sglang.srt.managers.nsa_kv_offload_coordinator import (
+            cuda_graph_coverage_warning,
+        )
+
+        args = self._server_args(cuda_graph_max_bs=256, disable_cuda_graph=False)
+        self.assertIsNone(cuda_graph_coverage_warning(args, 256))
+        warning = cuda_graph_coverage_warning(args, 270)
+        self.assertIn("270 decode regions", warning)
+        self.assertIn("--cuda-graph-max-bs 270", warning)
+        args.disable_cuda_graph = True  # eager anyway: nothing to say
+        self.assertIsNone(cuda_graph_coverage_warning(args, 270))
+
     def test_configurator_fields(self):
         from sglang.srt.model_executor.pool_configurator import (
             create_memory_pool_configurator,

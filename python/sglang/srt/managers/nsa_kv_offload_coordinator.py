@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -342,6 +342,22 @@ def create_nsa_kv_offload_allocator(model_runner, need_sort: bool):
     )
 
 
+def cuda_graph_coverage_warning(server_args, num_regions: int) -> Optional[str]:
+    """A warning when decode batches can outgrow the captured CUDA graphs: the
+    offload's decode regions allow more running requests than upstream's
+    default ``--cuda-graph-max-bs``, and larger batches then run eagerly (on
+    the H200, 12.5 ms instead of ~4 ms per step at 257 requests)."""
+    max_bs = server_args.cuda_graph_max_bs
+    if server_args.disable_cuda_graph or not max_bs or num_regions <= max_bs:
+        return None
+    return (
+        f"NSA KV offload: {num_regions} decode regions (--max-running-requests) but "
+        f"CUDA graphs only up to batch {max_bs}: decode batches above it run "
+        f"without CUDA graphs, several times slower per step; set "
+        f"--cuda-graph-max-bs {num_regions} to capture them all."
+    )
+
+
 def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     from sglang.srt.configs.model_config import get_nsa_index_topk
     from sglang.srt.utils import get_bool_env_var
@@ -354,6 +370,9 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         "--max-running-requests trades decode regions for token locs.",
         sizes.describe_capacity(model_runner.model_config.context_len),
     )
+    warning = cuda_graph_coverage_warning(sa, model_runner.max_running_requests)
+    if warning:
+        logger.warning(warning)
     return NSAKVOffloadCoordinator(
         kv_pool=model_runner.token_to_kv_pool,
         allocator=model_runner.token_to_kv_pool_allocator,
