@@ -22,7 +22,9 @@ Each server gets the same workload:
 
 The test checks identical ``output_ids`` for every phase and a healthy server,
 also for a third server with the experimental cross-layer prefetch
-(``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``). A second class starts a PD
+(``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``). A subclass repeats the
+no-offload / offload comparison with a bf16 KV cache (FlashMLA sparse decode,
+``--nsa-decode-backend flashmla_sparse``). Another class starts a PD
 decode server (``--disaggregation-mode decode``, sglang's fake KV transfer: no
 prefill server, KV unwritten, so no output comparison) with the offload and
 checks that it admits, decodes, idles and still serves.
@@ -254,6 +256,11 @@ def _kill(process) -> None:
 class TestDecodeNSAKVOffload(CustomTestCase):
     """Same greedy outputs with and without the decode NSA KV offload."""
 
+    # KV dtype and NSA backends of every server of the class (fp8 + FlashMLA
+    # fp8 decode; the bf16 subclass swaps them) and its servers.
+    KV_ARGS: List[str] = []
+    SERVERS = ("baseline", "offload", "offload_prefetch")
+
     @classmethod
     def setUpClass(cls):
         try:
@@ -282,13 +289,17 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         }
         common = ["--max-running-requests", str(MAX_RUNNING_REQUESTS)]
         cls.results = {}
-        cls.results["baseline"] = cls._run_server("baseline", common)
-        cls.results["offload"] = cls._run_server("offload", common + OFFLOAD_ARGS)
-        cls.results["offload_prefetch"] = cls._run_server(
-            "offload_prefetch",
-            common + OFFLOAD_ARGS,
-            {"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
-        )
+        servers = {
+            "baseline": (common, None),
+            "offload": (common + OFFLOAD_ARGS, None),
+            "offload_prefetch": (
+                common + OFFLOAD_ARGS,
+                {"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
+            ),
+        }
+        for name in cls.SERVERS:
+            args, env = servers[name]
+            cls.results[name] = cls._run_server(name, cls.KV_ARGS + args, env)
 
     @classmethod
     def tearDownClass(cls):
@@ -312,6 +323,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
             cls.model_dir,
             cls.base_url,
             timeout=DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
+            # later flags win: KV_ARGS may override BASE_ARGS' dtype/backends
             other_args=BASE_ARGS + extra_args,
             env=_launch_env(cls.tmp_dir, extra_env),
             return_stdout_stderr=(out, err),
@@ -412,13 +424,15 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         self._assert_phase_identical("after_short")
 
     def test_cross_layer_prefetch_outputs_identical(self):
+        if "offload_prefetch" not in self.SERVERS:
+            self.skipTest("no prefetch server in this class")
         for phase in ("main", "short", "after_short"):
             self._assert_phase_identical(phase, offload="offload_prefetch")
         log = self.results["offload_prefetch"]["log_tail"]
         self.assertEqual(_unexpected_tracebacks(log), 0, log)
 
     def test_server_healthy_after_idle(self):
-        for name in ("baseline", "offload", "offload_prefetch"):
+        for name in self.SERVERS:
             result = self.results[name]
             msg = f"{name} server log tail:\n{result['log_tail']}"
             self.assertTrue(result["alive_after_idle"], msg)
@@ -430,6 +444,22 @@ class TestDecodeNSAKVOffload(CustomTestCase):
             self.results["baseline"]["after_idle"],
             self.results["offload"]["after_idle"],
         )
+
+
+@unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
+class TestDecodeNSAKVOffloadBF16(TestDecodeNSAKVOffload):
+    """The same with a bf16 KV cache: FlashMLA sparse prefill and decode
+    (``flashmla_sparse``), the offload's other supported pair."""
+
+    KV_ARGS = [
+        "--kv-cache-dtype",
+        "bfloat16",
+        "--nsa-prefill-backend",
+        "flashmla_sparse",
+        "--nsa-decode-backend",
+        "flashmla_sparse",
+    ]
+    SERVERS = ("baseline", "offload")
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
