@@ -291,31 +291,38 @@ def prev_layer_index(trace: NSATopkTrace) -> List[Optional[int]]:
     return [where.get(lid - 1) for lid in ids]
 
 
+def request_layer_steps(trace: NSATopkTrace):
+    """(step, request column, sequence length, layer index, request's largest
+    sequence length) for every (step, request present, layer), in replay order."""
+    S, L = trace.topk.shape[:2]
+    max_pos = trace.seq_lens.max(axis=0)
+    for s in range(S):
+        for b in np.nonzero(trace.seq_lens[s] > 0)[0]:
+            n = int(trace.seq_lens[s, b])
+            for li in range(L):
+                yield s, int(b), n, li, int(max_pos[b])
+
+
 def replay_misses(
     trace: NSATopkTrace, make: Callable[[int], object], use_hint: bool = False
 ) -> np.ndarray:
     """Misses (S, L, B) of one policy; per (layer, request) independent states."""
     S, L, B, _ = trace.topk.shape
     out = np.zeros((S, L, B), dtype=np.int64)
-    max_pos = trace.seq_lens.max(axis=0)
     prev = prev_layer_index(trace)
     states: Dict[Tuple[int, int], object] = {}
-    for s in range(S):
-        for b in np.nonzero(trace.seq_lens[s] > 0)[0]:
-            n = int(trace.seq_lens[s, b])
-            for li in range(L):
-                key = (li, int(b))
-                if key not in states:
-                    states[key] = make(int(max_pos[b]))
-                ctx = {}
-                if use_hint and prev[li] is not None:
-                    pl = prev[li]
-                    row = trace.topk[s, pl, b]
-                    row = row[(row >= 0) & (row < n)]
-                    mark = np.zeros(n, dtype=np.int32)
-                    mark[row] = 1
-                    ctx["prev_mark"] = mark
-                out[s, li, b] = states[key].step(trace.topk[s, li, b], n, ctx)
+    for s, b, n, li, max_pos in request_layer_steps(trace):
+        key = (li, b)
+        if key not in states:
+            states[key] = make(max_pos)
+        ctx = {}
+        if use_hint and prev[li] is not None:
+            row = trace.topk[s, prev[li], b]
+            row = row[(row >= 0) & (row < n)]
+            mark = np.zeros(n, dtype=np.int32)
+            mark[row] = 1
+            ctx["prev_mark"] = mark
+        out[s, li, b] = states[key].step(trace.topk[s, li, b], n, ctx)
     return out
 
 

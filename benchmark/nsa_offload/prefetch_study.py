@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from policy_study import prev_layer_index  # noqa: E402
+from policy_study import prev_layer_index, request_layer_steps  # noqa: E402
 from replay import DEFAULT_WARMUP, HiSparseLRU, OursLRU, steady_mask  # noqa: E402
 from trace_format import NSATopkTrace, load_trace  # noqa: E402
 
@@ -45,40 +45,35 @@ def study(
 ) -> Dict:
     """Misses per (request, layer, step) of HiSparse, ours and ours + prefetch
     at ``budget`` GPU rows per (request, layer)."""
-    S, L, B, _ = trace.topk.shape
+    L = trace.topk.shape[1]
     lru_slots = budget - window
     steady = steady_mask(trace, warmup)
-    max_pos = trace.seq_lens.max(axis=0)
     prev = prev_layer_index(trace)  # the model layer before, if recorded
     states: Dict[tuple, tuple] = {}
     totals = dict.fromkeys(("hisparse", "ours", "demand", "prefetch"), 0)
-    for s in range(S):
-        for b in np.nonzero(trace.seq_lens[s] > 0)[0]:
-            n = int(trace.seq_lens[s, b])
-            for li in range(L):
-                key = (li, int(b))
-                if key not in states:
-                    m = int(max_pos[b])
-                    states[key] = (
-                        HiSparseLRU(budget - 1, m),
-                        OursLRU(lru_slots, window, m),
-                        OursLRU(lru_slots, window, m),
-                    )
-                his, ours, pre = states[key]
-                pos = trace.topk[s, li, b]
-                counts = {
-                    "hisparse": his.step(pos, n).misses,
-                    "ours": ours.step(pos, n).misses,
-                    "prefetch": (
-                        0
-                        if prev[li] is None
-                        else pre.step(trace.topk[s, prev[li], b], n).misses
-                    ),
-                }
-                counts["demand"] = pre.step(pos, n).misses
-                if steady[s, b]:
-                    for k, v in counts.items():
-                        totals[k] += v
+    for s, b, n, li, max_pos in request_layer_steps(trace):
+        key = (li, b)
+        if key not in states:
+            states[key] = (
+                HiSparseLRU(budget - 1, max_pos),
+                OursLRU(lru_slots, window, max_pos),
+                OursLRU(lru_slots, window, max_pos),
+            )
+        his, ours, pre = states[key]
+        pos = trace.topk[s, li, b]
+        counts = {
+            "hisparse": his.step(pos, n).misses,
+            "ours": ours.step(pos, n).misses,
+            "prefetch": (
+                0
+                if prev[li] is None
+                else pre.step(trace.topk[s, prev[li], b], n).misses
+            ),
+        }
+        counts["demand"] = pre.step(pos, n).misses
+        if steady[s, b]:
+            for k, v in counts.items():
+                totals[k] += v
     rows = max(int(steady.sum()) * L, 1)
     per = {k: v / rows for k, v in totals.items()}
     his = per["hisparse"] or 1.0
