@@ -43,20 +43,10 @@ import os
 import re
 import time
 
-from capacity import (
-    PAGE,
-    capacity_rows,
-    memory_from_log,
-    offload_regions_for,
-    scan_log,
-    write_capacity_report,
-)
-from server_utils import (
-    HISPARSE_ARGS,
-    PD_DECODE_FAKE_ARGS,
-    Server,
-    random_prompts,
-)
+from capacity import (PAGE, capacity_rows, memory_from_log,
+                      offload_regions_for, scan_log, write_capacity_report)
+from server_utils import (HISPARSE_ARGS, KV_DTYPE_ARGS, PD_DECODE_FAKE_ARGS,
+                          Server, random_prompts)
 
 OFFLOAD_LOG_RE = re.compile(
     r"#running-req: (\d+).*nsa-offload hit rate: ([0-9.]+), misses: (\d+), "
@@ -182,7 +172,7 @@ def run_server(name, extra_args, args, prompts, lengths):
     return result
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--servers", default="baseline,offload")
@@ -227,6 +217,12 @@ def main():
         help="e2e_server.json of an earlier run whose no-offload results the "
         "capacity report compares with (with --servers offload)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(KV_DTYPE_ARGS),
+        default="fp8_e4m3",
+        help="KV dtype of every server (bfloat16: FlashMLA sparse decode)",
+    )
     p.add_argument("--capacity-new-tokens", type=int, default=512)
     p.add_argument("--capacity-oversubscribe", type=float, default=1.25)
     p.add_argument(
@@ -239,24 +235,18 @@ def main():
     p.add_argument("--port", type=int, default=31000)
     p.add_argument("--idle-wait", type=float, default=8.0)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    servers = args.servers.split(",")
-    if args.pd_decode and args.num_requests:
-        raise SystemExit(
-            "--pd-decode takes --num-requests 0: the fake transfer backend "
-            "leaves the KV unwritten, so outputs cannot be compared"
-        )
+    return p.parse_args(argv)
 
-    step = (args.max_len - args.min_len) / max(args.num_requests - 1, 1)
-    lengths = [int(args.min_len + i * step) for i in range(args.num_requests)]
-    prompts = random_prompts(lengths, args.seed) if args.num_requests else []
+
+def common_server_args(args) -> list:
+    """Flags every server of the run gets (after server_utils.BASE_ARGS)."""
     common = [
         "--mem-fraction-static",
         str(args.mem_fraction_static),
         "--decode-log-interval",
         "10",
     ]
+    common += KV_DTYPE_ARGS[args.kv_cache_dtype]
     if args.context_length:
         common += ["--context-length", str(args.context_length)]
     if args.pd_decode:
@@ -266,6 +256,30 @@ def main():
         # (NSATokenToKVPool.get_cpu_copy has no mamba_indices argument).
         reserved = max(512, args.capacity_new_tokens)
         common += PD_DECODE_FAKE_ARGS + ["--num-reserved-decode-tokens", str(reserved)]
+    return common
+
+
+def main():
+    args = parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    servers = args.servers.split(",")
+    if args.pd_decode and args.num_requests:
+        raise SystemExit(
+            "--pd-decode takes --num-requests 0: the fake transfer backend "
+            "leaves the KV unwritten, so outputs cannot be compared"
+        )
+
+    if args.kv_cache_dtype != "fp8_e4m3" and "hisparse" in servers:
+        raise SystemExit(
+            "hisparse runs with fp8 KV only here (HISPARSE_ARGS pins FlashMLA "
+            "fp8 prefill and decode); drop it from --servers for "
+            f"--kv-cache-dtype {args.kv_cache_dtype}"
+        )
+
+    step = (args.max_len - args.min_len) / max(args.num_requests - 1, 1)
+    lengths = [int(args.min_len + i * step) for i in range(args.num_requests)]
+    prompts = random_prompts(lengths, args.seed) if args.num_requests else []
+    common = common_server_args(args)
 
     def offload_args(regions):
         extra = [

@@ -39,6 +39,18 @@ BASE_ARGS = [
     "--disable-radix-cache",
 ]
 
+# The other KV dtype the offload supports: bf16 KV, FlashMLA sparse prefill
+# and decode. Appended after BASE_ARGS (sglang's argparse: the later flag wins).
+BF16_KV_ARGS = [
+    "--kv-cache-dtype",
+    "bfloat16",
+    "--nsa-prefill-backend",
+    "flashmla_sparse",
+    "--nsa-decode-backend",
+    "flashmla_sparse",
+]
+KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
+
 # Upstream HiSparse, the peer (seen working on the H200, ../shared/DEVICE.md):
 # with fp8 KV it insists on FlashMLA fp8 for prefill as well.
 HISPARSE_CONFIG = {"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 4}

@@ -265,6 +265,53 @@ class TestOffloadLogLine(unittest.TestCase):
         self.assertEqual(rows[1]["h2d_gbps"], 2.0)
 
 
+class TestServerCommand(unittest.TestCase):
+    """What the servers of an e2e run are launched with, as sglang's own CLI
+    parser reads it (the later of two equal flags wins)."""
+
+    def _launch_args(self, argv):
+        import argparse
+
+        import e2e_server
+        from server_utils import BASE_ARGS
+        from sglang.srt.server_args import ServerArgs
+
+        args = e2e_server.parse_args(["--out", "unused"] + argv)
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        cmd = ["--model-path", "m", *BASE_ARGS, *e2e_server.common_server_args(args)]
+        return parser.parse_args(cmd)
+
+    def test_kv_cache_dtype(self):
+        fp8 = self._launch_args([])
+        self.assertEqual(fp8.kv_cache_dtype, "fp8_e4m3")
+        self.assertEqual(fp8.nsa_decode_backend, "flashmla_kv")
+        bf16 = self._launch_args(["--kv-cache-dtype", "bfloat16"])
+        self.assertEqual(bf16.kv_cache_dtype, "bfloat16")
+        self.assertEqual(bf16.nsa_prefill_backend, "flashmla_sparse")
+        self.assertEqual(bf16.nsa_decode_backend, "flashmla_sparse")
+        self.assertEqual(bf16.mem_fraction_static, 0.7)
+
+    def test_pd_decode_reserves_the_output(self):
+        parsed = self._launch_args(
+            ["--pd-decode", "--num-requests", "0", "--capacity-new-tokens", "4096"]
+        )
+        self.assertEqual(parsed.disaggregation_mode, "decode")
+        self.assertEqual(parsed.num_reserved_decode_tokens, 4096)
+
+    def test_bf16_refuses_hisparse(self):
+        import e2e_server
+
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["e2e_server.py", "--out", out, "--kv-cache-dtype", "bfloat16"]
+            with mock.patch.object(
+                sys, "argv", argv + ["--servers", "baseline,hisparse"]
+            ):
+                with self.assertRaises(SystemExit) as ctx:
+                    e2e_server.main()
+        self.assertIn("fp8 KV only", str(ctx.exception))
+
+
 class TestPredictCapacity(unittest.TestCase):
     def test_caps(self):
         import e2e_server
