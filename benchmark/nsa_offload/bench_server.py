@@ -1195,7 +1195,7 @@ def _misses_cell(ours: dict, ctx: int, conc: int) -> str:
 
 def _replay_cell(srv: dict, ctx: int, conc: int) -> str:
     # The top-k recorded in ours' server; another server's if ours has none.
-    for k in ("ours", "hisparse", "baseline"):
+    for k in ("ours", "ours_prefetch", "hisparse", "baseline"):
         p = _point(srv.get(k, {}), ctx, conc)
         rp = (p or {}).get("replay") or {}
         if "ours" in rp:
