@@ -43,10 +43,21 @@ import os
 import re
 import time
 
-from capacity import (PAGE, capacity_rows, memory_from_log,
-                      offload_regions_for, scan_log, write_capacity_report)
-from server_utils import (HISPARSE_ARGS, KV_DTYPE_ARGS, PD_DECODE_FAKE_ARGS,
-                          Server, random_prompts)
+from capacity import (
+    PAGE,
+    capacity_rows,
+    memory_from_log,
+    offload_regions_for,
+    scan_log,
+    write_capacity_report,
+)
+from server_utils import (
+    HISPARSE_ARGS,
+    KV_DTYPE_ARGS,
+    PD_DECODE_FAKE_ARGS,
+    Server,
+    random_prompts,
+)
 
 OFFLOAD_LOG_RE = re.compile(
     r"#running-req: (\d+).*nsa-offload hit rate: ([0-9.]+), misses: (\d+), "
