@@ -59,6 +59,7 @@ HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
+import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
@@ -876,7 +877,10 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
         # The same requests again (greedy: the same work) for a median; a
         # point at capacity runs once (its prefill dominates).
         reps = 1 if at_cap else args.repeats
-        est = reps * (ctx * conc / prefill_rate + args.new_tokens * 0.01 + 10)
+        profiled = bool(args.profile_steps) and not at_cap
+        est = (reps + profiled) * (
+            ctx * conc / prefill_rate + args.new_tokens * 0.01 + 10
+        )
         if cap is not None and conc > cap:
             point["skipped"] = f"concurrency {conc} > capacity {cap}"
         elif time.time() + est > share_end:
@@ -920,6 +924,18 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
             f"{_fmt(c.get('itl_ms_p50'), '{:.2f}')} ms, misses/step "
             f"{_fmt(s.get('misses_per_step'), '{:.0f}')}, errors {point['num_errors']}"
         )
+        if profiled:
+            point["profile"] = step_profile.profile_point(
+                server,
+                lambda: run_point(server, ctx, conc, args.new_tokens, 1000 + i, 300),
+                conc,
+                args.profile_steps,
+                args.out,
+                f"{kind}_{ctx}x{conc}",
+            )
+            log(
+                f"[{kind}] ctx {ctx} x {conc}: profile {_profile_line(point['profile'])}"
+            )
         points.append(point)
         if recorder_ok:
             # The ring holds about one run: write it now (server idle).
@@ -1126,6 +1142,7 @@ def render_markdown(results: List[dict]) -> str:
                 + f" | {_replay_cell(srv, ctx, conc)} |"
             )
         out += _cap_table(srv, kinds)
+        out += _profile_table(srv, kinds)
         out += ["", *_targets_md(t), ""]
         for k in kinds:
             rec = srv[k].get("recording")
@@ -1181,6 +1198,60 @@ def _cap_table(srv: dict, kinds: List[str]) -> List[str]:
         "| context | server | requests (decoding at once) | tok/s | ITL ms "
         "| misses/step | replayed misses per req-layer-step ours / HiSparse |",
         "|---:|---|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
+PROFILE_COLUMNS = ("swap", "h2d_copy", "prefetch_swap", "prefetch_h2d_copy", "backup")
+
+
+def _profile_line(prof: dict) -> str:
+    if "error" in prof:
+        return f"failed: {prof['error']}"
+    gpu = prof["gpu_us_per_step"]
+    return (
+        f"span {prof['span_ms_per_step']:.2f} ms/step, GPU busy "
+        f"{prof['gpu_busy_ms_per_step']:.2f} ms, "
+        + ", ".join(f"{k} {gpu[k]:.0f} us" for k in sorted(gpu))
+        + f", {prof['launches_per_step']:.0f} host launches/step"
+    )
+
+
+def _profile_table(srv: dict, kinds: List[str]) -> List[str]:
+    """Per decode step of the profiled runs (--profile-steps): GPU time of
+    the offload's kernels, the rest, and what the host launched."""
+    rows = []
+    for k in kinds:
+        for p in srv[k].get("points", []):
+            prof = p.get("profile")
+            if not prof:
+                continue
+            cells = [f"{p['ctx'] // 1024}K", str(p["conc"]), LABELS[k]]
+            if "error" in prof:
+                cells += [prof["error"]] + [""] * 10
+            else:
+                gpu = prof["gpu_us_per_step"]
+                cells += [
+                    f"{prof['span_ms_per_step']:.2f}",
+                    f"{prof['gpu_busy_ms_per_step']:.2f}",
+                    *(f"{gpu.get(c, 0.0):.0f}" for c in PROFILE_COLUMNS),
+                    f"{gpu.get('hisparse', 0.0):.0f}",
+                    f"{gpu.get('other', 0.0):.0f}",
+                    f"{prof['launches_per_step']:.1f}",
+                    f"{prof['launch_cpu_us_per_step']:.0f}",
+                ]
+            rows.append("| " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        "Profiled decode steps (one extra run per point, torch profiler on: "
+        "slower than the runs above; per step, GPU times in us):",
+        "",
+        "| context | batch | server | span ms | GPU busy ms | swap | miss copy "
+        "| prefetch swap | prefetch copy | backup | HiSparse | other kernels "
+        "| host launches | launch CPU us |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
 
@@ -1409,6 +1480,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--record-rows", type=int, default=2)
     p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="after a point's measured runs, run it once more and profile this "
+        "many decode steps (torch profiler: GPU time by kernel category, host "
+        "launches; step_profile.py); needs --no-record",
+    )
+    p.add_argument(
         "--keep-recordings",
         action="store_true",
         help="keep the recorded top-k files (topk_<server>_<topk>_<ctx>x<conc>.npz)",
@@ -1420,6 +1499,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="render the table and PNGs of earlier runs (no GPU)",
     )
     args = p.parse_args(argv)
+    if args.profile_steps and args.record and not args.plot_only:
+        # The recorder's ring would hold the profiled run, not the point's.
+        p.error("--profile-steps needs --no-record")
     for key, value in MODES[args.mode].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)

@@ -1,0 +1,202 @@
+"""Where a decode step's time goes: torch-profiler traces of a live server.
+
+``bench_server.py --profile-steps N`` runs each point once more after its
+measured runs and, while the requests decode, asks the server to profile N
+forward steps (sglang's ``/start_profile``, CPU + GPU activities). This module
+reads the chrome trace it writes and sums, per profiled step:
+
+* GPU kernel time by category: the offload's swap (``_swap_layer_kernel``),
+  its miss copy (``_gather_rows_kernel``), its new-token backup
+  (``_copy_rows_all_layers_kernel``), HiSparse's kernels, and everything else
+  (the model); the cross-layer prefetch runs the swap and copy kernels on a
+  second stream and is counted apart (``prefetch_*``);
+* GPU busy time (union of all kernel intervals) and the span from the first to
+  the last kernel (about the step time while profiled);
+* host-side launches (CUDA runtime/driver launch calls, graph launches) and
+  the CPU time spent in them: work that runs outside the CUDA graphs.
+
+The profiler slows the server down, so the absolute times are not the
+benchmark's ITL; the split between categories is what it is for.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import threading
+import time
+import urllib.request
+from typing import Dict, Iterable, List, Optional, Tuple
+
+# Kernel name fragments -> category (the first match wins).
+KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("swap", ("_swap_layer_kernel",)),
+    ("h2d_copy", ("_gather_rows_kernel",)),
+    ("backup", ("_copy_rows_all_layers_kernel",)),
+    ("hisparse", ("load_cache_to_device_buffer", "hisparse")),
+)
+OFFLOAD_PREFETCHABLE = ("swap", "h2d_copy")
+LAUNCH_CALLS = (
+    "cudaLaunchKernel",
+    "cudaLaunchKernelExC",
+    "cuLaunchKernel",
+    "cuLaunchKernelEx",
+    "cudaGraphLaunch",
+    "cudaMemcpyAsync",
+    "cudaMemsetAsync",
+)
+
+
+def kernel_category(name: str) -> str:
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(f in name for f in fragments):
+            return category
+    return "other"
+
+
+def _busy_us(intervals: Iterable[Tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def load_trace_events(path: str) -> List[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def summarize_events(events: List[dict], steps: int) -> dict:
+    """Per-step sums of one profiled window of ``steps`` forward steps."""
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if not kernels:
+        return {"error": "no GPU kernels in the trace"}
+    # The stream most kernels run on is the forward stream; the offload's
+    # kernels elsewhere are the prefetch (swap/copy) or the side-stream backup.
+    per_stream: Dict[object, int] = {}
+    for e in kernels:
+        s = e.get("args", {}).get("stream")
+        per_stream[s] = per_stream.get(s, 0) + 1
+    main_stream = max(per_stream, key=per_stream.get)
+    gpu_us: Dict[str, float] = {}
+    for e in kernels:
+        category = kernel_category(e.get("name", ""))
+        on_side = e.get("args", {}).get("stream") != main_stream
+        if on_side and category in OFFLOAD_PREFETCHABLE:
+            category = "prefetch_" + category
+        gpu_us[category] = gpu_us.get(category, 0.0) + float(e.get("dur", 0))
+    intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    launches = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and e.get("name") in LAUNCH_CALLS
+    ]
+    graph_launches = sum(e["name"] == "cudaGraphLaunch" for e in launches)
+    n = max(steps, 1)
+    return {
+        "steps": steps,
+        "span_ms_per_step": span / n / 1e3,
+        "gpu_busy_ms_per_step": _busy_us(intervals) / n / 1e3,
+        "gpu_us_per_step": {k: v / n for k, v in sorted(gpu_us.items())},
+        "kernels_per_step": len(kernels) / n,
+        "streams": len(per_stream),
+        "launches_per_step": (len(launches) - graph_launches) / n,
+        "graph_launches_per_step": graph_launches / n,
+        "launch_cpu_us_per_step": sum(float(e.get("dur", 0)) for e in launches) / n,
+    }
+
+
+def summarize_trace(path: str, steps: int) -> dict:
+    summary = summarize_events(load_trace_events(path), steps)
+    summary["trace"] = os.path.basename(path)
+    return summary
+
+
+def _newest_trace(directory: str, since: float) -> Optional[str]:
+    if not os.path.isdir(directory):
+        return None
+    found = [
+        os.path.join(directory, f)
+        for f in os.listdir(directory)
+        if f.endswith(".trace.json.gz")
+    ]
+    found = [p for p in found if os.path.getmtime(p) >= since]
+    return max(found, key=os.path.getmtime) if found else None
+
+
+def _wait_for_decode(log_path: str, offset: int, batch: int, timeout: float) -> bool:
+    """True once the log shows a decode line with ``batch`` running requests
+    after ``offset``."""
+    needle = f"#running-req: {batch},"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with open(log_path, errors="replace") as f:
+            f.seek(offset)
+            if any("Decode batch" in line and needle in line for line in f.readlines()):
+                return True
+        time.sleep(0.05)
+    return False
+
+
+def start_profile(url: str, output_dir: str, steps: int, prefix: str) -> None:
+    body = json.dumps(
+        {
+            "output_dir": output_dir,
+            "num_steps": steps,
+            "activities": ["CPU", "GPU"],
+            "profile_prefix": prefix,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/start_profile", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        r.read()
+
+
+def profile_point(server, run_requests, batch: int, steps: int, out_dir: str, label):
+    """Run ``run_requests()`` (one point's requests) in a thread and profile
+    ``steps`` forward steps once all ``batch`` requests decode together.
+    Returns the trace summary, or ``{"error": ...}``."""
+    offset = os.path.getsize(server.log_path)
+    done: dict = {}
+    worker = threading.Thread(target=lambda: done.update(result=run_requests()))
+    tic = time.time()
+    worker.start()
+    try:
+        if not _wait_for_decode(server.log_path, offset, batch, timeout=120):
+            return {"error": f"no decode line with {batch} running requests"}
+        trace_dir = os.path.join(out_dir, "profiles")
+        start_profile(server.url, trace_dir, steps, label)
+    except Exception as e:  # the point itself still completes
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        worker.join()
+    summary = None
+    for _ in range(120):  # the trace is written after the last step
+        path = _newest_trace(trace_dir, tic)
+        try:
+            summary = summarize_trace(path, steps) if path else None
+        except (OSError, EOFError, ValueError):  # still being written
+            summary = None
+        if summary is not None:
+            break
+        time.sleep(0.5)
+    if summary is None:
+        return {"error": "the server wrote no readable trace"}
+    summary["requests_errors"] = done.get("result", {}).get("num_errors")
+    return summary
