@@ -159,6 +159,9 @@ def start_profile(url: str, output_dir: str, steps: int, prefix: str) -> None:
             "num_steps": steps,
             "activities": ["CPU", "GPU"],
             "profile_prefix": prefix,
+            # Python stacks and shapes would multiply the trace's size.
+            "with_stack": False,
+            "record_shapes": False,
         }
     ).encode()
     req = urllib.request.Request(
