@@ -3,8 +3,10 @@
 On a machine without a GPU (the default today) it replays the embedded
 synthetic DeepSeek-V3.2 trace (``traces/dsv32_synth_default.npz``) through our
 policy and HiSparse's at equal GPU rows, prints the calibration of the trace,
-the P6 table (ours <= 0.8x HiSparse's misses) and the exactness line of the
-reference engine (``LRUCacheState(use_triton=False)`` against the replay model).
+the P6 table (ours <= 0.8x HiSparse's misses), the same with the experimental
+cross-layer prefetch (also on a generated trace of three adjacent layers) and
+the exactness line of the reference engine (``LRUCacheState(use_triton=False)``
+against the replay model).
 
 On a GPU host with sglang 0.5.12.post1 installed and patched, it runs the
 server comparison instead (:func:`run_gpu_comparison`): real servers without
@@ -32,7 +34,9 @@ from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import prefetch_study  # noqa: E402
 import replay  # noqa: E402
+import trace_gen  # noqa: E402
 from trace_format import load_trace  # noqa: E402
 from trace_gen import format_calibration_table  # noqa: E402
 
@@ -40,6 +44,12 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_TRACE = HERE / "traces" / "dsv32_synth_default.npz"
 QUICK_BUDGETS = "2560,4160,8192"
 QUICK_WINDOWS = "1,64,256"
+# The trace the H200 benchmark fed the 3-layer model for the prefetch
+# (results/h200_bench_server_s5/): three adjacent DeepSeek-V3.2 layers.
+ADJACENT_TRACE_ARGS = (
+    "--requests 2 --prompt-lens 16384,16384 --steps 128 --layers 29,30,31 --seed 0"
+)
+ENGINE_BUDGET, ENGINE_WINDOW = 4160, 64
 
 
 @dataclass
@@ -132,6 +142,7 @@ def run_cpu_replay(args: argparse.Namespace) -> int:
     # Print the P6 section and the exactness line (the full report is in --out-dir).
     p6 = md.split("## P6", 1)[1].split("## Ours:", 1)[0]
     print("\n== P6" + p6.rstrip())
+    print_prefetch_replay(trace)
     print("\n== Exactness of the reference engine\n")
     print(replay.engine_line(res["engine_check"]))
     if args.out_dir:
@@ -141,6 +152,43 @@ def run_cpu_replay(args: argparse.Namespace) -> int:
     if engine is not None and engine["status"] == "mismatch":
         return 1
     return 0
+
+
+def print_prefetch_replay(embedded) -> None:
+    """P6 with the experimental cross-layer prefetch: it loads layer l's top-k
+    into layer l+1 ahead of time, so it needs adjacent layers; the embedded
+    trace has one adjacent pair (20, 21), the generated one three layers."""
+    cmd = "python benchmark/nsa_offload/trace_gen.py --out X " + ADJACENT_TRACE_ARGS
+    gen = trace_gen.parse_args(["--out", "unused"] + ADJACENT_TRACE_ARGS.split())
+    adjacent, _ = trace_gen.build_trace(
+        trace_gen.config_from_args(gen), cmd, verbose=False
+    )
+    layers = ",".join(str(x) for x in embedded.layer_ids)
+    results = {
+        f"embedded (layers {layers})": [
+            prefetch_study.study(embedded, ENGINE_BUDGET, ENGINE_WINDOW)
+        ],
+        "adjacent layers 29,30,31": [
+            prefetch_study.study(adjacent, ENGINE_BUDGET, ENGINE_WINDOW)
+        ],
+    }
+    print(
+        "\n== P6 with the cross-layer prefetch "
+        "(SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1, experimental)\n"
+    )
+    print(f"Adjacent-layer trace: {cmd}")
+    print("Misses per (request, layer, step) at B = 4160; demand = what the attention")
+    print(
+        "waits for, prefetch loads move on a side stream while the layer before computes.\n"
+    )
+    print(prefetch_study.render(results).rstrip())
+    ratio = results["adjacent layers 29,30,31"][0]["demand_vs_hisparse"]
+    verdict = "met" if ratio <= 0.8 else "NOT MET"
+    print(
+        f"\n**P6 with the prefetch on adjacent layers: demand misses / HiSparse = "
+        f"{ratio:.3f} -> {verdict}** (target <= 0.8; the H200 run of this trace: "
+        "results/h200_bench_server_s5/)."
+    )
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
