@@ -166,10 +166,6 @@ class Server:
         except OSError:
             return ""
 
-    def get_json(self, path: str) -> dict:
-        with urllib.request.urlopen(self.url + path, timeout=30) as r:
-            return json.loads(r.read())
-
     def generate(self, input_ids: List[int], max_new_tokens: int) -> dict:
         payload = {
             "input_ids": input_ids,

@@ -155,6 +155,15 @@ class TestTraceFormat(unittest.TestCase):
             self.assertEqual(save_trace(path, t, compress=False), "dense")
             np.testing.assert_array_equal(load_trace(path).topk, t.topk)
 
+    def test_iter_batches(self):
+        t = _random_trace(5)
+        got = list(t.iter_batches())
+        self.assertEqual(len(got), t.num_steps * t.num_layers)
+        for s, li, cols, seq_lens, topk in got:
+            np.testing.assert_array_equal(cols, np.nonzero(t.seq_lens[s] > 0)[0])
+            np.testing.assert_array_equal(seq_lens, t.seq_lens[s, cols])
+            np.testing.assert_array_equal(topk, t.topk[s, li, cols])
+
     def test_version_and_validation(self):
         t = _random_trace(3)
         with tempfile.TemporaryDirectory() as d:
