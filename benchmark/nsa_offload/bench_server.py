@@ -1505,6 +1505,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for key, value in MODES[args.mode].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    # The profile starts at the first decode log line of the full batch and
+    # must end while it still decodes (a profiler left on would stop inside
+    # the next point and slow it down).
+    if args.profile_steps + 2 * args.decode_log_interval > args.new_tokens:
+        p.error(
+            f"--profile-steps {args.profile_steps}: at most --new-tokens "
+            f"({args.new_tokens}) - 2 x --decode-log-interval "
+            f"({args.decode_log_interval})"
+        )
     return args
 
 

@@ -192,6 +192,11 @@ class TestBenchServerProfileOption(unittest.TestCase):
             ["--out", "/tmp/x", "--profile-steps", "20", "--no-record"]
         )
         self.assertEqual(args.profile_steps, 20)
+        # It must end while the point's requests still decode.
+        with self.assertRaises(SystemExit):
+            bench_server.parse_args(
+                ["--out", "/tmp/x", "--no-record", "--profile-steps", "200"]
+            )
 
     def test_table(self):
         ok = step_profile.summarize_events(two_steps(), steps=2)
