@@ -74,16 +74,22 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
         # A request's locs are whole pages from its first token on.
         return indices[:: self.page_size].to(self.device, torch.int64) // self.page_size
 
+    def _retraction_copy_targets(self, indices):
+        """(host pool, locs, layers, indexer-key pages) of a request's locs,
+        once every GPU copy issued so far is done: its last step's new tokens
+        are on the host, and nothing still reads host slots about to be
+        rewritten."""
+        offload = self.nsa_kv_offload
+        offload.synchronize()
+        layers = range(self.start_layer, self.start_layer + self.layer_num)
+        locs = indices.to("cpu", torch.int64)
+        return offload.host_pool, locs, layers, self._index_k_pages(indices)
+
     def get_cpu_copy(self, indices, mamba_indices=None):
         """Retraction on a PD decode server (sglang keeps the KV of a retracted
         request in CPU memory): the KV rows from their host slots and the
         indexer-key pages, copied before the locs are freed."""
-        offload = self.nsa_kv_offload
-        offload.synchronize()  # the last step's new tokens are on the host
-        locs = indices.to("cpu", torch.int64)
-        host = offload.host_pool
-        layers = range(self.start_layer, self.start_layer + self.layer_num)
-        pages = self._index_k_pages(indices)
+        host, locs, layers, pages = self._retraction_copy_targets(indices)
         return {
             "kv_rows": [host.get_kv_buffer(layer)[locs] for layer in layers],
             "index_k": [buf[pages].cpu() for buf in self.index_k_with_scale_buffer],
@@ -92,14 +98,9 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
         """Resume a retracted request into its new locs (see ``get_cpu_copy``);
         the decode step that follows admits it and warms its region."""
-        offload = self.nsa_kv_offload
-        offload.synchronize()  # nothing still reads the reused host slots
-        locs = indices.to("cpu", torch.int64)
-        host = offload.host_pool
-        layers = range(self.start_layer, self.start_layer + self.layer_num)
+        host, locs, layers, pages = self._retraction_copy_targets(indices)
         for layer, rows in zip(layers, kv_cache_cpu["kv_rows"]):
             host.get_kv_buffer(layer)[locs] = rows
-        pages = self._index_k_pages(indices)
         for buf, saved in zip(self.index_k_with_scale_buffer, kv_cache_cpu["index_k"]):
             buf[pages] = saved.to(self.device)
 
