@@ -451,6 +451,8 @@ class TestDecodeNSAKVOffloadBF16(TestDecodeNSAKVOffload):
     """The same with a bf16 KV cache: FlashMLA sparse prefill and decode
     (``flashmla_sparse``), the offload's other supported pair."""
 
+    # = BF16_KV_ARGS of benchmark/nsa_offload/server_utils.py (this upstream-
+    # style test stays self-contained, as with BASE_ARGS).
     KV_ARGS = [
         "--kv-cache-dtype",
         "bfloat16",
