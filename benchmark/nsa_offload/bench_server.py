@@ -63,9 +63,9 @@ import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
-    TINY_CONFIG,
     VOCAB_SIZE,
     Server,
+    num_model_layers,
 )
 
 TRACE_FORMAT_PY = HERE / "trace_format.py"
@@ -153,11 +153,6 @@ def log(msg: str) -> None:
 
 def _ints(s: str) -> List[int]:
     return [int(x) for x in s.split(",") if x.strip()]
-
-
-def num_model_layers() -> int:
-    with open(TINY_CONFIG) as f:
-        return int(json.load(f)["num_hidden_layers"])
 
 
 def page_up(n: int) -> int:

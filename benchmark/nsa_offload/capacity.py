@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from typing import Optional
 
-from server_utils import TINY_CONFIG
+from server_utils import num_model_layers
 
 ROW_BYTES_FP8 = 656  # FlashMLA fp8 row: 512 nope + 4 fp32 scales + 64 bf16 rope
 INDEXER_BYTES = 132  # 128 fp8 + fp32 scale
@@ -241,11 +241,6 @@ def offload_regions_for(length: int, budget_gib: float, args) -> dict:
         )
     )
     return rows[0]
-
-
-def num_model_layers() -> int:
-    with open(TINY_CONFIG) as f:
-        return json.load(f)["num_hidden_layers"]
 
 
 def capacity_rows(

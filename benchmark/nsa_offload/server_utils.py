@@ -79,6 +79,12 @@ BASE_ENV = {
 }
 
 
+def num_model_layers() -> int:
+    """Layers of the tiny model the servers load."""
+    with open(TINY_CONFIG) as f:
+        return int(json.load(f)["num_hidden_layers"])
+
+
 def make_model_dir() -> str:
     d = tempfile.mkdtemp(prefix="tiny_dsv32_")
     shutil.copy(TINY_CONFIG, os.path.join(d, "config.json"))
