@@ -311,6 +311,18 @@ DRIVER_PEAK_RE = re.compile(r"^\[(\S+)\] capacity (\d+): peak running (\d+)", re
 MEM_FRACTION_RE = re.compile(r"mem_fraction_static=([0-9.]+)")
 
 
+def mem_fraction_from_log(path: str, default: Optional[float] = None) -> float:
+    """The ``--mem-fraction-static`` a server ran with (its logged server_args;
+    a server may get its own, e.g. HiSparse at equal pool bytes)."""
+    with open(path, errors="replace") as f:
+        m = MEM_FRACTION_RE.search(f.read())
+    if m is None:
+        if default is None:
+            raise ValueError(f"{path}: no mem_fraction_static in the server log")
+        return default
+    return float(m.group(1))
+
+
 def _unzipped(run_dir: str) -> str:
     """``run_dir``, or a temporary copy with its ``*.gz`` files unpacked
     (committed results keep server logs gzipped)."""
@@ -356,9 +368,7 @@ def load_run(run_dir: str, new_tokens: int) -> tuple:
         servers[name]["capacity"][length]["peak_running"] = int(peak)
     for name, res in servers.items():
         log_path = os.path.join(run_dir, f"server_{name}.log")
-        with open(log_path) as f:
-            fraction = float(MEM_FRACTION_RE.search(f.read()).group(1))
-        res["memory"] = memory_from_log(log_path, fraction)
+        res["memory"] = memory_from_log(log_path, mem_fraction_from_log(log_path))
         regions = scan_log(log_path)[2]
         for c in res["capacity"].values():
             c["regions"] = regions

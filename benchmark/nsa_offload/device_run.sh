@@ -48,6 +48,10 @@ for step in "$@"; do
       ;;
     bench)
       timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
+      # Raw profiler traces (--profile-steps) travel in their own file.
+      for d in $OUT/bench_*/profiles; do
+        [ -d "$d" ] && tar czf /tmp/profiles.tgz -C "$d" . && rm -rf "$d"
+      done
       ;;
     savejit)
       # Triton's cache after the servers ran; copy it into .devwheels/ here.
@@ -60,4 +64,9 @@ done
 (cd $OUT && { [ ! -f jitcache-extra.tgz ] || mv jitcache-extra.tgz /tmp/jit-keep.tgz; } \
   && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz . \
   && { [ ! -f /tmp/jit-keep.tgz ] || mv /tmp/jit-keep.tgz jitcache-extra.tgz; })
+# A returned file is at most 16 MiB: larger traces stay behind (summaries are kept).
+if [ -f /tmp/profiles.tgz ]; then
+  if [ "$(stat -c %s /tmp/profiles.tgz)" -lt 15000000 ]; then mv /tmp/profiles.tgz $OUT/
+  else echo "profiles.tgz too large to return: $(du -h /tmp/profiles.tgz)"; fi
+fi
 exit $rc

@@ -46,6 +46,7 @@ import time
 from capacity import (
     PAGE,
     capacity_rows,
+    mem_fraction_from_log,
     memory_from_log,
     offload_regions_for,
     scan_log,
@@ -179,7 +180,8 @@ def run_server(name, extra_args, args, prompts, lengths):
         result["alive_after_idle"] = server.proc.poll() is None
     with open(server.log_path) as f:
         result["leak_reported"] = "memory leak" in f.read().lower()
-    result["memory"] = memory_from_log(server.log_path, args.mem_fraction_static)
+    fraction = mem_fraction_from_log(server.log_path, args.mem_fraction_static)
+    result["memory"] = memory_from_log(server.log_path, fraction)
     return result
 
 
@@ -200,6 +202,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-running-baseline", type=int, default=32)
     p.add_argument("--max-running-offload", type=int, default=32)
     p.add_argument("--max-running-hisparse", type=int, default=256)
+    p.add_argument(
+        "--mem-fraction-static-hisparse",
+        type=float,
+        help="HiSparse's --mem-fraction-static (default: --mem-fraction-static). "
+        "HiSparse does not count its indexer buffer (host_to_device_ratio x its "
+        "KV rows) against the budget and takes ~1.8x the pool bytes of the "
+        "others at the same fraction; a lower fraction gives it equal bytes",
+    )
     p.add_argument(
         "--cross-layer-prefetch",
         action="store_true",
@@ -268,6 +278,13 @@ def common_server_args(args) -> list:
         reserved = max(512, args.capacity_new_tokens)
         common += PD_DECODE_FAKE_ARGS + ["--num-reserved-decode-tokens", str(reserved)]
     return common
+
+
+def hisparse_fraction_args(args) -> list:
+    """HiSparse's own --mem-fraction-static (later flag wins), if given."""
+    if args.mem_fraction_static_hisparse is None:
+        return []
+    return ["--mem-fraction-static", str(args.mem_fraction_static_hisparse)]
 
 
 def main():
@@ -372,7 +389,8 @@ def main():
             "hisparse",
             common
             + ["--max-running-requests", str(args.max_running_hisparse)]
-            + HISPARSE_ARGS,
+            + HISPARSE_ARGS
+            + hisparse_fraction_args(args),
             args,
             [],
             args.capacity_lengths,
