@@ -1197,15 +1197,16 @@ def _cap_table(srv: dict, kinds: List[str]) -> List[str]:
     ]
 
 
-PROFILE_COLUMNS = ("swap", "h2d_copy", "prefetch_swap", "prefetch_h2d_copy", "backup")
+PROFILE_COLUMNS = ("swap", "h2d_copy", "backup", "hisparse", "other")
 
 
 def _profile_line(prof: dict) -> str:
     if "error" in prof:
         return f"failed: {prof['error']}"
     gpu = prof["gpu_us_per_step"]
+    host = prof.get("host_step_ms")
     return (
-        f"span {prof['span_ms_per_step']:.2f} ms/step, GPU busy "
+        f"host {'-' if host is None else f'{host:.2f}'} ms/step, GPU busy "
         f"{prof['gpu_busy_ms_per_step']:.2f} ms, "
         + ", ".join(f"{k} {gpu[k]:.0f} us" for k in sorted(gpu))
         + f", {prof['launches_per_step']:.0f} host launches/step"
@@ -1223,15 +1224,14 @@ def _profile_table(srv: dict, kinds: List[str]) -> List[str]:
                 continue
             cells = [f"{p['ctx'] // 1024}K", str(p["conc"]), LABELS[k]]
             if "error" in prof:
-                cells += [prof["error"]] + [""] * 10
+                cells += [prof["error"]] + [""] * 8
             else:
                 gpu = prof["gpu_us_per_step"]
+                host = prof.get("host_step_ms")
                 cells += [
-                    f"{prof['span_ms_per_step']:.2f}",
+                    "-" if host is None else f"{host:.2f}",
                     f"{prof['gpu_busy_ms_per_step']:.2f}",
                     *(f"{gpu.get(c, 0.0):.0f}" for c in PROFILE_COLUMNS),
-                    f"{gpu.get('hisparse', 0.0):.0f}",
-                    f"{gpu.get('other', 0.0):.0f}",
                     f"{prof['launches_per_step']:.1f}",
                     f"{prof['launch_cpu_us_per_step']:.0f}",
                 ]
@@ -1241,12 +1241,13 @@ def _profile_table(srv: dict, kinds: List[str]) -> List[str]:
     return [
         "",
         "Profiled decode steps (one extra run per point, torch profiler on: "
-        "slower than the runs above; per step, GPU times in us):",
+        "slower than the runs above; per step: the scheduler's host time, GPU "
+        "busy time, GPU us by kernel (swap and miss copy include the "
+        "cross-layer prefetch's), launches outside the CUDA graphs):",
         "",
-        "| context | batch | server | span ms | GPU busy ms | swap | miss copy "
-        "| prefetch swap | prefetch copy | backup | HiSparse | other kernels "
-        "| host launches | launch CPU us |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| context | batch | server | host ms | GPU busy ms | swap | miss copy "
+        "| backup | HiSparse | other kernels | host launches | launch CPU us |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
     ]
 

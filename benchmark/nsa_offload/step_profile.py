@@ -8,12 +8,16 @@ reads the chrome trace it writes and sums, per profiled step:
 * GPU kernel time by category: the offload's swap (``_swap_layer_kernel``),
   its miss copy (``_gather_rows_kernel``), its new-token backup
   (``_copy_rows_all_layers_kernel``), HiSparse's kernels, and everything else
-  (the model); the cross-layer prefetch runs the swap and copy kernels on a
-  second stream and is counted apart (``prefetch_*``);
+  (the model). The cross-layer prefetch runs the same swap and copy kernels:
+  they count in ``swap`` / ``h2d_copy`` (a CUDA-graph replay spreads even a
+  single-stream forward over several streams, so streams tell nothing);
 * GPU busy time (union of all kernel intervals) and the span from the first to
   the last kernel (about the step time while profiled);
 * host-side launches (CUDA runtime/driver launch calls, graph launches) and
-  the CPU time spent in them: work that runs outside the CUDA graphs.
+  the CPU time spent in them: work that runs outside the CUDA graphs;
+* the scheduler's host time per step (its ``step[...]`` annotations): with
+  the overlap scheduler a step takes max(host, GPU), so at small batches,
+  where the GPU idles, this is what the inter-token latency follows.
 
 The profiler slows the server down, so the absolute times are not the
 benchmark's ITL; the split between categories is what it is for.
@@ -36,7 +40,6 @@ KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("backup", ("_copy_rows_all_layers_kernel",)),
     ("hisparse", ("load_cache_to_device_buffer", "hisparse")),
 )
-OFFLOAD_PREFETCHABLE = ("swap", "h2d_copy")
 LAUNCH_CALLS = (
     "cudaLaunchKernel",
     "cudaLaunchKernelExC",
@@ -82,19 +85,10 @@ def summarize_events(events: List[dict], steps: int) -> dict:
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
     if not kernels:
         return {"error": "no GPU kernels in the trace"}
-    # The stream most kernels run on is the forward stream; the offload's
-    # kernels elsewhere are the prefetch (swap/copy) or the side-stream backup.
-    per_stream: Dict[object, int] = {}
-    for e in kernels:
-        s = e.get("args", {}).get("stream")
-        per_stream[s] = per_stream.get(s, 0) + 1
-    main_stream = max(per_stream, key=per_stream.get)
+    streams = {e.get("args", {}).get("stream") for e in kernels}
     gpu_us: Dict[str, float] = {}
     for e in kernels:
         category = kernel_category(e.get("name", ""))
-        on_side = e.get("args", {}).get("stream") != main_stream
-        if on_side and category in OFFLOAD_PREFETCHABLE:
-            category = "prefetch_" + category
         gpu_us[category] = gpu_us.get(category, 0.0) + float(e.get("dur", 0))
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels]
     span = max(end for _, end in intervals) - min(start for start, _ in intervals)
@@ -106,6 +100,13 @@ def summarize_events(events: List[dict], steps: int) -> dict:
         and e.get("name") in LAUNCH_CALLS
     ]
     graph_launches = sum(e["name"] == "cudaGraphLaunch" for e in launches)
+    host_steps = [
+        float(e.get("dur", 0))
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and str(e.get("name", "")).startswith("step[")
+    ]
     n = max(steps, 1)
     return {
         "steps": steps,
@@ -113,7 +114,11 @@ def summarize_events(events: List[dict], steps: int) -> dict:
         "gpu_busy_ms_per_step": _busy_us(intervals) / n / 1e3,
         "gpu_us_per_step": {k: v / n for k, v in sorted(gpu_us.items())},
         "kernels_per_step": len(kernels) / n,
-        "streams": len(per_stream),
+        "streams": len(streams),
+        # mean over the annotated steps (None: the trace has none)
+        "host_step_ms": (
+            sum(host_steps) / len(host_steps) / 1e3 if host_steps else None
+        ),
         "launches_per_step": (len(launches) - graph_launches) / n,
         "graph_launches_per_step": graph_launches / n,
         "launch_cpu_us_per_step": sum(float(e.get("dur", 0)) for e in launches) / n,

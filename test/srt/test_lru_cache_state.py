@@ -535,6 +535,28 @@ class TestLRUCacheStateBasics(unittest.TestCase):
         self.assertEqual(plan_rows(plan_a, 2), plan_rows(plan_b, 2))
         assert_states_equal(self, a, b)
 
+    def test_map_new_tokens(self):
+        # Each decode step's new token goes to its request's window ring row:
+        # region_base + C + (seq_len - 1) % W, written at loc_to_row[loc]; the
+        # other entries stay. 300 rows: more than one Triton block.
+        C, W, reqs, n = 8, 3, 400, 300
+        gen = torch.Generator().manual_seed(0)
+        bases = torch.randperm(reqs, generator=gen)[:reqs] * (C + W) + 5
+        idx = torch.randperm(reqs, generator=gen)[:n].to(DEVICE)
+        seq = torch.randint(1, 50, (n,), generator=gen).to(DEVICE)
+        locs = (torch.randperm(1000, generator=gen)[:n] + 1).to(DEVICE)
+        expect = torch.full((1001,), -7, dtype=torch.int64, device=DEVICE)
+        expect[locs] = bases.to(DEVICE)[idx] + C + (seq - 1) % W
+        for use_triton in self._impls():
+            s = LRUCacheState(1, reqs, 64, C, W, 4, device=DEVICE, use_triton=use_triton)
+            s.admit_request(list(range(reqs)), bases.tolist())
+            loc_to_row = torch.full((1001,), -7, dtype=torch.int64, device=DEVICE)
+            s.map_new_tokens(idx, seq, locs, loc_to_row)
+            self.assertTrue(torch.equal(loc_to_row, expect), f"triton={use_triton}")
+            self.assertTrue(torch.equal(s.window_rows(idx, seq), expect[locs]))
+            s.map_new_tokens(idx[:0], seq[:0], locs[:0], loc_to_row)  # empty batch
+            self.assertTrue(torch.equal(loc_to_row, expect))
+
 
 @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
 class TestTritonMatchesReference(unittest.TestCase):

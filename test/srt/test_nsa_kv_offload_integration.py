@@ -1100,19 +1100,20 @@ class _Harness:
         )
 
         # ForwardBatch, padded like a CUDA-graph replay: stale pool index 0,
-        # seq_len 1, while batch_size counts the real rows only.
+        # seq_len 1, out_cache_loc 0, while batch_size counts the real rows.
         pad_idx = torch.zeros(pad_rows, dtype=idx.dtype, device=DEVICE)
         pad_seq = torch.ones(pad_rows, dtype=torch.int64, device=DEVICE)
+        pad_loc = torch.zeros(pad_rows, dtype=out.dtype, device=DEVICE)
         fb = SimpleNamespace(
             forward_mode=ForwardMode.DECODE,
             batch_size=bs,
-            out_cache_loc=out,
+            out_cache_loc=torch.cat([out, pad_loc]),
             req_pool_indices=torch.cat([idx, pad_idx]),
             seq_lens=torch.cat([batch.seq_lens, pad_seq]),
             token_to_kv_pool=self.pool,
         )
         self.co.before_forward(fb)
-        self.t.assertEqual(int(self.co.num_real_reqs[0]), bs)
+        self.co.num_real_reqs.fill_(-1)  # left over from another batch
         topk = None
         for layer in range(self.L):
             # The layer writes its new KV (window row), then attends.
@@ -1123,6 +1124,8 @@ class _Harness:
                     + [self.pick_topk(8) for _ in range(pad_rows)]
                 ).to(DEVICE, torch.int32)
             page_table = nsa_offload_hooks.decode_page_table(fb, layer, topk)
+            # The first layer counted the real rows (out_cache_loc != 0).
+            self.t.assertEqual(int(self.co.num_real_reqs[0]), bs)
             self.check_page_table(layer, reqs, topk, page_table, pad_rows)
             plan = self.controller.last_plan
             for b, r in enumerate(reqs):
@@ -1130,7 +1133,7 @@ class _Harness:
                     self.t.assertEqual(int(plan.miss_count[b]), 0)
             if shared_topk and self.co.cross_layer_prefetch and layer > 0:
                 self.t.assertEqual(int(plan.miss_count[:bs].sum()), 0)
-        self.co.after_decode_forward(fb)
+        # The last layer's hook wrote the new tokens of every layer back.
         self.check_host(out)
         return out
 

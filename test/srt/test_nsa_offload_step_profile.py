@@ -40,8 +40,8 @@ def runtime(name, dur):
 
 def two_steps():
     """Two decode steps: per step a graph launch of 3 model kernels plus the
-    offload's swap and copy on the forward stream, the prefetch on its own
-    stream overlapping them, the backup launched from the host."""
+    offload's swap and copy, the prefetch's swap and copy on another stream
+    overlapping them, the backup; the scheduler's host time per step."""
     events = []
     for step, t0 in enumerate((0.0, 1000.0)):
         events += [
@@ -56,6 +56,13 @@ def two_steps():
             # backup after the forward
             kernel("_copy_rows_all_layers_kernel", t0 + 400, 10, SIDE),
             runtime("cudaGraphLaunch", 12),
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": "step[DECODE bs=8]",
+                "ts": t0,
+                "dur": 300 + 100 * step,
+            },
             runtime("cudaLaunchKernel", 5),
             runtime("cudaLaunchKernel", 5),
             runtime("cudaStreamWaitEvent", 2),  # not a launch
@@ -78,11 +85,11 @@ class TestSummarize(unittest.TestCase):
     def test_per_step_sums(self):
         s = step_profile.summarize_events(two_steps(), steps=2)
         gpu = s["gpu_us_per_step"]
-        self.assertEqual(gpu["swap"], 20)
-        self.assertEqual(gpu["h2d_copy"], 30)
-        self.assertEqual(gpu["prefetch_swap"], 20)
-        self.assertEqual(gpu["prefetch_h2d_copy"], 40)
+        # The prefetch's kernels count with the demand swap's and copy's.
+        self.assertEqual(gpu["swap"], 40)
+        self.assertEqual(gpu["h2d_copy"], 70)
         self.assertEqual(gpu["backup"], 10)
+        self.assertEqual(set(gpu), {"swap", "h2d_copy", "backup", "other"})
         self.assertEqual(gpu["other"], 350)
         # Busy: [0, 400] + [400, 410] per step (the prefetch overlaps).
         self.assertAlmostEqual(s["gpu_busy_ms_per_step"], 0.41)
@@ -92,6 +99,7 @@ class TestSummarize(unittest.TestCase):
         self.assertEqual(s["launch_cpu_us_per_step"], 22)
         self.assertEqual(s["kernels_per_step"], 8)
         self.assertEqual(s["streams"], 3)
+        self.assertAlmostEqual(s["host_step_ms"], 0.35)
 
     def test_no_kernels(self):
         s = step_profile.summarize_events([runtime("cudaLaunchKernel", 3)], steps=4)
@@ -104,7 +112,7 @@ class TestSummarize(unittest.TestCase):
                 json.dump({"traceEvents": two_steps()}, f)
             s = step_profile.summarize_trace(path, steps=2)
         self.assertEqual(s["trace"], "x-TP-0.trace.json.gz")
-        self.assertEqual(s["gpu_us_per_step"]["swap"], 20)
+        self.assertEqual(s["gpu_us_per_step"]["swap"], 40)
 
 
 class _FakeProfilingServer(BaseHTTPRequestHandler):
@@ -162,7 +170,7 @@ class TestProfilePoint(unittest.TestCase):
             self.server, self._requests(4), 4, 2, self.tmp.name, "ours_16384x4"
         )
         self.assertNotIn("error", prof)
-        self.assertEqual(prof["gpu_us_per_step"]["swap"], 20)
+        self.assertEqual(prof["gpu_us_per_step"]["swap"], 40)
         self.assertEqual(prof["requests_errors"], 0)
         ((path, body),) = _FakeProfilingServer.requests
         self.assertEqual(path, "/start_profile")
@@ -214,8 +222,8 @@ class TestBenchServerProfileOption(unittest.TestCase):
             self.assertEqual(row.count("|"), header.count("|"))
         self.assertIn("boom", rows[0])
         cells = [c.strip() for c in rows[1].strip("|").split("|")]
-        self.assertEqual(cells[:5], ["16K", "8", "ours", "0.70", "0.41"])
-        self.assertEqual(cells[5:10], ["20", "30", "20", "40", "10"])
+        self.assertEqual(cells[:5], ["16K", "8", "ours", "0.35", "0.41"])
+        self.assertEqual(cells[5:10], ["40", "70", "10", "0", "350"])
         self.assertEqual(
             bench_server._profile_table({"ours": {"points": []}}, ["ours"]), []
         )

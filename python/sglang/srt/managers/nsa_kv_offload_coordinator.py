@@ -12,8 +12,9 @@ and connects it to sglang's scheduling:
   the region and warms it;
 * every decode preparation: map each new token loc to its window ring row;
 * every forward: make the forward stream wait for the side-stream copies;
-  after a decode forward, write that step's new tokens back to host memory
-  (all layers, one launch, side stream);
+* inside every decode forward (CUDA-graph captured, no host work per step):
+  the first layer's hook counts the batch's real rows, the last layer's hook
+  writes the step's new tokens (all layers, one launch) back to host memory;
 * optional cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``,
   experimental): right after layer l's swap, layer l's top-k is loaded into
   layer l+1's LRU slots on a second stream, overlapping layer l's attention
@@ -111,6 +112,8 @@ class NSAKVOffloadCoordinator:
 
         # Rows of the batch that are real (CUDA-graph padding rows are inert).
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
+        first = kv_pool.start_layer
+        self._layer_range = (first, first + kv_pool.layer_num - 1)
         # Static swap outputs, sliced per batch size (CUDA-graph safe).
         self._plan_buffers = self._new_plan_buffers(max_batch_size, top_k)
         self.cross_layer_prefetch = cross_layer_prefetch
@@ -121,8 +124,6 @@ class NSAKVOffloadCoordinator:
             self._prefetch_topk = torch.full(
                 (max_batch_size, top_k), -1, dtype=torch.int32, device=self.device
             )
-            first = kv_pool.start_layer
-            self._layer_range = (first, first + kv_pool.layer_num - 1)
             on_gpu = torch.device(self.device).type == "cuda"
             self._prefetch_stream = torch.cuda.Stream(self.device) if on_gpu else None
             self._prefetch_done = (
@@ -207,10 +208,12 @@ class NSAKVOffloadCoordinator:
         for i, req in enumerate(batch.reqs):
             if not self.is_admitted(req):
                 self.admit(req, int(batch.seq_lens_cpu[i]) - 1)
-        base = self.lru.region_base[batch.req_pool_indices].to(torch.int64)
-        pos = batch.seq_lens.to(torch.int64) - 1
-        rows = base + self.buffer_size + pos % self.recent_window
-        self.kv_pool.loc_to_row[batch.out_cache_loc] = rows
+        self.lru.map_new_tokens(
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.out_cache_loc,
+            self.kv_pool.loc_to_row,
+        )
 
     def release(self, req: Req) -> None:
         """Finish, abort or retract: free the region and LRU state of ``req``.
@@ -232,23 +235,19 @@ class NSAKVOffloadCoordinator:
     # -------------------------------------------------------------- forward
 
     def before_forward(self, forward_batch: ForwardBatch) -> None:
-        # Host rows written by backups and region rows warmed at admission are
-        # read by this forward; staging rows read by backups may be rewritten.
+        # Host rows written by prefill backups and region rows warmed at
+        # admission are read by this forward; staging rows read by backups may
+        # be rewritten.
         self.controller.wait_backup()
-        if forward_batch.forward_mode.is_decode():
-            self.num_real_reqs.fill_(forward_batch.batch_size)
-
-    def after_decode_forward(self, forward_batch: ForwardBatch) -> None:
-        """Write this step's new tokens (all layers) to host, off the critical
-        path: the side stream waits for the forward just enqueued."""
-        locs = forward_batch.out_cache_loc
-        self.controller.backup_new_tokens(self.kv_pool.loc_to_row[locs], locs)
 
     def swap_decode_layer(
         self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """Positions of the indexer's top-k -> GPU rows in top-k order, after
         loading the misses of this layer."""
+        first, last = self._layer_range
+        if layer_id == first:
+            self._count_real_rows(forward_batch.out_cache_loc)
         bs = topk_positions.shape[0]
         out = LayerSwapPlan(*(t[:bs] for t in self._plan_buffers))
         args = (
@@ -259,7 +258,6 @@ class NSAKVOffloadCoordinator:
         )
         prefetch = self.cross_layer_prefetch
         if prefetch and self._prefetch_stream is not None:
-            first = self._layer_range[0]
             if layer_id > first:
                 # The previous layer's prefetch into this layer is done.
                 torch.cuda.current_stream().wait_event(
@@ -268,9 +266,29 @@ class NSAKVOffloadCoordinator:
         page_table = self.controller.swap_one_layer(
             layer_id, topk_positions, *args, out=out
         )
-        if prefetch and layer_id < self._layer_range[1]:
+        if prefetch and layer_id < last:
             self._prefetch_next_layer(layer_id + 1, topk_positions, args)
+        if layer_id == last:
+            self._write_back_new_tokens(forward_batch.out_cache_loc)
         return page_table
+
+    def _count_real_rows(self, out_cache_loc: torch.Tensor) -> None:
+        # CUDA-graph padding rows have out_cache_loc 0 (sglang zeroes it; loc 0
+        # is never a request's), so the real rows are counted on the GPU.
+        torch.sum(
+            out_cache_loc != 0,
+            dim=0,
+            keepdim=True,
+            dtype=torch.int32,
+            out=self.num_real_reqs,
+        )
+
+    def _write_back_new_tokens(self, out_cache_loc: torch.Tensor) -> None:
+        # Every layer has written this step's new KV to its window rows (the
+        # backend saves a layer's KV before its swap); one all-layer copy on
+        # the forward stream, a few us of GPU time inside the graph.
+        rows = self.kv_pool.loc_to_row[out_cache_loc]
+        self.controller.write_back_new_tokens(rows, out_cache_loc, self.num_real_reqs)
 
     def _prefetch_next_layer(self, layer_id: int, topk_positions, args) -> None:
         bs = topk_positions.shape[0]

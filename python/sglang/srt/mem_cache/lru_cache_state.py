@@ -259,6 +259,43 @@ class LRUCacheState:
             rows.append(torch.where(work.slot >= 0, base[:, None] + work.slot, -1))
         return torch.cat(rows).to(torch.int32)
 
+    def window_rows(
+        self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Window ring row of each request's newest token (position
+        ``seq_lens - 1``): ``region_base + C + (seq_lens - 1) % W``, int64."""
+        base = self._region_base_buf[req_pool_indices.long()].long()
+        pos = seq_lens.long() - 1
+        return base + self.buffer_size + pos % self.recent_window
+
+    def map_new_tokens(
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        locs: torch.Tensor,
+        loc_to_row: torch.Tensor,
+    ) -> None:
+        """``loc_to_row[locs] = window_rows(req_pool_indices, seq_lens)``: one
+        decode step's new tokens go to their window rows. One launch on CUDA
+        (it runs every step, outside the CUDA graphs)."""
+        bs = locs.numel()
+        if bs == 0:
+            return
+        if not self.use_triton:
+            loc_to_row[locs] = self.window_rows(req_pool_indices, seq_lens)
+            return
+        _map_new_tokens_kernel[(triton.cdiv(bs, 128),)](
+            req_pool_indices,
+            seq_lens,
+            locs,
+            self._region_base_buf,
+            loc_to_row,
+            bs,
+            C=self.buffer_size,
+            W=self.recent_window,
+            BLOCK=128,
+        )
+
     # ------------------------------------------------------------- fused swap
 
     def swap_layer(
@@ -710,3 +747,27 @@ if _HAS_TRITON:
             counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
         )
         tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
+
+    # One variant for every batch size and slice offset (see above).
+    @triton.jit(
+        do_not_specialize=["bs"],
+        do_not_specialize_on_alignment=["req_pool_ptr", "seq_lens_ptr", "locs_ptr"],
+    )
+    def _map_new_tokens_kernel(
+        req_pool_ptr,
+        seq_lens_ptr,
+        locs_ptr,
+        region_base_ptr,
+        loc_to_row_ptr,  # int64
+        bs,
+        C: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < bs
+        r = tl.load(req_pool_ptr + offs, mask=mask, other=0)
+        pos = tl.load(seq_lens_ptr + offs, mask=mask, other=1).to(tl.int64) - 1
+        loc = tl.load(locs_ptr + offs, mask=mask, other=0)
+        base = tl.load(region_base_ptr + r, mask=mask, other=0).to(tl.int64)
+        tl.store(loc_to_row_ptr + loc, base + C + pos % W, mask=mask)

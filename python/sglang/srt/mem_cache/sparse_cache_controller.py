@@ -413,6 +413,17 @@ class SparseCacheController:
             lambda: self._d2h_all_layers(gpu_rows, locs, count), tensors, wait_event
         )
 
+    def write_back_new_tokens(
+        self,
+        gpu_rows: torch.Tensor,
+        locs: torch.Tensor,
+        count: Optional[torch.Tensor] = None,
+    ) -> None:
+        """``backup_new_tokens`` on the current stream, in order with the
+        forward that wrote the rows (CUDA-graph safe: no host work at replay).
+        ``gpu_rows`` and ``locs`` are int64 device tensors."""
+        self._d2h_all_layers(gpu_rows, locs, count)
+
     def backup_prefilled_request(
         self,
         gpu_rows: torch.Tensor,
