@@ -548,7 +548,9 @@ class TestLRUCacheStateBasics(unittest.TestCase):
         expect = torch.full((1001,), -7, dtype=torch.int64, device=DEVICE)
         expect[locs] = bases.to(DEVICE)[idx] + C + (seq - 1) % W
         for use_triton in self._impls():
-            s = LRUCacheState(1, reqs, 64, C, W, 4, device=DEVICE, use_triton=use_triton)
+            s = LRUCacheState(
+                1, reqs, 64, C, W, 4, device=DEVICE, use_triton=use_triton
+            )
             s.admit_request(list(range(reqs)), bases.tolist())
             loc_to_row = torch.full((1001,), -7, dtype=torch.int64, device=DEVICE)
             s.map_new_tokens(idx, seq, locs, loc_to_row)
