@@ -811,7 +811,7 @@ def bench_server(
             log(f"[{kind}] pools: {json.dumps(res['pool'])}")
             # Equal measuring time for this and each later server, whose
             # start-up (like this one's, plus stop) comes out of the budget.
-            later = (servers_left - 1) * max(startup_guess, res["startup_s"] + 20)
+            later = (servers_left - 1) * startup_guess
             share = (deadline - time.time() - 30 - later) / servers_left
             share_end = time.time() + max(share, 30.0)
             res["points"] = measure(args, kind, server, share_end, layers)
@@ -874,7 +874,7 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
         reps = 1 if at_cap else args.repeats
         profiled = bool(args.profile_steps) and not at_cap
         est = (reps + profiled) * (
-            ctx * conc / prefill_rate + args.new_tokens * 0.01 + 10
+            ctx * conc / prefill_rate + args.new_tokens * 0.01 + 4
         )
         if cap is not None and conc > cap:
             point["skipped"] = f"concurrency {conc} > capacity {cap}"
@@ -1603,8 +1603,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for i, kind in enumerate(kinds):
             log(f"=== server {i + 1}/{len(kinds)}: {kind} ===")
             res = bench_server(args, kind, deadline, len(kinds) - i, startup_guess)
-            if "startup_s" in res:
-                startup_guess = max(startup_guess, res["startup_s"] + 20)
+            if "startup_s" in res and i > 0:
+                # The first start compiles the JIT kernels (minutes on a cold
+                # machine) that the later ones reuse: plan with a warm start.
+                startup_guess = res["startup_s"] + 20
             result["servers"][kind] = res
             save()
             args.port += 1
