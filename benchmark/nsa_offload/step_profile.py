@@ -131,6 +131,66 @@ def summarize_trace(path: str, steps: int) -> dict:
     return summary
 
 
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver")
+
+
+def host_ops(events: List[dict]) -> Dict[str, Tuple[int, float]]:
+    """Host-side torch ops and CUDA API calls: name -> (calls, CPU us)."""
+    ops: Dict[str, Tuple[int, float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES:
+            n, us = ops.get(e["name"], (0, 0.0))
+            ops[e["name"]] = (n + 1, us + float(e.get("dur", 0)))
+    return ops
+
+
+def host_op_diff(base_events: List[dict], other_events: List[dict], steps: int):
+    """Per step, the host ops whose call count differs between two profiled
+    windows of ``steps`` steps (e.g. no offload vs the offload at one point):
+    what the other server adds to, or removes from, every step's host work.
+    Rows ``(name, calls per step base, other, CPU us per step base, other)``."""
+    a, b = host_ops(base_events), host_ops(other_events)
+    n = max(steps, 1)
+    rows = [
+        (name, a.get(name, (0, 0))[0] / n, b.get(name, (0, 0))[0] / n)
+        + (a.get(name, (0, 0.0))[1] / n, b.get(name, (0, 0.0))[1] / n)
+        for name in sorted(set(a) | set(b))
+    ]
+    return [r for r in rows if r[1] != r[2]]
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    summ = sub.add_parser("summary", help="per-step summary of one trace")
+    summ.add_argument("trace")
+    summ.add_argument("--steps", type=int, required=True)
+    diff = sub.add_parser(
+        "diff", help="host ops whose calls per step differ between two traces"
+    )
+    diff.add_argument("base")
+    diff.add_argument("other")
+    diff.add_argument("--steps", type=int, required=True)
+    args = p.parse_args(argv)
+    if args.cmd == "summary":
+        print(json.dumps(summarize_trace(args.trace, args.steps), indent=1))
+        return
+    rows = host_op_diff(
+        load_trace_events(args.base), load_trace_events(args.other), args.steps
+    )
+    print(f"base: {os.path.basename(args.base)}")
+    print(f"other: {os.path.basename(args.other)}")
+    print()
+    print("| host op | calls/step base | calls/step other | CPU us/step base | other |")
+    print("|---|---:|---:|---:|---:|")
+    for name, ca, cb, ua, ub in rows:
+        print(f"| `{name}` | {ca:.2f} | {cb:.2f} | {ua:.1f} | {ub:.1f} |")
+    if not rows:
+        print("| (none: the same host ops every step) | | | | |")
+
+
 def _newest_trace(directory: str, since: float) -> Optional[str]:
     if not os.path.isdir(directory):
         return None
@@ -208,3 +268,7 @@ def profile_point(server, run_requests, batch: int, steps: int, out_dir: str, la
         return {"error": "the server wrote no readable trace"}
     summary["requests_errors"] = done.get("result", {}).get("num_errors")
     return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,9 @@
 profiled decode window, and the glue that asks a server for it (CPU: a
 synthetic chrome trace and a stand-in HTTP server)."""
 
+import contextlib
 import gzip
+import io
 import json
 import os
 import sys
@@ -113,6 +115,32 @@ class TestSummarize(unittest.TestCase):
             s = step_profile.summarize_trace(path, steps=2)
         self.assertEqual(s["trace"], "x-TP-0.trace.json.gz")
         self.assertEqual(s["gpu_us_per_step"]["swap"], 40)
+
+    def test_host_op_diff(self):
+        base = two_steps()
+        other = two_steps() + [runtime("cuLaunchKernelEx", 7)] * 2
+        # Same calls, other durations: not a difference.
+        other[-3] = dict(other[-3], dur=50)
+        rows = step_profile.host_op_diff(base, other, steps=2)
+        self.assertEqual(rows, [("cuLaunchKernelEx", 0.0, 1.0, 0.0, 7.0)])
+        self.assertEqual(step_profile.host_op_diff(base, base, steps=2), [])
+
+    def test_cli(self):
+        with tempfile.TemporaryDirectory() as d:
+            paths = []
+            for i, events in enumerate(
+                (two_steps(), two_steps() + [runtime("cuLaunchKernelEx", 7)])
+            ):
+                paths.append(os.path.join(d, f"{i}.trace.json.gz"))
+                with gzip.open(paths[-1], "wt") as f:
+                    json.dump({"traceEvents": events}, f)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                step_profile.main(["diff", *paths, "--steps", "2"])
+                step_profile.main(["summary", paths[0], "--steps", "2"])
+        text = out.getvalue()
+        self.assertIn("| `cuLaunchKernelEx` | 0.00 | 0.50 | 0.0 | 3.5 |", text)
+        self.assertIn('"host_step_ms": 0.35', text)
 
 
 class _FakeProfilingServer(BaseHTTPRequestHandler):
