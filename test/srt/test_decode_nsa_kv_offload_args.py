@@ -161,6 +161,12 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "--enable-mixed-chunk is not supported", enable_mixed_chunk=True
         )
 
+    def test_reject_two_batch_overlap(self):
+        self._assert_rejected(
+            "--enable-two-batch-overlap is not supported",
+            enable_two_batch_overlap=True,
+        )
+
     def test_accept_pd_decode_server(self):
         # KV arrives in the host pool through the PD transfer.
         args = self._server_args(disaggregation_mode="decode")

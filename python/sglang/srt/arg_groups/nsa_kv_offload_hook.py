@@ -100,6 +100,10 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
     if server_args.enable_mixed_chunk:
         # Decode requests inside an extend batch would read KV by token loc.
         _fail("--enable-mixed-chunk is not supported.")
+    if server_args.enable_two_batch_overlap:
+        # The decode forward's hooks keep one real-row count and one set of
+        # swap buffers per forward; two interleaved micro-batches would share them.
+        _fail("--enable-two-batch-overlap is not supported.")
     if server_args.page_size != NSA_KV_OFFLOAD_PAGE_SIZE:
         _fail(
             f"it requires --page-size {NSA_KV_OFFLOAD_PAGE_SIZE} (the NSA indexer "
