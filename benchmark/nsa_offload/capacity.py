@@ -204,12 +204,17 @@ MEM_RES = {
 }
 
 
-def memory_from_log(path: str, mem_fraction: float) -> dict:
+MEM_FRACTION_RE = re.compile(r"mem_fraction_static=([0-9.]+)")
+
+
+def memory_from_log(path: str, mem_fraction: Optional[float] = None) -> dict:
     """GPU memory the server's pools took (after weights -> before CUDA graph
     capture: KV/indexer pools, and with the offload its regions, staging and
     LRU state) and the budget sglang handed the pool sizing
-    (``_profile_available_bytes``: after weights - before x (1 - f))."""
-    with open(path) as f:
+    (``_profile_available_bytes``: after weights - before x (1 - f)), with the
+    ``--mem-fraction-static`` the server logged (a server may get its own,
+    e.g. HiSparse at equal pool bytes), else ``mem_fraction``."""
+    with open(path, errors="replace") as f:
         text = f.read()
     found = {
         k: float(r.search(text).group(1)) for k, r in MEM_RES.items() if r.search(text)
@@ -217,7 +222,10 @@ def memory_from_log(path: str, mem_fraction: float) -> dict:
     out = dict(found)
     if {"after_weights", "graph_begin"} <= found.keys():
         out["pools_gib"] = round(found["after_weights"] - found["graph_begin"], 3)
-    if {"before_weights", "after_weights"} <= found.keys():
+    logged = MEM_FRACTION_RE.search(text)
+    if logged is not None:
+        mem_fraction = float(logged.group(1))
+    if mem_fraction is not None and {"before_weights", "after_weights"} <= found.keys():
         out["budget_gib"] = round(
             found["after_weights"] - found["before_weights"] * (1 - mem_fraction), 3
         )
@@ -308,19 +316,6 @@ DRIVER_PREDICTED_RE = re.compile(
     r"^\[(\S+)\] capacity (\d+): predicted (\d+), sending (\d+)", re.M
 )
 DRIVER_PEAK_RE = re.compile(r"^\[(\S+)\] capacity (\d+): peak running (\d+)", re.M)
-MEM_FRACTION_RE = re.compile(r"mem_fraction_static=([0-9.]+)")
-
-
-def mem_fraction_from_log(path: str, default: Optional[float] = None) -> float:
-    """The ``--mem-fraction-static`` a server ran with (its logged server_args;
-    a server may get its own, e.g. HiSparse at equal pool bytes)."""
-    with open(path, errors="replace") as f:
-        m = MEM_FRACTION_RE.search(f.read())
-    if m is None:
-        if default is None:
-            raise ValueError(f"{path}: no mem_fraction_static in the server log")
-        return default
-    return float(m.group(1))
 
 
 def _unzipped(run_dir: str) -> str:
@@ -368,7 +363,7 @@ def load_run(run_dir: str, new_tokens: int) -> tuple:
         servers[name]["capacity"][length]["peak_running"] = int(peak)
     for name, res in servers.items():
         log_path = os.path.join(run_dir, f"server_{name}.log")
-        res["memory"] = memory_from_log(log_path, mem_fraction_from_log(log_path))
+        res["memory"] = memory_from_log(log_path)
         regions = scan_log(log_path)[2]
         for c in res["capacity"].values():
             c["regions"] = regions
@@ -667,7 +662,7 @@ def _pool_servers(run_dir: str) -> dict:
         length = int(m.group(2)) * 1024 if m.group(2) else None
         servers.setdefault(kind, {})[length] = {
             "pool": bench_server.parse_startup(path),
-            "pools_gib": memory_from_log(path, 0.0).get("pools_gib"),
+            "pools_gib": memory_from_log(path).get("pools_gib"),
         }
     return servers
 

@@ -46,7 +46,6 @@ import time
 from capacity import (
     PAGE,
     capacity_rows,
-    mem_fraction_from_log,
     memory_from_log,
     offload_regions_for,
     scan_log,
@@ -180,8 +179,7 @@ def run_server(name, extra_args, args, prompts, lengths):
         result["alive_after_idle"] = server.proc.poll() is None
     with open(server.log_path) as f:
         result["leak_reported"] = "memory leak" in f.read().lower()
-    fraction = mem_fraction_from_log(server.log_path, args.mem_fraction_static)
-    result["memory"] = memory_from_log(server.log_path, fraction)
+    result["memory"] = memory_from_log(server.log_path, args.mem_fraction_static)
     return result
 
 

@@ -151,12 +151,12 @@ def host_op_diff(base_events: List[dict], other_events: List[dict], steps: int):
     Rows ``(name, calls per step base, other, CPU us per step base, other)``."""
     a, b = host_ops(base_events), host_ops(other_events)
     n = max(steps, 1)
-    rows = [
-        (name, a.get(name, (0, 0))[0] / n, b.get(name, (0, 0))[0] / n)
-        + (a.get(name, (0, 0.0))[1] / n, b.get(name, (0, 0.0))[1] / n)
-        for name in sorted(set(a) | set(b))
-    ]
-    return [r for r in rows if r[1] != r[2]]
+    rows = []
+    for name in sorted(set(a) | set(b)):
+        (calls_a, us_a), (calls_b, us_b) = a.get(name, (0, 0.0)), b.get(name, (0, 0.0))
+        if calls_a != calls_b:
+            rows.append((name, calls_a / n, calls_b / n, us_a / n, us_b / n))
+    return rows
 
 
 def main(argv=None) -> None:
