@@ -159,6 +159,16 @@ def host_op_diff(base_events: List[dict], other_events: List[dict], steps: int):
     return rows
 
 
+def shared_host_time(base_events: List[dict], other_events: List[dict], steps: int):
+    """CPU us per step of the host ops both windows call equally often:
+    ``(base, other)``; their ratio is how much faster or slower the host ran
+    the same work (noise, frequency), apart from what one server adds."""
+    a, b = host_ops(base_events), host_ops(other_events)
+    same = [k for k in a if k in b and a[k][0] == b[k][0]]
+    n = max(steps, 1)
+    return sum(a[k][1] for k in same) / n, sum(b[k][1] for k in same) / n
+
+
 def main(argv=None) -> None:
     import argparse
 
@@ -177,9 +187,9 @@ def main(argv=None) -> None:
     if args.cmd == "summary":
         print(json.dumps(summarize_trace(args.trace, args.steps), indent=1))
         return
-    rows = host_op_diff(
-        load_trace_events(args.base), load_trace_events(args.other), args.steps
-    )
+    base_events, other_events = (load_trace_events(p) for p in (args.base, args.other))
+    rows = host_op_diff(base_events, other_events, args.steps)
+    same_a, same_b = shared_host_time(base_events, other_events, args.steps)
     print(f"base: {os.path.basename(args.base)}")
     print(f"other: {os.path.basename(args.other)}")
     print()
@@ -189,6 +199,11 @@ def main(argv=None) -> None:
         print(f"| `{name}` | {ca:.2f} | {cb:.2f} | {ua:.1f} | {ub:.1f} |")
     if not rows:
         print("| (none: the same host ops every step) | | | | |")
+    print()
+    print(
+        f"Ops called equally often in both: {same_a:.0f} -> {same_b:.0f} CPU us "
+        f"per step ({same_b / max(same_a, 1e-9):.2f}x)."
+    )
 
 
 def _newest_trace(directory: str, since: float) -> Optional[str]:

@@ -141,6 +141,14 @@ class TestSummarize(unittest.TestCase):
         text = out.getvalue()
         self.assertIn("| `cuLaunchKernelEx` | 0.00 | 0.50 | 0.0 | 3.5 |", text)
         self.assertIn('"host_step_ms": 0.35', text)
+        # The ops both traces call equally often took the same CPU time.
+        self.assertIn("(1.00x)", text)
+        base = two_steps()
+        slower = [dict(e, dur=2 * e["dur"]) for e in base]
+        self.assertEqual(
+            step_profile.shared_host_time(base, slower, steps=2)[1],
+            2 * step_profile.shared_host_time(base, base, steps=2)[0],
+        )
 
 
 class _FakeProfilingServer(BaseHTTPRequestHandler):
