@@ -36,6 +36,7 @@ the recorded rows are also checked against a CPU recomputation of the override.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -538,15 +539,19 @@ def ours_auto_slots(budget_gib: float, layers: int, new_tokens: int) -> int:
     return max(1, int((budget - staging) // (region + need * per_loc)))
 
 
-def server_specs(args) -> Dict[str, List[str]]:
+def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[str]]:
     common = [
         "--mem-fraction-static",
-        str(args.mem_fraction_static),
+        str(mem_fraction or args.mem_fraction_static),
         "--cuda-graph-max-bs",
         str(args.max_running_requests),
         "--decode-log-interval",
         str(args.decode_log_interval),
     ]
+    if args.interleave:
+        # Servers waiting for their turn block on their sockets instead of
+        # spinning a core each (every server alike).
+        common.append("--sleep-on-idle")
     slots = ["--max-running-requests", str(args.max_running_requests)]
     ours = common + slots
     ours += ["--enable-decode-nsa-kv-offload"]
@@ -849,13 +854,60 @@ def bench_server(
     return res
 
 
-def measure(args, kind: str, server: Server, share_end: float, layers: int):
-    points: List[dict] = []
-    # Warm-up: a short request, then one at the first context length.
+def warm_up(args, kind: str, server: Server) -> None:
+    """A short request, then one at the first context length."""
     for ctx, n in ((4096, 32), (args.contexts[0], 8)):
         tic = time.time()
         stream_generate(server.url, make_prompts(ctx, 1, 7)[0], n, timeout=180)
         log(f"[{kind}] warm-up {ctx} tokens + {n}: {time.time() - tic:.1f} s")
+
+
+def point_estimate_s(args, ctx: int, conc: int, runs: int, prefill_rate: float):
+    """Seconds ``runs`` runs of a point take (prefill, decode, overhead)."""
+    return runs * (ctx * conc / prefill_rate + args.new_tokens * 0.01 + 4)
+
+
+def summarize_point(kind: str, point: dict, runs: List[dict], args, layers: int):
+    """Fill ``point`` from its runs: medians of the server-log and client
+    figures, each run's own server figures in run order."""
+    r = runs[-1]
+    point.update(r)
+    per_run = [
+        server_metrics(run["decode_log"], args.decode_log_interval, layers)
+        for run in runs
+    ]
+    point["server"] = median_of_runs(per_run)
+    point["server_runs"] = [
+        {k: m.get(k) for k in ("throughput_tok_s", "itl_ms", "misses_per_step")}
+        for m in per_run
+    ]
+    point["client"] = median_of_runs([run["client"] for run in runs])
+    point["num_errors"] = sum(run["num_errors"] for run in runs)
+    s, c = point["server"], r["client"]
+    log(
+        f"[{kind}] ctx {point['ctx']} x {point['conc']}: {r['elapsed_s']:.1f} s, "
+        f"server {_fmt(s.get('throughput_tok_s'), '{:.0f}')} tok/s "
+        f"ITL {_fmt(s.get('itl_ms'), '{:.2f}')} ms (batch "
+        f"{s.get('peak_running')}, {s.get('lines_used', 0)} log lines), client "
+        f"{_fmt(c.get('throughput_tok_s'), '{:.0f}')} tok/s ITL p50 "
+        f"{_fmt(c.get('itl_ms_p50'), '{:.2f}')} ms, misses/step "
+        f"{_fmt(s.get('misses_per_step'), '{:.0f}')}, errors {point['num_errors']}"
+    )
+    return point
+
+
+def measured_prefill_rate(point: dict, fallback: float) -> float:
+    """Prompt tokens per second of the point's last run (its slowest TTFT)."""
+    ttft_max = point["client"].get("ttft_s_max")
+    if not ttft_max:
+        return fallback
+    point["prefill_tok_s"] = max(point["ctx"] * point["conc"] / ttft_max, 1000.0)
+    return point["prefill_tok_s"]
+
+
+def measure(args, kind: str, server: Server, share_end: float, layers: int):
+    points: List[dict] = []
+    warm_up(args, kind, server)
     recorder_ok = args.record
     prefill_rate = args.prefill_rate_guess
     plan = [(c, k, False) for c in args.contexts for k in args.concurrency]
@@ -876,9 +928,7 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
         # point at capacity runs once (its prefill dominates).
         reps = 1 if at_cap else args.repeats
         profiled = bool(args.profile_steps) and not at_cap
-        est = (reps + profiled) * (
-            ctx * conc / prefill_rate + args.new_tokens * 0.01 + 4
-        )
+        est = point_estimate_s(args, ctx, conc, reps + profiled, prefill_rate)
         if cap is not None and conc > cap:
             point["skipped"] = f"concurrency {conc} > capacity {cap}"
         elif time.time() + est > share_end:
@@ -895,33 +945,8 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
             runs.append(
                 run_point(server, ctx, conc, args.new_tokens, 1000 + i, timeout)
             )
-        r = runs[-1]
-        point.update(r)
-        per_run = [
-            server_metrics(run["decode_log"], args.decode_log_interval, layers)
-            for run in runs
-        ]
-        point["server"] = median_of_runs(per_run)
-        point["server_runs"] = [
-            {k: m.get(k) for k in ("throughput_tok_s", "itl_ms", "misses_per_step")}
-            for m in per_run
-        ]
-        point["client"] = median_of_runs([run["client"] for run in runs])
-        point["num_errors"] = sum(run["num_errors"] for run in runs)
-        ttft_max = r["client"].get("ttft_s_max")
-        if ttft_max:
-            prefill_rate = max(ctx * conc / ttft_max, 1000.0)
-            point["prefill_tok_s"] = prefill_rate
-        s, c = point["server"], r["client"]
-        log(
-            f"[{kind}] ctx {ctx} x {conc}: {r['elapsed_s']:.1f} s, "
-            f"server {_fmt(s.get('throughput_tok_s'), '{:.0f}')} tok/s "
-            f"ITL {_fmt(s.get('itl_ms'), '{:.2f}')} ms (batch "
-            f"{s.get('peak_running')}, {s.get('lines_used', 0)} log lines), client "
-            f"{_fmt(c.get('throughput_tok_s'), '{:.0f}')} tok/s ITL p50 "
-            f"{_fmt(c.get('itl_ms_p50'), '{:.2f}')} ms, misses/step "
-            f"{_fmt(s.get('misses_per_step'), '{:.0f}')}, errors {point['num_errors']}"
-        )
+        summarize_point(kind, point, runs, args, layers)
+        prefill_rate = measured_prefill_rate(point, prefill_rate)
         if profiled:
             point["profile"] = step_profile.profile_point(
                 server,
@@ -947,6 +972,106 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
                 point["recording_error"] = "recorder wrote nothing (server log)"
                 log(f"[{kind}] top-k recorder did not write: not asked again")
     return points
+
+
+def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, save):
+    """``--interleave``: every server up at once (each on its own port), then
+    each point's runs round-robin over the servers, the order rotated every
+    round, so that a drift of the host's speed hits every server alike and
+    each round gives a paired ratio (``evaluate_targets``)."""
+    layers = num_model_layers()
+    servers: Dict[str, Server] = {}
+    with contextlib.ExitStack() as stack:
+        for i, kind in enumerate(kinds):
+            fraction, how = args.mem_fraction_static, args.mem_fraction_how
+            if how != "given":
+                # The servers already up hold part of the GPU: the same
+                # budget is a larger share of what is left.
+                fraction, how = mem_fraction_for_budget(args.kv_budget_gib)
+            spec = server_specs(args, fraction)[kind]
+            env = server_env(args, kind)
+            res = {"kind": kind, "args": spec, "env": env, "points": []}
+            res.update(mem_fraction_static=fraction, mem_fraction_how=how)
+            result["servers"][kind] = res
+            remaining = deadline - time.time()
+            if remaining < 150:
+                res["error"] = "skipped: time budget exhausted before start"
+                continue
+            log(f"=== server {i + 1}/{len(kinds)}: {kind} (port {args.port + i}) ===")
+            tic = time.time()
+            name = f"{kind}_{args.topk}"
+            server = BenchServer(
+                name,
+                spec,
+                args.port + i,
+                args.out,
+                env=env,
+                timeout=min(args.start_timeout, remaining - 60),
+            )
+            try:
+                server.__enter__()
+            except Exception as e:
+                server.__exit__(None, None, None)  # not healthy: stop what runs
+                res["error"] = f"{type(e).__name__}: {e}"
+            else:
+                stack.push(server)
+                res["startup_s"] = time.time() - tic
+                try:
+                    warm_up(args, kind, server)
+                    servers[kind] = server
+                except Exception as e:
+                    res["error"] = f"{type(e).__name__}: {e}"
+            if "error" in res:
+                log(f"[{kind}] FAILED: {res['error']}")
+            res["pool"] = parse_startup(server.log_path)
+            res["capacity"] = {
+                str(c): capacity(kind, res["pool"], c, args.new_tokens)
+                for c in CAPACITY_CONTEXTS
+            }
+            save()
+        prefill_rate = args.prefill_rate_guess
+        plan = [(c, k) for c in args.contexts for k in args.concurrency]
+        for i, (ctx, conc) in enumerate(plan):
+            live = [k for k in kinds if k in servers and servers[k].proc.poll() is None]
+            est = point_estimate_s(
+                args, ctx, conc, args.repeats * len(live), prefill_rate
+            )
+            if not live or time.time() + est > deadline - 30:
+                for k in kinds:
+                    result["servers"][k]["points"].append(
+                        {
+                            "ctx": ctx,
+                            "conc": conc,
+                            "skipped": f"time budget (~{est:.0f} s)",
+                        }
+                    )
+                log(f"ctx {ctx} x {conc}: skipped (needs ~{est:.0f} s)")
+                continue
+            runs: Dict[str, List[dict]] = {k: [] for k in live}
+            orders = []
+            for rnd in range(args.repeats):
+                order = live[rnd % len(live) :] + live[: rnd % len(live)]
+                orders.append(order)
+                for k in order:
+                    timeout = max(30.0, deadline - time.time())
+                    runs[k].append(
+                        run_point(
+                            servers[k], ctx, conc, args.new_tokens, 1000 + i, timeout
+                        )
+                    )
+            for k in live:
+                point = {
+                    "ctx": ctx,
+                    "conc": conc,
+                    "at_capacity": False,
+                    "new_tokens": args.new_tokens,
+                    "interleaved": True,
+                    "round_orders": orders,
+                }
+                summarize_point(k, point, runs[k], args, layers)
+                prefill_rate = measured_prefill_rate(point, prefill_rate)
+                result["servers"][k]["points"].append(point)
+            save()
 
 
 # ------------------------------------------------------------------ targets
@@ -982,35 +1107,10 @@ def evaluate_targets(result: dict) -> dict:
         checks.append(p3["ratio_128k"] >= 5.0)
     complete = len(checks) == 1 + len(CAPACITY_CONTEXTS)
     t["P3"] = {**p3, "met": _met(checks, complete)}
-    # P4: ITL overhead at equal batch
-    rows = []
-    for p in ours.get("points", []):
-        if "skipped" in p or p.get("at_capacity"):
-            continue
-        b = _point(base, p["ctx"], p["conc"])
-        if b is None:
-            continue
-        i_o, i_b = p["server"].get("itl_ms"), b["server"].get("itl_ms")
-        c_o, c_bb = p["client"].get("itl_ms_p50"), b["client"].get("itl_ms_p50")
-        misses = p["server"].get("misses_per_step")
-        # What copying the misses alone adds to a step, if nothing hides it.
-        copy_ms = misses * ROW_BYTES / MISS_COPY_BYTES_PER_S * 1e3 if misses else None
-        rows.append(
-            {
-                "ctx": p["ctx"],
-                "conc": p["conc"],
-                "overhead_server": (i_o / i_b - 1) if i_o and i_b else None,
-                "overhead_client_p50": (c_o / c_bb - 1) if c_o and c_bb else None,
-                "miss_copy_ms": copy_ms,
-                "miss_copy_overhead": copy_ms / i_b if copy_ms and i_b else None,
-            }
-        )
-    vals = [r["overhead_server"] for r in rows if r["overhead_server"] is not None]
-    t["P4"] = {
-        "rows": rows,
-        "max_overhead": max(vals) if vals else None,
-        "met": (max(vals) <= 0.10) if vals else None,
-    }
+    # P4: ITL overhead at equal batch (ours; the prefetch variant apart)
+    t["P4"] = _p4(base, ours)
+    if "ours_prefetch" in srv:
+        t["P4_prefetch"] = _p4(base, srv["ours_prefetch"])
     # P5: throughput at fixed memory (each server at its own capacity)
     p5 = []
     for ctx in result["config"]["cap_contexts"]:
@@ -1028,6 +1128,61 @@ def evaluate_targets(result: dict) -> dict:
     checks += [r["vs_hisparse"] >= 1.2 for r in p5 if "vs_hisparse" in r]
     t["P5"] = {"rows": p5, "met": _met(checks, len(checks) == 2 * len(p5))}
     return t
+
+
+def _paired_overhead(p: dict, b: dict) -> Optional[float]:
+    """Median over rounds of ours' ITL / no offload's in the same round
+    (``--interleave``: the rounds ran back to back); None otherwise."""
+    if not (p.get("interleaved") and b.get("interleaved")):
+        return None
+    ratios = [
+        o["itl_ms"] / n["itl_ms"]
+        for o, n in zip(p["server_runs"], b["server_runs"])
+        if o.get("itl_ms") and n.get("itl_ms")
+    ]
+    return statistics.median(ratios) - 1 if ratios else None
+
+
+def _p4(base: dict, ours: dict) -> dict:
+    """ITL overhead per equal-batch point; the verdict takes the paired
+    overhead where the run has one, the ratio of medians otherwise."""
+    rows = []
+    for p in ours.get("points", []):
+        if "skipped" in p or p.get("at_capacity"):
+            continue
+        b = _point(base, p["ctx"], p["conc"])
+        if b is None:
+            continue
+        i_o, i_b = p["server"].get("itl_ms"), b["server"].get("itl_ms")
+        c_o, c_bb = p["client"].get("itl_ms_p50"), b["client"].get("itl_ms_p50")
+        misses = p["server"].get("misses_per_step")
+        # What copying the misses alone adds to a step, if nothing hides it.
+        copy_ms = misses * ROW_BYTES / MISS_COPY_BYTES_PER_S * 1e3 if misses else None
+        rows.append(
+            {
+                "ctx": p["ctx"],
+                "conc": p["conc"],
+                "overhead_server": (i_o / i_b - 1) if i_o and i_b else None,
+                "overhead_paired": _paired_overhead(p, b),
+                "overhead_client_p50": (c_o / c_bb - 1) if c_o and c_bb else None,
+                "miss_copy_ms": copy_ms,
+                "miss_copy_overhead": copy_ms / i_b if copy_ms and i_b else None,
+            }
+        )
+    vals = [
+        (
+            r["overhead_paired"]
+            if r["overhead_paired"] is not None
+            else r["overhead_server"]
+        )
+        for r in rows
+    ]
+    vals = [v for v in vals if v is not None]
+    return {
+        "rows": rows,
+        "max_overhead": max(vals) if vals else None,
+        "met": (max(vals) <= 0.10) if vals else None,
+    }
 
 
 def _met(checks: List[bool], complete: bool) -> Optional[bool]:
@@ -1072,7 +1227,7 @@ def render_markdown(results: List[dict]) -> str:
             "at capacity one); "
             f"decode log every {cfg['decode_log_interval']} steps; "
             f"{cfg['layers']} layers. Started {cfg['started']}, "
-            f"{cfg['wall_s']:.0f} s.",
+            f"{cfg['wall_s']:.0f} s." + _interleave_note(cfg, srv),
             "",
             "| server | start (s) | pools GPU (GiB) | KV tokens / locs | request slots "
             + "".join(f"| cap. {c // 1024}K " for c in CAPACITY_CONTEXTS)
@@ -1166,6 +1321,21 @@ def render_markdown(results: List[dict]) -> str:
             out.append(line)
         out.append("")
     return "\n".join(out)
+
+
+def _interleave_note(cfg: dict, srv: dict) -> str:
+    if not cfg.get("interleave"):
+        return ""
+    fractions = ", ".join(
+        f"{LABELS[k]} {srv[k]['mem_fraction_static']}"
+        for k in SERVER_KINDS
+        if srv.get(k, {}).get("mem_fraction_static")
+    )
+    return (
+        " **Interleaved**: every server up at once (`--sleep-on-idle`), each "
+        "point's runs round-robin over them, the order rotated every round; "
+        f"`--mem-fraction-static` from the memory free at each start: {fractions}."
+    )
 
 
 def _status(r: dict) -> str:
@@ -1289,6 +1459,24 @@ def _copy_note(row: dict) -> str:
     )
 
 
+def _p4_line(label: str, p4: dict) -> str:
+    def paired(r):
+        if r["overhead_paired"] is None:
+            return ""
+        return f"median of per-round ratios {r['overhead_paired']:+.1%}; "
+
+    return (
+        f"- **P4** ITL overhead {label} vs no offload at equal batch (server log): "
+        + ", ".join(
+            f"{r['ctx'] // 1024}K x {r['conc']}: {_fmt(r['overhead_server'], '{:+.1%}')}"
+            f" ({paired(r)}client p50 {_fmt(r['overhead_client_p50'], '{:+.1%}')}"
+            f"{_copy_note(r)})"
+            for r in p4["rows"]
+        )
+        + f" (target <= +10%): **{_verdict(p4['met'])}**"
+    )
+
+
 def _targets_md(t: dict) -> List[str]:
     p3, p4, p5 = t["P3"], t["P4"], t["P5"]
     lines = [
@@ -1299,15 +1487,10 @@ def _targets_md(t: dict) -> List[str]:
             for c, (o, h) in p3["vs_hisparse"].items()
         )
         + f" (target >=): **{_verdict(p3['met'])}**",
-        "- **P4** ITL overhead ours vs no offload at equal batch (server log): "
-        + ", ".join(
-            f"{r['ctx'] // 1024}K x {r['conc']}: {_fmt(r['overhead_server'], '{:+.1%}')}"
-            f" (client p50 {_fmt(r['overhead_client_p50'], '{:+.1%}')}"
-            f"{_copy_note(r)})"
-            for r in p4["rows"]
-        )
-        + f" (target <= +10%): **{_verdict(p4['met'])}**",
+        _p4_line("ours", p4),
     ]
+    if "P4_prefetch" in t:
+        lines.append(_p4_line("ours + prefetch", t["P4_prefetch"]))
     if p5["rows"]:
         lines.append(
             "- **P5** throughput at fixed memory (each server at its capacity): "
@@ -1452,6 +1635,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=3,
         help="runs per (context, concurrency) point; its figures are medians",
     )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every server at once (own port, the budget's share of the "
+        "memory free at its start, --sleep-on-idle) and run each point's "
+        "repeats round-robin over them, rotating the order: host-speed drift "
+        "hits all alike, and P4 also gives the median of per-round ratios",
+    )
     p.add_argument("--time-budget-s", type=float)
     p.add_argument("--trace-steps", type=int)
     p.add_argument(
@@ -1520,6 +1711,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for key, value in MODES[args.mode].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.interleave and not args.plot_only:
+        if args.record or args.profile_steps or args.cap_contexts:
+            p.error(
+                "--interleave measures equal-batch points only: it takes "
+                "--no-record and no --profile-steps or --cap-contexts"
+            )
     # The profile starts at the first decode log line of the full batch and
     # must end while it still decodes (a profiler left on would stop inside
     # the next point and slow it down).
@@ -1553,12 +1750,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = sorted(set(asked) - set(SERVER_KINDS))
     if unknown:
         raise SystemExit(f"--servers: unknown {unknown}; choose from {SERVER_KINDS}")
-    kinds = [k for k in SERVER_KINDS if k in asked]
+    kinds = asked_kinds = [k for k in SERVER_KINDS if k in asked]
     layers = num_model_layers()
     if args.mem_fraction_static is None:
         args.mem_fraction_static, how = mem_fraction_for_budget(args.kv_budget_gib)
     else:
         how = "given"
+    args.mem_fraction_how = how
     if args.max_running_requests is None:
         args.max_running_requests = max(
             ours_auto_slots(args.kv_budget_gib, layers, args.new_tokens),
@@ -1592,6 +1790,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "cap_contexts": args.cap_contexts,
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
+            "interleave": args.interleave,
             "kv_budget_gib": args.kv_budget_gib,
             "mem_fraction_static": args.mem_fraction_static,
             "mem_fraction_how": how,
@@ -1619,6 +1818,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         prepare_trace(args)
         result["config"]["trace"] = args.trace
         startup_guess = 90.0
+        if args.interleave:
+            bench_interleaved(args, kinds, deadline, result, save)
+            kinds = []  # measured
         for i, kind in enumerate(kinds):
             log(f"=== server {i + 1}/{len(kinds)}: {kind} ===")
             res = bench_server(args, kind, deadline, len(kinds) - i, startup_guess)
@@ -1635,7 +1837,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log(f"wrote {json_path}")
     write_report([result], args.out)
     failed = [k for k, r in result["servers"].items() if "error" in r]
-    return 1 if failed or len(result["servers"]) < len(kinds) else 0
+    return 1 if failed or len(result["servers"]) < len(asked_kinds) else 0
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ import json
 import os
 import re
 import time
+from typing import Optional
 
 from capacity import (
     PAGE,
@@ -209,6 +210,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "others at the same fraction; a lower fraction gives it equal bytes",
     )
     p.add_argument(
+        "--mem-fraction-static-offload",
+        type=float,
+        help="the offload servers' --mem-fraction-static (default: "
+        "--mem-fraction-static); their region counts then come from the "
+        "no-offload server's budget moved by the difference. Upstream sizes the "
+        "no-offload fp8 pool at 576 B per KV row but allocates 656 B, so at one "
+        "fraction it takes ~12%% more GPU memory than ours: a higher fraction "
+        "gives ours equal bytes",
+    )
+    p.add_argument(
         "--cross-layer-prefetch",
         action="store_true",
         help="offload servers with SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1",
@@ -285,6 +296,20 @@ def hisparse_fraction_args(args) -> list:
     return ["--mem-fraction-static", str(args.mem_fraction_static_hisparse)]
 
 
+def offload_budget_at(base: Optional[dict], fraction: float) -> float:
+    """The pool budget sglang gives a server at ``fraction`` on this GPU,
+    from the no-offload server's logged memory (after weights - before x
+    (1 - f), the same weights)."""
+    memory = (base or {}).get("memory", {})
+    if not {"before_weights", "after_weights"} <= memory.keys():
+        raise SystemExit(
+            "--mem-fraction-static-offload needs the no-offload server's memory "
+            "(run it, or --baseline-from) or --budget-gib"
+        )
+    before = memory["before_weights"]
+    return round(memory["after_weights"] - before * (1 - fraction), 3)
+
+
 def main():
     args = parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -319,8 +344,11 @@ def main():
         ]
         if args.buffer_size is not None:
             extra += ["--nsa-kv-offload-gpu-buffer-size", str(args.buffer_size)]
+        if args.mem_fraction_static_offload is not None:
+            extra += ["--mem-fraction-static", str(args.mem_fraction_static_offload)]
         return extra
 
+    budget_given = args.budget_gib is not None
     result = {"config": vars(args), "prompt_lens": lengths, "complete": False}
     json_path = os.path.join(args.out, "e2e_server.json")
 
@@ -356,6 +384,8 @@ def main():
         budget = args.budget_gib
         if budget is None and base is not None:
             budget = base["memory"].get("budget_gib")
+        if not budget_given and args.mem_fraction_static_offload is not None:
+            budget = offload_budget_at(base, args.mem_fraction_static_offload)
         result["budget_gib"] = budget
         if offload_lengths and budget is None:
             raise SystemExit("--budget-gib is needed without the no-offload server")

@@ -187,5 +187,149 @@ class TestRepeats(unittest.TestCase):
         )
 
 
+class TestInterleave(unittest.TestCase):
+    @staticmethod
+    def point(itls, interleaved=True):
+        return {
+            "ctx": 16384,
+            "conc": 8,
+            "at_capacity": False,
+            "interleaved": interleaved,
+            "server": {"itl_ms": sorted(itls)[len(itls) // 2]},
+            "server_runs": [{"itl_ms": v} for v in itls],
+            "client": {},
+        }
+
+    def test_paired_overhead_follows_the_rounds(self):
+        # The host slowed down in round 2 for both servers alike: the ratio
+        # of medians says +20%, the rounds say +5% each.
+        base = self.point([1.0, 2.0, 1.2])
+        ours = self.point([1.05, 2.1, 1.26])
+        result = {
+            "config": {"cap_contexts": []},
+            "servers": {"baseline": {"points": [base]}, "ours": {"points": [ours]}},
+        }
+        p4 = bench_server.evaluate_targets(result)["P4"]
+        row = p4["rows"][0]
+        self.assertAlmostEqual(row["overhead_server"], 1.26 / 1.2 - 1)
+        self.assertAlmostEqual(row["overhead_paired"], 0.05)
+        self.assertTrue(p4["met"])
+        # A round at +30% in most rounds fails it, whatever the medians say.
+        result["servers"]["ours"]["points"] = [self.point([1.3, 2.6, 1.0])]
+        p4 = bench_server.evaluate_targets(result)["P4"]
+        self.assertAlmostEqual(p4["rows"][0]["overhead_paired"], 0.30)
+        self.assertFalse(p4["met"])
+        # Runs not interleaved have no pairs: the ratio of medians decides.
+        result["servers"]["ours"]["points"] = [self.point([1.3, 2.6, 1.0], False)]
+        p4 = bench_server.evaluate_targets(result)["P4"]
+        self.assertIsNone(p4["rows"][0]["overhead_paired"])
+        self.assertAlmostEqual(p4["max_overhead"], 1.3 / 1.2 - 1)
+
+    def test_prefetch_has_its_own_p4(self):
+        result = {
+            "config": {"cap_contexts": []},
+            "servers": {
+                "baseline": {"points": [self.point([1.0, 1.0, 1.0])]},
+                "ours": {"points": [self.point([1.3, 1.3, 1.3])]},
+                "ours_prefetch": {"points": [self.point([1.08, 1.02, 1.05])]},
+            },
+        }
+        t = bench_server.evaluate_targets(result)
+        self.assertFalse(t["P4"]["met"])
+        self.assertTrue(t["P4_prefetch"]["met"])
+        lines = bench_server._targets_md(t)
+        self.assertTrue(
+            any(l.startswith("- **P4** ITL overhead ours + pre") for l in lines)
+        )
+        self.assertIn("median of per-round ratios +5.0%", "\n".join(lines))
+
+    def test_arguments(self):
+        argv = ["--out", "/tmp/x", "--interleave", "--no-record"]
+        args = bench_server.parse_args(argv)
+        self.assertIn("--sleep-on-idle", bench_server.server_specs(args)["ours"])
+        spec = bench_server.server_specs(args, 0.04)["baseline"]
+        self.assertEqual(spec[spec.index("--mem-fraction-static") + 1], "0.04")
+        plain = bench_server.parse_args(["--out", "/tmp/x", "--no-record"])
+        self.assertNotIn("--sleep-on-idle", bench_server.server_specs(plain)["ours"])
+        refused = (
+            argv[:3],  # the recorder's flushes would fall between the rounds
+            argv + ["--profile-steps", "20"],
+            argv + ["--cap-contexts", "131072"],
+        )
+        for bad in refused:
+            with self.assertRaises(SystemExit):
+                bench_server.parse_args(bad)
+
+
+class TestInterleavedRuns(unittest.TestCase):
+    """``bench_interleaved``'s schedule with stand-in servers (no sglang)."""
+
+    def test_rounds_rotate_and_a_failed_start_is_reported(self):
+        import tempfile
+        from unittest import mock
+
+        calls = []
+
+        class FakeServer:
+            def __init__(self, name, spec, port, out, env=None, timeout=0):
+                self.name, self.port = name, port
+                self.log_path = f"{out}/server_{name}.log"
+                self.proc = mock.Mock(**{"poll.return_value": None})
+                self.exited = False
+
+            def __enter__(self):
+                if self.name.startswith("hisparse"):
+                    raise RuntimeError("not healthy")
+                return self
+
+            def __exit__(self, *exc):
+                self.exited = True
+
+        def fake_run_point(server, ctx, conc, new_tokens, seed, timeout):
+            calls.append((server.name.rsplit("_", 1)[0], ctx, conc, seed))
+            itl = {"baseline": 1.0, "ours": 1.1}[calls[-1][0]]
+            lines = [decode_line(conc, 1000.0 * conc / itl) for _ in range(3)]
+            return {
+                "elapsed_s": 1.0,
+                "errors": [],
+                "num_errors": 0,
+                "client": {"ttft_s_max": 0.5, "itl_ms_p50": itl},
+                "decode_log": bench_server.parse_decode_lines("\n".join(lines)),
+            }
+
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["--out", out, "--interleave", "--no-record", "--repeats", "3"]
+            argv += ["--contexts", "4096", "--concurrency", "1,8"]
+            argv += ["--mem-fraction-static", "0.03"]
+            args = bench_server.parse_args(argv)
+            args.mem_fraction_how, args.trace = "given", None
+            result = {"config": {"cap_contexts": []}, "servers": {}}
+            with mock.patch.multiple(
+                bench_server,
+                BenchServer=FakeServer,
+                run_point=fake_run_point,
+                warm_up=lambda *a: None,
+                num_model_layers=lambda: 3,
+            ):
+                bench_server.bench_interleaved(
+                    args, ["baseline", "ours", "hisparse"], 1e12, result, lambda: 0
+                )
+        srv = result["servers"]
+        self.assertIn("not healthy", srv["hisparse"]["error"])
+        self.assertEqual(srv["hisparse"]["points"], [])
+        # Per point: 3 rounds, the order rotated each round, the same prompts.
+        order = [c[0] for c in calls[:6]]
+        self.assertEqual(order, ["baseline", "ours", "ours", "baseline"] + order[:2])
+        self.assertEqual({c[3] for c in calls[:6]}, {1000})
+        self.assertEqual(len(calls), 12)
+        ours = srv["ours"]["points"]
+        self.assertEqual([(p["ctx"], p["conc"]) for p in ours], [(4096, 1), (4096, 8)])
+        self.assertTrue(all(p["interleaved"] for p in ours))
+        self.assertAlmostEqual(ours[1]["server"]["itl_ms"], 1.1)
+        p4 = bench_server.evaluate_targets(result)["P4"]
+        self.assertAlmostEqual(p4["rows"][1]["overhead_paired"], 0.1)
+        self.assertFalse(p4["met"])  # +10.000...1% (float) is not <= 10%
+
+
 if __name__ == "__main__":
     unittest.main()

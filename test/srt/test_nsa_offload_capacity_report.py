@@ -292,6 +292,19 @@ class TestServerCommand(unittest.TestCase):
         self.assertEqual(bf16.nsa_decode_backend, "flashmla_sparse")
         self.assertEqual(bf16.mem_fraction_static, 0.7)
 
+    def test_offload_budget_at_another_fraction(self):
+        import e2e_server
+
+        # sglang's budget: after weights - before x (1 - f); session 6's
+        # no-offload server logged 139.13 / 138.62 GB and had 3.998 at 0.0324.
+        base = {"memory": {"before_weights": 139.13, "after_weights": 138.62}}
+        self.assertAlmostEqual(e2e_server.offload_budget_at(base, 0.0324), 3.998)
+        self.assertAlmostEqual(e2e_server.offload_budget_at(base, 0.0360), 4.499)
+        with self.assertRaises(SystemExit):
+            e2e_server.offload_budget_at({"memory": {}}, 0.036)
+        with self.assertRaises(SystemExit):
+            e2e_server.offload_budget_at(None, 0.036)
+
     def test_pd_decode_reserves_the_output(self):
         parsed = self._launch_args(
             ["--pd-decode", "--num-requests", "0", "--capacity-new-tokens", "4096"]
