@@ -1130,17 +1130,16 @@ def evaluate_targets(result: dict) -> dict:
     return t
 
 
-def _paired_overhead(p: dict, b: dict) -> Optional[float]:
-    """Median over rounds of ours' ITL / no offload's in the same round
-    (``--interleave``: the rounds ran back to back); None otherwise."""
+def _paired_ratios(p: dict, b: dict) -> List[float]:
+    """Ours' ITL / no offload's, round by round (``--interleave``: the rounds
+    ran back to back), sorted; empty when the runs were not interleaved."""
     if not (p.get("interleaved") and b.get("interleaved")):
-        return None
-    ratios = [
+        return []
+    return sorted(
         o["itl_ms"] / n["itl_ms"]
         for o, n in zip(p["server_runs"], b["server_runs"])
         if o.get("itl_ms") and n.get("itl_ms")
-    ]
-    return statistics.median(ratios) - 1 if ratios else None
+    )
 
 
 def _p4(base: dict, ours: dict) -> dict:
@@ -1153,6 +1152,7 @@ def _p4(base: dict, ours: dict) -> dict:
         b = _point(base, p["ctx"], p["conc"])
         if b is None:
             continue
+        ratios = _paired_ratios(p, b)
         i_o, i_b = p["server"].get("itl_ms"), b["server"].get("itl_ms")
         c_o, c_bb = p["client"].get("itl_ms_p50"), b["client"].get("itl_ms_p50")
         misses = p["server"].get("misses_per_step")
@@ -1163,7 +1163,13 @@ def _p4(base: dict, ours: dict) -> dict:
                 "ctx": p["ctx"],
                 "conc": p["conc"],
                 "overhead_server": (i_o / i_b - 1) if i_o and i_b else None,
-                "overhead_paired": _paired_overhead(p, b),
+                "overhead_paired": statistics.median(ratios) - 1 if ratios else None,
+                # The middle half of the rounds: how much one round says.
+                "overhead_paired_iqr": (
+                    [float(q) - 1 for q in np.quantile(ratios, [0.25, 0.75])]
+                    if ratios
+                    else None
+                ),
                 "overhead_client_p50": (c_o / c_bb - 1) if c_o and c_bb else None,
                 "miss_copy_ms": copy_ms,
                 "miss_copy_overhead": copy_ms / i_b if copy_ms and i_b else None,
@@ -1463,7 +1469,11 @@ def _p4_line(label: str, p4: dict) -> str:
     def paired(r):
         if r["overhead_paired"] is None:
             return ""
-        return f"median of per-round ratios {r['overhead_paired']:+.1%}; "
+        lo, hi = r["overhead_paired_iqr"]
+        return (
+            f"median of per-round ratios {r['overhead_paired']:+.1%}, "
+            f"IQR {lo:+.0%}..{hi:+.0%}; "
+        )
 
     return (
         f"- **P4** ITL overhead {label} vs no offload at equal batch (server log): "

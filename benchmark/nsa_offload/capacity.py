@@ -347,7 +347,10 @@ def load_run(run_dir: str, new_tokens: int) -> tuple:
     if os.path.exists(path):
         with open(path) as f:
             r = json.load(f)
-        return r.get("baseline"), r.get("offload", {}), r.get("hisparse")
+        # A --baseline-from run carries another run's no-offload result,
+        # whose log is in that run: the report takes it from there.
+        base = None if r.get("baseline_from") else r.get("baseline")
+        return base, r.get("offload", {}), r.get("hisparse")
     with open(os.path.join(run_dir, "driver.log")) as f:
         text = f.read()
     servers: dict = {}

@@ -213,6 +213,9 @@ class TestInterleave(unittest.TestCase):
         row = p4["rows"][0]
         self.assertAlmostEqual(row["overhead_server"], 1.26 / 1.2 - 1)
         self.assertAlmostEqual(row["overhead_paired"], 0.05)
+        self.assertEqual(len(row["overhead_paired_iqr"]), 2)
+        for q in row["overhead_paired_iqr"]:
+            self.assertAlmostEqual(q, 0.05)
         self.assertTrue(p4["met"])
         # A round at +30% in most rounds fails it, whatever the medians say.
         result["servers"]["ours"]["points"] = [self.point([1.3, 2.6, 1.0])]
@@ -241,7 +244,7 @@ class TestInterleave(unittest.TestCase):
         self.assertTrue(
             any(l.startswith("- **P4** ITL overhead ours + pre") for l in lines)
         )
-        self.assertIn("median of per-round ratios +5.0%", "\n".join(lines))
+        self.assertIn("median of per-round ratios +5.0%, IQR +4%..+6%", "\n".join(lines))
 
     def test_arguments(self):
         argv = ["--out", "/tmp/x", "--interleave", "--no-record"]

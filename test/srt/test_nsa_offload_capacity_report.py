@@ -244,6 +244,32 @@ class TestThroughputAtCapacity(unittest.TestCase):
             self.assertGreaterEqual(r["equal_bytes_vs_bound"], 0.9)
         self.assertGreaterEqual(rows[-1]["ratio_equal_bytes"], 5.0)
 
+    def test_committed_pd_decode_run_at_equal_bytes(self):
+        # Session 7: ours at the no-offload fraction, then at the fraction
+        # that gives it the no-offload server's bytes (a --baseline-from run:
+        # the no-offload figures and log come from the first run).
+        run = RESULTS.parent / "h200_pd_decode_s7" / "run2_solo"
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["capacity.py", "report", "--pd-decode", "--out", out]
+            argv += ["--context-length", "135680", "--capacity-new-tokens", "4096"]
+            argv += [str(run / "same_fraction"), str(run / "equal_bytes")]
+            with mock.patch.object(sys, "argv", argv):
+                capacity.main()
+            with open(os.path.join(out, "capacity.json")) as f:
+                rows = json.load(f)["rows"]
+        self.assertEqual([r["offload_peak"] for r in rows], [65, 74])
+        self.assertEqual([r["baseline_peak"] for r in rows], [14, 14])
+        self.assertTrue(all(r["baseline_run"].endswith("same_fraction") for r in rows))
+        tput = [r["throughput"] for r in rows]
+        self.assertTrue(all(t["baseline"]["running"] == 14 for t in tput))
+        ratios = [
+            t["offload"]["tokens_per_s"] / t["baseline"]["tokens_per_s"] for t in tput
+        ]
+        self.assertGreaterEqual(min(ratios), 3.0)
+        self.assertGreater(
+            tput[1]["offload"]["tokens_per_s"], tput[0]["offload"]["tokens_per_s"]
+        )
+
 
 class TestOffloadLogLine(unittest.TestCase):
     def test_with_and_without_prefetch(self):
