@@ -862,9 +862,22 @@ def warm_up(args, kind: str, server: Server) -> None:
         log(f"[{kind}] warm-up {ctx} tokens + {n}: {time.time() - tic:.1f} s")
 
 
-def point_estimate_s(args, ctx: int, conc: int, runs: int, prefill_rate: float):
-    """Seconds ``runs`` runs of a point take (prefill, decode, overhead)."""
-    return runs * (ctx * conc / prefill_rate + args.new_tokens * 0.01 + 4)
+# Planning figures (H200, tiny model, session 7's runs): a run takes its
+# slowest TTFT, then its decode steps (<= 2.5 ms each, but the batch ramps up
+# behind the prefills), then the 0.5 s log wait; a profiled run also writes
+# its trace.
+PLAN_STEP_S = 0.006
+PLAN_RUN_OVERHEAD_S = 1.5
+PLAN_PROFILE_S = 10.0
+
+
+def point_estimate_s(
+    args, ctx: int, conc: int, runs: int, prefill_rate: float, profiled=False
+) -> float:
+    """Seconds a point's runs take (prefill, decode, overhead), on the safe
+    side: the measured prefill rate replaces the guess after the first point."""
+    one = ctx * conc / prefill_rate + args.new_tokens * PLAN_STEP_S
+    return (runs + profiled) * (one + PLAN_RUN_OVERHEAD_S) + profiled * PLAN_PROFILE_S
 
 
 def summarize_point(kind: str, point: dict, runs: List[dict], args, layers: int):
@@ -928,7 +941,7 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
         # point at capacity runs once (its prefill dominates).
         reps = 1 if at_cap else args.repeats
         profiled = bool(args.profile_steps) and not at_cap
-        est = point_estimate_s(args, ctx, conc, reps + profiled, prefill_rate)
+        est = point_estimate_s(args, ctx, conc, reps, prefill_rate, profiled)
         if cap is not None and conc > cap:
             point["skipped"] = f"concurrency {conc} > capacity {cap}"
         elif time.time() + est > share_end:

@@ -244,7 +244,9 @@ class TestInterleave(unittest.TestCase):
         self.assertTrue(
             any(l.startswith("- **P4** ITL overhead ours + pre") for l in lines)
         )
-        self.assertIn("median of per-round ratios +5.0%, IQR +4%..+6%", "\n".join(lines))
+        self.assertIn(
+            "median of per-round ratios +5.0%, IQR +4%..+6%", "\n".join(lines)
+        )
 
     def test_arguments(self):
         argv = ["--out", "/tmp/x", "--interleave", "--no-record"]
@@ -262,6 +264,30 @@ class TestInterleave(unittest.TestCase):
         for bad in refused:
             with self.assertRaises(SystemExit):
                 bench_server.parse_args(bad)
+
+    def test_point_estimate_is_on_the_safe_side_of_the_h200_runs(self):
+        import json
+
+        path = BENCH_DIR / "results" / "h200_bench_server_s7" / "solo_4servers"
+        with open(path / "bench_server_override.json") as f:
+            result = json.load(f)
+        args = bench_server.parse_args(["--out", "/tmp/x"])
+        checked = 0
+        for srv in result["servers"].values():
+            for p in srv["points"]:
+                # one run (+ run_point's 0.5 s wait for the log), at the
+                # prefill rate the point itself measured
+                est = bench_server.point_estimate_s(
+                    args, p["ctx"], p["conc"], 1, p["prefill_tok_s"]
+                )
+                self.assertGreater(est, p["elapsed_s"] + 0.5)
+                self.assertLess(est, 3 * (p["elapsed_s"] + 0.5) + 1)
+                checked += 1
+        self.assertEqual(checked, 24)
+        profiled = bench_server.point_estimate_s(args, 16384, 8, 3, 2e5, True)
+        self.assertGreater(
+            profiled, bench_server.point_estimate_s(args, 16384, 8, 4, 2e5)
+        )
 
 
 class TestInterleavedRuns(unittest.TestCase):
