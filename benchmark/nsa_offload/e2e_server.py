@@ -213,11 +213,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--mem-fraction-static-offload",
         type=float,
         help="the offload servers' --mem-fraction-static (default: "
-        "--mem-fraction-static); their region counts then come from the "
-        "no-offload server's budget moved by the difference. Upstream sizes the "
-        "no-offload fp8 pool at 576 B per KV row but allocates 656 B, so at one "
-        "fraction it takes ~12%% more GPU memory than ours: a higher fraction "
-        "gives ours equal bytes",
+        "--mem-fraction-static); their region counts then come from the budget "
+        "sglang gives at that fraction (from the no-offload server's logged "
+        "memory). Upstream sizes the no-offload fp8 pool at 576 B per KV row but "
+        "allocates 656 B, so at one fraction it takes ~10%% more GPU memory than "
+        "ours: a higher fraction gives ours equal bytes",
     )
     p.add_argument(
         "--cross-layer-prefetch",
