@@ -524,16 +524,18 @@ def capacity(
     return int(min(slots, tokens // need))
 
 
-def ours_auto_slots(budget_gib: float, layers: int, new_tokens: int) -> int:
+def ours_auto_slots(
+    budget_gib: float, layers: int, new_tokens: int, buffer_size: int = 4096
+) -> int:
     """Decode regions that let ours fill the budget with 128K requests
     (mirrors NSAKVOffloadPoolConfigurator's arithmetic for the tiny model:
-    regions of 4096 + 64 rows, staging for context 163840 + 2 x 16384 + 64
+    regions of buffer_size + 64 rows, staging for context 163840 + 2 x 16384 + 64
     pages (a page per request of a prefill batch once there are more than 64
     regions; not counted here: about one request fewer at that point), per
     logical loc the indexer key, LRU map and loc->row entry)."""
     budget = budget_gib * (1 << 30)
     staging = (163840 + 2 * 16384 + 64 * PAGE_SIZE) * layers * ROW_BYTES
-    region = layers * ((4096 + 64) * ROW_BYTES + 4096 * 6)
+    region = layers * ((buffer_size + 64) * ROW_BYTES + buffer_size * 6)
     per_loc = layers * (INDEXER_BYTES + 2) + 8
     need = page_up(131072 + new_tokens)
     return max(1, int((budget - staging) // (region + need * per_loc)))
@@ -557,6 +559,8 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     ours += ["--enable-decode-nsa-kv-offload"]
     ours += ["--nsa-kv-offload-recent-window", str(args.recent_window)]
     ours += ["--nsa-kv-offload-host-pool-gb", str(args.host_pool_gb)]
+    if args.buffer_size is not None:
+        ours += ["--nsa-kv-offload-gpu-buffer-size", str(args.buffer_size)]
     return {
         "baseline": common + slots,
         "hisparse": common + slots + HISPARSE_ARGS,
@@ -1693,6 +1697,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
     p.add_argument("--recent-window", type=int, default=64)
     p.add_argument(
+        "--buffer-size",
+        type=int,
+        help="ours' LRU rows per request and layer "
+        "(--nsa-kv-offload-gpu-buffer-size; default: the server's, 2 x index_topk): "
+        "more rows, fewer misses per step, fewer requests per GiB",
+    )
+    p.add_argument(
         "--cross-layer-prefetch",
         action="store_true",
         help="ours with SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1 (experimental)",
@@ -1782,7 +1793,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args.mem_fraction_how = how
     if args.max_running_requests is None:
         args.max_running_requests = max(
-            ours_auto_slots(args.kv_budget_gib, layers, args.new_tokens),
+            ours_auto_slots(
+                args.kv_budget_gib, layers, args.new_tokens, args.buffer_size or 4096
+            ),
             max(args.concurrency),
         )
     if args.host_pool_gb is None:
@@ -1820,6 +1833,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "max_running_requests": args.max_running_requests,
             "host_pool_gb": args.host_pool_gb,
             "recent_window": args.recent_window,
+            "buffer_size": args.buffer_size,
             "decode_log_interval": args.decode_log_interval,
             "layers": layers,
             "sinks": SINKS,

@@ -256,6 +256,22 @@ class TestInterleave(unittest.TestCase):
         self.assertEqual(spec[spec.index("--mem-fraction-static") + 1], "0.04")
         plain = bench_server.parse_args(["--out", "/tmp/x", "--no-record"])
         self.assertNotIn("--sleep-on-idle", bench_server.server_specs(plain)["ours"])
+        # A larger LRU buffer goes to both offload servers only, and leaves
+        # room for fewer 128K requests in the same budget.
+        self.assertNotIn(
+            "--nsa-kv-offload-gpu-buffer-size", bench_server.server_specs(plain)["ours"]
+        )
+        big = bench_server.parse_args(argv + ["--buffer-size", "12288"])
+        specs = bench_server.server_specs(big)
+        for kind in ("ours", "ours_prefetch"):
+            i = specs[kind].index("--nsa-kv-offload-gpu-buffer-size")
+            self.assertEqual(specs[kind][i + 1], "12288")
+        for kind in ("baseline", "hisparse"):
+            self.assertNotIn("--nsa-kv-offload-gpu-buffer-size", specs[kind])
+        self.assertLess(
+            bench_server.ours_auto_slots(4.0, 3, 256, 12288),
+            bench_server.ours_auto_slots(4.0, 3, 256),
+        )
         refused = (
             argv[:3],  # the recorder's flushes would fall between the rounds
             argv + ["--profile-steps", "20"],
