@@ -313,10 +313,11 @@ class TestInterleavedRuns(unittest.TestCase):
         import tempfile
         from unittest import mock
 
-        calls = []
+        calls, started = [], []
 
         class FakeServer:
             def __init__(self, name, spec, port, out, env=None, timeout=0):
+                started.append(self)
                 self.name, self.port = name, port
                 self.log_path = f"{out}/server_{name}.log"
                 self.proc = mock.Mock(**{"poll.return_value": None})
@@ -360,6 +361,9 @@ class TestInterleavedRuns(unittest.TestCase):
                     args, ["baseline", "ours", "hisparse"], 1e12, result, lambda: 0
                 )
         srv = result["servers"]
+        # Every server is stopped at the end, the unhealthy one at once.
+        self.assertEqual([x.port for x in started], [31200, 31201, 31202])
+        self.assertTrue(all(x.exited for x in started))
         self.assertIn("not healthy", srv["hisparse"]["error"])
         self.assertEqual(srv["hisparse"]["points"], [])
         # Per point: 3 rounds, the order rotated each round, the same prompts.
