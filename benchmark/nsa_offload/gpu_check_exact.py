@@ -249,7 +249,7 @@ class Sim:
     def step(self, step_idx):
         ctrl = self.ctrl
         if self.pending is not None:  # last step's new tokens, one step late
-            ctrl.backup_new_tokens(*self.pending)
+            ctrl.write_back_new_tokens(*self.pending)
         te = self.args.turnover_every
         if te and step_idx % te == te - 1:
             self.release(self.rng.choice(sorted(self.live)))

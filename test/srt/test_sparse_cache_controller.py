@@ -194,7 +194,7 @@ class TestEndToEnd(_ControllerCase):
             # The previous step's new tokens go to host one step late, before
             # any of their requests is released (their locs are then freed).
             if pending_backup is not None:
-                ctrl.backup_new_tokens(*pending_backup)
+                ctrl.write_back_new_tokens(*pending_backup)
             # Turnover: finish a request now and then, admit a new one.
             if step % 7 == 6:
                 release(rng.choice(sorted(live)))

@@ -388,40 +388,21 @@ class SparseCacheController:
 
     # ------------------------------------------------------------------ backups
 
-    def backup_new_tokens(
-        self,
-        gpu_rows: torch.Tensor,
-        locs: torch.Tensor,
-        count: Optional[torch.Tensor] = None,
-        wait_event=None,
-    ):
-        """Copy one decode step's new-token rows of all layers to host slots.
-
-        ``gpu_rows (n,)`` are the window rows the step wrote, ``locs (n,)`` their
-        token locs; with ``count`` (1-element device tensor, e.g. the number of
-        real requests) only the first ``count`` entries are read. Runs on the
-        side stream after ``wait_event`` (e.g. recorded right after that step's
-        forward) or, by default, after the work enqueued so far on the current
-        stream. Call it one step later, before any of these requests is
-        released (their locs must still be theirs when the copy runs). Returns
-        the event of the copy (``None`` on CPU).
-        """
-        gpu_rows = self._as_device_index(gpu_rows, torch.int64)
-        locs = self._as_device_index(locs, torch.int64)
-        tensors = [gpu_rows, locs] + ([count] if count is not None else [])
-        return self._launch_side(
-            lambda: self._d2h_all_layers(gpu_rows, locs, count), tensors, wait_event
-        )
-
     def write_back_new_tokens(
         self,
         gpu_rows: torch.Tensor,
         locs: torch.Tensor,
         count: Optional[torch.Tensor] = None,
     ) -> None:
-        """``backup_new_tokens`` on the current stream, in order with the
-        forward that wrote the rows (CUDA-graph safe: no host work at replay).
-        ``gpu_rows`` and ``locs`` are int64 device tensors."""
+        """Copy one decode step's new-token rows of all layers to host slots,
+        on the current stream in order with the forward that wrote them
+        (CUDA-graph safe: no host work at replay).
+
+        ``gpu_rows (n,)`` are the window rows the step wrote, ``locs (n,)`` their
+        token locs (int64 device tensors); with ``count`` (1-element device
+        tensor, e.g. the number of real requests) only the first ``count``
+        entries are read. Call it before any of these requests is released
+        (their locs must still be theirs when the copy runs)."""
         self._d2h_all_layers(gpu_rows, locs, count)
 
     def backup_prefilled_request(
