@@ -61,12 +61,14 @@ from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+    ENV_MAX_UNITS,
     NSAKVOffloadPoolConfigurator,
     NSAKVOffloadPoolSizes,
     NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
     compute_offload_pool_sizes,
     get_nsa_kv_offload,
+    max_units_from_env,
     offload_bytes_per_loc,
     offload_bytes_per_region,
 )
@@ -186,6 +188,23 @@ class TestOffloadPoolSizing(unittest.TestCase):
             offload_bytes_per_region(self.L, self.ROW, self.C, self.W),
             3 * (4160 * 656 + 4096 * 6),
         )
+        # Extra units: the LRU state covers every slot a request may hold.
+        self.assertEqual(
+            offload_bytes_per_region(self.L, self.ROW, self.C, self.W, max_units=3),
+            3 * (4160 * 656 + 3 * 4096 * 6),
+        )
+
+    def test_max_units_env(self):
+        for value, expect in ((None, 1), ("3", 3), ("0", ValueError)):
+            env = {} if value is None else {ENV_MAX_UNITS: value}
+            with mock.patch.dict(os.environ, env):
+                if value is None:
+                    os.environ.pop(ENV_MAX_UNITS, None)
+                if expect is ValueError:
+                    with self.assertRaises(ValueError):
+                        max_units_from_env()
+                else:
+                    self.assertEqual(max_units_from_env(), expect)
 
     def test_gpu_bound_split(self):
         available = 2 << 30
@@ -786,6 +805,7 @@ class _Harness:
         seed=0,
         kv_arrives_in_host=False,
         cross_layer_prefetch=False,
+        max_units=1,
     ):
         self.t = test
         if kv_arrives_in_host:
@@ -829,6 +849,7 @@ class _Harness:
             max_batch_size=max_reqs + 1,
             kv_arrives_in_host=kv_arrives_in_host,
             cross_layer_prefetch=cross_layer_prefetch,
+            max_units=max_units,
         )
         self.controller = self.co.controller
         self.row_bytes = self.pool.kv_buffer[0][0].nbytes
@@ -854,7 +875,7 @@ class _Harness:
         return dict(
             locs=self.allocator.available_size(),
             staging=self.allocator.staging.available_pages(),
-            regions=self.controller.num_free_regions(),
+            regions=self.controller.admission_room(),
             req_slots=self.req_to_token_pool.available_size(),
         )
 
@@ -989,7 +1010,7 @@ class _Harness:
             reqs = [r for r, _ in chunks]
             done = [r for r in reqs if r is not chunked_req]
             staging_before = self.allocator.staging.available_pages()
-            regions_before = self.controller.num_free_regions()
+            regions_before = self.controller.admission_room()
             self.co.admit_prefilled_batch(SimpleNamespace(reqs=reqs), chunked_req)
             self.check_admitted(done, staging_before, regions_before)
             if chunked_req is not None:
@@ -1000,9 +1021,7 @@ class _Harness:
         """``reqs`` were just admitted with prompts of ``prompt_lens`` tokens."""
         if prompt_lens is None:
             prompt_lens = [r.seq_len for r in reqs]
-        self.t.assertEqual(
-            self.controller.num_free_regions(), regions_before - len(reqs)
-        )
+        self.t.assertEqual(self.controller.admission_room(), regions_before - len(reqs))
         staged_pages = sum((n + PAGE - 1) // PAGE for n in prompt_lens)
         self.t.assertEqual(
             self.allocator.staging.available_pages(),
@@ -1081,7 +1100,7 @@ class _Harness:
         )
         not_admitted = [r for r in reqs if not self.co.is_admitted(r)]
         staging_before = self.allocator.staging.available_pages()
-        regions_before = self.controller.num_free_regions()
+        regions_before = self.controller.admission_room()
         self.co.prepare_decode(batch)
         # Requests the prefill hook missed are admitted here, with a prompt of
         # seq_len - 1 tokens.
@@ -1162,8 +1181,12 @@ class _Harness:
             self.t.assertTrue(bool((rows[~valid] == -1).all()))
             rows, pos = rows[valid].long(), pos[valid]
             base = int(self.co.lru.region_base[r])
-            self.t.assertTrue(bool((rows >= base).all()))
-            self.t.assertTrue(bool((rows < base + self.C + self.W).all()))
+            # Rows of the request's region or of its extra units (LRU rows).
+            in_units = (rows >= base) & (rows < base + self.C + self.W)
+            for unit in self.co.lru.unit_base[r, 1:].tolist():
+                if unit >= 0:
+                    in_units |= (rows >= unit) & (rows < unit + self.C)
+            self.t.assertTrue(bool(in_units.all()))
             self.t.assertEqual(torch.unique(rows).numel(), rows.numel())
             window = pos >= n - self.W
             self.t.assertTrue(
@@ -1185,7 +1208,7 @@ class _Harness:
         r = req.req_pool_idx
         admitted = self.co.is_admitted(req)
         locs = self.req_to_token[r, : req.seq_len].long()
-        regions_before = self.controller.num_free_regions()
+        regions_before = self.controller.admission_room()
         locs_before = self.allocator.available_size()
         with mock.patch.object(
             common_module, "get_global_server_args", return_value=_GLOBAL_SERVER_ARGS
@@ -1194,7 +1217,7 @@ class _Harness:
         self.t.assertIsNone(req.req_pool_idx)
         self.t.assertFalse(self.co.is_admitted(SimpleNamespace(req_pool_idx=r)))
         self.t.assertEqual(
-            self.controller.num_free_regions(), regions_before + int(admitted)
+            self.controller.admission_room(), regions_before + int(admitted)
         )
         self.t.assertEqual(int(self.co.lru.region_base[r]), -1)
         self.t.assertTrue(bool((self.co.lru.loc_to_slot[:, locs] == -1).all()))
@@ -1346,6 +1369,45 @@ class TestCrossLayerPrefetch(unittest.TestCase):
         h.prefill([(c, 200)])
         h.decode_step([b, c], first_step_of=(c,))
         h.decode_step([b, c], shared_topk=True)
+        h.finish(b)
+        h.finish(c)
+        h.check_no_leaks()
+
+
+class TestUnitsLifecycle(unittest.TestCase):
+    """``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS``: free regions become extra LRU units
+    of the running requests; admissions take them back."""
+
+    def test_units_follow_the_load(self):
+        h = _Harness(self, seed=6, num_regions=3, max_reqs=3, max_units=3)
+        co = h.controller
+        a = h.new_req()
+        h.prefill([(a, 300)])
+        h.decode_step([a], first_step_of=(a,))
+        self.assertEqual(co.num_units(a.req_pool_idx), 3)  # alone: every region
+        for _ in range(4):
+            h.decode_step([a])
+        # B's admission takes A's newest unit back; the page tables of both
+        # stay exact (checked against the full-KV reference every step).
+        b = h.new_req()
+        h.prefill([(b, 260)])
+        self.assertEqual(co.num_units(a.req_pool_idx), 2)
+        h.decode_step([a, b], first_step_of=(b,), pad_rows=1)
+        for step in range(4):
+            h.decode_step([a, b], pad_rows=step % 2)
+        c = h.new_req()
+        h.prefill([(c, 200)], admit=False)  # admitted by the decode preparation
+        h.decode_step([a, b, c], first_step_of=(c,))
+        self.assertEqual([co.num_units(r.req_pool_idx) for r in (a, b, c)], [1, 1, 1])
+        for _ in range(3):
+            h.decode_step([a, b, c])
+        # A finishes: its region goes to the request with the fewest units.
+        h.finish(a)
+        h.decode_step([b, c])
+        self.assertEqual(co.num_units(b.req_pool_idx) + co.num_units(c.req_pool_idx), 3)
+        for _ in range(4):
+            h.decode_step([b, c], pad_rows=1)
+        self.assertGreater(co.get_stats()["misses"], 0)
         h.finish(b)
         h.finish(c)
         h.check_no_leaks()

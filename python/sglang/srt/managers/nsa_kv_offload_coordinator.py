@@ -11,6 +11,9 @@ and connects it to sglang's scheduling:
   through the KV transfer: admission (first decode preparation) only gives
   the region and warms it;
 * every decode preparation: map each new token loc to its window ring row;
+  with ``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS=U`` > 1 (experimental), hand free
+  regions to running requests as extra LRU units (an admission that finds no
+  free region takes one back);
 * every forward: make the forward stream wait for the side-stream copies;
 * inside every decode forward (CUDA-graph captured, no host work per step):
   the first layer's hook counts the batch's real rows, the last layer's hook
@@ -37,6 +40,7 @@ import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolSizes,
+    max_units_from_env,
     NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
 )
@@ -65,6 +69,7 @@ class NSAKVOffloadCoordinator:
         max_batch_size: int,
         kv_arrives_in_host: bool = False,
         cross_layer_prefetch: bool = False,
+        max_units: int = 1,
     ):
         self.kv_pool = kv_pool
         self.kv_arrives_in_host = kv_arrives_in_host
@@ -106,6 +111,7 @@ class NSAKVOffloadCoordinator:
             region_start_row=sizes.region_start_row,
             num_regions=sizes.num_regions,
             max_batch_size=max_batch_size,
+            max_units=max_units,
         )
         self.lru = self.controller.lru
         kv_pool.nsa_kv_offload = self
@@ -208,6 +214,10 @@ class NSAKVOffloadCoordinator:
         for i, req in enumerate(batch.reqs):
             if not self.is_admitted(req):
                 self.admit(req, int(batch.seq_lens_cpu[i]) - 1)
+        if self.controller.wants_rebalance():
+            # Growing rewrites LRU order an overlapped forward may still swap.
+            self._wait_producer()
+            self.controller.rebalance()
         self.lru.map_new_tokens(
             batch.req_pool_indices,
             batch.seq_lens,
@@ -402,4 +412,5 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         max_batch_size=max_batch_size,
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
+        max_units=max_units_from_env(),
     )

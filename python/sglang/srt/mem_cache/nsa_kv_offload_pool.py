@@ -268,6 +268,20 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+ENV_MAX_UNITS = "SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"
+
+
+def max_units_from_env() -> int:
+    """Regions one request may hold (``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS``,
+    experimental, default 1; see docs/ELASTIC_BUFFER.md)."""
+    from sglang.srt.utils import get_int_env_var
+
+    units = get_int_env_var(ENV_MAX_UNITS, 1)
+    if units < 1:
+        raise ValueError(f"{ENV_MAX_UNITS}={units}: must be >= 1")
+    return units
+
+
 def offload_bytes_per_loc(num_layers: int, indexer_bytes: int) -> int:
     """GPU bytes per logical token loc: indexer keys, the LRU residency map
     (int16 per layer) and ``loc_to_row`` (int64)."""
@@ -275,12 +289,17 @@ def offload_bytes_per_loc(num_layers: int, indexer_bytes: int) -> int:
 
 
 def offload_bytes_per_region(
-    num_layers: int, row_bytes: int, buffer_size: int, recent_window: int
+    num_layers: int,
+    row_bytes: int,
+    buffer_size: int,
+    recent_window: int,
+    max_units: int = 1,
 ) -> int:
     """GPU bytes per request slot: its KV region plus its LRU state
-    (``slot_loc`` int32 and ``lru_order`` int16 per LRU slot and layer)."""
+    (``slot_loc`` int32 and ``lru_order`` int16 per LRU slot and layer, for
+    all the units a request may hold)."""
     rows = buffer_size + recent_window
-    return num_layers * (rows * row_bytes + buffer_size * 6)
+    return num_layers * (rows * row_bytes + buffer_size * max_units * 6)
 
 
 def prefill_staging_rows(
@@ -306,6 +325,7 @@ def compute_offload_pool_sizes(
     staging_rows: int,
     host_pool_bytes: int,
     max_total_tokens: Optional[int] = None,
+    max_units: int = 1,
 ) -> NSAKVOffloadPoolSizes:
     """Split ``available_bytes`` between fixed costs (regions, staging) and
     logical token locs, and cap the locs by what the host pool holds."""
@@ -314,7 +334,7 @@ def compute_offload_pool_sizes(
     fixed = num_layers * (
         page_size + staging_rows
     ) * row_bytes + num_regions * offload_bytes_per_region(
-        num_layers, row_bytes, buffer_size, recent_window
+        num_layers, row_bytes, buffer_size, recent_window, max_units
     )
     per_loc = offload_bytes_per_loc(num_layers, indexer_bytes)
     host_capacity = host_pool_bytes // (num_layers * row_bytes)
@@ -375,6 +395,7 @@ class NSAKVOffloadPoolConfigurator:
         self.prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
         self.max_total_tokens = sa.max_total_tokens
         self.kv_arrives_in_host = sa.disaggregation_mode == "decode"
+        self.max_units = max_units_from_env()
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
         if self.kv_arrives_in_host:
@@ -387,7 +408,11 @@ class NSAKVOffloadPoolConfigurator:
         if self.user_max_running_requests is not None:
             return self.user_max_running_requests
         per_region = offload_bytes_per_region(
-            self.num_layers, self.row_bytes, self.buffer_size, self.recent_window
+            self.num_layers,
+            self.row_bytes,
+            self.buffer_size,
+            self.recent_window,
+            self.max_units,
         )
         share = int(_DEFAULT_REGION_BUDGET_FRACTION * available_bytes) // per_region
         return max(1, min(_DEFAULT_MAX_REGIONS, share))
@@ -409,6 +434,7 @@ class NSAKVOffloadPoolConfigurator:
             staging_rows=self.staging_rows(num_regions, page_size),
             host_pool_bytes=self.host_pool_bytes,
             max_total_tokens=self.max_total_tokens,
+            max_units=self.max_units,
         )
 
     def calculate_pool_sizes(self, available_bytes: int, page_size: int):

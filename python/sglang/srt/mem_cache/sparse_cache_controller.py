@@ -11,6 +11,11 @@
 * a side stream and events for the copies that are off the critical path
   (backups to host, warming a newly admitted request).
 
+With ``max_units = U > 1`` (experimental) regions are also handed out as extra
+LRU units: a request may hold up to ``U`` regions while others are free
+(:meth:`rebalance`), and gives its extra ones back, newest first, when an
+admission finds no free region. Its window stays in its first region.
+
 Per layer of a decode step the attention backend calls :meth:`swap_one_layer`:
 the LRU swap writes the page table (GPU rows in top-k order) and the miss list,
 then one count-bounded kernel loads the misses host -> GPU. Both are fixed-shape
@@ -131,6 +136,7 @@ class SparseCacheController:
         warm_tokens: default number of tokens (newest first, below the window)
             installed into the LRU slots at admission (clipped to ``C``).
         copy_block_rows / copy_num_warps / copy_word_bytes: tile of the miss copy.
+        max_units: regions a request may hold (1: exactly one).
     """
 
     def __init__(
@@ -149,6 +155,7 @@ class SparseCacheController:
         copy_block_rows: int = DEFAULT_BLOCK_ROWS,
         copy_num_warps: int = DEFAULT_NUM_WARPS,
         copy_word_bytes: Optional[int] = None,
+        max_units: int = 1,
     ):
         self.host_pool = host_pool
         self.row_bytes = host_pool.row_bytes
@@ -188,7 +195,9 @@ class SparseCacheController:
             device=self.device,
             use_triton=use_triton,
             max_batch_size=max_batch_size,
+            max_units=max_units,
         )
+        self.max_units = max_units
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
 
         self.use_triton_copy = self.device.type == "cuda" or copy_kernels_interpreted()
@@ -218,6 +227,8 @@ class SparseCacheController:
             self.side_stream = None
         self._last_side_event = None
         self._req_base: Dict[int, int] = {}
+        # Bases of the extra units (regions beyond the first) of each request.
+        self._req_units: Dict[int, List[int]] = {}
         self.last_plan: Optional[LayerSwapPlan] = None
 
     # ------------------------------------------------------------------ helpers
@@ -445,9 +456,15 @@ class SparseCacheController:
     def num_free_regions(self) -> int:
         return self.regions.available_size()
 
+    def admission_room(self) -> int:
+        """Requests that can be admitted now: free regions plus the extra
+        units running requests hold (an admission takes them back)."""
+        extra = sum(len(u) for u in self._req_units.values())
+        return self.regions.available_size() + extra
+
     def can_admit(self, num_reqs: int = 1) -> bool:
         """Whether ``num_reqs`` more requests get a GPU region now."""
-        return self.regions.available_size() >= num_reqs
+        return self.admission_room() >= num_reqs
 
     def is_admitted(self, req_pool_idx: int) -> bool:
         return int(req_pool_idx) in self._req_base
@@ -477,9 +494,12 @@ class SparseCacheController:
         if r in self._req_base:
             raise ValueError(f"request {r} is already admitted")
         base = self.regions.alloc_contiguous(self.region_rows)
+        if base is None and self._reclaim_unit():
+            base = self.regions.alloc_contiguous(self.region_rows)
         if base is None:
             return None
         self._req_base[r] = base
+        self._req_units[r] = []
         self.lru.admit_request(r, base)
         if prefix_locs is not None and prefix_locs.numel() > 0:
             self._warm_request(r, base, prefix_locs, warm_tokens)
@@ -536,6 +556,58 @@ class SparseCacheController:
         self.wait_backup()
         self.lru.release_request(r)
         self.regions.free(self._req_base.pop(r))
+        for base in self._req_units.pop(r):
+            self.regions.free(base)
+
+    # ------------------------------------------------------------ extra units
+
+    def num_units(self, req_pool_idx: int) -> int:
+        """Regions the request holds (0 when not admitted)."""
+        r = int(req_pool_idx)
+        return 1 + len(self._req_units[r]) if r in self._req_base else 0
+
+    def _grow_candidate(self) -> Optional[int]:
+        """The admitted request with the fewest units below ``max_units``
+        (lowest pool index first), if a region is free for it."""
+        if self.max_units == 1 or not self.regions.available_size():
+            return None
+        candidates = [
+            (len(u), r)
+            for r, u in self._req_units.items()
+            if len(u) + 1 < self.max_units
+        ]
+        return min(candidates)[1] if candidates else None
+
+    def wants_rebalance(self) -> bool:
+        """Whether :meth:`rebalance` would hand out a free region (host only)."""
+        return self._grow_candidate() is not None
+
+    def rebalance(self) -> int:
+        """Hand the free regions out as extra units, fewest units first.
+        The caller's stream must already wait for every forward that may
+        still read the LRU state. Returns the units handed out."""
+        granted = 0
+        while (r := self._grow_candidate()) is not None:
+            base = self.regions.alloc_contiguous(self.region_rows)
+            self._req_units[r].append(base)
+            self.lru.grow_request(r, len(self._req_units[r]), base)
+            granted += 1
+        return granted
+
+    def _reclaim_unit(self) -> bool:
+        """Take the newest extra unit of the request holding the most units
+        (highest pool index first); its resident locs are dropped, nothing is
+        copied. False when no request holds an extra unit."""
+        donors = [(len(u), r) for r, u in self._req_units.items() if u]
+        if not donors:
+            return False
+        _, r = max(donors)
+        units = self._req_units[r]
+        # Copies still in flight on the side stream may target its rows.
+        self.wait_backup()
+        self.lru.shrink_request(r, len(units))
+        self.regions.free(units.pop())
+        return True
 
     # ------------------------------------------------------------------- stats
 
