@@ -812,7 +812,24 @@ class TestAgainstPythonModel(unittest.TestCase):
 @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA")
 class TestCudaGraph(unittest.TestCase):
     def test_capture_replay_matches_eager(self):
-        cfg = SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000)
+        self._run(SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000))
+
+    def test_units_change_between_replays(self):
+        # Units granted and taken back between replays of one captured graph
+        # (the graph reads unit_base / capacity from their fixed buffers).
+        cfg = SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000, units=3)
+        changes = {
+            3: ("grow", 0, 1, 1000),
+            5: ("grow", 1, 1, 1100),
+            8: ("shrink", 0, 1),
+            11: ("grow", 0, 1, 1200),
+            13: ("grow", 0, 2, 1300),
+            16: ("shrink", 1, 1),
+        }
+        self._run(cfg, changes)
+
+    def _run(self, cfg, changes=None):
+        changes = changes or {}
         for use_triton in (True, False):
             eager, graphed = new_state(cfg, use_triton), new_state(cfg, use_triton)
             bs = 4
@@ -845,6 +862,13 @@ class TestCudaGraph(unittest.TestCase):
                     )
             gen = torch.Generator(device="cuda").manual_seed(0)
             for step in range(20):
+                if step in changes:
+                    op, r, unit, *base = changes[step]
+                    for s in (eager, graphed):
+                        if op == "grow":
+                            s.grow_request(r, unit, base[0])
+                        else:
+                            s.shrink_request(r, unit)
                 seq += 1
                 scores = torch.rand((bs, 600), device="cuda", generator=gen)
                 scores[:, seq[0] :] = -1
