@@ -1408,6 +1408,7 @@ class TestUnitsLifecycle(unittest.TestCase):
         for _ in range(4):
             h.decode_step([b, c], pad_rows=1)
         self.assertGreater(co.get_stats()["misses"], 0)
+        self.assertIn("regions: 3/3 (1 as extra units)", h.co.get_decode_log_msg())
         h.finish(b)
         h.finish(c)
         h.check_no_leaks()

@@ -336,6 +336,11 @@ class NSAKVOffloadCoordinator:
             f"misses: {stats['misses']}, {prefetched}"
             f"H2D: {stats['h2d_bytes'] / gap / 1e9:.2f} GB/s, "
             f"regions: {stats['regions_used']}/{stats['regions_total']}"
+            + (
+                f" ({stats['extra_units']} as extra units)"
+                if self.controller.max_units > 1
+                else ""
+            )
         )
 
 

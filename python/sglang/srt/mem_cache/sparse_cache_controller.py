@@ -636,4 +636,6 @@ class SparseCacheController:
             "d2h_bytes": d2h_bytes,
             "regions_used": self.regions.num_regions - self.regions.available_size(),
             "regions_total": self.regions.num_regions,
+            # Of the regions used, those held as extra LRU units.
+            "extra_units": sum(len(u) for u in self._req_units.values()),
         }
