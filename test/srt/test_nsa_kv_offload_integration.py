@@ -66,6 +66,8 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolSizes,
     NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
+    StagingRowAllocator,
+    StagingUnitLender,
     compute_offload_pool_sizes,
     get_nsa_kv_offload,
     max_units_from_env,
@@ -646,6 +648,24 @@ class TestHooksAndLookup(unittest.TestCase):
 class TestStagingAllocator(unittest.TestCase):
     NUM_LOCS, STAGING_PAGES = 16 * PAGE, 6
 
+    def test_unit_lender_takes_whole_runs(self):
+        staging = StagingRowAllocator(PAGE, 10, PAGE, DEVICE)
+        lender = StagingUnitLender(staging, unit_rows=2 * PAGE + 1, reserve_pages=2)
+        self.assertEqual(lender.pages_per_unit, 3)
+        # Free pages 0-1, 4-6 and 8-9: the only run of 3 is 4-6.
+        taken = staging.alloc(10)
+        staging.free(taken[[0, 1, 4, 5, 6, 8, 9]])
+        self.assertTrue(lender.available())  # 7 free - 2 reserved >= 3
+        self.assertEqual(lender.take(), PAGE + 4 * PAGE)
+        self.assertEqual(sorted(staging.free_pages.tolist()), [0, 1, 8, 9])
+        self.assertFalse(lender.available())  # 4 - 2 < 3
+        self.assertIsNone(lender.take())
+        lender.give(PAGE + 4 * PAGE)
+        self.assertEqual(sorted(staging.free_pages.tolist()), [0, 1, 4, 5, 6, 8, 9])
+        staging.free(taken[[2, 3, 7]])
+        # Highest run first: 7-9.
+        self.assertEqual(lender.take(), PAGE + 7 * PAGE)
+
     def setUp(self):
         self.pool = _make_pool(self.NUM_LOCS, (self.STAGING_PAGES + 1) * PAGE, 1)
         self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
@@ -806,6 +826,7 @@ class _Harness:
         kv_arrives_in_host=False,
         cross_layer_prefetch=False,
         max_units=1,
+        lend_staging_pages=0,
     ):
         self.t = test
         if kv_arrives_in_host:
@@ -850,6 +871,7 @@ class _Harness:
             kv_arrives_in_host=kv_arrives_in_host,
             cross_layer_prefetch=cross_layer_prefetch,
             max_units=max_units,
+            staging_reserve_pages=staging_pages - lend_staging_pages,
         )
         self.controller = self.co.controller
         self.row_bytes = self.pool.kv_buffer[0][0].nbytes
@@ -871,10 +893,18 @@ class _Harness:
 
     # -------------------------------------------------------------- helpers
 
+    def staging_room(self):
+        """Free staging pages plus those lent to requests as extra units
+        (a prefill takes them back)."""
+        lent = sum(
+            src != 0 for u in self.controller._req_units.values() for _, src in u
+        )
+        return self.allocator.staging.available_pages() + lent * -(-self.C // PAGE)
+
     def snapshot(self):
         return dict(
             locs=self.allocator.available_size(),
-            staging=self.allocator.staging.available_pages(),
+            staging=self.staging_room(),
             regions=self.controller.admission_room(),
             req_slots=self.req_to_token_pool.available_size(),
         )
@@ -966,7 +996,7 @@ class _Harness:
         pre = torch.tensor([r.seq_len for r, _ in chunks], dtype=torch.int64)
         seq = torch.tensor([r.seq_len + e for r, e in chunks], dtype=torch.int64)
         last = get_last_loc_torch(self.req_to_token, idx, pre.to(DEVICE))
-        staging_before = self.allocator.staging.available_pages()
+        staging_before = self.staging_room()
         out = self.allocator.alloc_extend(
             pre.to(DEVICE), pre, seq.to(DEVICE), seq, last, int((seq - pre).sum())
         )
@@ -975,9 +1005,7 @@ class _Harness:
             (p + e + PAGE - 1) // PAGE - (p + PAGE - 1) // PAGE
             for p, e in zip(pre.tolist(), (seq - pre).tolist())
         )
-        self.t.assertEqual(
-            self.allocator.staging.available_pages(), staging_before - new_pages
-        )
+        self.t.assertEqual(self.staging_room(), staging_before - new_pages)
         start = 0
         for req, e in chunks:
             self.req_to_token[req.req_pool_idx, req.seq_len : req.seq_len + e] = out[
@@ -1009,7 +1037,7 @@ class _Harness:
         if admit:
             reqs = [r for r, _ in chunks]
             done = [r for r in reqs if r is not chunked_req]
-            staging_before = self.allocator.staging.available_pages()
+            staging_before = self.staging_room()
             regions_before = self.controller.admission_room()
             self.co.admit_prefilled_batch(SimpleNamespace(reqs=reqs), chunked_req)
             self.check_admitted(done, staging_before, regions_before)
@@ -1024,7 +1052,7 @@ class _Harness:
         self.t.assertEqual(self.controller.admission_room(), regions_before - len(reqs))
         staged_pages = sum((n + PAGE - 1) // PAGE for n in prompt_lens)
         self.t.assertEqual(
-            self.allocator.staging.available_pages(),
+            self.staging_room(),
             staging_before + (0 if self.co.kv_arrives_in_host else staged_pages),
         )
         for req, n in zip(reqs, prompt_lens):
@@ -1099,7 +1127,7 @@ class _Harness:
             out_cache_loc=out,
         )
         not_admitted = [r for r in reqs if not self.co.is_admitted(r)]
-        staging_before = self.allocator.staging.available_pages()
+        staging_before = self.staging_room()
         regions_before = self.controller.admission_room()
         self.co.prepare_decode(batch)
         # Requests the prefill hook missed are admitted here, with a prompt of
@@ -1412,6 +1440,40 @@ class TestUnitsLifecycle(unittest.TestCase):
         h.finish(b)
         h.finish(c)
         h.check_no_leaks()
+
+    def test_idle_staging_lent_as_units(self):
+        # 2 regions; 8 of the 10 staging pages may be lent (units of C = 128
+        # rows = 2 pages). Prefills take staging units back, admissions take
+        # region units back; every page table stays exact.
+        h = _Harness(self, seed=7, num_regions=2, max_units=4, lend_staging_pages=8)
+        co, staging = h.controller, h.allocator.staging
+        a = h.new_req()
+        h.prefill([(a, 300)])
+        h.decode_step([a], first_step_of=(a,))
+        # Alone: its region, the other region, then two staging units.
+        self.assertEqual(co.num_units(a.req_pool_idx), 4)
+        self.assertEqual(co.get_stats()["extra_units_lent"], 2)
+        self.assertEqual(staging.available_pages(), 10 - 4)
+        for _ in range(3):
+            h.decode_step([a])
+        # B's 400-token prompt needs 7 staging pages: one staging unit comes
+        # back first; its admission then needs a region: A gives back its
+        # newest units until the region is among them.
+        b = h.new_req()
+        h.prefill([(b, 400)])
+        self.assertEqual(co.num_units(a.req_pool_idx), 1)
+        self.assertEqual(co.num_units(b.req_pool_idx), 1)
+        h.decode_step([a, b], first_step_of=(b,), pad_rows=1)
+        # With B's staging released, both take staging units again.
+        self.assertEqual(co.get_stats()["extra_units_lent"], 4)
+        self.assertIn("(4 as extra units)", h.co.get_decode_log_msg())
+        for step in range(5):
+            h.decode_step([a, b], pad_rows=step % 2)
+        self.assertGreater(co.get_stats()["misses"], 0)
+        h.finish(a)
+        h.finish(b)
+        h.check_no_leaks()
+        self.assertEqual(staging.available_pages(), 10)
 
 
 class TestPDDecodeLifecycle(unittest.TestCase):

@@ -218,7 +218,7 @@ class TestEndToEnd(_ControllerCase):
             base = ctrl.region_base(r)
             if base <= row < base + C + W:
                 return True
-            return any(b <= row < b + C for b in ctrl._req_units[r])
+            return any(b <= row < b + C for b, _ in ctrl._req_units[r])
 
         def admit_new():
             r = free_reqs.pop(rng.randrange(len(free_reqs)))

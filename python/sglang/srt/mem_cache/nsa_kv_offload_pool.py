@@ -143,6 +143,50 @@ class StagingRowAllocator:
             self.free_pages = torch.cat((pages, self.free_pages))
 
 
+class StagingUnitLender:
+    """Lends runs of idle prefill staging pages as extra LRU units
+    (``SparseCacheController.add_unit_source``), keeping ``reserve_pages``
+    free for the next prefills; the allocator takes units back when a
+    prefill needs their pages."""
+
+    def __init__(self, staging: StagingRowAllocator, unit_rows: int, reserve_pages):
+        self.staging = staging
+        self.pages_per_unit = -(-unit_rows // staging.page_size)
+        self.reserve_pages = reserve_pages
+
+    def available(self) -> bool:
+        free = self.staging.available_pages()
+        return free - self.reserve_pages >= self.pages_per_unit
+
+    def take(self) -> Optional[int]:
+        """First row of a run of free pages (the highest run), or None.
+        Reads the free list on the host: only called while rebalancing."""
+        if not self.available():
+            return None
+        n = self.pages_per_unit
+        free = sorted(self.staging.free_pages.tolist())
+        for end in range(len(free) - 1, n - 2, -1):
+            if free[end] - free[end - n + 1] == n - 1:
+                first = free[end - n + 1]
+                rest = free[: end - n + 1] + free[end + 1 :]
+                self.staging.free_pages = torch.tensor(
+                    rest, dtype=torch.int64, device=self.staging.device
+                )
+                return self.staging.start_row + first * self.staging.page_size
+        return None
+
+    def give(self, base: int) -> None:
+        first = (base - self.staging.start_row) // self.staging.page_size
+        self.staging.free(
+            torch.arange(
+                first,
+                first + self.pages_per_unit,
+                dtype=torch.int64,
+                device=self.staging.device,
+            )
+        )
+
+
 class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """Paged allocator of logical token locs that also gives every new page of
     a prefill a GPU staging page, and takes it back when the page is freed or
@@ -187,6 +231,11 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         # off the decode hot path, so the host sync of the mask is fine here.
         new_pages = out[out % self.page_size == 0] // self.page_size
         staging_pages = self.staging.alloc(new_pages.numel())
+        offload = self._kvcache.nsa_kv_offload
+        if staging_pages is None and offload is not None:
+            # Idle staging pages lent to running requests as extra units.
+            if offload.reclaim_staging(new_pages.numel()):
+                staging_pages = self.staging.alloc(new_pages.numel())
         if staging_pages is None:
             # Give back only the pages this extend took: the first one may
             # continue a page the request still owns.
@@ -302,15 +351,20 @@ def offload_bytes_per_region(
     return num_layers * (rows * row_bytes + buffer_size * max_units * 6)
 
 
+def staging_reserve_rows(prefill_budget: int, num_regions: int, page_size: int) -> int:
+    """Staging rows for two prefill batches (the overlap scheduler prepares one
+    while another runs) and the partly used last page of every request in a
+    batch (at most one per decode region; 64 at least)."""
+    return 2 * prefill_budget + max(64, num_regions) * page_size
+
+
 def prefill_staging_rows(
     context_len: int, prefill_budget: int, num_regions: int, page_size: int
 ) -> int:
     """GPU rows colocated prefills hold until their KV is backed up: one prompt
-    being chunked (up to the context length), two prefill batches (the overlap
-    scheduler prepares one while another runs), and the partly used last page
-    of every request in a batch (at most one per decode region; 64 at least).
+    being chunked (up to the context length) and ``staging_reserve_rows``.
     Sized for the worst case: running out would fail a prefill."""
-    return context_len + 2 * prefill_budget + max(64, num_regions) * page_size
+    return context_len + staging_reserve_rows(prefill_budget, num_regions, page_size)
 
 
 def compute_offload_pool_sizes(

@@ -11,10 +11,12 @@
 * a side stream and events for the copies that are off the critical path
   (backups to host, warming a newly admitted request).
 
-With ``max_units = U > 1`` (experimental) regions are also handed out as extra
-LRU units: a request may hold up to ``U`` regions while others are free
-(:meth:`rebalance`), and gives its extra ones back, newest first, when an
-admission finds no free region. Its window stays in its first region.
+With ``max_units = U > 1`` (experimental) free regions are also handed out as
+extra LRU units: a request may hold up to ``U`` units (:meth:`rebalance`), and
+gives its extra ones back, newest first, when an admission finds no free
+region. Other sources of idle rows can lend units too (:meth:`add_unit_source`:
+the coordinator adds idle prefill staging rows) and take them back when they
+need them (:meth:`reclaim_units_of`). A request's window stays in its region.
 
 Per layer of a decode step the attention backend calls :meth:`swap_one_layer`:
 the LRU swap writes the page table (GPU rows in top-k order) and the miss list,
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
@@ -112,6 +114,22 @@ class RegionAllocator:
             raise ValueError(f"row {base_row} is not the base of an allocated region")
         self._used.remove(region)
         heapq.heappush(self._free, region)
+
+
+class RegionUnitSource:
+    """Free regions, lent as extra LRU units (the first unit source)."""
+
+    def __init__(self, regions: RegionAllocator):
+        self.regions = regions
+
+    def available(self) -> bool:
+        return self.regions.available_size() > 0
+
+    def take(self) -> Optional[int]:
+        return self.regions.alloc_contiguous()
+
+    def give(self, base: int) -> None:
+        self.regions.free(base)
 
 
 class SparseCacheController:
@@ -227,8 +245,10 @@ class SparseCacheController:
             self.side_stream = None
         self._last_side_event = None
         self._req_base: Dict[int, int] = {}
-        # Bases of the extra units (regions beyond the first) of each request.
-        self._req_units: Dict[int, List[int]] = {}
+        # Extra units of each request beyond its region, oldest first:
+        # (first row, index of the source in _unit_sources).
+        self._req_units: Dict[int, List[Tuple[int, int]]] = {}
+        self._unit_sources = [RegionUnitSource(self.regions)]
         self.last_plan: Optional[LayerSwapPlan] = None
 
     # ------------------------------------------------------------------ helpers
@@ -457,10 +477,10 @@ class SparseCacheController:
         return self.regions.available_size()
 
     def admission_room(self) -> int:
-        """Requests that can be admitted now: free regions plus the extra
-        units running requests hold (an admission takes them back)."""
-        extra = sum(len(u) for u in self._req_units.values())
-        return self.regions.available_size() + extra
+        """Requests that can be admitted now: free regions plus the regions
+        running requests hold as extra units (an admission takes them back)."""
+        lent = sum(src == 0 for u in self._req_units.values() for _, src in u)
+        return self.regions.available_size() + lent
 
     def can_admit(self, num_reqs: int = 1) -> bool:
         """Whether ``num_reqs`` more requests get a GPU region now."""
@@ -556,20 +576,27 @@ class SparseCacheController:
         self.wait_backup()
         self.lru.release_request(r)
         self.regions.free(self._req_base.pop(r))
-        for base in self._req_units.pop(r):
-            self.regions.free(base)
+        for base, source in self._req_units.pop(r):
+            self._unit_sources[source].give(base)
 
     # ------------------------------------------------------------ extra units
 
     def num_units(self, req_pool_idx: int) -> int:
-        """Regions the request holds (0 when not admitted)."""
+        """LRU units the request holds (0 when not admitted)."""
         r = int(req_pool_idx)
         return 1 + len(self._req_units[r]) if r in self._req_base else 0
 
+    def add_unit_source(self, source) -> int:
+        """Another lender of extra units (``available()``, ``take() -> first
+        row or None``, ``give(first row)``; ``buffer_size`` rows per unit),
+        used after the free regions. Returns its index."""
+        self._unit_sources.append(source)
+        return len(self._unit_sources) - 1
+
     def _grow_candidate(self) -> Optional[int]:
         """The admitted request with the fewest units below ``max_units``
-        (lowest pool index first), if a region is free for it."""
-        if self.max_units == 1 or not self.regions.available_size():
+        (lowest pool index first), if some source can lend a unit."""
+        if self.max_units == 1 or not any(s.available() for s in self._unit_sources):
             return None
         candidates = [
             (len(u), r)
@@ -579,35 +606,69 @@ class SparseCacheController:
         return min(candidates)[1] if candidates else None
 
     def wants_rebalance(self) -> bool:
-        """Whether :meth:`rebalance` would hand out a free region (host only)."""
+        """Whether :meth:`rebalance` would hand out a unit (host only)."""
         return self._grow_candidate() is not None
 
     def rebalance(self) -> int:
-        """Hand the free regions out as extra units, fewest units first.
-        The caller's stream must already wait for every forward that may
-        still read the LRU state. Returns the units handed out."""
+        """Hand idle rows out as extra units, fewest units first, free regions
+        before other sources. The caller's stream must already wait for every
+        forward that may still read the LRU state. Returns the units handed
+        out."""
         granted = 0
         while (r := self._grow_candidate()) is not None:
-            base = self.regions.alloc_contiguous(self.region_rows)
-            self._req_units[r].append(base)
+            for index, source in enumerate(self._unit_sources):
+                base = source.take() if source.available() else None
+                if base is not None:
+                    break
+            else:
+                break
+            self._req_units[r].append((base, index))
             self.lru.grow_request(r, len(self._req_units[r]), base)
             granted += 1
         return granted
 
-    def _reclaim_unit(self) -> bool:
-        """Take the newest extra unit of the request holding the most units
-        (highest pool index first); its resident locs are dropped, nothing is
-        copied. False when no request holds an extra unit."""
-        donors = [(len(u), r) for r, u in self._req_units.items() if u]
-        if not donors:
-            return False
-        _, r = max(donors)
+    def _shrink_last_unit(self, r: int) -> int:
+        """Drop request ``r``'s newest extra unit; returns its source index."""
         units = self._req_units[r]
         # Copies still in flight on the side stream may target its rows.
         self.wait_backup()
         self.lru.shrink_request(r, len(units))
-        self.regions.free(units.pop())
+        base, source = units.pop()
+        self._unit_sources[source].give(base)
+        return source
+
+    def _reclaim_unit(self) -> bool:
+        """Free a region for an admission: the request holding the most units
+        (highest pool index first) among those holding a region as an extra
+        unit gives its newest units back until a region is among them. Their
+        resident locs are dropped, nothing is copied. False when no request
+        holds a region as an extra unit."""
+        donors = [
+            (len(u), r)
+            for r, u in self._req_units.items()
+            if any(src == 0 for _, src in u)
+        ]
+        if not donors:
+            return False
+        _, r = max(donors)
+        while self._shrink_last_unit(r) != 0:
+            pass
         return True
+
+    def reclaim_units_of(self, source: int, enough) -> bool:
+        """Take back units lent by ``source`` (newest first, largest holders
+        first) until ``enough()``; the caller's stream must already wait for
+        every forward that may still read them. Returns ``enough()``."""
+        while not enough():
+            donors = [
+                (len(u), r)
+                for r, u in self._req_units.items()
+                if u and u[-1][1] == source
+            ]
+            if not donors:
+                break
+            self._shrink_last_unit(max(donors)[1])
+        return enough()
 
     # ------------------------------------------------------------------- stats
 
@@ -638,4 +699,7 @@ class SparseCacheController:
             "regions_total": self.regions.num_regions,
             # Of the regions used, those held as extra LRU units.
             "extra_units": sum(len(u) for u in self._req_units.values()),
+            "extra_units_lent": sum(
+                src != 0 for u in self._req_units.values() for _, src in u
+            ),
         }
