@@ -665,6 +665,17 @@ class TestStagingAllocator(unittest.TestCase):
         staging.free(taken[[2, 3, 7]])
         # Highest run first: 7-9.
         self.assertEqual(lender.take(), PAGE + 7 * PAGE)
+        # Enough free pages but no run: one search, then no more until the
+        # free list changes (a search reads it on the host).
+        lender.give(PAGE + 7 * PAGE)
+        staging.alloc(staging.available_pages())
+        staging.free(taken[[0, 2, 4, 6, 8, 9]])  # runs of at most 2 pages
+        self.assertTrue(lender.available())
+        self.assertIsNone(lender.take())
+        self.assertFalse(lender.available())
+        staging.free(taken[[5]])  # 4-6 is a run again
+        self.assertTrue(lender.available())
+        self.assertEqual(lender.take(), PAGE + 4 * PAGE)
 
     def setUp(self):
         self.pool = _make_pool(self.NUM_LOCS, (self.STAGING_PAGES + 1) * PAGE, 1)

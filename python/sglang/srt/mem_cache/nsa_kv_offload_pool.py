@@ -153,9 +153,14 @@ class StagingUnitLender:
         self.staging = staging
         self.pages_per_unit = -(-unit_rows // staging.page_size)
         self.reserve_pages = reserve_pages
+        # Free page count at which the last search found no run: no new
+        # search (a host read of the free list) until the count changes.
+        self._no_run_at = None
 
     def available(self) -> bool:
         free = self.staging.available_pages()
+        if free == self._no_run_at:
+            return False
         return free - self.reserve_pages >= self.pages_per_unit
 
     def take(self) -> Optional[int]:
@@ -173,6 +178,7 @@ class StagingUnitLender:
                     rest, dtype=torch.int64, device=self.staging.device
                 )
                 return self.staging.start_row + first * self.staging.page_size
+        self._no_run_at = len(free)
         return None
 
     def give(self, base: int) -> None:
