@@ -180,6 +180,43 @@ class TestUnits(_ControllerCase):
         self.assertEqual(ctrl.rebalance(), 2)
         self.assertEqual(ctrl.num_units(5), 3)
 
+    def test_other_sources_and_buried_units(self):
+        class Source:  # lends units of C rows past the regions
+            def __init__(self, bases):
+                self.free = list(bases)
+
+            def available(self):
+                return bool(self.free)
+
+            def take(self):
+                return self.free.pop(0)
+
+            def give(self, base):
+                self.free.append(base)
+
+        ctrl = self.make(max_units=3)
+        extra = Source([1000, 2000])
+        self.assertEqual(ctrl.add_unit_source(extra), 1)
+        for r in (0, 1, 2):
+            ctrl.admit_request(r)
+        # No free region: the other source lends, fewest units first.
+        self.assertEqual(ctrl.rebalance(), 2)
+        self.assertEqual(ctrl.lru.unit_base[0, 1].item(), 1000)
+        self.assertEqual(ctrl.lru.unit_base[1, 1].item(), 2000)
+        self.assertEqual(ctrl.get_stats()["extra_units_lent"], 2)
+        self.assertEqual(ctrl.admission_room(), 0)  # lent units are no regions
+        ctrl.release_request(2)
+        self.assertEqual(ctrl.rebalance(), 1)  # the freed region goes to 0
+        self.assertEqual(ctrl.num_units(0), 3)  # region, lent, region
+        # Taking the lent units back: request 0's region unit sits on top of
+        # its lent one, so it goes back to the free regions first.
+        ok = ctrl.reclaim_units_of(1, lambda: len(extra.free) == 2)
+        self.assertTrue(ok)
+        self.assertEqual([ctrl.num_units(r) for r in (0, 1)], [1, 1])
+        self.assertEqual(ctrl.num_free_regions(), 1)
+        self.assertEqual(ctrl.lru.capacity[:2].tolist(), [self.C, self.C])
+        self.assertFalse(ctrl.reclaim_units_of(1, lambda: len(extra.free) == 3))
+
     def test_one_unit_never_rebalances(self):
         ctrl = self.make()
         ctrl.admit_request(0)

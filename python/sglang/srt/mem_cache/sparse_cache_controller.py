@@ -637,37 +637,34 @@ class SparseCacheController:
         self._unit_sources[source].give(base)
         return source
 
-    def _reclaim_unit(self) -> bool:
-        """Free a region for an admission: the request holding the most units
-        (highest pool index first) among those holding a region as an extra
-        unit gives its newest units back until a region is among them. Their
-        resident locs are dropped, nothing is copied. False when no request
-        holds a region as an extra unit."""
+    def _reclaim_from(self, source: int) -> bool:
+        """Give one unit of ``source`` back: the request holding the most
+        units (highest pool index first) among those holding one gives its
+        newest units back until one of ``source`` is among them (the others
+        go back to their sources for the next rebalance). Their resident locs
+        are dropped, nothing is copied. False when no request holds one."""
         donors = [
             (len(u), r)
             for r, u in self._req_units.items()
-            if any(src == 0 for _, src in u)
+            if any(src == source for _, src in u)
         ]
         if not donors:
             return False
         _, r = max(donors)
-        while self._shrink_last_unit(r) != 0:
+        while self._shrink_last_unit(r) != source:
             pass
         return True
 
+    def _reclaim_unit(self) -> bool:
+        """Free a region for an admission (see :meth:`_reclaim_from`)."""
+        return self._reclaim_from(0)
+
     def reclaim_units_of(self, source: int, enough) -> bool:
-        """Take back units lent by ``source`` (newest first, largest holders
-        first) until ``enough()``; the caller's stream must already wait for
-        every forward that may still read them. Returns ``enough()``."""
-        while not enough():
-            donors = [
-                (len(u), r)
-                for r, u in self._req_units.items()
-                if u and u[-1][1] == source
-            ]
-            if not donors:
-                break
-            self._shrink_last_unit(max(donors)[1])
+        """Take back units lent by ``source`` until ``enough()``; the caller's
+        stream must already wait for every forward that may still read them.
+        Returns ``enough()``."""
+        while not enough() and self._reclaim_from(source):
+            pass
         return enough()
 
     # ------------------------------------------------------------------- stats
