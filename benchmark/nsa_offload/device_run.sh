@@ -2,7 +2,8 @@
 # Runs on the lent H200 (see ../shared/DEVICE.md). Two back-to-back calls:
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
-# STEP: engine (GPU checks + P1/P2 benchmarks), e2e (servers: exactness,
+# STEP: engine (GPU checks + P1/P2 benchmarks), units (the experimental
+# units: GPU tests, exactness with/without, a server with units), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs
 # no offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), or a
 # savejit (pack ~/.triton into $OUT/jitcache-extra.tgz for the next machine),
@@ -42,6 +43,18 @@ for step in "$@"; do
       timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -30 || rc=1
       timeout 70 python3 benchmark/nsa_offload/bench_copy.py --quick --out $OUT/copy 2>&1 | tail -40 || rc=1
       timeout 80 python3 benchmark/nsa_offload/bench_swap.py --out $OUT/swap 2>&1 | tail -40 || rc=1
+      ;;
+    units)
+      # The experimental units (branch elastic-units): CUDA paths of the CPU
+      # tests, the exactness check with and without units, a server run with
+      # units on (outputs vs no offload).
+      timeout 240 python3 -m pytest -q -p no:cacheprovider test/srt/test_lru_cache_state.py \
+        test/srt/test_sparse_cache_controller.py test/srt/test_nsa_kv_offload_integration.py 2>&1 | tail -15 || rc=1
+      timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -4 || rc=1
+      timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact_units \
+        --max-units 3 --extra-regions 2 2>&1 | tail -4 || rc=1
+      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
+        --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
       ;;
     e2e)
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1

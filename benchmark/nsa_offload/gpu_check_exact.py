@@ -199,6 +199,7 @@ class Sim:
             "row_mismatch": 0,
             "ref_nondet": 0,
             "units_granted": 0,
+            "admissions_taking_units_back": 0,
         }
         self.failures: List[str] = []
         self.graph = None
@@ -215,6 +216,8 @@ class Sim:
         for layer in range(self.L):  # prefill writes the prompt KV to staging rows
             self.gpu[layer].view(-1, FP8_ROW_BYTES)[staging] = self.full[layer][loc_t]
         self.ctrl.backup_prefilled_request(staging, loc_t)
+        if self.ctrl.num_free_regions() == 0:
+            self.stats["admissions_taking_units_back"] += 1
         base = self.ctrl.admit_request(r, prefix_locs=loc_t)
         assert base is not None, "no free region"
         # Staging rows are reused by the next prefill: wait for the backup.
@@ -275,9 +278,11 @@ class Sim:
         te = self.args.turnover_every
         if te and step_idx % te == te - 1:
             self.release(self.rng.choice(sorted(self.live)))
+        # With --max-units > 1 the freed regions go to the running requests
+        # first, so that the admissions below take units back.
+        self.stats["units_granted"] += ctrl.rebalance()
         while ctrl.can_admit() and len(self.live) < self.bs:
             self.admit()
-        # Free regions become extra LRU units (--max-units > 1).
         self.stats["units_granted"] += ctrl.rebalance()
         reqs = sorted(self.live)
         self.rng.shuffle(reqs)
