@@ -1165,6 +1165,13 @@ def _paired_ratios(p: dict, b: dict) -> List[float]:
     )
 
 
+def paired_overhead(ratios: List[float]):
+    """(median - 1, [Q1 - 1, Q3 - 1]) of per-round ITL ratios: the overhead
+    and the middle half of the rounds (how much one round says)."""
+    q1, q3 = np.quantile(ratios, [0.25, 0.75])
+    return statistics.median(ratios) - 1, [float(q1) - 1, float(q3) - 1]
+
+
 def _p4(base: dict, ours: dict) -> dict:
     """ITL overhead per equal-batch point; the verdict takes the paired
     overhead where the run has one, the ratio of medians otherwise."""
@@ -1176,6 +1183,7 @@ def _p4(base: dict, ours: dict) -> dict:
         if b is None:
             continue
         ratios = _paired_ratios(p, b)
+        paired, iqr = paired_overhead(ratios) if ratios else (None, None)
         i_o, i_b = p["server"].get("itl_ms"), b["server"].get("itl_ms")
         c_o, c_bb = p["client"].get("itl_ms_p50"), b["client"].get("itl_ms_p50")
         misses = p["server"].get("misses_per_step")
@@ -1186,13 +1194,8 @@ def _p4(base: dict, ours: dict) -> dict:
                 "ctx": p["ctx"],
                 "conc": p["conc"],
                 "overhead_server": (i_o / i_b - 1) if i_o and i_b else None,
-                "overhead_paired": statistics.median(ratios) - 1 if ratios else None,
-                # The middle half of the rounds: how much one round says.
-                "overhead_paired_iqr": (
-                    [float(q) - 1 for q in np.quantile(ratios, [0.25, 0.75])]
-                    if ratios
-                    else None
-                ),
+                "overhead_paired": paired,
+                "overhead_paired_iqr": iqr,
                 "overhead_client_p50": (c_o / c_bb - 1) if c_o and c_bb else None,
                 "miss_copy_ms": copy_ms,
                 "miss_copy_overhead": copy_ms / i_b if copy_ms and i_b else None,

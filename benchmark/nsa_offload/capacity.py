@@ -37,6 +37,17 @@ INDEXER_BYTES = 132  # 128 fp8 + fp32 scale
 PAGE = 64
 
 
+def capacity_bound(tokens: int, region_rows: int) -> float:
+    """The issue's bound ``L (656 + 132) / (L 132 + R 656)``: requests of
+    ``tokens`` the offload holds per no-offload request in the same bytes,
+    with ``region_rows`` GPU rows per request and layer."""
+    return (
+        tokens
+        * (ROW_BYTES_FP8 + INDEXER_BYTES)
+        / (tokens * INDEXER_BYTES + region_rows * ROW_BYTES_FP8)
+    )
+
+
 def _import_sizing():
     """The offload's own sizing code. On a CPU-only machine sglang's imports
     need the test shims (torchvision ops, sgl_kernel stubs)."""
@@ -114,11 +125,7 @@ def model_rows(args):
             out[mode] = int(m)
             out[f"{mode}_ratio"] = m / baseline if baseline else float("inf")
             out[f"{mode}_memory"] = used
-        bound = (
-            length
-            * (ROW_BYTES_FP8 + INDEXER_BYTES)
-            / (length * INDEXER_BYTES + R * ROW_BYTES_FP8)
-        )
+        bound = capacity_bound(length, R)
         out["bound"] = bound
         out["decode_only_vs_bound"] = out["decode_only_ratio"] / bound
         out["colocated_vs_bound"] = out["colocated_ratio"] / bound
@@ -267,11 +274,7 @@ def capacity_rows(
             continue
         o = ours["capacity"][key]
         tokens = o["length"] + o["new_tokens"]
-        bound = (
-            tokens
-            * (ROW_BYTES_FP8 + INDEXER_BYTES)
-            / (tokens * INDEXER_BYTES + region_rows * ROW_BYTES_FP8)
-        )
+        bound = capacity_bound(tokens, region_rows)
         row = {
             "length": o["length"],
             "baseline_peak": b["peak_running"],
@@ -704,11 +707,7 @@ def pool_report(args) -> list:
                 if kind != "ours" and n is not None and slots is not None and n > slots:
                     row[f"{kind}_slots"] = slots
                 row[f"{kind}_pools_gib"] = entry["pools_gib"]
-            row["bound"] = (
-                tokens
-                * (ROW_BYTES_FP8 + INDEXER_BYTES)
-                / (tokens * INDEXER_BYTES + region_rows * ROW_BYTES_FP8)
-            )
+            row["bound"] = capacity_bound(tokens, region_rows)
 
             def per_gib(kind):
                 n, gib = row.get(kind), row.get(f"{kind}_pools_gib")

@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_server  # noqa: E402
+import capacity  # noqa: E402
 
 OFFLOAD_KINDS = ("ours", "ours_prefetch", "ours_units", "hisparse")
 DEFAULT_BUFFER_SIZE = 4096  # the server's default: 2 x index_topk
@@ -74,14 +75,14 @@ def pool_runs(results: List[dict], names: List[str]) -> List[dict]:
                     {
                         "run": name,
                         "rounds": len(ratios),
-                        "overhead": statistics.median(ratios) - 1,
+                        "overhead": bench_server.paired_overhead(ratios)[0],
                         "misses_per_step": p["server"].get("misses_per_step"),
                     }
                 )
     rows = []
     for ((kind, buf, topk), ctx, conc), row in sorted(pooled.items()):
-        ratios = sorted(row.pop("ratios"))
-        q1, q3 = np.quantile(ratios, [0.25, 0.75])
+        ratios = row.pop("ratios")
+        overhead, iqr = bench_server.paired_overhead(ratios)
         rows.append(
             {
                 "server": kind,
@@ -90,8 +91,8 @@ def pool_runs(results: List[dict], names: List[str]) -> List[dict]:
                 "ctx": ctx,
                 "conc": conc,
                 "rounds": len(ratios),
-                "overhead": statistics.median(ratios) - 1,
-                "overhead_iqr": [float(q1) - 1, float(q3) - 1],
+                "overhead": overhead,
+                "overhead_iqr": iqr,
                 **row,
             }
         )
@@ -99,10 +100,8 @@ def pool_runs(results: List[dict], names: List[str]) -> List[dict]:
 
 
 def capacity_bound_128k(buffer_rows: int, window: int = 64) -> float:
-    """Requests at 128K per no-offload request of the same bytes, the issue's
-    bound ``L (656 + 132) / (L 132 + R 656)`` with R = buffer + window rows."""
-    L, row, idx = 131072, bench_server.ROW_BYTES, bench_server.INDEXER_BYTES
-    return L * (row + idx) / (L * idx + (buffer_rows + window) * row)
+    """``capacity.capacity_bound`` at 128K with R = buffer + window rows."""
+    return capacity.capacity_bound(131072, buffer_rows + window)
 
 
 def plot_tradeoff(rows: List[dict], path: str) -> None:

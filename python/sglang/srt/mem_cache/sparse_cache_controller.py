@@ -259,16 +259,13 @@ class SparseCacheController:
             raise IndexError(f"layer {layer_id} is not on this rank")
         return idx
 
-    def _launch_side(self, fn, tensors: Sequence[torch.Tensor] = (), wait_event=None):
-        """Run ``fn`` on the side stream after ``wait_event`` (default: after the
-        work enqueued so far on the caller's stream); return its event."""
+    def _launch_side(self, fn, tensors: Sequence[torch.Tensor] = ()):
+        """Run ``fn`` on the side stream after the work enqueued so far on the
+        caller's stream; return its event."""
         if self.side_stream is None:
             fn()
             return None
-        if wait_event is not None:
-            self.side_stream.wait_event(wait_event)
-        else:
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.side_stream):
             fn()
             event = torch.cuda.Event()
@@ -440,11 +437,10 @@ class SparseCacheController:
         self,
         gpu_rows: torch.Tensor,
         locs: torch.Tensor,
-        wait_event=None,
     ):
         """Copy every layer of a prefilled request's tokens from the GPU
         (staging) rows ``gpu_rows`` to host slots ``locs``, on the side stream
-        (after ``wait_event``, default: after the caller's stream).
+        after the work enqueued so far on the caller's stream.
 
         The staging rows must not be reused before :meth:`wait_backup` (or the
         returned event) says the copy is done.
@@ -454,7 +450,6 @@ class SparseCacheController:
         return self._launch_side(
             lambda: self._d2h_all_layers(gpu_rows, locs, None),
             [gpu_rows, locs],
-            wait_event,
         )
 
     def wait_backup(self, stream=None) -> None:
