@@ -1,6 +1,7 @@
 #!/bin/bash
 # Runs on the lent H200 (see ../shared/DEVICE.md). Two back-to-back calls:
-#   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a)
+#   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a, or
+#     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
 # STEP: engine (GPU checks + P1/P2 benchmarks), units (the experimental
 # units: GPU tests, exactness with/without, a server with units), e2e (servers: exactness,
@@ -19,7 +20,9 @@ set -uo pipefail
 W=.devwheels
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site"
 if [ "${1:-}" = install-a ]; then
-  $PIP $W/wheels-a/*.whl && echo "wheels-a installed"; exit $?
+  # wheels-a, or its halves wheels-a1 / wheels-a2 in two calls when the
+  # checkout plus wheels-a exceed what one call carries (64 MiB).
+  $PIP $W/wheels-a*/*.whl && echo "installed: $(ls $W | grep wheels-a)"; exit $?
 fi
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
@@ -30,6 +33,8 @@ fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 scripts/apply_patch.py --sglang-dir /tmp/site || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+# Jobs side by side (device_pair.sh) need their own server ports.
+GPU0=${CUDA_VISIBLE_DEVICES:-0}; GPU0=${GPU0%%,*}
 rc=0
 if [ "${1:-}" = pytest ]; then
   shift
@@ -54,13 +59,13 @@ for step in "$@"; do
       timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact_units \
         --max-units 3 --extra-regions 2 2>&1 | tail -4 || rc=1
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
-        --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
+        --port $((31000 + 100 * GPU0)) --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
       ;;
     e2e)
-      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
+      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
+      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} --port $((31200 + 100 * GPU0)) ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
       # Raw profiler traces (--profile-steps) travel in their own file.
       for d in $OUT/bench_*/profiles; do
         [ -d "$d" ] && tar czf /tmp/profiles.tgz -C "$d" . && rm -rf "$d"
