@@ -72,8 +72,13 @@ for step in "$@"; do
       done
       ;;
     savejit)
-      # Triton's cache after the servers ran; copy it into .devwheels/ here.
-      tar czf $OUT/jitcache-extra.tgz -C ~ .triton 2>/dev/null && ls -la $OUT/jitcache-extra.tgz
+      # Triton's cache plus what the other JIT caches (deep_gemm, tvm-ffi,
+      # flashinfer) built on this machine beyond jitcache-h200.tgz: a cold no
+      # offload server spends ~2 min compiling in its CUDA graph capture.
+      # Copy the returned file into .devwheels/ here.
+      (cd ~ && { find .cache/deep_gemm .cache/tvm-ffi .cache/flashinfer -type f \
+        -newer /tmp/site/.wheels-b 2>/dev/null; echo .triton; } \
+        | tar czf $OUT/jitcache-extra.tgz -T -) && ls -la $OUT/jitcache-extra.tgz
       ;;
     *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
   esac
