@@ -80,13 +80,14 @@ TOPK_TRACE_PY = (
     / "attention"
     / "nsa_topk_trace.py"
 )
-SERVER_KINDS = ("baseline", "ours", "ours_prefetch", "hisparse")
+SERVER_KINDS = ("baseline", "ours", "ours_prefetch", "ours_units", "hisparse")
 DEFAULT_SERVERS = "baseline,ours,hisparse"
 LABELS = {
     "baseline": "no offload",
     "hisparse": "HiSparse",
     "ours": "ours",
     "ours_prefetch": "ours + prefetch",
+    "ours_units": "ours + units",
 }
 PAGE_SIZE = 64
 ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
@@ -566,6 +567,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "hisparse": common + slots + HISPARSE_ARGS,
         "ours": ours,
         "ours_prefetch": ours,  # + the prefetch's env var (server_env)
+        "ours_units": ours,  # + SGLANG_NSA_KV_OFFLOAD_MAX_UNITS (server_env)
     }
 
 
@@ -580,6 +582,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
     if kind == "ours_prefetch" or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
+    if kind == "ours_units":
+        env["SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"] = str(args.max_units)
     if args.record:
         env.update(
             SGLANG_NSA_TOPK_TRACE_RECORD=record_path(args, kind),
@@ -1128,6 +1132,8 @@ def evaluate_targets(result: dict) -> dict:
     t["P4"] = _p4(base, ours)
     if "ours_prefetch" in srv:
         t["P4_prefetch"] = _p4(base, srv["ours_prefetch"])
+    if "ours_units" in srv:
+        t["P4_units"] = _p4(base, srv["ours_units"])
     # P5: throughput at fixed memory (each server at its own capacity)
     p5 = []
     for ctx in result["config"]["cap_contexts"]:
@@ -1236,7 +1242,9 @@ def render_markdown(results: List[dict]) -> str:
         t = evaluate_targets(result)
         srv = result["servers"]
         kinds = [k for k in SERVER_KINDS if k in srv]
-        offload_kinds = [k for k in ("ours", "ours_prefetch") if k in srv] or ["ours"]
+        offload_kinds = [
+            k for k in ("ours", "ours_prefetch", "ours_units") if k in srv
+        ] or ["ours"]
         out += [
             f"## Top-k: {cfg['topk']}"
             + (
@@ -1466,7 +1474,7 @@ def _misses_cell(ours: dict, ctx: int, conc: int) -> str:
 
 def _replay_cell(srv: dict, ctx: int, conc: int) -> str:
     # The top-k recorded in ours' server; another server's if ours has none.
-    for k in ("ours", "ours_prefetch", "hisparse", "baseline"):
+    for k in ("ours", "ours_prefetch", "ours_units", "hisparse", "baseline"):
         p = _point(srv.get(k, {}), ctx, conc)
         rp = (p or {}).get("replay") or {}
         if "ours" in rp:
@@ -1521,6 +1529,8 @@ def _targets_md(t: dict) -> List[str]:
     ]
     if "P4_prefetch" in t:
         lines.append(_p4_line("ours + prefetch", t["P4_prefetch"]))
+    if "P4_units" in t:
+        lines.append(_p4_line("ours + units", t["P4_units"]))
     if p5["rows"]:
         lines.append(
             "- **P5** throughput at fixed memory (each server at its capacity): "
@@ -1554,6 +1564,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "hisparse": "tab:orange",
         "ours": "tab:blue",
         "ours_prefetch": "tab:green",
+        "ours_units": "tab:purple",
     }
     written = []
     for result in results:
@@ -1649,7 +1660,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--servers",
         default=DEFAULT_SERVERS,
         help=f"some of {','.join(SERVER_KINDS)} (ours_prefetch: ours with the "
-        "experimental cross-layer prefetch, side by side with ours)",
+        "experimental cross-layer prefetch, ours_units: ours whose requests take "
+        "free regions as extra LRU units, --max-units; side by side with ours)",
     )
     p.add_argument("--contexts", type=_ints)
     p.add_argument("--concurrency", type=_ints)
@@ -1705,6 +1717,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="ours' LRU rows per request and layer "
         "(--nsa-kv-offload-gpu-buffer-size; default: the server's, 2 x index_topk): "
         "more rows, fewer misses per step, fewer requests per GiB",
+    )
+    p.add_argument(
+        "--max-units",
+        type=int,
+        default=4,
+        help="ours_units: regions one request may hold "
+        "(SGLANG_NSA_KV_OFFLOAD_MAX_UNITS, experimental)",
     )
     p.add_argument(
         "--cross-layer-prefetch",
@@ -1837,6 +1856,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "host_pool_gb": args.host_pool_gb,
             "recent_window": args.recent_window,
             "buffer_size": args.buffer_size,
+            "max_units": args.max_units if "ours_units" in args.servers else None,
             "decode_log_interval": args.decode_log_interval,
             "layers": layers,
             "sinks": SINKS,

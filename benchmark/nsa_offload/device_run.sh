@@ -1,8 +1,10 @@
 #!/bin/bash
 # Runs on the lent H200 (see ../shared/DEVICE.md). Two back-to-back calls:
-#   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a)
+#   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a, or
+#     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
-# STEP: engine (GPU checks + P1/P2 benchmarks), e2e (servers: exactness,
+# STEP: engine (GPU checks + P1/P2 benchmarks), units (the experimental
+# units: GPU tests, exactness with/without, a server with units), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs
 # no offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), or a
 # savejit (pack ~/.triton into $OUT/jitcache-extra.tgz for the next machine),
@@ -18,7 +20,9 @@ set -uo pipefail
 W=.devwheels
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site"
 if [ "${1:-}" = install-a ]; then
-  $PIP $W/wheels-a/*.whl && echo "wheels-a installed"; exit $?
+  # wheels-a, or its halves wheels-a1 / wheels-a2 in two calls when the
+  # checkout plus wheels-a exceed what one call carries (64 MiB).
+  $PIP $W/wheels-a*/*.whl && echo "installed: $(ls $W | grep wheels-a)"; exit $?
 fi
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
@@ -29,6 +33,8 @@ fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 python3 scripts/apply_patch.py --sglang-dir /tmp/site || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+# Jobs side by side (device_pair.sh) need their own server ports.
+GPU0=${CUDA_VISIBLE_DEVICES:-0}; GPU0=${GPU0%%,*}
 rc=0
 if [ "${1:-}" = pytest ]; then
   shift
@@ -43,19 +49,36 @@ for step in "$@"; do
       timeout 70 python3 benchmark/nsa_offload/bench_copy.py --quick --out $OUT/copy 2>&1 | tail -40 || rc=1
       timeout 80 python3 benchmark/nsa_offload/bench_swap.py --out $OUT/swap 2>&1 | tail -40 || rc=1
       ;;
+    units)
+      # The experimental units (branch elastic-units): CUDA paths of the CPU
+      # tests, the exactness check with and without units, a server run with
+      # units on (outputs vs no offload).
+      timeout 240 python3 -m pytest -q -p no:cacheprovider test/srt/test_lru_cache_state.py \
+        test/srt/test_sparse_cache_controller.py test/srt/test_nsa_kv_offload_integration.py 2>&1 | tail -15 || rc=1
+      timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -4 || rc=1
+      timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact_units \
+        --max-units 3 --extra-regions 2 2>&1 | tail -4 || rc=1
+      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
+        --port $((31000 + 100 * GPU0)) --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
+      ;;
     e2e)
-      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
+      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
+      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} --port $((31200 + 100 * GPU0)) ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
       # Raw profiler traces (--profile-steps) travel in their own file.
       for d in $OUT/bench_*/profiles; do
         [ -d "$d" ] && tar czf /tmp/profiles.tgz -C "$d" . && rm -rf "$d"
       done
       ;;
     savejit)
-      # Triton's cache after the servers ran; copy it into .devwheels/ here.
-      tar czf $OUT/jitcache-extra.tgz -C ~ .triton 2>/dev/null && ls -la $OUT/jitcache-extra.tgz
+      # Triton's cache plus what the other JIT caches (deep_gemm, tvm-ffi,
+      # flashinfer) built on this machine beyond jitcache-h200.tgz: a cold no
+      # offload server spends ~2 min compiling in its CUDA graph capture.
+      # Copy the returned file into .devwheels/ here.
+      (cd ~ && { find .cache/deep_gemm .cache/tvm-ffi .cache/flashinfer -type f \
+        -newer /tmp/site/.wheels-b 2>/dev/null; echo .triton; } \
+        | tar czf $OUT/jitcache-extra.tgz -T -) && ls -la $OUT/jitcache-extra.tgz
       ;;
     *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
   esac

@@ -162,8 +162,11 @@ def run_server(name, extra_args, args, prompts, lengths):
     """One server: the exactness requests (if ``prompts``), the capacity
     phases, then idle (sglang's own leak check runs when it goes idle)."""
     env = {"SGLANG_NSA_FUSE_TOPK": "0"}
-    if args.cross_layer_prefetch and "--enable-decode-nsa-kv-offload" in extra_args:
+    offload = "--enable-decode-nsa-kv-offload" in extra_args
+    if args.cross_layer_prefetch and offload:
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
+    if args.max_units > 1 and offload:
+        env["SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"] = str(args.max_units)
     result = {"name": name, "args": extra_args, "capacity": {}}
     with Server(name, extra_args, args.port, args.out, env=env) as server:
         if prompts:
@@ -223,6 +226,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--cross-layer-prefetch",
         action="store_true",
         help="offload servers with SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1",
+    )
+    p.add_argument(
+        "--max-units",
+        type=int,
+        default=1,
+        help="offload servers with SGLANG_NSA_KV_OFFLOAD_MAX_UNITS (experimental: "
+        "requests take free regions as extra LRU units)",
     )
     p.add_argument(
         "--pd-decode",

@@ -62,6 +62,20 @@ def parse_args():
     p.add_argument("--min-ctx", type=int, default=3000)
     p.add_argument("--max-ctx", type=int, default=24000)
     p.add_argument("--turnover-every", type=int, default=9)
+    p.add_argument(
+        "--max-units",
+        type=int,
+        default=1,
+        help="regions a request may hold (experimental units; "
+        "SGLANG_NSA_KV_OFFLOAD_MAX_UNITS in a server)",
+    )
+    p.add_argument(
+        "--extra-regions",
+        type=int,
+        default=0,
+        help="regions beyond the batch size: handed out as extra units "
+        "between steps and taken back by admissions (with --max-units > 1)",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 
@@ -149,7 +163,8 @@ class Sim:
         self.full = [random_fp8_rows(rows, dev) for _ in range(L)]
         self.staging_rows = round_up(args.max_ctx, PAGE)
         R = C + W
-        n_gpu = round_up(self.staging_rows + bs * R, PAGE)
+        num_regions = bs + args.extra_regions
+        n_gpu = round_up(self.staging_rows + num_regions * R, PAGE)
         self.gpu = [
             torch.zeros((n_gpu, 1, FP8_ROW_BYTES), dtype=torch.uint8, device=dev)
             for _ in range(L)
@@ -162,8 +177,9 @@ class Sim:
             buffer_size=C,
             recent_window=W,
             region_start_row=self.staging_rows,
-            num_regions=bs,
+            num_regions=num_regions,
             max_batch_size=bs + 1,
+            max_units=args.max_units,
         )
         self.free_locs = list(range(PAGE, rows))
         self.rng.shuffle(self.free_locs)
@@ -177,7 +193,14 @@ class Sim:
         self.pending = None
         self.attn = Attention(K)
         self.heads = [int(h) for h in args.heads.split(",")]
-        self.stats = {"checks": 0, "mismatch": 0, "row_mismatch": 0, "ref_nondet": 0}
+        self.stats = {
+            "checks": 0,
+            "mismatch": 0,
+            "row_mismatch": 0,
+            "ref_nondet": 0,
+            "units_granted": 0,
+            "admissions_taking_units_back": 0,
+        }
         self.failures: List[str] = []
         self.graph = None
 
@@ -193,6 +216,8 @@ class Sim:
         for layer in range(self.L):  # prefill writes the prompt KV to staging rows
             self.gpu[layer].view(-1, FP8_ROW_BYTES)[staging] = self.full[layer][loc_t]
         self.ctrl.backup_prefilled_request(staging, loc_t)
+        if self.ctrl.num_free_regions() == 0:
+            self.stats["admissions_taking_units_back"] += 1
         base = self.ctrl.admit_request(r, prefix_locs=loc_t)
         assert base is not None, "no free region"
         # Staging rows are reused by the next prefill: wait for the backup.
@@ -253,8 +278,12 @@ class Sim:
         te = self.args.turnover_every
         if te and step_idx % te == te - 1:
             self.release(self.rng.choice(sorted(self.live)))
+        # With --max-units > 1 the freed regions go to the running requests
+        # first, so that the admissions below take units back.
+        self.stats["units_granted"] += ctrl.rebalance()
         while ctrl.can_admit() and len(self.live) < self.bs:
             self.admit()
+        self.stats["units_granted"] += ctrl.rebalance()
         reqs = sorted(self.live)
         self.rng.shuffle(reqs)
         self.pending = self.decode_writes(reqs)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_server  # noqa: E402
 import capacity  # noqa: E402
 
-OFFLOAD_KINDS = ("ours", "ours_prefetch", "hisparse")
+OFFLOAD_KINDS = ("ours", "ours_prefetch", "ours_units", "hisparse")
 DEFAULT_BUFFER_SIZE = 4096  # the server's default: 2 x index_topk
 
 Config = Tuple[str, int, str]  # (server kind, LRU rows, top-k source)
@@ -43,6 +43,9 @@ def run_config(result: dict, kind: str) -> Config:
         rows = bench_server.HISPARSE_CONFIG["device_buffer_size"]
     else:
         rows = cfg.get("buffer_size") or DEFAULT_BUFFER_SIZE
+        if kind == "ours_units":
+            # At most this many rows (units are handed out as regions free up).
+            rows *= cfg.get("max_units") or 1
     return kind, rows, cfg["topk"]
 
 

@@ -5,6 +5,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,14 @@ class Server:
         self._next_room = 0
 
     def __enter__(self):
+        # A port already taken would make the health check below answer for
+        # another process's server.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            if probe.connect_ex(("127.0.0.1", self.port)) == 0:
+                raise RuntimeError(
+                    f"[{self.name}] port {self.port} is in use (another server?): "
+                    "pass another --port"
+                )
         print(f"[{self.name}] {' '.join(self.cmd)}", flush=True)
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(

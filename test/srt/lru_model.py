@@ -3,22 +3,37 @@
 Lists and dicts only, written to be obviously correct rather than fast: the
 differential tests hold ``LRUCacheState`` (torch reference and Triton kernel)
 to it.
+
+With ``max_units > 1`` a request's slots span up to that many units of
+``buffer_size`` slots (unit 0 is its region): slot ``s`` lives at row
+``units[r][s // C] + s % C`` and only slots below ``len(units[r]) * C`` are
+ever victims.
 """
 
 from typing import Dict, List, Sequence, Tuple
 
 
 class LRUModel:
-    def __init__(self, num_layers: int, buffer_size: int, recent_window: int):
+    def __init__(
+        self,
+        num_layers: int,
+        buffer_size: int,
+        recent_window: int,
+        max_units: int = 1,
+    ):
         self.L = num_layers
         self.C = buffer_size
         self.W = recent_window
+        self.max_units = max_units
+        self.num_slots = buffer_size * max_units
         # Per (layer, request pool index).
         self.slot_loc: Dict[Tuple[int, int], List[int]] = {}
         self.lru_order: Dict[Tuple[int, int], List[int]] = {}
         # Per layer: loc -> slot, resident locs only.
         self.loc_to_slot: List[Dict[int, int]] = [{} for _ in range(num_layers)]
         self.region_base: Dict[int, int] = {}
+        # Per request: first GPU row of each unit it holds (unit 0 = region).
+        self.units: Dict[int, List[int]] = {}
         # Per layer: [LRU hits, window hits, misses].
         self.counters = [[0, 0, 0] for _ in range(num_layers)]
         # Misses that evicted a resident loc (workload statistics only).
@@ -26,18 +41,45 @@ class LRUModel:
 
     def admit(self, r: int, base: int) -> None:
         self.region_base[r] = base
+        self.units[r] = [base]
         for layer in range(self.L):
-            self.slot_loc[layer, r] = [-1] * self.C
-            self.lru_order[layer, r] = list(range(self.C))
+            self.slot_loc[layer, r] = [-1] * self.num_slots
+            self.lru_order[layer, r] = list(range(self.num_slots))
 
     def release(self, r: int) -> None:
         for layer in range(self.L):
             for loc in self.slot_loc.get((layer, r), []):
                 if loc >= 0:
                     del self.loc_to_slot[layer][loc]
-            self.slot_loc[layer, r] = [-1] * self.C
-            self.lru_order[layer, r] = list(range(self.C))
+            self.slot_loc[layer, r] = [-1] * self.num_slots
+            self.lru_order[layer, r] = list(range(self.num_slots))
         self.region_base.pop(r, None)
+        self.units.pop(r, None)
+
+    def grow(self, r: int, base: int) -> None:
+        """Add a unit at ``base``; its (empty) slots go to the LRU end."""
+        lo = len(self.units[r]) * self.C
+        new = range(lo, lo + self.C)
+        self.units[r].append(base)
+        for layer in range(self.L):
+            order = self.lru_order[layer, r]
+            self.lru_order[layer, r] = [s for s in order if s in new] + [
+                s for s in order if s not in new
+            ]
+
+    def shrink(self, r: int) -> None:
+        """Drop the last unit: the locs its slots hold stop being resident."""
+        self.units[r].pop()
+        lo = len(self.units[r]) * self.C
+        for layer in range(self.L):
+            for s in range(lo, lo + self.C):
+                loc = self.slot_loc[layer, r][s]
+                if loc >= 0:
+                    del self.loc_to_slot[layer][loc]
+                    self.slot_loc[layer, r][s] = -1
+
+    def row(self, r: int, slot: int) -> int:
+        return self.units[r][slot // self.C] + slot % self.C
 
     def _take_slots(self, layer: int, r: int, locs: Sequence[int]):
         """Look up ``locs`` (None = skip); misses take victims. Returns
@@ -55,7 +97,8 @@ class LRUModel:
                 hit_slots.add(resident[loc])
             else:
                 missed.append(i)
-        evictable = [s for s in order if s not in hit_slots]
+        capacity = len(self.units[r]) * self.C
+        evictable = [s for s in order if s not in hit_slots and s < capacity]
         assert len(missed) <= len(evictable)
         victims = evictable[: len(missed)]
         for i, victim in zip(missed, victims):
@@ -66,9 +109,10 @@ class LRUModel:
             resident[locs[i]] = victim
             self.slot_loc[layer, r][victim] = locs[i]
             slots[i] = victim
-        # Tie rule: [untaken evictables] + [victims] + [hits in old order].
-        hits_in_order = [s for s in order if s in hit_slots]
-        self.lru_order[layer, r] = evictable[len(missed) :] + victims + hits_in_order
+        # Tie rule: [untaken evictables] + [victims] + [hits and slots beyond
+        # the capacity, in old order].
+        kept = [s for s in order if s in hit_slots or s >= capacity]
+        self.lru_order[layer, r] = evictable[len(missed) :] + victims + kept
         return slots, missed, victims
 
     def swap(
@@ -102,18 +146,17 @@ class LRUModel:
             slots, missed, victims = self._take_slots(layer, r, locs)
             for i, s in enumerate(slots):
                 if s is not None:
-                    page[i] = base + s
+                    page[i] = self.row(r, s)
             self.counters[layer][0] += sum(s is not None for s in slots) - len(missed)
             self.counters[layer][2] += len(missed)
-            copies = [(locs[i], base + v) for i, v in zip(missed, victims)]
+            copies = [(locs[i], self.row(r, v)) for i, v in zip(missed, victims)]
             out.append((page, copies))
         return out
 
     def warm(self, layers: Sequence[int], r: int, locs_per_layer) -> List[List[int]]:
-        base = self.region_base[r]
         rows = []
         for layer, locs in zip(layers, locs_per_layer):
             locs = [loc if loc >= 0 else None for loc in locs]
             slots, _, _ = self._take_slots(layer, r, locs)
-            rows.append([-1 if s is None else base + s for s in slots])
+            rows.append([-1 if s is None else self.row(r, s) for s in slots])
         return rows

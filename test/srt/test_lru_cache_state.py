@@ -33,6 +33,7 @@ TRITON_SKIP_REASON = (
 
 
 def new_state(cfg, use_triton: bool, **kwargs) -> LRUCacheState:
+    kwargs.setdefault("max_units", cfg.units)
     return LRUCacheState(
         num_layers=cfg.layers,
         max_num_reqs=cfg.max_reqs,
@@ -50,7 +51,7 @@ def new_state(cfg, use_triton: bool, **kwargs) -> LRUCacheState:
 
 
 def check_invariants(test: unittest.TestCase, state: LRUCacheState) -> None:
-    C = state.buffer_size
+    C = state.num_slots
     lru = state.lru_order.long().cpu()
     ar = torch.arange(C).expand_as(lru)
     test.assertTrue(torch.equal(lru.sort(-1).values, ar), "lru_order not a permutation")
@@ -73,6 +74,7 @@ def check_plan(test, state, plan, inp, layer) -> None:
     """Structural checks of one swap result (no model needed)."""
     C, W = state.buffer_size, state.recent_window
     pt = plan.page_table.long().cpu()
+    unit_base = state.unit_base.long().cpu()
     cnt = plan.miss_count.long().cpu()
     bs = pt.shape[0]
     for b in range(bs):
@@ -85,16 +87,28 @@ def check_plan(test, state, plan, inp, layer) -> None:
         pos = torch.tensor(inp.topk[b])
         pad = (pos < 0) | (pos >= n)
         test.assertTrue(torch.equal(pt[b] == -1, pad), "page table -1 != padding")
+        units = [int(u) for u in unit_base[r] if u >= 0]
+        test.assertEqual(units[0], base)
+
+        def unit_of(rows, size):
+            """Unit index of each row (-1: in none of the request's units)."""
+            u = torch.full_like(rows, -1)
+            for i, ub in enumerate(units):
+                u = torch.where((rows >= ub) & (rows < ub + size), i, u)
+            return u
+
         rows = pt[b][~pad]
-        test.assertTrue(bool(((rows >= base) & (rows < base + C + W)).all()))
+        window = (rows >= base + C) & (rows < base + C + W)
+        test.assertTrue(bool(((unit_of(rows, C) >= 0) | window).all()))
         c = int(cnt[b])
         dst = plan.miss_dst_row[b, :c].long().cpu()
         src = plan.miss_src_loc[b, :c].long().cpu()
         test.assertEqual(dst.unique().numel(), c, "two misses share a victim")
-        test.assertTrue(bool(((dst >= base) & (dst < base + C)).all()))
+        dst_unit = unit_of(dst, C)
+        test.assertTrue(bool((dst_unit >= 0).all()), "miss row outside the units")
         test.assertEqual(src.unique().numel(), c)
         # The victim now holds the loaded loc.
-        slots = (dst - base).long()
+        slots = dst_unit * C + dst - unit_base[r][dst_unit.clamp(min=0)]
         test.assertTrue(
             torch.equal(state.slot_loc[layer, r, slots].long().cpu(), src),
             "victim slot does not hold the missed loc",
@@ -110,7 +124,7 @@ def plan_rows(plan: LayerSwapPlan, bs: int):
 
 
 def assert_state_matches_model(test, state: LRUCacheState, model: LRUModel) -> None:
-    L, C, N = state.num_layers, state.buffer_size, state.num_locs
+    L, C, N = state.num_layers, state.num_slots, state.num_locs
     l2s = torch.full((L, N), -1, dtype=torch.int64)
     slot_loc = torch.full((L, state.max_num_reqs, C), -1, dtype=torch.int64)
     lru = torch.arange(C).repeat(L, state.max_num_reqs, 1)
@@ -126,10 +140,15 @@ def assert_state_matches_model(test, state: LRUCacheState, model: LRUModel) -> N
     test.assertEqual(state.counters.cpu().tolist(), model.counters, "counters")
     for r, base in model.region_base.items():
         test.assertEqual(int(state.region_base[r]), base)
+    for r, units in model.units.items():
+        expect = units + [-1] * (state.max_units - len(units))
+        test.assertEqual(state.unit_base[r].tolist(), expect, "unit_base")
+        test.assertEqual(int(state.capacity[r]), len(units) * state.buffer_size)
 
 
 def assert_states_equal(test, a: LRUCacheState, b: LRUCacheState) -> None:
-    for name in ("loc_to_slot", "slot_loc", "lru_order", "region_base", "counters"):
+    names = ("loc_to_slot", "slot_loc", "lru_order", "region_base", "counters")
+    for name in names + ("unit_base", "capacity"):
         test.assertTrue(
             torch.equal(getattr(a, name), getattr(b, name)), f"{name} differs"
         )
@@ -156,6 +175,9 @@ class SimConfig:
     p_warm: float = 0.5
     max_pad_rows: int = 2
     check_every: int = 1
+    units: int = 1  # max_units; > 1: requests grow and shrink between steps
+    p_grow: float = 0.3
+    p_shrink: float = 0.15
 
 
 @dataclass
@@ -182,6 +204,12 @@ class Sim:
         self.rng.shuffle(self.free_reqs)
         self.region_size = cfg.C + cfg.W
         self.free_regions = list(range(cfg.max_reqs))
+        # Extra units live past the regions (C rows each, no window).
+        units_start = 3 + cfg.max_reqs * self.region_size
+        self.free_units = [
+            units_start + i * cfg.C for i in range(cfg.max_reqs * (cfg.units - 1))
+        ]
+        self.rng.shuffle(self.free_units)
         self.req_to_token = torch.zeros((cfg.max_reqs, cfg.max_ctx), dtype=torch.int32)
         self.reqs = {}  # r -> {"locs": [...], "region": int, "prev": {layer: [...]}}
         self.steps = 0
@@ -200,7 +228,7 @@ class Sim:
         # Most recently freed locs first, so released locs get reused.
         locs = [self.free_locs.pop() for _ in range(n)]
         self.req_to_token[r, :n] = torch.tensor(locs, dtype=torch.int32)
-        self.reqs[r] = {"locs": locs, "region": region, "prev": {}}
+        self.reqs[r] = {"locs": locs, "region": region, "prev": {}, "units": []}
         base = 3 + region * self.region_size
         for i, state in enumerate(self.states):
             # Exercise int and tensor arguments.
@@ -242,6 +270,7 @@ class Sim:
             req = self.reqs.pop(r)
             self.free_locs.extend(req["locs"])
             self.free_regions.append(req["region"])
+            self.free_units.extend(req["units"])
             self.free_reqs.append(r)
             self.model.release(r)
         for i, state in enumerate(self.states):
@@ -249,6 +278,28 @@ class Sim:
                 state.release_request(rs[0])
             else:
                 state.release_request(torch.tensor(rs, device=DEVICE))
+
+    def grow_or_shrink(self) -> None:
+        """Random unit changes of live requests, as the coordinator would
+        make between decode steps."""
+        cfg, rng = self.cfg, self.rng
+        for r in sorted(self.reqs):
+            units = self.reqs[r]["units"]
+            if units and rng.random() < cfg.p_shrink:
+                self.free_units.append(units.pop())
+                for state in self.states:
+                    state.shrink_request(r, len(units) + 1)
+                self.model.shrink(r)
+            elif (
+                len(units) + 1 < cfg.units
+                and self.free_units
+                and rng.random() < cfg.p_grow
+            ):
+                base = self.free_units.pop()
+                units.append(base)
+                for state in self.states:
+                    state.grow_request(r, len(units), base)
+                self.model.grow(r, base)
 
     # -- decode
 
@@ -296,6 +347,8 @@ class Sim:
             self.release(rng.sample(sorted(self.reqs), k))
         if rng.random() < cfg.p_admit:
             self.admit()
+        if cfg.units > 1:
+            self.grow_or_shrink()
         # Grow each request by one token (its new loc).
         for r in sorted(self.reqs):
             req = self.reqs[r]
@@ -361,7 +414,8 @@ class Sim:
 
 def run_sim(test, cfg: SimConfig, use_triton, steps: int, seed: int) -> Sim:
     states = [new_state(cfg, u) for u in use_triton]
-    sim = Sim(test, cfg, states, LRUModel(cfg.layers, cfg.C, cfg.W), seed)
+    model = LRUModel(cfg.layers, cfg.C, cfg.W, max_units=cfg.units)
+    sim = Sim(test, cfg, states, model, seed)
     for _ in range(steps):
         sim.step()
     for state in states:
@@ -597,6 +651,79 @@ class TestTritonMatchesReference(unittest.TestCase):
         )
         self._run(cfg, steps=40, seed=5)
 
+    def test_units_grow_and_shrink(self):
+        # Requests gain and lose units between steps; the window stays in unit 0.
+        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.6)
+        self._run(cfg, steps=40, seed=6)
+
+    def test_units_non_pow2_full_pressure(self):
+        cfg = SimConfig(C=40, K=40, W=4, units=4, max_batch=3, p_keep=0.3, p_recent=0.3)
+        self._run(cfg, steps=30, seed=7)
+
+
+class TestUnits(unittest.TestCase):
+    """What growing and shrinking a request's LRU capacity means."""
+
+    def _impls(self):
+        return [False, True] if TRITON_OK else [False]
+
+    def _state(self, use_triton):
+        cfg = SimConfig(layers=1, C=8, K=4, W=2, max_reqs=2, num_locs=64, units=3)
+        return new_state(cfg, use_triton)
+
+    def _swap(self, state, positions, seq_len, r2t):
+        topk = torch.tensor([positions], dtype=torch.int32, device=DEVICE)
+        return state.swap_layer(
+            0,
+            topk,
+            torch.tensor([0], device=DEVICE),
+            torch.tensor([seq_len], device=DEVICE),
+            r2t,
+        )
+
+    def test_grown_slots_fill_before_eviction(self):
+        r2t = torch.arange(64, dtype=torch.int32, device=DEVICE).reshape(1, 64)
+        r2t = torch.cat([r2t, r2t])
+        for use_triton in self._impls():
+            state = self._state(use_triton)
+            state.admit_request(0, 100)
+            # Fill unit 0's 8 slots with locs 0..7 (window: positions 38, 39).
+            for first in (0, 4):
+                self._swap(state, list(range(first, first + 4)), 40, r2t)
+            state.grow_request(0, 1, 500)
+            plan = self._swap(state, [8, 9, 10, 11], 40, r2t)
+            # The misses land in the new unit; nothing resident was evicted.
+            self.assertEqual(plan.miss_dst_row[0].tolist(), [500, 501, 502, 503])
+            self.assertEqual(int((state.loc_to_slot[0, :8] >= 0).sum()), 8)
+            plan = self._swap(state, [0, 9, 38, 39], 40, r2t)
+            self.assertEqual(int(plan.miss_count[0]), 0)
+            # Window rows stay in unit 0's region: base + C + pos % W.
+            self.assertEqual(plan.page_table[0, 2:].tolist(), [108, 109])
+
+            state.shrink_request(0, 1)
+            # Locs 8..11 lived in unit 1: no longer resident, loaded again
+            # into unit 0 (whose LRU slots take them), never into row 500+.
+            self.assertEqual(int((state.loc_to_slot[0, 8:12] >= 0).sum()), 0)
+            plan = self._swap(state, [8, 9, 10, 11], 40, r2t)
+            self.assertEqual(int(plan.miss_count[0]), 4)
+            dst = plan.miss_dst_row[0].tolist()
+            self.assertTrue(all(100 <= d < 108 for d in dst), dst)
+            self.assertEqual(int(state.capacity[0]), 8)
+
+    def test_release_clears_units(self):
+        for use_triton in self._impls():
+            state = self._state(use_triton)
+            state.admit_request(0, 100)
+            state.grow_request(0, 1, 500)
+            state.grow_request(0, 2, 600)
+            self.assertEqual(state.unit_base[0].tolist(), [100, 500, 600])
+            self.assertEqual(int(state.capacity[0]), 24)
+            state.release_request(0)
+            self.assertEqual(state.unit_base[0].tolist(), [-1, -1, -1])
+            self.assertEqual(int(state.capacity[0]), 0)
+            with self.assertRaises(ValueError):
+                state.grow_request(0, 3, 700)
+
 
 def sim_configs(max_steps: int):
     @st.composite
@@ -620,6 +747,7 @@ def sim_configs(max_steps: int):
             p_release=draw(st.floats(0.0, 0.4)),
             p_warm=draw(st.floats(0.0, 1.0)),
             max_pad_rows=draw(st.integers(0, 2)),
+            units=draw(st.integers(1, 3)),
         )
         return cfg, draw(st.integers(10, max_steps)), draw(st.integers(0, 2**31))
 
@@ -684,7 +812,24 @@ class TestAgainstPythonModel(unittest.TestCase):
 @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA")
 class TestCudaGraph(unittest.TestCase):
     def test_capture_replay_matches_eager(self):
-        cfg = SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000)
+        self._run(SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000))
+
+    def test_units_change_between_replays(self):
+        # Units granted and taken back between replays of one captured graph
+        # (the graph reads unit_base / capacity from their fixed buffers).
+        cfg = SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000, units=3)
+        changes = {
+            3: ("grow", 0, 1, 1000),
+            5: ("grow", 1, 1, 1100),
+            8: ("shrink", 0, 1),
+            11: ("grow", 0, 1, 1200),
+            13: ("grow", 0, 2, 1300),
+            16: ("shrink", 1, 1),
+        }
+        self._run(cfg, changes)
+
+    def _run(self, cfg, changes=None):
+        changes = changes or {}
         for use_triton in (True, False):
             eager, graphed = new_state(cfg, use_triton), new_state(cfg, use_triton)
             bs = 4
@@ -717,6 +862,13 @@ class TestCudaGraph(unittest.TestCase):
                     )
             gen = torch.Generator(device="cuda").manual_seed(0)
             for step in range(20):
+                if step in changes:
+                    op, r, unit, *base = changes[step]
+                    for s in (eager, graphed):
+                        if op == "grow":
+                            s.grow_request(r, unit, base[0])
+                        else:
+                            s.shrink_request(r, unit)
                 seq += 1
                 scores = torch.rand((bs, 600), device="cuda", generator=gen)
                 scores[:, seq[0] :] = -1

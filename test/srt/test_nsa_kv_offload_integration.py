@@ -61,12 +61,16 @@ from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+    ENV_MAX_UNITS,
     NSAKVOffloadPoolConfigurator,
     NSAKVOffloadPoolSizes,
     NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
+    StagingRowAllocator,
+    StagingUnitLender,
     compute_offload_pool_sizes,
     get_nsa_kv_offload,
+    max_units_from_env,
     offload_bytes_per_loc,
     offload_bytes_per_region,
 )
@@ -186,6 +190,23 @@ class TestOffloadPoolSizing(unittest.TestCase):
             offload_bytes_per_region(self.L, self.ROW, self.C, self.W),
             3 * (4160 * 656 + 4096 * 6),
         )
+        # Extra units: the LRU state covers every slot a request may hold.
+        self.assertEqual(
+            offload_bytes_per_region(self.L, self.ROW, self.C, self.W, max_units=3),
+            3 * (4160 * 656 + 3 * 4096 * 6),
+        )
+
+    def test_max_units_env(self):
+        for value, expect in ((None, 1), ("3", 3), ("0", ValueError)):
+            env = {} if value is None else {ENV_MAX_UNITS: value}
+            with mock.patch.dict(os.environ, env):
+                if value is None:
+                    os.environ.pop(ENV_MAX_UNITS, None)
+                if expect is ValueError:
+                    with self.assertRaises(ValueError):
+                        max_units_from_env()
+                else:
+                    self.assertEqual(max_units_from_env(), expect)
 
     def test_gpu_bound_split(self):
         available = 2 << 30
@@ -627,6 +648,35 @@ class TestHooksAndLookup(unittest.TestCase):
 class TestStagingAllocator(unittest.TestCase):
     NUM_LOCS, STAGING_PAGES = 16 * PAGE, 6
 
+    def test_unit_lender_takes_whole_runs(self):
+        staging = StagingRowAllocator(PAGE, 10, PAGE, DEVICE)
+        lender = StagingUnitLender(staging, unit_rows=2 * PAGE + 1, reserve_pages=2)
+        self.assertEqual(lender.pages_per_unit, 3)
+        # Free pages 0-1, 4-6 and 8-9: the only run of 3 is 4-6.
+        taken = staging.alloc(10)
+        staging.free(taken[[0, 1, 4, 5, 6, 8, 9]])
+        self.assertTrue(lender.available())  # 7 free - 2 reserved >= 3
+        self.assertEqual(lender.take(), PAGE + 4 * PAGE)
+        self.assertEqual(sorted(staging.free_pages.tolist()), [0, 1, 8, 9])
+        self.assertFalse(lender.available())  # 4 - 2 < 3
+        self.assertIsNone(lender.take())
+        lender.give(PAGE + 4 * PAGE)
+        self.assertEqual(sorted(staging.free_pages.tolist()), [0, 1, 4, 5, 6, 8, 9])
+        staging.free(taken[[2, 3, 7]])
+        # Highest run first: 7-9.
+        self.assertEqual(lender.take(), PAGE + 7 * PAGE)
+        # Enough free pages but no run: one search, then no more until the
+        # free list changes (a search reads it on the host).
+        lender.give(PAGE + 7 * PAGE)
+        staging.alloc(staging.available_pages())
+        staging.free(taken[[0, 2, 4, 6, 8, 9]])  # runs of at most 2 pages
+        self.assertTrue(lender.available())
+        self.assertIsNone(lender.take())
+        self.assertFalse(lender.available())
+        staging.free(taken[[5]])  # 4-6 is a run again
+        self.assertTrue(lender.available())
+        self.assertEqual(lender.take(), PAGE + 4 * PAGE)
+
     def setUp(self):
         self.pool = _make_pool(self.NUM_LOCS, (self.STAGING_PAGES + 1) * PAGE, 1)
         self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
@@ -786,6 +836,8 @@ class _Harness:
         seed=0,
         kv_arrives_in_host=False,
         cross_layer_prefetch=False,
+        max_units=1,
+        lend_staging_pages=0,
     ):
         self.t = test
         if kv_arrives_in_host:
@@ -829,6 +881,8 @@ class _Harness:
             max_batch_size=max_reqs + 1,
             kv_arrives_in_host=kv_arrives_in_host,
             cross_layer_prefetch=cross_layer_prefetch,
+            max_units=max_units,
+            staging_reserve_pages=staging_pages - lend_staging_pages,
         )
         self.controller = self.co.controller
         self.row_bytes = self.pool.kv_buffer[0][0].nbytes
@@ -850,11 +904,19 @@ class _Harness:
 
     # -------------------------------------------------------------- helpers
 
+    def staging_room(self):
+        """Free staging pages plus those lent to requests as extra units
+        (a prefill takes them back)."""
+        lent = sum(
+            src != 0 for u in self.controller._req_units.values() for _, src in u
+        )
+        return self.allocator.staging.available_pages() + lent * -(-self.C // PAGE)
+
     def snapshot(self):
         return dict(
             locs=self.allocator.available_size(),
-            staging=self.allocator.staging.available_pages(),
-            regions=self.controller.num_free_regions(),
+            staging=self.staging_room(),
+            regions=self.controller.admission_room(),
             req_slots=self.req_to_token_pool.available_size(),
         )
 
@@ -945,7 +1007,7 @@ class _Harness:
         pre = torch.tensor([r.seq_len for r, _ in chunks], dtype=torch.int64)
         seq = torch.tensor([r.seq_len + e for r, e in chunks], dtype=torch.int64)
         last = get_last_loc_torch(self.req_to_token, idx, pre.to(DEVICE))
-        staging_before = self.allocator.staging.available_pages()
+        staging_before = self.staging_room()
         out = self.allocator.alloc_extend(
             pre.to(DEVICE), pre, seq.to(DEVICE), seq, last, int((seq - pre).sum())
         )
@@ -954,9 +1016,7 @@ class _Harness:
             (p + e + PAGE - 1) // PAGE - (p + PAGE - 1) // PAGE
             for p, e in zip(pre.tolist(), (seq - pre).tolist())
         )
-        self.t.assertEqual(
-            self.allocator.staging.available_pages(), staging_before - new_pages
-        )
+        self.t.assertEqual(self.staging_room(), staging_before - new_pages)
         start = 0
         for req, e in chunks:
             self.req_to_token[req.req_pool_idx, req.seq_len : req.seq_len + e] = out[
@@ -988,8 +1048,8 @@ class _Harness:
         if admit:
             reqs = [r for r, _ in chunks]
             done = [r for r in reqs if r is not chunked_req]
-            staging_before = self.allocator.staging.available_pages()
-            regions_before = self.controller.num_free_regions()
+            staging_before = self.staging_room()
+            regions_before = self.controller.admission_room()
             self.co.admit_prefilled_batch(SimpleNamespace(reqs=reqs), chunked_req)
             self.check_admitted(done, staging_before, regions_before)
             if chunked_req is not None:
@@ -1000,12 +1060,10 @@ class _Harness:
         """``reqs`` were just admitted with prompts of ``prompt_lens`` tokens."""
         if prompt_lens is None:
             prompt_lens = [r.seq_len for r in reqs]
-        self.t.assertEqual(
-            self.controller.num_free_regions(), regions_before - len(reqs)
-        )
+        self.t.assertEqual(self.controller.admission_room(), regions_before - len(reqs))
         staged_pages = sum((n + PAGE - 1) // PAGE for n in prompt_lens)
         self.t.assertEqual(
-            self.allocator.staging.available_pages(),
+            self.staging_room(),
             staging_before + (0 if self.co.kv_arrives_in_host else staged_pages),
         )
         for req, n in zip(reqs, prompt_lens):
@@ -1080,8 +1138,8 @@ class _Harness:
             out_cache_loc=out,
         )
         not_admitted = [r for r in reqs if not self.co.is_admitted(r)]
-        staging_before = self.allocator.staging.available_pages()
-        regions_before = self.controller.num_free_regions()
+        staging_before = self.staging_room()
+        regions_before = self.controller.admission_room()
         self.co.prepare_decode(batch)
         # Requests the prefill hook missed are admitted here, with a prompt of
         # seq_len - 1 tokens.
@@ -1162,8 +1220,12 @@ class _Harness:
             self.t.assertTrue(bool((rows[~valid] == -1).all()))
             rows, pos = rows[valid].long(), pos[valid]
             base = int(self.co.lru.region_base[r])
-            self.t.assertTrue(bool((rows >= base).all()))
-            self.t.assertTrue(bool((rows < base + self.C + self.W).all()))
+            # Rows of the request's region or of its extra units (LRU rows).
+            in_units = (rows >= base) & (rows < base + self.C + self.W)
+            for unit in self.co.lru.unit_base[r, 1:].tolist():
+                if unit >= 0:
+                    in_units |= (rows >= unit) & (rows < unit + self.C)
+            self.t.assertTrue(bool(in_units.all()))
             self.t.assertEqual(torch.unique(rows).numel(), rows.numel())
             window = pos >= n - self.W
             self.t.assertTrue(
@@ -1185,7 +1247,7 @@ class _Harness:
         r = req.req_pool_idx
         admitted = self.co.is_admitted(req)
         locs = self.req_to_token[r, : req.seq_len].long()
-        regions_before = self.controller.num_free_regions()
+        regions_before = self.controller.admission_room()
         locs_before = self.allocator.available_size()
         with mock.patch.object(
             common_module, "get_global_server_args", return_value=_GLOBAL_SERVER_ARGS
@@ -1194,7 +1256,7 @@ class _Harness:
         self.t.assertIsNone(req.req_pool_idx)
         self.t.assertFalse(self.co.is_admitted(SimpleNamespace(req_pool_idx=r)))
         self.t.assertEqual(
-            self.controller.num_free_regions(), regions_before + int(admitted)
+            self.controller.admission_room(), regions_before + int(admitted)
         )
         self.t.assertEqual(int(self.co.lru.region_base[r]), -1)
         self.t.assertTrue(bool((self.co.lru.loc_to_slot[:, locs] == -1).all()))
@@ -1349,6 +1411,80 @@ class TestCrossLayerPrefetch(unittest.TestCase):
         h.finish(b)
         h.finish(c)
         h.check_no_leaks()
+
+
+class TestUnitsLifecycle(unittest.TestCase):
+    """``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS``: free regions become extra LRU units
+    of the running requests; admissions take them back."""
+
+    def test_units_follow_the_load(self):
+        h = _Harness(self, seed=6, num_regions=3, max_reqs=3, max_units=3)
+        co = h.controller
+        a = h.new_req()
+        h.prefill([(a, 300)])
+        h.decode_step([a], first_step_of=(a,))
+        self.assertEqual(co.num_units(a.req_pool_idx), 3)  # alone: every region
+        for _ in range(4):
+            h.decode_step([a])
+        # B's admission takes A's newest unit back; the page tables of both
+        # stay exact (checked against the full-KV reference every step).
+        b = h.new_req()
+        h.prefill([(b, 260)])
+        self.assertEqual(co.num_units(a.req_pool_idx), 2)
+        h.decode_step([a, b], first_step_of=(b,), pad_rows=1)
+        for step in range(4):
+            h.decode_step([a, b], pad_rows=step % 2)
+        c = h.new_req()
+        h.prefill([(c, 200)], admit=False)  # admitted by the decode preparation
+        h.decode_step([a, b, c], first_step_of=(c,))
+        self.assertEqual([co.num_units(r.req_pool_idx) for r in (a, b, c)], [1, 1, 1])
+        for _ in range(3):
+            h.decode_step([a, b, c])
+        # A finishes: its region goes to the request with the fewest units.
+        h.finish(a)
+        h.decode_step([b, c])
+        self.assertEqual(co.num_units(b.req_pool_idx) + co.num_units(c.req_pool_idx), 3)
+        for _ in range(4):
+            h.decode_step([b, c], pad_rows=1)
+        self.assertGreater(co.get_stats()["misses"], 0)
+        self.assertIn("regions: 3/3 (1 as extra units)", h.co.get_decode_log_msg())
+        h.finish(b)
+        h.finish(c)
+        h.check_no_leaks()
+
+    def test_idle_staging_lent_as_units(self):
+        # 2 regions; 8 of the 10 staging pages may be lent (units of C = 128
+        # rows = 2 pages). Prefills take staging units back, admissions take
+        # region units back; every page table stays exact.
+        h = _Harness(self, seed=7, num_regions=2, max_units=4, lend_staging_pages=8)
+        co, staging = h.controller, h.allocator.staging
+        a = h.new_req()
+        h.prefill([(a, 300)])
+        h.decode_step([a], first_step_of=(a,))
+        # Alone: its region, the other region, then two staging units.
+        self.assertEqual(co.num_units(a.req_pool_idx), 4)
+        self.assertEqual(co.get_stats()["extra_units_lent"], 2)
+        self.assertEqual(staging.available_pages(), 10 - 4)
+        for _ in range(3):
+            h.decode_step([a])
+        # B's 400-token prompt needs 7 staging pages: one staging unit comes
+        # back first; its admission then needs a region: A gives back its
+        # newest units until the region is among them.
+        b = h.new_req()
+        h.prefill([(b, 400)])
+        self.assertEqual(co.num_units(a.req_pool_idx), 1)
+        self.assertEqual(co.num_units(b.req_pool_idx), 1)
+        h.decode_step([a, b], first_step_of=(b,), pad_rows=1)
+        # With B's staging released, both take staging units again.
+        self.assertEqual(co.get_stats()["extra_units_lent"], 4)
+        self.assertIn("(4 as extra units)", h.co.get_decode_log_msg())
+        for step in range(5):
+            h.decode_step([a, b], pad_rows=step % 2)
+        self.assertGreater(co.get_stats()["misses"], 0)
+        h.finish(a)
+        h.finish(b)
+        h.check_no_leaks()
+        self.assertEqual(staging.available_pages(), 10)
 
 
 class TestPDDecodeLifecycle(unittest.TestCase):

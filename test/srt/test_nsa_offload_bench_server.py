@@ -235,9 +235,14 @@ class TestInterleave(unittest.TestCase):
                 "baseline": {"points": [self.point([1.0, 1.0, 1.0])]},
                 "ours": {"points": [self.point([1.3, 1.3, 1.3])]},
                 "ours_prefetch": {"points": [self.point([1.08, 1.02, 1.05])]},
+                "ours_units": {"points": [self.point([1.0, 1.1, 1.02])]},
             },
         }
         t = bench_server.evaluate_targets(result)
+        self.assertTrue(t["P4_units"]["met"])
+        self.assertIn(
+            "- **P4** ITL overhead ours + units", "\n".join(bench_server._targets_md(t))
+        )
         self.assertFalse(t["P4"]["met"])
         self.assertTrue(t["P4_prefetch"]["met"])
         lines = bench_server._targets_md(t)
@@ -268,6 +273,19 @@ class TestInterleave(unittest.TestCase):
             self.assertEqual(specs[kind][i + 1], "12288")
         for kind in ("baseline", "hisparse"):
             self.assertNotIn("--nsa-kv-offload-gpu-buffer-size", specs[kind])
+        # ours_units: ours' flags plus the units' environment variable.
+        units = bench_server.parse_args(
+            argv + ["--servers", "baseline,ours,ours_units", "--max-units", "3"]
+        )
+        self.assertEqual(
+            bench_server.server_specs(units)["ours_units"],
+            bench_server.server_specs(units)["ours"],
+        )
+        env = bench_server.server_env(units, "ours_units")
+        self.assertEqual(env["SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"], "3")
+        self.assertNotIn(
+            "SGLANG_NSA_KV_OFFLOAD_MAX_UNITS", bench_server.server_env(units, "ours")
+        )
         self.assertLess(
             bench_server.ours_auto_slots(4.0, 3, 256, 12288),
             bench_server.ours_auto_slots(4.0, 3, 256),

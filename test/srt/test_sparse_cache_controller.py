@@ -57,7 +57,7 @@ class _ControllerCase(unittest.TestCase):
     MAX_REQS, NUM_REGIONS, STAGING = 6, 3, 256
     HOST_SIZE, PAGE, MAX_CTX = 1024, 16, 160
 
-    def make(self, use_triton=None, warm_tokens=None):
+    def make(self, use_triton=None, warm_tokens=None, max_units=1):
         R = self.C + self.W
         self.num_gpu_rows = self.STAGING + self.NUM_REGIONS * R
         self.gpu = [
@@ -84,6 +84,7 @@ class _ControllerCase(unittest.TestCase):
             max_batch_size=8,
             use_triton=use_triton,
             warm_tokens=warm_tokens,
+            max_units=max_units,
         )
         return self.ctrl
 
@@ -143,13 +144,96 @@ class TestAdmission(_ControllerCase):
             )
 
 
+class TestUnits(_ControllerCase):
+    def test_rebalance_and_reclaim(self):
+        ctrl = self.make(max_units=3)
+        R = self.C + self.W
+        self.assertFalse(ctrl.wants_rebalance())  # nobody admitted
+        ctrl.admit_request(2)
+        self.assertTrue(ctrl.wants_rebalance())
+        # One request alone takes up to max_units regions.
+        self.assertEqual(ctrl.rebalance(), 2)
+        self.assertEqual(ctrl.num_units(2), 3)
+        self.assertEqual(ctrl.num_free_regions(), 0)
+        self.assertEqual(int(ctrl.lru.capacity[2]), 3 * self.C)
+        self.assertEqual(
+            ctrl.lru.unit_base[2].tolist(), [self.STAGING + i * R for i in range(3)]
+        )
+        self.assertTrue(ctrl.can_admit(2))
+        self.assertFalse(ctrl.can_admit(3))
+        # Admissions take units back, newest first, from the largest holder.
+        ctrl.admit_request(0)
+        self.assertEqual((ctrl.num_units(2), ctrl.num_units(0)), (2, 1))
+        self.assertEqual(ctrl.lru.region_base[0].item(), self.STAGING + 2 * R)
+        ctrl.admit_request(5)
+        self.assertEqual([ctrl.num_units(r) for r in (2, 0, 5)], [1, 1, 1])
+        self.assertFalse(ctrl.can_admit())
+        self.assertIsNone(ctrl.admit_request(1))
+        self.assertFalse(ctrl.wants_rebalance())
+        # A release frees every unit of the request.
+        ctrl.release_request(0)
+        self.assertEqual(ctrl.rebalance(), 1)
+        self.assertEqual(ctrl.num_units(2), 2)  # lowest pool index first
+        ctrl.release_request(2)
+        self.assertEqual(ctrl.num_free_regions(), 2)
+        self.assertEqual(ctrl.num_units(2), 0)
+        self.assertEqual(ctrl.rebalance(), 2)
+        self.assertEqual(ctrl.num_units(5), 3)
+
+    def test_other_sources_and_buried_units(self):
+        class Source:  # lends units of C rows past the regions
+            def __init__(self, bases):
+                self.free = list(bases)
+
+            def available(self):
+                return bool(self.free)
+
+            def take(self):
+                return self.free.pop(0)
+
+            def give(self, base):
+                self.free.append(base)
+
+        ctrl = self.make(max_units=3)
+        extra = Source([1000, 2000])
+        self.assertEqual(ctrl.add_unit_source(extra), 1)
+        for r in (0, 1, 2):
+            ctrl.admit_request(r)
+        # No free region: the other source lends, fewest units first.
+        self.assertEqual(ctrl.rebalance(), 2)
+        self.assertEqual(ctrl.lru.unit_base[0, 1].item(), 1000)
+        self.assertEqual(ctrl.lru.unit_base[1, 1].item(), 2000)
+        self.assertEqual(ctrl.get_stats()["extra_units_lent"], 2)
+        self.assertEqual(ctrl.admission_room(), 0)  # lent units are no regions
+        ctrl.release_request(2)
+        self.assertEqual(ctrl.rebalance(), 1)  # the freed region goes to 0
+        self.assertEqual(ctrl.num_units(0), 3)  # region, lent, region
+        # Taking the lent units back: request 0's region unit sits on top of
+        # its lent one, so it goes back to the free regions first.
+        ok = ctrl.reclaim_units_of(1, lambda: len(extra.free) == 2)
+        self.assertTrue(ok)
+        self.assertEqual([ctrl.num_units(r) for r in (0, 1)], [1, 1])
+        self.assertEqual(ctrl.num_free_regions(), 1)
+        self.assertEqual(ctrl.lru.capacity[:2].tolist(), [self.C, self.C])
+        self.assertFalse(ctrl.reclaim_units_of(1, lambda: len(extra.free) == 3))
+
+    def test_one_unit_never_rebalances(self):
+        ctrl = self.make()
+        ctrl.admit_request(0)
+        self.assertFalse(ctrl.wants_rebalance())
+        self.assertEqual(ctrl.rebalance(), 0)
+        self.assertEqual(ctrl.num_units(0), 1)
+
+
 class TestEndToEnd(_ControllerCase):
     """Random decode simulation; exactness checked after every layer swap."""
 
-    def _run(self, use_triton, seed, steps=24, warm_tokens=None):
+    def _run(self, use_triton, seed, steps=24, warm_tokens=None, max_units=1):
         rng = random.Random(seed)
         torch.manual_seed(seed)
-        ctrl = self.make(use_triton=use_triton, warm_tokens=warm_tokens)
+        ctrl = self.make(
+            use_triton=use_triton, warm_tokens=warm_tokens, max_units=max_units
+        )
         L, K, C, W = self.L, self.K, self.C, self.W
         host_rows = self.host.num_rows
         # Ground truth KV of every (layer, loc).
@@ -163,6 +247,15 @@ class TestEndToEnd(_ControllerCase):
         prev_pick = {}
         pending_backup = None
         checked = {"window": 0, "lookup": 0, "pad": 0}
+        units_granted, reclaimed = [], []
+        reclaim = ctrl._reclaim_unit
+        ctrl._reclaim_unit = lambda: reclaimed.append(reclaim()) or reclaimed[-1]
+
+        def in_request_rows(r, row):
+            base = ctrl.region_base(r)
+            if base <= row < base + C + W:
+                return True
+            return any(b <= row < b + C for b, _ in ctrl._req_units[r])
 
         def admit_new():
             r = free_reqs.pop(rng.randrange(len(free_reqs)))
@@ -199,7 +292,14 @@ class TestEndToEnd(_ControllerCase):
             if step % 7 == 6:
                 release(rng.choice(sorted(live)))
             while ctrl.can_admit() and free_reqs and len(live) < self.NUM_REGIONS:
+                # With units, regions stay free now and then (for the others
+                # to take) and admissions later have to take units back.
+                if max_units > 1 and rng.random() < 0.5:
+                    break
                 admit_new()
+            # Free regions become extra LRU units (max_units > 1); the next
+            # admission takes one back.
+            units_granted.append(ctrl.rebalance())
 
             # One decode step: each live request appends one token and writes
             # it into its window row in every layer.
@@ -269,8 +369,7 @@ class TestEndToEnd(_ControllerCase):
                             continue
                         loc = int(req_to_token[r, p])
                         row = int(pt[b, i])
-                        self.assertGreaterEqual(row, ctrl.region_base(r))
-                        self.assertLess(row, ctrl.region_base(r) + C + W)
+                        self.assertTrue(in_request_rows(r, row), (r, row))
                         self.assertTrue(
                             torch.equal(dev_rows[row], truth[layer, loc]),
                             f"step {step} layer {layer} req {r} pos {p}/{n}",
@@ -298,6 +397,10 @@ class TestEndToEnd(_ControllerCase):
         self.assertGreater(stats["d2h_rows"], 0)
         ctrl.reset_stats()
         self.assertEqual(ctrl.get_stats()["h2d_rows"], 0)
+        # With units: some were handed out and some taken back from running
+        # requests, with the exactness checks above passing throughout.
+        self.assertEqual(sum(units_granted) > 0, max_units > 1)
+        self.assertEqual(any(reclaimed), max_units > 1)
         return stats
 
     def test_exact_reference_lru(self):
@@ -305,6 +408,14 @@ class TestEndToEnd(_ControllerCase):
 
     def test_exact_triton_lru(self):
         self._run(use_triton=True, seed=2, steps=30)
+
+    def test_exact_with_units_reference(self):
+        # Releases leave free regions that running requests take as extra
+        # units; admissions take them back (shrinking a running request).
+        self._run(use_triton=False, seed=4, steps=40, max_units=3)
+
+    def test_exact_with_units_triton(self):
+        self._run(use_triton=True, seed=5, steps=30, max_units=2)
 
     def test_exact_without_warmup(self):
         self._run(use_triton=False, seed=3, warm_tokens=0, steps=12)

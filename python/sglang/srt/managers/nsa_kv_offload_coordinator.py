@@ -11,6 +11,10 @@ and connects it to sglang's scheduling:
   through the KV transfer: admission (first decode preparation) only gives
   the region and warms it;
 * every decode preparation: map each new token loc to its window ring row;
+  with ``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS=U`` > 1 (experimental), hand free
+  regions, then idle prefill staging rows, to running requests as extra LRU
+  units (an admission that finds no free region takes one back, a prefill
+  that finds no free staging page takes staging units back);
 * every forward: make the forward stream wait for the side-stream copies;
 * inside every decode forward (CUDA-graph captured, no host work per step):
   the first layer's hook counts the batch's real rows, the last layer's hook
@@ -39,6 +43,9 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolSizes,
     NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
+    StagingUnitLender,
+    max_units_from_env,
+    staging_reserve_rows,
 )
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
@@ -65,6 +72,8 @@ class NSAKVOffloadCoordinator:
         max_batch_size: int,
         kv_arrives_in_host: bool = False,
         cross_layer_prefetch: bool = False,
+        max_units: int = 1,
+        staging_reserve_pages: int = 0,
     ):
         self.kv_pool = kv_pool
         self.kv_arrives_in_host = kv_arrives_in_host
@@ -106,9 +115,16 @@ class NSAKVOffloadCoordinator:
             region_start_row=sizes.region_start_row,
             num_regions=sizes.num_regions,
             max_batch_size=max_batch_size,
+            max_units=max_units,
         )
         self.lru = self.controller.lru
         kv_pool.nsa_kv_offload = self
+        self._staging_source = None
+        if max_units > 1 and allocator.staging.num_pages:
+            # Between prefills the staging rows idle: lend them as units.
+            self._staging_source = self.controller.add_unit_source(
+                StagingUnitLender(allocator.staging, buffer_size, staging_reserve_pages)
+            )
 
         # Rows of the batch that are real (CUDA-graph padding rows are inert).
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -208,11 +224,26 @@ class NSAKVOffloadCoordinator:
         for i, req in enumerate(batch.reqs):
             if not self.is_admitted(req):
                 self.admit(req, int(batch.seq_lens_cpu[i]) - 1)
+        if self.controller.wants_rebalance():
+            # Growing rewrites LRU order an overlapped forward may still swap.
+            self._wait_producer()
+            self.controller.rebalance()
         self.lru.map_new_tokens(
             batch.req_pool_indices,
             batch.seq_lens,
             batch.out_cache_loc,
             self.kv_pool.loc_to_row,
+        )
+
+    def reclaim_staging(self, num_pages: int) -> bool:
+        """A prefill needs ``num_pages`` staging pages: take staging units back
+        until they are free. False when that is not enough."""
+        if self._staging_source is None:
+            return False
+        self._wait_producer()
+        staging = self.allocator.staging
+        return self.controller.reclaim_units_of(
+            self._staging_source, lambda: staging.available_pages() >= num_pages
         )
 
     def release(self, req: Req) -> None:
@@ -326,6 +357,11 @@ class NSAKVOffloadCoordinator:
             f"misses: {stats['misses']}, {prefetched}"
             f"H2D: {stats['h2d_bytes'] / gap / 1e9:.2f} GB/s, "
             f"regions: {stats['regions_used']}/{stats['regions_total']}"
+            + (
+                f" ({stats['extra_units']} as extra units)"
+                if self.controller.max_units > 1
+                else ""
+            )
         )
 
 
@@ -402,4 +438,12 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         max_batch_size=max_batch_size,
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
+        max_units=max_units_from_env(),
+        # Lend at most the staging kept for one long prompt being chunked.
+        staging_reserve_pages=staging_reserve_rows(
+            max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens),
+            sizes.num_regions,
+            model_runner.page_size,
+        )
+        // model_runner.page_size,
     )

@@ -8,6 +8,12 @@ order they were used, and turns one layer's top-k positions into a GPU page
 table plus the list of host->GPU copies to make. The exact semantics are in
 ``docs/ENGINE.md`` ("Per-layer swap semantics").
 
+With ``max_units = U > 1`` a request's LRU slots may span up to ``U`` units
+of ``C`` rows each (its region is unit 0; ``grow_request`` / ``shrink_request``
+add and drop units at other bases): slot ``s`` lives at row
+``unit_base[r, s // C] + s % C`` and only the request's first ``capacity[r]``
+slots are ever evicted into. ``U = 1`` is the fixed-region case above.
+
 Everything is fixed-shape and sync-free so the swap can be captured in a CUDA
 graph. ``swap_layer`` runs one fused Triton kernel; the pure-torch reference
 (``prepare_layer_swap`` -> ``build_gpu_page_table`` -> ``post_process_layer_swap``)
@@ -56,13 +62,14 @@ class LayerSwapWork:
     layer: int
     real: torch.Tensor  # (bs,) bool, row is not CUDA-graph padding
     req: torch.Tensor  # (bs,) int64, request pool index (padding -> sink row)
-    base: torch.Tensor  # (bs,) int64, region base row
+    base: torch.Tensor  # (bs,) int64, region base row (unit 0)
     pos: torch.Tensor  # (bs, K) int64, top-k positions
     in_window: torch.Tensor  # (bs, K) bool
     hit: torch.Tensor  # (bs, K) bool
     miss: torch.Tensor  # (bs, K) bool
     loc: torch.Tensor  # (bs, K) int64, token loc of looked-up entries
     slot: torch.Tensor  # (bs, K) int64, LRU slot of hits and misses, else -1
+    row: torch.Tensor  # (bs, K) int64, GPU row of ``slot``, else -1
     miss_rank: torch.Tensor  # (bs, K) int64, index among the row's misses
     num_misses: torch.Tensor  # (bs,) int64
     num_hits: torch.Tensor  # (bs,) int64
@@ -105,6 +112,7 @@ class LRUCacheState:
         use_triton: Optional[bool] = None,
         max_batch_size: Optional[int] = None,
         num_warps: Optional[int] = None,
+        max_units: int = 1,
     ):
         if buffer_size < top_k:
             raise ValueError(f"buffer_size ({buffer_size}) must be >= top_k ({top_k})")
@@ -112,12 +120,20 @@ class LRUCacheState:
             raise ValueError(
                 f"recent_window ({recent_window}) must be in [1, buffer_size)"
             )
-        if buffer_size > torch.iinfo(torch.int16).max:
-            raise ValueError("buffer_size must fit int16 (loc_to_slot, lru_order)")
+        if max_units < 1:
+            raise ValueError(f"max_units ({max_units}) must be >= 1")
+        if buffer_size * max_units > torch.iinfo(torch.int16).max:
+            raise ValueError(
+                "buffer_size x max_units must fit int16 (loc_to_slot, lru_order)"
+            )
         self.num_layers = num_layers
         self.max_num_reqs = max_num_reqs
         self.num_locs = num_locs
         self.buffer_size = buffer_size
+        self.max_units = max_units
+        # LRU slots per (layer, request) across all units; a request uses
+        # its first capacity[r] of them.
+        self.num_slots = buffer_size * max_units
         self.recent_window = recent_window
         self.top_k = top_k
         self.region_size = buffer_size + recent_window
@@ -133,7 +149,7 @@ class LRUCacheState:
                     "TRITON_INTERPRET=1 set before this module is imported"
                 )
         self.use_triton = bool(use_triton)
-        self.block_c = _next_pow2(buffer_size)
+        self.block_c = _next_pow2(self.num_slots)
         self.block_k = _next_pow2(top_k)
         if num_warps is None:
             # ~256 lru entries per warp keeps the fused kernel near 128
@@ -141,7 +157,7 @@ class LRUCacheState:
             num_warps = min(16, max(4, self.block_c // 256))
         self.num_warps = num_warps
 
-        L, C, dev = num_layers, buffer_size, self.device
+        L, C, dev = num_layers, self.num_slots, self.device
         self._sink_req = max_num_reqs
         self._loc_to_slot_buf = torch.full(
             (L, num_locs + 1), -1, dtype=torch.int16, device=dev
@@ -158,6 +174,15 @@ class LRUCacheState:
             (max_num_reqs + 1,), -1, dtype=torch.int32, device=dev
         )
         self._region_base_buf[self._sink_req] = 0
+        # unit_base[r, u]: first GPU row of unit u of request r (-1: none);
+        # unit 0 is the region (unit_base[r, 0] == region_base[r]).
+        self._unit_base_buf = torch.full(
+            (max_num_reqs + 1, max_units), -1, dtype=torch.int32, device=dev
+        )
+        self._unit_base_buf[self._sink_req] = 0
+        self._capacity_buf = torch.zeros(
+            (max_num_reqs + 1,), dtype=torch.int32, device=dev
+        )
         # loc_to_slot[l, loc]: LRU slot holding loc in layer l, -1 if not resident.
         self.loc_to_slot = self._loc_to_slot_buf[:, :num_locs]
         # slot_loc[l, r, s]: token loc in slot s of request r, -1 if empty.
@@ -166,6 +191,9 @@ class LRUCacheState:
         self.lru_order = self._lru_buf[:, :max_num_reqs]
         # region_base[r]: first GPU KV row of request r's region, -1 if none.
         self.region_base = self._region_base_buf[:max_num_reqs]
+        self.unit_base = self._unit_base_buf[:max_num_reqs]
+        # capacity[r]: LRU slots request r may use (its units x C), 0 if none.
+        self.capacity = self._capacity_buf[:max_num_reqs]
         # counters[l] = (LRU hits, window hits, misses), accumulated on device.
         self.counters = torch.zeros((L, 3), dtype=torch.int64, device=dev)
 
@@ -200,8 +228,9 @@ class LRUCacheState:
     def admit_request(self, r: IndexLike, base: IndexLike) -> None:
         """Give request(s) ``r`` the region starting at GPU row ``base``.
 
-        All slots start empty with ``lru_order = arange(C)``. ``r`` must not hold
-        resident locs (fresh, or released since its last admission).
+        It holds one unit (``C`` slots); all slots start empty with
+        ``lru_order = arange(U x C)``. ``r`` must not hold resident locs (fresh,
+        or released since its last admission).
         """
         r = self._as_index(r)
         if isinstance(base, torch.Tensor):
@@ -209,6 +238,9 @@ class LRUCacheState:
         else:
             base = torch.tensor(base, dtype=torch.int32, device=self.device)
         self._region_base_buf[r] = base
+        self._unit_base_buf[r] = -1
+        self._unit_base_buf[r, 0] = base
+        self._capacity_buf[r] = self.buffer_size
         self._slot_loc_buf[:, r] = -1
         self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
 
@@ -222,6 +254,41 @@ class LRUCacheState:
         self._slot_loc_buf[:, r] = -1
         self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
         self._region_base_buf[r] = -1
+        self._unit_base_buf[r] = -1
+        self._capacity_buf[r] = 0
+
+    def grow_request(self, r: int, unit: int, base: int) -> None:
+        """Give request ``r`` unit ``unit`` (its next one: it holds ``unit``
+        units now) at GPU row ``base``. The unit's empty slots move to the LRU
+        end of every layer's order, so misses fill them before evicting."""
+        if not 1 <= unit < self.max_units:
+            raise ValueError(f"unit {unit} not in [1, {self.max_units})")
+        C = self.buffer_size
+        lo, hi = unit * C, (unit + 1) * C
+        self._unit_base_buf[r, unit] = base
+        self._capacity_buf[r] = hi
+        order = self._lru_buf[:, r].long()
+        # Stable partition: the new slots first, everything else in its order.
+        is_new = (order >= lo) & (order < hi)
+        idx = torch.argsort((~is_new).to(torch.int8), dim=1, stable=True)
+        self._lru_buf[:, r] = order.gather(1, idx).to(self._lru_buf.dtype)
+
+    def shrink_request(self, r: int, unit: int) -> None:
+        """Drop request ``r``'s last unit ``unit`` (it holds ``unit + 1``):
+        the locs its slots hold stop being resident in every layer (the host
+        pool keeps every token, so nothing is copied). Slots beyond the
+        capacity are never victims; the order keeps them where they are."""
+        if not 1 <= unit < self.max_units:
+            raise ValueError(f"unit {unit} not in [1, {self.max_units})")
+        C = self.buffer_size
+        lo, hi = unit * C, (unit + 1) * C
+        locs = self._slot_loc_buf[:, r, lo:hi].long()
+        self._loc_to_slot_buf.scatter_(
+            1, torch.where(locs >= 0, locs, self.num_locs), -1
+        )
+        self._slot_loc_buf[:, r, lo:hi] = -1
+        self._unit_base_buf[r, unit] = -1
+        self._capacity_buf[r] = lo
 
     def warm_request(
         self,
@@ -247,7 +314,7 @@ class LRUCacheState:
         if locs.dim() == 1:
             locs = locs.unsqueeze(0).expand(len(layers), -1)
         if locs.shape[1] > self.buffer_size:
-            raise ValueError("warm_request: more locs than LRU slots")
+            raise ValueError("warm_request: more locs than a unit's LRU slots")
         req = self._as_index(r)[:1]
         base = self._region_base_buf[req].long()
         rows = []
@@ -256,7 +323,7 @@ class LRUCacheState:
             lookup = loc >= 0
             work = self._assign_slots(layer, req, base, lookup, loc)
             self._reorder_lru(work)
-            rows.append(torch.where(work.slot >= 0, base[:, None] + work.slot, -1))
+            rows.append(work.row)
         return torch.cat(rows).to(torch.int32)
 
     def window_rows(
@@ -362,6 +429,8 @@ class LRUCacheState:
             slot_loc,
             lru,
             self._region_base_buf,
+            self._unit_base_buf,
+            self._capacity_buf,
             counters,
             plan.page_table,
             plan.page_table.stride(0),
@@ -374,7 +443,9 @@ class LRUCacheState:
             self._victims,
             self._sink_req,
             K=self.top_k,
-            C=self.buffer_size,
+            C=self.num_slots,
+            C0=self.buffer_size,
+            U=self.max_units,
             W=self.recent_window,
             BLOCK_K=self.block_k,
             BLOCK_C=self.block_c,
@@ -389,7 +460,7 @@ class LRUCacheState:
         if self._scratch_rows:
             self._retired_scratch.append((self._hit_flags, self._victims))
         self._hit_flags = torch.zeros(
-            (rows, self.buffer_size), dtype=torch.int8, device=self.device
+            (rows, self.num_slots), dtype=torch.int8, device=self.device
         )
         self._victims = torch.zeros(
             (rows, self.top_k), dtype=torch.int32, device=self.device
@@ -456,8 +527,7 @@ class LRUCacheState:
         """GPU rows of the top-k entries, in top-k order (-1 for padding)."""
         base = work.base[:, None]
         window_row = base + self.buffer_size + work.pos.remainder(self.recent_window)
-        rows = torch.where(work.slot >= 0, base + work.slot, -1)
-        rows = torch.where(work.in_window, window_row, rows).to(torch.int32)
+        rows = torch.where(work.in_window, window_row, work.row).to(torch.int32)
         if out is None:
             return rows
         out[: rows.shape[0]].copy_(rows)
@@ -476,7 +546,7 @@ class LRUCacheState:
         src = torch.zeros((bs, k + 1), dtype=torch.int64, device=self.device)
         src.scatter_(1, sink, work.loc)
         dst = torch.zeros((bs, k + 1), dtype=torch.int64, device=self.device)
-        dst.scatter_(1, sink, work.base[:, None] + work.slot)
+        dst.scatter_(1, sink, work.row)
         count = work.num_misses.to(torch.int32)
         self._reorder_lru(work)
         stats = torch.stack([work.hit.sum(), work.in_window.sum(), work.miss.sum()]).to(
@@ -507,7 +577,7 @@ class LRUCacheState:
     ) -> LayerSwapWork:
         """Hits, misses and victims of looked-up locs; updates residency."""
         bs, k = loc.shape
-        C, N = self.buffer_size, self.num_locs
+        C, N = self.num_slots, self.num_locs
         l2s = self._loc_to_slot_buf[layer]
         slot_loc = self._slot_loc_buf[layer]
         # The sink entries of loc_to_slot may hold garbage: mask after the gather.
@@ -517,7 +587,9 @@ class LRUCacheState:
         hit_flags = torch.zeros((bs, C + 1), dtype=torch.bool, device=self.device)
         hit_flags.scatter_(1, torch.where(hit, cur, C), True)
         order = self._lru_buf[layer][req].long()
-        evictable = ~hit_flags.gather(1, order)
+        # Slots beyond the request's units are never victims.
+        in_capacity = order < self._capacity_buf[req].long()[:, None]
+        evictable = ~hit_flags.gather(1, order) & in_capacity
         ev = evictable.long()
         evict_rank = ev.cumsum(1) - ev
         mi = miss.long()
@@ -529,6 +601,10 @@ class LRUCacheState:
         victim_by_rank.scatter_(1, torch.where(taken, evict_rank, k), order)
         victim = victim_by_rank.gather(1, torch.where(miss, miss_rank, k))
         slot = torch.where(hit, cur, torch.where(miss, victim, -1))
+        C0 = self.buffer_size
+        unit = torch.where(slot >= 0, slot // C0, 0)
+        unit_base = self._unit_base_buf[req].long().gather(1, unit)
+        row = torch.where(slot >= 0, unit_base + slot % C0, -1)
 
         # Residency: victims' old locs leave, the missed locs enter.
         req2 = torch.where(miss, req[:, None], self._sink_req)
@@ -549,6 +625,7 @@ class LRUCacheState:
             miss=miss,
             loc=loc,
             slot=slot,
+            row=row,
             miss_rank=miss_rank,
             num_misses=num_misses,
             num_hits=hit.long().sum(1),
@@ -560,9 +637,9 @@ class LRUCacheState:
     def _reorder_lru(self, work: LayerSwapWork) -> None:
         # New order: [untaken evictables] + [victims] + [hits], each in old order
         # (victims in old order == misses in top-k order).
-        C = self.buffer_size
         m = work.num_misses[:, None]
-        num_evictable = C - work.num_hits[:, None]
+        # Hits and the slots beyond the capacity keep their order at the end.
+        num_evictable = work.order_evictable.long().sum(1, keepdim=True)
         ev_rank = work.evict_rank
         hit_rank = self._arange_c[None, :] - ev_rank
         new_pos = torch.where(
@@ -614,6 +691,8 @@ if _HAS_TRITON:
             "num_real_ptr",
             "loc_to_slot_ptr",
             "region_base_ptr",
+            "unit_base_ptr",
+            "capacity_ptr",
             "counters_ptr",
             "miss_count_ptr",
         ]
@@ -630,6 +709,8 @@ if _HAS_TRITON:
         slot_loc_ptr,  # (max_reqs + 1, C) int32, this layer
         lru_ptr,  # (max_reqs + 1, C) int16, this layer
         region_base_ptr,  # (max_reqs + 1,) int32
+        unit_base_ptr,  # (max_reqs + 1, U) int32
+        capacity_ptr,  # (max_reqs + 1,) int32
         counters_ptr,  # (3,) int64, this layer
         page_table_ptr,
         page_table_stride,
@@ -642,7 +723,9 @@ if _HAS_TRITON:
         victims_ptr,  # (rows, K) int32 scratch
         sink_req,  # max_reqs: the last row of the per-request tensors
         K: tl.constexpr,
-        C: tl.constexpr,
+        C: tl.constexpr,  # LRU slots of all units (U x C0)
+        C0: tl.constexpr,  # LRU slots of one unit
+        U: tl.constexpr,
         W: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_C: tl.constexpr,
@@ -661,6 +744,7 @@ if _HAS_TRITON:
         r = tl.minimum(tl.maximum(r, 0), sink_req)
         n = tl.load(seq_lens_ptr + b).to(tl.int32)
         base = tl.load(region_base_ptr + r)
+        capacity = tl.load(capacity_ptr + r)
         pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
         pos = pos.to(tl.int32)
         order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
@@ -698,18 +782,22 @@ if _HAS_TRITON:
         tl.debug_barrier()
 
         # Phase 2: walk lru_order, rank evictable (not hit) slots, reorder.
+        # Slots beyond the request's units are never victims; they keep their
+        # order at the end with the hits.
         evictable = mask_c & (tl.load(flags_row + order, mask=mask_c, other=1) == 0)
+        evictable = evictable & (order < capacity)
         ev_i = evictable.to(tl.int32)
         ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
+        num_kept = C - tl.sum(ev_i, axis=0)
         hit_rank = offs_c - ev_rank
         new_pos = tl.where(
             evictable,
             tl.where(
                 ev_rank >= num_misses,
                 ev_rank - num_misses,
-                C - num_hits - num_misses + ev_rank,
+                C - num_kept - num_misses + ev_rank,
             ),
-            C - num_hits + hit_rank,
+            C - num_kept + hit_rank,
         )
         taken = evictable & (ev_rank < num_misses)
         # Victims' old locs leave the map now (phase 1 has read it already).
@@ -731,16 +819,19 @@ if _HAS_TRITON:
         tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
         tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
         slot = tl.where(hit, cur, victim)
-        rows = tl.where(
-            in_window, base + C + pos % W, tl.where(lookup, base + slot, -1)
-        )
+        if U == 1:
+            slot_row = base + slot
+        else:
+            unit_base = tl.load(
+                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            )
+            slot_row = unit_base + slot % C0
+        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
         tl.store(pt_row + offs_k, rows, mask=mask_k)
         tl.store(
             miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
         )
-        tl.store(
-            miss_dst_ptr + b * miss_dst_stride + miss_rank, base + victim, mask=miss
-        )
+        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
         tl.store(miss_count_ptr + b, num_misses)
         tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
         tl.atomic_add(

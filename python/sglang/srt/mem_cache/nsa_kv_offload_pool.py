@@ -143,6 +143,56 @@ class StagingRowAllocator:
             self.free_pages = torch.cat((pages, self.free_pages))
 
 
+class StagingUnitLender:
+    """Lends runs of idle prefill staging pages as extra LRU units
+    (``SparseCacheController.add_unit_source``), keeping ``reserve_pages``
+    free for the next prefills; the allocator takes units back when a
+    prefill needs their pages."""
+
+    def __init__(self, staging: StagingRowAllocator, unit_rows: int, reserve_pages):
+        self.staging = staging
+        self.pages_per_unit = -(-unit_rows // staging.page_size)
+        self.reserve_pages = reserve_pages
+        # Free page count at which the last search found no run: no new
+        # search (a host read of the free list) until the count changes.
+        self._no_run_at = None
+
+    def available(self) -> bool:
+        free = self.staging.available_pages()
+        if free == self._no_run_at:
+            return False
+        return free - self.reserve_pages >= self.pages_per_unit
+
+    def take(self) -> Optional[int]:
+        """First row of a run of free pages (the highest run), or None.
+        Reads the free list on the host: only called while rebalancing."""
+        if not self.available():
+            return None
+        n = self.pages_per_unit
+        free = sorted(self.staging.free_pages.tolist())
+        for end in range(len(free) - 1, n - 2, -1):
+            if free[end] - free[end - n + 1] == n - 1:
+                first = free[end - n + 1]
+                rest = free[: end - n + 1] + free[end + 1 :]
+                self.staging.free_pages = torch.tensor(
+                    rest, dtype=torch.int64, device=self.staging.device
+                )
+                return self.staging.start_row + first * self.staging.page_size
+        self._no_run_at = len(free)
+        return None
+
+    def give(self, base: int) -> None:
+        first = (base - self.staging.start_row) // self.staging.page_size
+        self.staging.free(
+            torch.arange(
+                first,
+                first + self.pages_per_unit,
+                dtype=torch.int64,
+                device=self.staging.device,
+            )
+        )
+
+
 class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """Paged allocator of logical token locs that also gives every new page of
     a prefill a GPU staging page, and takes it back when the page is freed or
@@ -187,6 +237,11 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         # off the decode hot path, so the host sync of the mask is fine here.
         new_pages = out[out % self.page_size == 0] // self.page_size
         staging_pages = self.staging.alloc(new_pages.numel())
+        offload = self._kvcache.nsa_kv_offload
+        if staging_pages is None and offload is not None:
+            # Idle staging pages lent to running requests as extra units.
+            if offload.reclaim_staging(new_pages.numel()):
+                staging_pages = self.staging.alloc(new_pages.numel())
         if staging_pages is None:
             # Give back only the pages this extend took: the first one may
             # continue a page the request still owns.
@@ -268,6 +323,20 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
+ENV_MAX_UNITS = "SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"
+
+
+def max_units_from_env() -> int:
+    """Regions one request may hold (``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS``,
+    experimental, default 1; see docs/ELASTIC_BUFFER.md)."""
+    from sglang.srt.utils import get_int_env_var
+
+    units = get_int_env_var(ENV_MAX_UNITS, 1)
+    if units < 1:
+        raise ValueError(f"{ENV_MAX_UNITS}={units}: must be >= 1")
+    return units
+
+
 def offload_bytes_per_loc(num_layers: int, indexer_bytes: int) -> int:
     """GPU bytes per logical token loc: indexer keys, the LRU residency map
     (int16 per layer) and ``loc_to_row`` (int64)."""
@@ -275,23 +344,33 @@ def offload_bytes_per_loc(num_layers: int, indexer_bytes: int) -> int:
 
 
 def offload_bytes_per_region(
-    num_layers: int, row_bytes: int, buffer_size: int, recent_window: int
+    num_layers: int,
+    row_bytes: int,
+    buffer_size: int,
+    recent_window: int,
+    max_units: int = 1,
 ) -> int:
     """GPU bytes per request slot: its KV region plus its LRU state
-    (``slot_loc`` int32 and ``lru_order`` int16 per LRU slot and layer)."""
+    (``slot_loc`` int32 and ``lru_order`` int16 per LRU slot and layer, for
+    all the units a request may hold)."""
     rows = buffer_size + recent_window
-    return num_layers * (rows * row_bytes + buffer_size * 6)
+    return num_layers * (rows * row_bytes + buffer_size * max_units * 6)
+
+
+def staging_reserve_rows(prefill_budget: int, num_regions: int, page_size: int) -> int:
+    """Staging rows for two prefill batches (the overlap scheduler prepares one
+    while another runs) and the partly used last page of every request in a
+    batch (at most one per decode region; 64 at least)."""
+    return 2 * prefill_budget + max(64, num_regions) * page_size
 
 
 def prefill_staging_rows(
     context_len: int, prefill_budget: int, num_regions: int, page_size: int
 ) -> int:
     """GPU rows colocated prefills hold until their KV is backed up: one prompt
-    being chunked (up to the context length), two prefill batches (the overlap
-    scheduler prepares one while another runs), and the partly used last page
-    of every request in a batch (at most one per decode region; 64 at least).
+    being chunked (up to the context length) and ``staging_reserve_rows``.
     Sized for the worst case: running out would fail a prefill."""
-    return context_len + 2 * prefill_budget + max(64, num_regions) * page_size
+    return context_len + staging_reserve_rows(prefill_budget, num_regions, page_size)
 
 
 def compute_offload_pool_sizes(
@@ -306,6 +385,7 @@ def compute_offload_pool_sizes(
     staging_rows: int,
     host_pool_bytes: int,
     max_total_tokens: Optional[int] = None,
+    max_units: int = 1,
 ) -> NSAKVOffloadPoolSizes:
     """Split ``available_bytes`` between fixed costs (regions, staging) and
     logical token locs, and cap the locs by what the host pool holds."""
@@ -314,7 +394,7 @@ def compute_offload_pool_sizes(
     fixed = num_layers * (
         page_size + staging_rows
     ) * row_bytes + num_regions * offload_bytes_per_region(
-        num_layers, row_bytes, buffer_size, recent_window
+        num_layers, row_bytes, buffer_size, recent_window, max_units
     )
     per_loc = offload_bytes_per_loc(num_layers, indexer_bytes)
     host_capacity = host_pool_bytes // (num_layers * row_bytes)
@@ -375,6 +455,7 @@ class NSAKVOffloadPoolConfigurator:
         self.prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
         self.max_total_tokens = sa.max_total_tokens
         self.kv_arrives_in_host = sa.disaggregation_mode == "decode"
+        self.max_units = max_units_from_env()
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
         if self.kv_arrives_in_host:
@@ -387,7 +468,11 @@ class NSAKVOffloadPoolConfigurator:
         if self.user_max_running_requests is not None:
             return self.user_max_running_requests
         per_region = offload_bytes_per_region(
-            self.num_layers, self.row_bytes, self.buffer_size, self.recent_window
+            self.num_layers,
+            self.row_bytes,
+            self.buffer_size,
+            self.recent_window,
+            self.max_units,
         )
         share = int(_DEFAULT_REGION_BUDGET_FRACTION * available_bytes) // per_region
         return max(1, min(_DEFAULT_MAX_REGIONS, share))
@@ -409,6 +494,7 @@ class NSAKVOffloadPoolConfigurator:
             staging_rows=self.staging_rows(num_regions, page_size),
             host_pool_bytes=self.host_pool_bytes,
             max_total_tokens=self.max_total_tokens,
+            max_units=self.max_units,
         )
 
     def calculate_pool_sizes(self, available_bytes: int, page_size: int):

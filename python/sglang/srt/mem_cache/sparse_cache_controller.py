@@ -11,6 +11,13 @@
 * a side stream and events for the copies that are off the critical path
   (backups to host, warming a newly admitted request).
 
+With ``max_units = U > 1`` (experimental) free regions are also handed out as
+extra LRU units: a request may hold up to ``U`` units (:meth:`rebalance`), and
+gives its extra ones back, newest first, when an admission finds no free
+region. Other sources of idle rows can lend units too (:meth:`add_unit_source`:
+the coordinator adds idle prefill staging rows) and take them back when they
+need them (:meth:`reclaim_units_of`). A request's window stays in its region.
+
 Per layer of a decode step the attention backend calls :meth:`swap_one_layer`:
 the LRU swap writes the page table (GPU rows in top-k order) and the miss list,
 then one count-bounded kernel loads the misses host -> GPU. Both are fixed-shape
@@ -33,7 +40,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
@@ -109,6 +116,22 @@ class RegionAllocator:
         heapq.heappush(self._free, region)
 
 
+class RegionUnitSource:
+    """Free regions, lent as extra LRU units (the first unit source)."""
+
+    def __init__(self, regions: RegionAllocator):
+        self.regions = regions
+
+    def available(self) -> bool:
+        return self.regions.available_size() > 0
+
+    def take(self) -> Optional[int]:
+        return self.regions.alloc_contiguous()
+
+    def give(self, base: int) -> None:
+        self.regions.free(base)
+
+
 class SparseCacheController:
     """Host KV pool, LRU residency, GPU regions and copies of the NSA KV offload.
 
@@ -131,6 +154,7 @@ class SparseCacheController:
         warm_tokens: default number of tokens (newest first, below the window)
             installed into the LRU slots at admission (clipped to ``C``).
         copy_block_rows / copy_num_warps / copy_word_bytes: tile of the miss copy.
+        max_units: regions a request may hold (1: exactly one).
     """
 
     def __init__(
@@ -149,6 +173,7 @@ class SparseCacheController:
         copy_block_rows: int = DEFAULT_BLOCK_ROWS,
         copy_num_warps: int = DEFAULT_NUM_WARPS,
         copy_word_bytes: Optional[int] = None,
+        max_units: int = 1,
     ):
         self.host_pool = host_pool
         self.row_bytes = host_pool.row_bytes
@@ -188,7 +213,9 @@ class SparseCacheController:
             device=self.device,
             use_triton=use_triton,
             max_batch_size=max_batch_size,
+            max_units=max_units,
         )
+        self.max_units = max_units
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
 
         self.use_triton_copy = self.device.type == "cuda" or copy_kernels_interpreted()
@@ -218,6 +245,10 @@ class SparseCacheController:
             self.side_stream = None
         self._last_side_event = None
         self._req_base: Dict[int, int] = {}
+        # Extra units of each request beyond its region, oldest first:
+        # (first row, index of the source in _unit_sources).
+        self._req_units: Dict[int, List[Tuple[int, int]]] = {}
+        self._unit_sources = [RegionUnitSource(self.regions)]
         self.last_plan: Optional[LayerSwapPlan] = None
 
     # ------------------------------------------------------------------ helpers
@@ -440,9 +471,15 @@ class SparseCacheController:
     def num_free_regions(self) -> int:
         return self.regions.available_size()
 
+    def admission_room(self) -> int:
+        """Requests that can be admitted now: free regions plus the regions
+        running requests hold as extra units (an admission takes them back)."""
+        lent = sum(src == 0 for u in self._req_units.values() for _, src in u)
+        return self.regions.available_size() + lent
+
     def can_admit(self, num_reqs: int = 1) -> bool:
         """Whether ``num_reqs`` more requests get a GPU region now."""
-        return self.regions.available_size() >= num_reqs
+        return self.admission_room() >= num_reqs
 
     def is_admitted(self, req_pool_idx: int) -> bool:
         return int(req_pool_idx) in self._req_base
@@ -472,9 +509,12 @@ class SparseCacheController:
         if r in self._req_base:
             raise ValueError(f"request {r} is already admitted")
         base = self.regions.alloc_contiguous(self.region_rows)
+        if base is None and self._reclaim_unit():
+            base = self.regions.alloc_contiguous(self.region_rows)
         if base is None:
             return None
         self._req_base[r] = base
+        self._req_units[r] = []
         self.lru.admit_request(r, base)
         if prefix_locs is not None and prefix_locs.numel() > 0:
             self._warm_request(r, base, prefix_locs, warm_tokens)
@@ -531,6 +571,96 @@ class SparseCacheController:
         self.wait_backup()
         self.lru.release_request(r)
         self.regions.free(self._req_base.pop(r))
+        for base, source in self._req_units.pop(r):
+            self._unit_sources[source].give(base)
+
+    # ------------------------------------------------------------ extra units
+
+    def num_units(self, req_pool_idx: int) -> int:
+        """LRU units the request holds (0 when not admitted)."""
+        r = int(req_pool_idx)
+        return 1 + len(self._req_units[r]) if r in self._req_base else 0
+
+    def add_unit_source(self, source) -> int:
+        """Another lender of extra units (``available()``, ``take() -> first
+        row or None``, ``give(first row)``; ``buffer_size`` rows per unit),
+        used after the free regions. Returns its index."""
+        self._unit_sources.append(source)
+        return len(self._unit_sources) - 1
+
+    def _grow_candidate(self) -> Optional[int]:
+        """The admitted request with the fewest units below ``max_units``
+        (lowest pool index first), if some source can lend a unit."""
+        if self.max_units == 1 or not any(s.available() for s in self._unit_sources):
+            return None
+        candidates = [
+            (len(u), r)
+            for r, u in self._req_units.items()
+            if len(u) + 1 < self.max_units
+        ]
+        return min(candidates)[1] if candidates else None
+
+    def wants_rebalance(self) -> bool:
+        """Whether :meth:`rebalance` would hand out a unit (host only)."""
+        return self._grow_candidate() is not None
+
+    def rebalance(self) -> int:
+        """Hand idle rows out as extra units, fewest units first, free regions
+        before other sources. The caller's stream must already wait for every
+        forward that may still read the LRU state. Returns the units handed
+        out."""
+        granted = 0
+        while (r := self._grow_candidate()) is not None:
+            for index, source in enumerate(self._unit_sources):
+                base = source.take() if source.available() else None
+                if base is not None:
+                    break
+            else:
+                break
+            self._req_units[r].append((base, index))
+            self.lru.grow_request(r, len(self._req_units[r]), base)
+            granted += 1
+        return granted
+
+    def _shrink_last_unit(self, r: int) -> int:
+        """Drop request ``r``'s newest extra unit; returns its source index."""
+        units = self._req_units[r]
+        # Copies still in flight on the side stream may target its rows.
+        self.wait_backup()
+        self.lru.shrink_request(r, len(units))
+        base, source = units.pop()
+        self._unit_sources[source].give(base)
+        return source
+
+    def _reclaim_from(self, source: int) -> bool:
+        """Give one unit of ``source`` back: the request holding the most
+        units (highest pool index first) among those holding one gives its
+        newest units back until one of ``source`` is among them (the others
+        go back to their sources for the next rebalance). Their resident locs
+        are dropped, nothing is copied. False when no request holds one."""
+        donors = [
+            (len(u), r)
+            for r, u in self._req_units.items()
+            if any(src == source for _, src in u)
+        ]
+        if not donors:
+            return False
+        _, r = max(donors)
+        while self._shrink_last_unit(r) != source:
+            pass
+        return True
+
+    def _reclaim_unit(self) -> bool:
+        """Free a region for an admission (see :meth:`_reclaim_from`)."""
+        return self._reclaim_from(0)
+
+    def reclaim_units_of(self, source: int, enough) -> bool:
+        """Take back units lent by ``source`` until ``enough()``; the caller's
+        stream must already wait for every forward that may still read them.
+        Returns ``enough()``."""
+        while not enough() and self._reclaim_from(source):
+            pass
+        return enough()
 
     # ------------------------------------------------------------------- stats
 
@@ -559,4 +689,9 @@ class SparseCacheController:
             "d2h_bytes": d2h_bytes,
             "regions_used": self.regions.num_regions - self.regions.available_size(),
             "regions_total": self.regions.num_regions,
+            # Of the regions used, those held as extra LRU units.
+            "extra_units": sum(len(u) for u in self._req_units.values()),
+            "extra_units_lent": sum(
+                src != 0 for u in self._req_units.values() for _, src in u
+            ),
         }
