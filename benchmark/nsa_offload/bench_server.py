@@ -62,11 +62,13 @@ sys.path.insert(0, str(HERE))
 
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
+    DEFAULT_MAX_UNITS,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
     VOCAB_SIZE,
     Server,
     num_model_layers,
+    offload_max_units,
 )
 
 TRACE_FORMAT_PY = HERE / "trace_format.py"
@@ -80,15 +82,32 @@ TOPK_TRACE_PY = (
     / "attention"
     / "nsa_topk_trace.py"
 )
-SERVER_KINDS = ("baseline", "ours", "ours_prefetch", "ours_units", "hisparse")
+SERVER_KINDS = (
+    "baseline",
+    "ours",
+    "ours_fixed",
+    "ours_prefetch",
+    "ours_units",
+    "hisparse",
+)
 DEFAULT_SERVERS = "baseline,ours,hisparse"
+# Variants of ours measured side by side with it, each with its own P4 line.
+# ours_units (session 9, before units became ours' default) is only read.
+OURS_VARIANTS = {
+    "ours_fixed": "P4_fixed",
+    "ours_prefetch": "P4_prefetch",
+    "ours_units": "P4_units",
+}
+OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS)
 LABELS = {
     "baseline": "no offload",
     "hisparse": "HiSparse",
     "ours": "ours",
+    "ours_fixed": "ours, fixed buffer",
     "ours_prefetch": "ours + prefetch",
     "ours_units": "ours + units",
 }
+
 PAGE_SIZE = 64
 ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
 # H2D rate of the offload's miss copy on the H200 (pinned host -> GPU, 656 B
@@ -526,17 +545,22 @@ def capacity(
 
 
 def ours_auto_slots(
-    budget_gib: float, layers: int, new_tokens: int, buffer_size: int = 4096
+    budget_gib: float,
+    layers: int,
+    new_tokens: int,
+    buffer_size: int = 4096,
+    max_units: int = 1,
 ) -> int:
     """Decode regions that let ours fill the budget with 128K requests
     (mirrors NSAKVOffloadPoolConfigurator's arithmetic for the tiny model:
     regions of buffer_size + 64 rows, staging for context 163840 + 2 x 16384 + 64
     pages (a page per request of a prefill batch once there are more than 64
     regions; not counted here: about one request fewer at that point), per
-    logical loc the indexer key, LRU map and loc->row entry)."""
+    logical loc the indexer key, LRU map and loc->row entry; the LRU state
+    of every unit a request may hold)."""
     budget = budget_gib * (1 << 30)
     staging = (163840 + 2 * 16384 + 64 * PAGE_SIZE) * layers * ROW_BYTES
-    region = layers * ((buffer_size + 64) * ROW_BYTES + buffer_size * 6)
+    region = layers * ((buffer_size + 64) * ROW_BYTES + buffer_size * max_units * 6)
     per_loc = layers * (INDEXER_BYTES + 2) + 8
     need = page_up(131072 + new_tokens)
     return max(1, int((budget - staging) // (region + need * per_loc)))
@@ -562,12 +586,17 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     ours += ["--nsa-kv-offload-host-pool-gb", str(args.host_pool_gb)]
     if args.buffer_size is not None:
         ours += ["--nsa-kv-offload-gpu-buffer-size", str(args.buffer_size)]
+    units = "--nsa-kv-offload-max-units"
+    # ours_fixed: every request keeps exactly its own buffer (no idle rows lent).
+    fixed = ours + [units, "1"]
+    if args.max_units is not None:
+        ours += [units, str(args.max_units)]
     return {
         "baseline": common + slots,
         "hisparse": common + slots + HISPARSE_ARGS,
         "ours": ours,
+        "ours_fixed": fixed,
         "ours_prefetch": ours,  # + the prefetch's env var (server_env)
-        "ours_units": ours,  # + SGLANG_NSA_KV_OFFLOAD_MAX_UNITS (server_env)
     }
 
 
@@ -582,8 +611,6 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
     if kind == "ours_prefetch" or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
-    if kind == "ours_units":
-        env["SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"] = str(args.max_units)
     if args.record:
         env.update(
             SGLANG_NSA_TOPK_TRACE_RECORD=record_path(args, kind),
@@ -1130,10 +1157,9 @@ def evaluate_targets(result: dict) -> dict:
     t["P3"] = {**p3, "met": _met(checks, complete)}
     # P4: ITL overhead at equal batch (ours; the prefetch variant apart)
     t["P4"] = _p4(base, ours)
-    if "ours_prefetch" in srv:
-        t["P4_prefetch"] = _p4(base, srv["ours_prefetch"])
-    if "ours_units" in srv:
-        t["P4_units"] = _p4(base, srv["ours_units"])
+    for kind, key in OURS_VARIANTS.items():
+        if kind in srv:
+            t[key] = _p4(base, srv[kind])
     # P5: throughput at fixed memory (each server at its own capacity)
     p5 = []
     for ctx in result["config"]["cap_contexts"]:
@@ -1242,9 +1268,7 @@ def render_markdown(results: List[dict]) -> str:
         t = evaluate_targets(result)
         srv = result["servers"]
         kinds = [k for k in SERVER_KINDS if k in srv]
-        offload_kinds = [
-            k for k in ("ours", "ours_prefetch", "ours_units") if k in srv
-        ] or ["ours"]
+        offload_kinds = [k for k in OFFLOAD_KINDS if k in srv] or ["ours"]
         out += [
             f"## Top-k: {cfg['topk']}"
             + (
@@ -1474,7 +1498,7 @@ def _misses_cell(ours: dict, ctx: int, conc: int) -> str:
 
 def _replay_cell(srv: dict, ctx: int, conc: int) -> str:
     # The top-k recorded in ours' server; another server's if ours has none.
-    for k in ("ours", "ours_prefetch", "ours_units", "hisparse", "baseline"):
+    for k in OFFLOAD_KINDS + ("hisparse", "baseline"):
         p = _point(srv.get(k, {}), ctx, conc)
         rp = (p or {}).get("replay") or {}
         if "ours" in rp:
@@ -1527,10 +1551,9 @@ def _targets_md(t: dict) -> List[str]:
         + f" (target >=): **{_verdict(p3['met'])}**",
         _p4_line("ours", p4),
     ]
-    if "P4_prefetch" in t:
-        lines.append(_p4_line("ours + prefetch", t["P4_prefetch"]))
-    if "P4_units" in t:
-        lines.append(_p4_line("ours + units", t["P4_units"]))
+    for kind, key in OURS_VARIANTS.items():
+        if key in t:
+            lines.append(_p4_line(LABELS[kind], t[key]))
     if p5["rows"]:
         lines.append(
             "- **P5** throughput at fixed memory (each server at its capacity): "
@@ -1565,6 +1588,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours": "tab:blue",
         "ours_prefetch": "tab:green",
         "ours_units": "tab:purple",
+        "ours_fixed": "tab:cyan",
     }
     written = []
     for result in results:
@@ -1659,9 +1683,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         default=DEFAULT_SERVERS,
-        help=f"some of {','.join(SERVER_KINDS)} (ours_prefetch: ours with the "
-        "experimental cross-layer prefetch, ours_units: ours whose requests take "
-        "free regions as extra LRU units, --max-units; side by side with ours)",
+        help=f"some of {','.join(SERVER_KINDS[:-2] + SERVER_KINDS[-1:])} "
+        "(ours_fixed: ours with --nsa-kv-offload-max-units 1, every request "
+        "keeps exactly its own buffer; ours_prefetch: ours with the experimental "
+        "cross-layer prefetch; side by side with ours)",
     )
     p.add_argument("--contexts", type=_ints)
     p.add_argument("--concurrency", type=_ints)
@@ -1721,9 +1746,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--max-units",
         type=int,
-        default=4,
-        help="ours_units: regions one request may hold "
-        "(SGLANG_NSA_KV_OFFLOAD_MAX_UNITS, experimental)",
+        help="ours: LRU buffers one request may hold while GPU rows are idle "
+        f"(--nsa-kv-offload-max-units; default: the server's, {DEFAULT_MAX_UNITS})",
     )
     p.add_argument(
         "--cross-layer-prefetch",
@@ -1806,6 +1830,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     unknown = sorted(set(asked) - set(SERVER_KINDS))
     if unknown:
         raise SystemExit(f"--servers: unknown {unknown}; choose from {SERVER_KINDS}")
+    if "ours_units" in asked:
+        raise SystemExit(
+            "--servers ours_units: units are ours' default now (--max-units N "
+            "sets them); ours_fixed runs ours with one unit"
+        )
     kinds = asked_kinds = [k for k in SERVER_KINDS if k in asked]
     layers = num_model_layers()
     if args.mem_fraction_static is None:
@@ -1816,7 +1845,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.max_running_requests is None:
         args.max_running_requests = max(
             ours_auto_slots(
-                args.kv_budget_gib, layers, args.new_tokens, args.buffer_size or 4096
+                args.kv_budget_gib,
+                layers,
+                args.new_tokens,
+                args.buffer_size or 4096,
+                offload_max_units(args.max_units, args.buffer_size),
             ),
             max(args.concurrency),
         )
@@ -1856,7 +1889,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "host_pool_gb": args.host_pool_gb,
             "recent_window": args.recent_window,
             "buffer_size": args.buffer_size,
-            "max_units": args.max_units if "ours_units" in args.servers else None,
+            # ours' LRU units per request (ours_fixed: 1).
+            "ours_max_units": offload_max_units(args.max_units, args.buffer_size),
             "decode_log_interval": args.decode_log_interval,
             "layers": layers,
             "sinks": SINKS,

@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from typing import Optional
 
-from server_utils import num_model_layers
+from server_utils import num_model_layers, offload_max_units
 
 ROW_BYTES_FP8 = 656  # FlashMLA fp8 row: 512 nope + 4 fp32 scales + 64 bf16 rope
 INDEXER_BYTES = 132  # 128 fp8 + fp32 scale
@@ -78,9 +78,10 @@ def model_rows(args):
 
     budget = int(args.budget_gb * (1 << 30))
     C, W, L = args.buffer_size, args.recent_window, args.layers
+    U = offload_max_units(args.max_units, C)
     R = C + W
     per_loc = offload_bytes_per_loc(L, INDEXER_BYTES)
-    per_region = offload_bytes_per_region(L, ROW_BYTES_FP8, C, W)
+    per_region = offload_bytes_per_region(L, ROW_BYTES_FP8, C, W, U)
     rows = []
     for length in args.lengths:
         tokens = length + args.new_tokens
@@ -111,6 +112,7 @@ def model_rows(args):
                     num_regions=m,
                     staging_rows=staging,
                     host_pool_bytes=1 << 62,
+                    max_units=U,
                 )
                 if sizes.num_locs // PAGE >= m * ((tokens + PAGE - 1) // PAGE):
                     break
@@ -119,7 +121,7 @@ def model_rows(args):
             used = {
                 "indexer_and_maps_gb": m * tokens * per_loc / (1 << 30),
                 "regions_kv_gb": m * L * R * ROW_BYTES_FP8 / (1 << 30),
-                "lru_state_gb": m * L * C * 6 / (1 << 30),
+                "lru_state_gb": m * L * C * U * 6 / (1 << 30),
                 "staging_gb": L * staging * ROW_BYTES_FP8 / (1 << 30),
             }
             out[mode] = int(m)
@@ -141,6 +143,7 @@ def write_model(args):
         "budget_gb": args.budget_gb,
         "buffer_size": args.buffer_size,
         "recent_window": args.recent_window,
+        "max_units": offload_max_units(args.max_units, args.buffer_size),
         "new_tokens": args.new_tokens,
         "context_len": args.context_len,
         "prefill_budget": args.prefill_budget,
@@ -149,7 +152,9 @@ def write_model(args):
         json.dump({"config": meta, "rows": rows}, f, indent=1)
     lines = [
         f"# Capacity at a {args.budget_gb:g} GB KV budget, {args.layers} layers "
-        f"(fp8 656 B rows, R = {args.buffer_size} + {args.recent_window})",
+        f"(fp8 656 B rows, R = {args.buffer_size} + {args.recent_window}, "
+        f"LRU state for up to {offload_max_units(args.max_units, args.buffer_size)} "
+        "unit(s) per request)",
         "",
         "Requests of `length` prompt + "
         f"{args.new_tokens} new tokens. `decode-only`: no prefill staging (what a "
@@ -251,6 +256,7 @@ def offload_regions_for(length: int, budget_gib: float, args) -> dict:
             new_tokens=args.capacity_new_tokens,
             buffer_size=args.buffer_size or 4096,
             recent_window=args.recent_window,
+            max_units=offload_max_units(args.max_units, args.buffer_size),
             context_len=args.context_length,
             prefill_budget=16384,  # max(chunked_prefill_size, max_prefill_tokens)
         )
@@ -767,6 +773,12 @@ def main():
     m.add_argument("--new-tokens", type=int, default=0)
     m.add_argument("--buffer-size", type=int, default=4096)
     m.add_argument("--recent-window", type=int, default=64)
+    m.add_argument(
+        "--max-units",
+        type=int,
+        help="LRU units a request may hold (--nsa-kv-offload-max-units; default: "
+        "the server's)",
+    )
     m.add_argument("--context-len", type=int, default=131072 + 4096)
     m.add_argument("--prefill-budget", type=int, default=16384)
     r = sub.add_parser("report", help="capacity table from e2e_server.py runs")
@@ -777,6 +789,12 @@ def main():
     r.add_argument("--buffer-size", type=int, default=None)
     r.add_argument("--recent-window", type=int, default=64)
     r.add_argument("--budget-margin-gib", type=float, default=0.02)
+    r.add_argument(
+        "--max-units",
+        type=int,
+        default=1,
+        help="the runs' --nsa-kv-offload-max-units (runs before units: 1)",
+    )
     r.add_argument(
         "--pd-decode",
         action="store_true",

@@ -3,11 +3,11 @@
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a, or
 #     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
-# STEP: engine (GPU checks + P1/P2 benchmarks), units (the experimental
-# units: GPU tests, exactness with/without, a server with units), e2e (servers: exactness,
+# STEP: engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests, exactness with/without, a server with units), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs
 # no offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), or a
-# savejit (pack ~/.triton into $OUT/jitcache-extra.tgz for the next machine),
+# savejit (pack the JIT caches built here into $OUT/jitcache-extra.tgz for the
+# next machine),
 # path to a python script, or "pytest FILES..." (the rest of the arguments).
 # Results go under $OUT. A cold machine compiles Triton kernels for ~150-210 s
 # at each first server start: end the first warm call with "savejit" and carry
@@ -50,9 +50,9 @@ for step in "$@"; do
       timeout 80 python3 benchmark/nsa_offload/bench_swap.py --out $OUT/swap 2>&1 | tail -40 || rc=1
       ;;
     units)
-      # The experimental units (branch elastic-units): CUDA paths of the CPU
-      # tests, the exactness check with and without units, a server run with
-      # units on (outputs vs no offload).
+      # Units (docs/ELASTIC_BUFFER.md): CUDA paths of the CPU tests, the
+      # exactness check with and without units, a server run with units
+      # (outputs vs no offload).
       timeout 240 python3 -m pytest -q -p no:cacheprovider test/srt/test_lru_cache_state.py \
         test/srt/test_sparse_cache_controller.py test/srt/test_nsa_kv_offload_integration.py 2>&1 | tail -15 || rc=1
       timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -4 || rc=1

@@ -165,8 +165,11 @@ def run_server(name, extra_args, args, prompts, lengths):
     offload = "--enable-decode-nsa-kv-offload" in extra_args
     if args.cross_layer_prefetch and offload:
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
-    if args.max_units > 1 and offload:
-        env["SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"] = str(args.max_units)
+    if args.max_units is not None and offload:
+        extra_args = list(extra_args) + [
+            "--nsa-kv-offload-max-units",
+            str(args.max_units),
+        ]
     result = {"name": name, "args": extra_args, "capacity": {}}
     with Server(name, extra_args, args.port, args.out, env=env) as server:
         if prompts:
@@ -230,9 +233,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--max-units",
         type=int,
-        default=1,
-        help="offload servers with SGLANG_NSA_KV_OFFLOAD_MAX_UNITS (experimental: "
-        "requests take free regions as extra LRU units)",
+        help="offload servers with --nsa-kv-offload-max-units N (default: the "
+        "server's, 4; 1: every request keeps exactly its own LRU buffer)",
     )
     p.add_argument(
         "--pd-decode",

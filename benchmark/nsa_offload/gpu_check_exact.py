@@ -66,8 +66,7 @@ def parse_args():
         "--max-units",
         type=int,
         default=1,
-        help="regions a request may hold (experimental units; "
-        "SGLANG_NSA_KV_OFFLOAD_MAX_UNITS in a server)",
+        help="regions a request may hold (--nsa-kv-offload-max-units in a server)",
     )
     p.add_argument(
         "--extra-regions",

@@ -9,7 +9,8 @@ over the runs that share a configuration (server, GPU buffer rows, top-k
 source), then prints the median overhead and its interquartile range:
 
     python benchmark/nsa_offload/pool_rounds.py RUN/bench_server_override.json ... \\
-        [--out pooled.md] [--json pooled.json] [--png tradeoff.png]
+        [--out pooled.md] [--json pooled.json] [--png tradeoff.png] \\
+        [--png-servers servers.png]
 
 ``--png`` plots ours' pooled overhead against its GPU buffer rows next to the
 capacity bound at 128K that those rows leave (``capacity_bound_128k``).
@@ -31,10 +32,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_server  # noqa: E402
 import capacity  # noqa: E402
 
-OFFLOAD_KINDS = ("ours", "ours_prefetch", "ours_units", "hisparse")
+OFFLOAD_KINDS = bench_server.OFFLOAD_KINDS + ("hisparse",)
 DEFAULT_BUFFER_SIZE = 4096  # the server's default: 2 x index_topk
 
 Config = Tuple[str, int, str]  # (server kind, LRU rows, top-k source)
+
+
+def ours_units(cfg: dict, kind: str) -> int:
+    """LRU units one request of this server could hold."""
+    if kind == "ours_units":  # session 9: units by environment variable
+        return cfg.get("max_units") or 1
+    if kind in ("ours", "ours_prefetch"):  # runs before units: one
+        return cfg.get("ours_max_units", 1)
+    return 1
 
 
 def run_config(result: dict, kind: str) -> Config:
@@ -43,9 +53,8 @@ def run_config(result: dict, kind: str) -> Config:
         rows = bench_server.HISPARSE_CONFIG["device_buffer_size"]
     else:
         rows = cfg.get("buffer_size") or DEFAULT_BUFFER_SIZE
-        if kind == "ours_units":
-            # At most this many rows (units are handed out as regions free up).
-            rows *= cfg.get("max_units") or 1
+        # At most this many rows (units are lent while GPU rows are idle).
+        rows *= ours_units(cfg, kind)
     return kind, rows, cfg["topk"]
 
 
@@ -147,6 +156,48 @@ def plot_tradeoff(rows: List[dict], path: str) -> None:
     plt.close(fig)
 
 
+def plot_servers(rows: List[dict], path: str) -> None:
+    """Each configuration's pooled overhead per point, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["topk"] == "override"]
+    points = sorted({(r["ctx"], r["conc"]) for r in rows})
+    configs = sorted({(r["server"], r["buffer_rows"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / len(configs)
+    for j, (server, buffer_rows) in enumerate(configs):
+        by_point = {
+            (r["ctx"], r["conc"]): r
+            for r in rows
+            if (r["server"], r["buffer_rows"]) == (server, buffer_rows)
+        }
+        x, y, err = [], [], [[], []]
+        for i, pt in enumerate(points):
+            r = by_point.get(pt)
+            if r is None:
+                continue
+            x.append(i + (j - (len(configs) - 1) / 2) * width)
+            y.append(r["overhead"] * 100)
+            err[0].append((r["overhead"] - r["overhead_iqr"][0]) * 100)
+            err[1].append((r["overhead_iqr"][1] - r["overhead"]) * 100)
+        label = f"{bench_server.LABELS[server]} (up to {buffer_rows} rows)"
+        ax.bar(x, y, width, yerr=err, capsize=3, label=label)
+    ax.axhline(10, color="gray", ls="--", lw=1, label="P4 target +10%")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_xticks(range(len(points)))
+    ax.set_xticklabels([f"{c // 1024}K x {b}" for c, b in points])
+    ax.set_xlabel("context x batch")
+    ax.set_ylabel("ITL vs no offload, pooled paired rounds (%)")
+    ax.set_title("P4: overhead at equal batch (median, IQR)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def render_markdown(rows: List[dict]) -> str:
     lines = [
         "| server | GPU buffer rows | top-k | context | batch | runs | rounds "
@@ -173,6 +224,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the Markdown table here")
     p.add_argument("--json", help="write the pooled rows here")
     p.add_argument("--png", help="plot ours' overhead vs buffer rows here")
+    p.add_argument(
+        "--png-servers", help="plot every configuration's overhead per point here"
+    )
     args = p.parse_args(argv)
     results = [json.loads(Path(f).read_text()) for f in args.runs]
     names = [str(Path(f).parent.name or f) for f in args.runs]
@@ -188,6 +242,8 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     if args.png:
         plot_tradeoff(rows, args.png)
+    if args.png_servers:
+        plot_servers(rows, args.png_servers)
     return 0
 
 

@@ -67,6 +67,18 @@ HISPARSE_ARGS = [
 
 # A PD decode server with no prefill server: the fake transfer backend admits
 # requests at once with their KV unwritten (capacity and speed only).
+# The offload server's default --nsa-kv-offload-max-units (nsa_kv_offload_hook).
+DEFAULT_MAX_UNITS = 4
+
+
+def offload_max_units(max_units: Optional[int], buffer_size: Optional[int]) -> int:
+    """LRU units per request an offload server runs with: ``max_units`` if
+    given, else its default (fewer when the rows exceed int16 slot ids)."""
+    if max_units is not None:
+        return max_units
+    return min(DEFAULT_MAX_UNITS, 32767 // (buffer_size or 4096))
+
+
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils
 PD_DECODE_FAKE_ARGS = [
     "--disaggregation-mode",

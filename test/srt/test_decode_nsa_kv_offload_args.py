@@ -83,18 +83,22 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 "128",
                 "--nsa-kv-offload-host-pool-gb",
                 "12.5",
+                "--nsa-kv-offload-max-units",
+                "2",
             ]
         )
         self.assertTrue(parsed.enable_decode_nsa_kv_offload)
         self.assertEqual(parsed.nsa_kv_offload_gpu_buffer_size, 3072)
         self.assertEqual(parsed.nsa_kv_offload_recent_window, 128)
         self.assertEqual(parsed.nsa_kv_offload_host_pool_gb, 12.5)
+        self.assertEqual(parsed.nsa_kv_offload_max_units, 2)
 
         defaults = parser.parse_args(["--model-path", self.dsv32_dir])
         self.assertFalse(defaults.enable_decode_nsa_kv_offload)
         self.assertIsNone(defaults.nsa_kv_offload_gpu_buffer_size)
         self.assertEqual(defaults.nsa_kv_offload_recent_window, 64)
         self.assertIsNone(defaults.nsa_kv_offload_host_pool_gb)
+        self.assertIsNone(defaults.nsa_kv_offload_max_units)
 
     def test_defaults_resolved(self):
         args = self._server_args(nsa_kv_offload_host_pool_gb=None)
@@ -103,6 +107,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
         self.assertEqual(args.nsa_kv_offload_recent_window, 64)
         self.assertGreater(args.nsa_kv_offload_host_pool_gb, 0)
+        self.assertEqual(args.nsa_kv_offload_max_units, 4)
 
     def test_disabled_is_untouched(self):
         args = self._server_args(
@@ -119,6 +124,34 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 2048)
         self.assertEqual(args.nsa_kv_offload_recent_window, 32)
         self.assertEqual(args.nsa_kv_offload_host_pool_gb, 0.5)
+
+    def test_max_units(self):
+        # 1 turns lending off; the default shrinks so that a request's LRU
+        # slot ids still fit int16 (12288 x 2 <= 32767 < 12288 x 3).
+        for overrides, expect in (
+            (dict(nsa_kv_offload_max_units=1), 1),
+            (dict(nsa_kv_offload_max_units=7), 7),
+            (dict(nsa_kv_offload_gpu_buffer_size=12288), 2),
+            (dict(nsa_kv_offload_gpu_buffer_size=32767), 1),
+        ):
+            args = self._server_args(**overrides)
+            args._handle_decode_nsa_kv_offload()
+            self.assertEqual(args.nsa_kv_offload_max_units, expect, overrides)
+
+    def test_reject_max_units(self):
+        self._assert_rejected(
+            "--nsa-kv-offload-max-units (0) must be at least 1",
+            nsa_kv_offload_max_units=0,
+        )
+        self._assert_rejected(
+            "use at most 2",
+            nsa_kv_offload_gpu_buffer_size=12288,
+            nsa_kv_offload_max_units=3,
+        )
+        self._assert_rejected(
+            "--nsa-kv-offload-gpu-buffer-size (40000) must be at most 32767",
+            nsa_kv_offload_gpu_buffer_size=40000,
+        )
 
     def test_bf16_with_flashmla_sparse_accepted(self):
         args = self._server_args(

@@ -61,7 +61,6 @@ from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
-    ENV_MAX_UNITS,
     NSAKVOffloadPoolConfigurator,
     NSAKVOffloadPoolSizes,
     NSAKVOffloadTokenToKVPool,
@@ -70,7 +69,6 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     StagingUnitLender,
     compute_offload_pool_sizes,
     get_nsa_kv_offload,
-    max_units_from_env,
     offload_bytes_per_loc,
     offload_bytes_per_region,
 )
@@ -195,18 +193,6 @@ class TestOffloadPoolSizing(unittest.TestCase):
             offload_bytes_per_region(self.L, self.ROW, self.C, self.W, max_units=3),
             3 * (4160 * 656 + 3 * 4096 * 6),
         )
-
-    def test_max_units_env(self):
-        for value, expect in ((None, 1), ("3", 3), ("0", ValueError)):
-            env = {} if value is None else {ENV_MAX_UNITS: value}
-            with mock.patch.dict(os.environ, env):
-                if value is None:
-                    os.environ.pop(ENV_MAX_UNITS, None)
-                if expect is ValueError:
-                    with self.assertRaises(ValueError):
-                        max_units_from_env()
-                else:
-                    self.assertEqual(max_units_from_env(), expect)
 
     def test_gpu_bound_split(self):
         available = 2 << 30
@@ -430,7 +416,9 @@ class TestServerArgsToPools(unittest.TestCase):
     def test_default_regions_from_budget(self):
         args = self._server_args(max_running_requests=None)
         configurator = NSAKVOffloadPoolConfigurator(self._model_runner(args, 1 << 30))
-        per_region = offload_bytes_per_region(3, 656, 4096, 64)
+        # The LRU state covers the default 4 units a request may hold.
+        self.assertEqual(args.nsa_kv_offload_max_units, 4)
+        per_region = offload_bytes_per_region(3, 656, 4096, 64, max_units=4)
         sizes = configurator.compute_sizes(1 << 30, PAGE)
         self.assertEqual(sizes.num_regions, int(0.4 * (1 << 30)) // per_region)
         huge = configurator.compute_sizes(1 << 40, PAGE)
@@ -1414,8 +1402,8 @@ class TestCrossLayerPrefetch(unittest.TestCase):
 
 
 class TestUnitsLifecycle(unittest.TestCase):
-    """``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS``: free regions become extra LRU units
-    of the running requests; admissions take them back."""
+    """``--nsa-kv-offload-max-units``: free regions become extra LRU units of
+    the running requests; admissions take them back."""
 
     def test_units_follow_the_load(self):
         h = _Harness(self, seed=6, num_regions=3, max_reqs=3, max_units=3)

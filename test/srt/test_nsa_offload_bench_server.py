@@ -273,19 +273,17 @@ class TestInterleave(unittest.TestCase):
             self.assertEqual(specs[kind][i + 1], "12288")
         for kind in ("baseline", "hisparse"):
             self.assertNotIn("--nsa-kv-offload-gpu-buffer-size", specs[kind])
-        # ours_units: ours' flags plus the units' environment variable.
-        units = bench_server.parse_args(
-            argv + ["--servers", "baseline,ours,ours_units", "--max-units", "3"]
+        # Units: ours takes the server's default unless --max-units is given;
+        # ours_fixed always holds one.
+        flag = "--nsa-kv-offload-max-units"
+        self.assertNotIn(flag, specs["ours"])
+        self.assertEqual(specs["ours_fixed"][-2:], [flag, "1"])
+        units = bench_server.server_specs(
+            bench_server.parse_args(argv + ["--max-units", "3"])
         )
-        self.assertEqual(
-            bench_server.server_specs(units)["ours_units"],
-            bench_server.server_specs(units)["ours"],
-        )
-        env = bench_server.server_env(units, "ours_units")
-        self.assertEqual(env["SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"], "3")
-        self.assertNotIn(
-            "SGLANG_NSA_KV_OFFLOAD_MAX_UNITS", bench_server.server_env(units, "ours")
-        )
+        for kind in ("ours", "ours_prefetch"):
+            self.assertEqual(units[kind][-2:], [flag, "3"])
+        self.assertEqual(units["ours_fixed"][-2:], [flag, "1"])
         self.assertLess(
             bench_server.ours_auto_slots(4.0, 3, 256, 12288),
             bench_server.ours_auto_slots(4.0, 3, 256),

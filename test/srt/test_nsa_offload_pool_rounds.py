@@ -13,6 +13,7 @@ sys.path.insert(0, str(BENCH_DIR))
 import pool_rounds  # noqa: E402
 
 S8 = BENCH_DIR / "results" / "h200_bench_server_s8"
+S9 = BENCH_DIR / "results" / "h200_units_s9"
 
 
 def point(ctx, conc, itls, interleaved=True, misses=None):
@@ -98,6 +99,20 @@ class TestPoolRuns(unittest.TestCase):
                 "| ours | 12288 | override | 16K | 32 | 1 | 2 | +10.0%", out.read_text()
             )
             self.assertEqual(json.loads(js.read_text())[0]["runs"][0]["run"], "run1")
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                return
+            png = Path(d) / "servers.png"
+            self.assertEqual(pool_rounds.main([str(f), "--png-servers", str(png)]), 0)
+            self.assertTrue(png.read_bytes().startswith(b"\x89PNG"))
+
+    def test_units_of_each_server(self):
+        # Runs before units were ours' default record no ours_max_units.
+        self.assertEqual(pool_rounds.ours_units({}, "ours"), 1)
+        self.assertEqual(pool_rounds.ours_units({"ours_max_units": 4}, "ours"), 4)
+        self.assertEqual(pool_rounds.ours_units({"ours_max_units": 4}, "ours_fixed"), 1)
+        self.assertEqual(pool_rounds.ours_units({"max_units": 4}, "ours_units"), 4)
 
 
 @unittest.skipUnless(S8.is_dir(), "needs the committed session-8 results")
@@ -117,6 +132,23 @@ class TestCommittedSession8(unittest.TestCase):
             r for r in rows if r["server"] == "ours" and r["buffer_rows"] == 4096
         ]
         self.assertTrue(all(r["overhead"] > 0.1 for r in default if r["conc"] == 32))
+
+
+@unittest.skipUnless(S9.is_dir(), "needs the committed session-9 results")
+class TestCommittedSession9(unittest.TestCase):
+    """results/h200_units_s9/pooled.md comes from its runs' JSON files: ours
+    (one unit then) and ours + units (up to 4 x 4096 rows) pool apart."""
+
+    def test_pooled_table_matches_the_committed_one(self):
+        files = sorted(S9.glob("run*/bench_server_*.json"))
+        results = [json.loads(f.read_text()) for f in files]
+        rows = pool_rounds.pool_runs(results, [f.parent.name for f in files])
+        self.assertEqual(
+            pool_rounds.render_markdown(rows), (S9 / "pooled.md").read_text()
+        )
+        units = {(r["ctx"], r["conc"]): r for r in rows if r["server"] == "ours_units"}
+        self.assertEqual({r["buffer_rows"] for r in units.values()}, {16384})
+        self.assertEqual(units[(16384, 32)]["rounds"], 21)
 
 
 if __name__ == "__main__":

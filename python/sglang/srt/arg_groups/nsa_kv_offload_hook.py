@@ -20,6 +20,13 @@ GB = 1 << 30
 
 NSA_KV_OFFLOAD_PAGE_SIZE = 64
 
+# GPU buffers one request may hold per layer by default. Lent only while idle
+# (free decode regions, idle prefill staging), so the capacity at full load is
+# that of one; four covered the batch sizes measured (docs/ELASTIC_BUFFER.md).
+DEFAULT_MAX_UNITS = 4
+# LRU slot ids of a request are int16 (loc_to_slot, lru_order).
+_MAX_LRU_SLOTS = 32767
+
 # Decode backends that read KV through a per-token page table, by KV dtype.
 _OFFLOAD_DECODE_BACKENDS_BY_DTYPE = {
     "fp8_e4m3": "flashmla_kv",
@@ -139,6 +146,23 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             f"--nsa-kv-offload-recent-window ({window}) must be smaller than "
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size})."
         )
+    units_fit = _MAX_LRU_SLOTS // buffer_size
+    if units_fit < 1:
+        _fail(
+            f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at most "
+            f"{_MAX_LRU_SLOTS} (LRU slot ids are int16)."
+        )
+    max_units = server_args.nsa_kv_offload_max_units
+    if max_units is None:
+        server_args.nsa_kv_offload_max_units = min(DEFAULT_MAX_UNITS, units_fit)
+    elif max_units < 1:
+        _fail(f"--nsa-kv-offload-max-units ({max_units}) must be at least 1.")
+    elif max_units > units_fit:
+        _fail(
+            f"--nsa-kv-offload-max-units ({max_units}) x "
+            f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at most "
+            f"{_MAX_LRU_SLOTS} (LRU slot ids are int16): use at most {units_fit}."
+        )
 
     pinnable_gb = pinnable_host_memory_gb(_num_local_ranks(server_args))
     host_pool_gb = server_args.nsa_kv_offload_host_pool_gb
@@ -160,9 +184,12 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
 
     logger.info(
         "Decode NSA KV offload: %d LRU rows + %d recent-window rows per request "
-        "per layer (index_topk=%d), host pool %.2f GB per rank.",
+        "per layer (index_topk=%d), up to %d x %d LRU rows while GPU memory is "
+        "idle, host pool %.2f GB per rank.",
         buffer_size,
         window,
         index_topk,
+        server_args.nsa_kv_offload_max_units,
+        buffer_size,
         server_args.nsa_kv_offload_host_pool_gb,
     )

@@ -11,7 +11,7 @@ and connects it to sglang's scheduling:
   through the KV transfer: admission (first decode preparation) only gives
   the region and warms it;
 * every decode preparation: map each new token loc to its window ring row;
-  with ``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS=U`` > 1 (experimental), hand free
+  with ``--nsa-kv-offload-max-units U`` > 1 (default 4), hand free
   regions, then idle prefill staging rows, to running requests as extra LRU
   units (an admission that finds no free region takes one back, a prefill
   that finds no free staging page takes staging units back);
@@ -44,7 +44,6 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
     StagingUnitLender,
-    max_units_from_env,
     staging_reserve_rows,
 )
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
@@ -438,7 +437,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         max_batch_size=max_batch_size,
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
-        max_units=max_units_from_env(),
+        max_units=sa.nsa_kv_offload_max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(
             max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens),

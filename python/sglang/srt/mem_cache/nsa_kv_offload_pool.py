@@ -323,20 +323,6 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-ENV_MAX_UNITS = "SGLANG_NSA_KV_OFFLOAD_MAX_UNITS"
-
-
-def max_units_from_env() -> int:
-    """Regions one request may hold (``SGLANG_NSA_KV_OFFLOAD_MAX_UNITS``,
-    experimental, default 1; see docs/ELASTIC_BUFFER.md)."""
-    from sglang.srt.utils import get_int_env_var
-
-    units = get_int_env_var(ENV_MAX_UNITS, 1)
-    if units < 1:
-        raise ValueError(f"{ENV_MAX_UNITS}={units}: must be >= 1")
-    return units
-
-
 def offload_bytes_per_loc(num_layers: int, indexer_bytes: int) -> int:
     """GPU bytes per logical token loc: indexer keys, the LRU residency map
     (int16 per layer) and ``loc_to_row`` (int64)."""
@@ -455,7 +441,7 @@ class NSAKVOffloadPoolConfigurator:
         self.prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
         self.max_total_tokens = sa.max_total_tokens
         self.kv_arrives_in_host = sa.disaggregation_mode == "decode"
-        self.max_units = max_units_from_env()
+        self.max_units = sa.nsa_kv_offload_max_units
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
         if self.kv_arrives_in_host:

@@ -11,8 +11,8 @@
 * a side stream and events for the copies that are off the critical path
   (backups to host, warming a newly admitted request).
 
-With ``max_units = U > 1`` (experimental) free regions are also handed out as
-extra LRU units: a request may hold up to ``U`` units (:meth:`rebalance`), and
+With ``max_units = U > 1`` (the server's default is 4) free regions are also
+handed out as extra LRU units: a request may hold up to ``U`` units (:meth:`rebalance`), and
 gives its extra ones back, newest first, when an admission finds no free
 region. Other sources of idle rows can lend units too (:meth:`add_unit_source`:
 the coordinator adds idle prefill staging rows) and take them back when they
