@@ -20,9 +20,11 @@ Each server gets the same workload:
 4. idle: the scheduler goes idle (its own leak checks run), then the server
    must still answer ``/health_generate`` and a generation request.
 
-The test checks identical ``output_ids`` for every phase and a healthy server,
-also for a third server with the experimental cross-layer prefetch
-(``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``). A subclass repeats the
+The test checks identical ``output_ids`` for every phase and a healthy server
+(the offload server runs with its default LRU units: idle regions and prefill
+staging lent as extra buffers), also for a server with one fixed buffer per
+request (``--nsa-kv-offload-max-units 1``) and one with the experimental
+cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``). A subclass repeats the
 no-offload / offload comparison with a bf16 KV cache (FlashMLA sparse decode,
 ``--nsa-decode-backend flashmla_sparse``). Another class starts a PD
 decode server (``--disaggregation-mode decode``, sglang's fake KV transfer: no
@@ -259,7 +261,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
     # KV dtype and NSA backends of every server of the class (fp8 + FlashMLA
     # fp8 decode; the bf16 subclass swaps them) and its servers.
     KV_ARGS: List[str] = []
-    SERVERS = ("baseline", "offload", "offload_prefetch")
+    SERVERS = ("baseline", "offload", "offload_fixed", "offload_prefetch")
 
     @classmethod
     def setUpClass(cls):
@@ -292,6 +294,10 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         servers = {
             "baseline": (common, None),
             "offload": (common + OFFLOAD_ARGS, None),
+            "offload_fixed": (
+                common + OFFLOAD_ARGS + ["--nsa-kv-offload-max-units", "1"],
+                None,
+            ),
             "offload_prefetch": (
                 common + OFFLOAD_ARGS,
                 {"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
@@ -422,6 +428,12 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         # offload state of theirs).
         self._assert_phase_identical("short")
         self._assert_phase_identical("after_short")
+
+    def test_fixed_buffer_outputs_identical(self):
+        if "offload_fixed" not in self.SERVERS:
+            self.skipTest("no fixed-buffer server in this class")
+        for phase in ("main", "short", "after_short"):
+            self._assert_phase_identical(phase, offload="offload_fixed")
 
     def test_cross_layer_prefetch_outputs_identical(self):
         if "offload_prefetch" not in self.SERVERS:
