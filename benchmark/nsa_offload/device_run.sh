@@ -31,6 +31,8 @@ if [ ! -f /tmp/site/.wheels-b ]; then
   [ -f $W/jitcache-extra.tgz ] && tar xzf $W/jitcache-extra.tgz -C ~
 fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# torch.compile's cache under ~ too, so that "savejit" can carry it.
+export TORCHINDUCTOR_CACHE_DIR=$HOME/.cache/torchinductor
 python3 scripts/apply_patch.py --sglang-dir /tmp/site || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 # Jobs side by side (device_pair.sh) need their own server ports.
@@ -73,10 +75,11 @@ for step in "$@"; do
       ;;
     savejit)
       # Triton's cache plus what the other JIT caches (deep_gemm, tvm-ffi,
-      # flashinfer) built on this machine beyond jitcache-h200.tgz: a cold no
+      # flashinfer, torch.compile) built here beyond jitcache-h200.tgz: a cold no
       # offload server spends ~2 min compiling in its CUDA graph capture.
       # Copy the returned file into .devwheels/ here.
-      (cd ~ && { find .cache/deep_gemm .cache/tvm-ffi .cache/flashinfer -type f \
+      (cd ~ && { find .cache/deep_gemm .cache/tvm-ffi .cache/flashinfer \
+        .cache/torchinductor -type f \
         -newer /tmp/site/.wheels-b 2>/dev/null; echo .triton; } \
         | tar czf $OUT/jitcache-extra.tgz -T -) && ls -la $OUT/jitcache-extra.tgz
       ;;
