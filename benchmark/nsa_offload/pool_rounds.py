@@ -134,12 +134,7 @@ def plot_tradeoff(rows: List[dict], path: str) -> None:
         ax.errorbar(
             x, y, yerr=[lo, hi], marker="o", capsize=3, label=f"{ctx // 1024}K x {conc}"
         )
-    ax.axhline(10, color="gray", ls="--", lw=1, label="P4 target +10%")
-    ax.axhline(0, color="black", lw=0.5)
-    ax.set_xlabel("ours' GPU buffer rows per request and layer")
-    ax.set_ylabel("ITL vs no offload, pooled paired rounds (%)")
-    ax.set_title("P4: overhead at equal batch (median, IQR)")
-    ax.legend(fontsize=8)
+    _p4_axes(ax, "ours' GPU buffer rows per request and layer")
     buffers = np.linspace(2048, 16384, 57)
     ax_cap.plot(buffers, [capacity_bound_128k(int(b)) for b in buffers])
     for b in sorted({r["buffer_rows"] for r in ours}):
@@ -151,6 +146,22 @@ def plot_tradeoff(rows: List[dict], path: str) -> None:
     ax_cap.set_ylabel("128K requests per no-offload request (bound)")
     ax_cap.set_title("P3: capacity those rows leave at 128K")
     ax_cap.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _p4_axes(ax, xlabel: str) -> None:
+    """Target and zero lines, labels of a pooled-overhead plot."""
+    ax.axhline(10, color="gray", ls="--", lw=1, label="P4 target +10%")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("ITL vs no offload, pooled paired rounds (%)")
+    ax.set_title("P4: overhead at equal batch (median, IQR)")
+    ax.legend(fontsize=8)
+
+
+def _save(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -185,17 +196,10 @@ def plot_servers(rows: List[dict], path: str) -> None:
             err[1].append((r["overhead_iqr"][1] - r["overhead"]) * 100)
         label = f"{bench_server.LABELS[server]} (up to {buffer_rows} rows)"
         ax.bar(x, y, width, yerr=err, capsize=3, label=label)
-    ax.axhline(10, color="gray", ls="--", lw=1, label="P4 target +10%")
-    ax.axhline(0, color="black", lw=0.5)
     ax.set_xticks(range(len(points)))
     ax.set_xticklabels([f"{c // 1024}K x {b}" for c, b in points])
-    ax.set_xlabel("context x batch")
-    ax.set_ylabel("ITL vs no offload, pooled paired rounds (%)")
-    ax.set_title("P4: overhead at equal batch (median, IQR)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _p4_axes(ax, "context x batch")
+    _save(fig, path)
 
 
 def render_markdown(rows: List[dict]) -> str:
