@@ -99,6 +99,7 @@ OURS_VARIANTS = {
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS)
+RUNNABLE_KINDS = tuple(k for k in SERVER_KINDS if k != "ours_units")
 LABELS = {
     "baseline": "no offload",
     "hisparse": "HiSparse",
@@ -107,7 +108,6 @@ LABELS = {
     "ours_prefetch": "ours + prefetch",
     "ours_units": "ours + units",
 }
-
 PAGE_SIZE = 64
 ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
 # H2D rate of the offload's miss copy on the H200 (pinned host -> GPU, 656 B
@@ -1683,7 +1683,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         default=DEFAULT_SERVERS,
-        help=f"some of {','.join(SERVER_KINDS[:-2] + SERVER_KINDS[-1:])} "
+        help=f"some of {','.join(RUNNABLE_KINDS)} "
         "(ours_fixed: ours with --nsa-kv-offload-max-units 1, every request "
         "keeps exactly its own buffer; ours_prefetch: ours with the experimental "
         "cross-layer prefetch; side by side with ours)",
@@ -1829,7 +1829,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     asked = [k for k in args.servers.split(",") if k]
     unknown = sorted(set(asked) - set(SERVER_KINDS))
     if unknown:
-        raise SystemExit(f"--servers: unknown {unknown}; choose from {SERVER_KINDS}")
+        raise SystemExit(f"--servers: unknown {unknown}; choose from {RUNNABLE_KINDS}")
     if "ours_units" in asked:
         raise SystemExit(
             "--servers ours_units: units are ours' default now (--max-units N "

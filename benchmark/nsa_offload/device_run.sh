@@ -3,13 +3,14 @@
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a, or
 #     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
-# STEP: engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests, exactness with/without, a server with units), e2e (servers: exactness,
-# capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs
-# no offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), or a
-# savejit (pack the JIT caches built here into $OUT/jitcache-extra.tgz for the
-# next machine),
-# path to a python script, or "pytest FILES..." (the rest of the arguments).
-# Results go under $OUT. A cold machine compiles Triton kernels for ~150-210 s
+# STEP: engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests,
+# exactness with/without, a server with units), e2e (servers: exactness,
+# capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
+# offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), savejit
+# (pack the JIT caches built here into $OUT/jitcache-extra.tgz for the next
+# machine), a path to a python script, or "pytest FILES..." (the rest of the
+# arguments).
+# Results go under $OUT. A cold machine compiles kernels for ~150-210 s
 # at each first server start: end the first warm call with "savejit" and carry
 # the returned jitcache-extra.tgz as .devwheels/jitcache-extra.tgz afterwards.
 #

@@ -65,8 +65,6 @@ HISPARSE_ARGS = [
     "flashmla_kv",
 ]
 
-# A PD decode server with no prefill server: the fake transfer backend admits
-# requests at once with their KV unwritten (capacity and speed only).
 # The offload server's default --nsa-kv-offload-max-units (nsa_kv_offload_hook).
 DEFAULT_MAX_UNITS = 4
 
@@ -79,6 +77,8 @@ def offload_max_units(max_units: Optional[int], buffer_size: Optional[int]) -> i
     return min(DEFAULT_MAX_UNITS, 32767 // (buffer_size or 4096))
 
 
+# A PD decode server with no prefill server: the fake transfer backend admits
+# requests at once with their KV unwritten (capacity and speed only).
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # sglang.srt.disaggregation.utils
 PD_DECODE_FAKE_ARGS = [
     "--disaggregation-mode",
