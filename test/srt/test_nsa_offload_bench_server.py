@@ -2,6 +2,7 @@
 it combines repeated runs (CPU; the servers themselves need a GPU)."""
 
 import sys
+import tempfile
 import unittest
 from pathlib import Path
 
@@ -296,6 +297,11 @@ class TestInterleave(unittest.TestCase):
         for bad in refused:
             with self.assertRaises(SystemExit):
                 bench_server.parse_args(bad)
+        # ours_units only names session 9's runs: units are ours' default.
+        with tempfile.TemporaryDirectory() as d:
+            with self.assertRaises(SystemExit) as ctx:
+                bench_server.main(["--out", d, "--servers", "baseline,ours_units"])
+            self.assertIn("ours_fixed", str(ctx.exception))
 
     def test_point_estimate_is_on_the_safe_side_of_the_h200_runs(self):
         import json
