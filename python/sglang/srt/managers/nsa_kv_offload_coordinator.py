@@ -357,7 +357,8 @@ class NSAKVOffloadCoordinator:
             f"H2D: {stats['h2d_bytes'] / gap / 1e9:.2f} GB/s, "
             f"regions: {stats['regions_used']}/{stats['regions_total']}"
             + (
-                f" ({stats['extra_units']} as extra units)"
+                f", extra units: {stats['extra_units']} "
+                f"({stats['extra_units_lent']} of staging)"
                 if self.controller.max_units > 1
                 else ""
             )

@@ -689,7 +689,8 @@ class SparseCacheController:
             "d2h_bytes": d2h_bytes,
             "regions_used": self.regions.num_regions - self.regions.available_size(),
             "regions_total": self.regions.num_regions,
-            # Of the regions used, those held as extra LRU units.
+            # Extra LRU units running requests hold: free regions and units
+            # lent by the other sources (idle prefill staging).
             "extra_units": sum(len(u) for u in self._req_units.values()),
             "extra_units_lent": sum(
                 src != 0 for u in self._req_units.values() for _, src in u
