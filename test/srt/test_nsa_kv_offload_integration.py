@@ -1268,8 +1268,20 @@ class _Harness:
 
 
 class TestOffloadLifecycle(unittest.TestCase):
+    # LRU units a request may hold, idle staging pages that may be lent.
+    MAX_UNITS = 1
+    LEND_STAGING_PAGES = 0
+
+    def _harness(self, **kwargs):
+        return _Harness(
+            self,
+            max_units=self.MAX_UNITS,
+            lend_staging_pages=self.LEND_STAGING_PAGES,
+            **kwargs,
+        )
+
     def test_lifecycle_bf16(self):
-        h = _Harness(self)
+        h = self._harness()
         # Chunked prefill of A (its first chunk ends mid-page), then A's last
         # chunk and all of B in one extend batch; the hook after that forward
         # admits both.
@@ -1314,7 +1326,7 @@ class TestOffloadLifecycle(unittest.TestCase):
         # /health_generate probe): admitted by the prefill hook, released by
         # release_kv_cache when the prefill result is processed, whether or
         # not the overlap scheduler already put them in a decode batch.
-        h = _Harness(self)
+        h = self._harness()
         a = h.new_req()
         h.prefill([(a, 150)])
         h.finish(a)
@@ -1335,7 +1347,7 @@ class TestOffloadLifecycle(unittest.TestCase):
 
     def test_lifecycle_fp8(self):
         # 656-byte FlashMLA fp8 rows (the production layout).
-        h = _Harness(self, kv_fp8=True, seed=1)
+        h = self._harness(kv_fp8=True, seed=1)
         self.assertEqual(h.row_bytes, 656)
         self.assertEqual(h.controller.row_bytes, 656)
         a = h.new_req()
@@ -1343,18 +1355,29 @@ class TestOffloadLifecycle(unittest.TestCase):
         h.decode_step([a], first_step_of=(a,))
         for _ in range(9):
             h.decode_step([a])
+        # Alone, A may hold its region, the other one and two lent staging
+        # units (4 idle pages of 2 per unit).
+        self.assertEqual(h.controller.num_units(a.req_pool_idx), min(self.MAX_UNITS, 4))
         h.finish(a)
         h.check_no_leaks()
 
     def test_abort_before_admission(self):
         # Aborted (or retracted) while still being prefilled: never admitted;
         # freeing its locs returns its staging pages.
-        h = _Harness(self)
+        h = self._harness()
         a = h.new_req()
         h.prefill([(a, 130)], chunked_req=a)
         self.assertLess(h.allocator.staging.available_pages(), 10)
         h.finish(a)
         h.check_no_leaks()
+
+
+class TestOffloadLifecycleUnits(TestOffloadLifecycle):
+    """The same with the server's default units: a finished request's region
+    and idle staging pages become the others' extra units."""
+
+    MAX_UNITS = 4
+    LEND_STAGING_PAGES = 4
 
 
 class TestCrossLayerPrefetch(unittest.TestCase):
@@ -1480,8 +1503,16 @@ class TestUnitsLifecycle(unittest.TestCase):
 class TestPDDecodeLifecycle(unittest.TestCase):
     """``--disaggregation-mode decode``: no staging, KV arrives in host slots."""
 
+    MAX_UNITS = 1
+
     def test_transfer_admit_decode_release(self):
-        h = _Harness(self, kv_fp8=True, seed=2, kv_arrives_in_host=True)
+        h = _Harness(
+            self,
+            kv_fp8=True,
+            seed=2,
+            kv_arrives_in_host=True,
+            max_units=self.MAX_UNITS,
+        )
         self.assertEqual(h.allocator.staging.num_pages, 0)
         a, b = h.new_req(), h.new_req()
         h.transfer(a, 300)
@@ -1504,7 +1535,14 @@ class TestPDDecodeLifecycle(unittest.TestCase):
     def test_retract_and_resume(self):
         # sglang's PD decode retraction keeps a request's KV in CPU memory
         # (get_cpu_copy), frees its locs, and later loads it into new locs.
-        h = _Harness(self, seed=3, kv_arrives_in_host=True, num_regions=3, max_reqs=3)
+        h = _Harness(
+            self,
+            seed=3,
+            kv_arrives_in_host=True,
+            num_regions=3,
+            max_reqs=3,
+            max_units=self.MAX_UNITS,
+        )
         a, b = h.new_req(), h.new_req()
         h.transfer(a, 200)
         h.transfer(b, 260)
@@ -1543,6 +1581,12 @@ class TestPDDecodeLifecycle(unittest.TestCase):
         h.finish(a2)
         h.finish(c)
         h.check_no_leaks()
+
+
+class TestPDDecodeLifecycleUnits(TestPDDecodeLifecycle):
+    """The same with units: free regions are the only source (no staging)."""
+
+    MAX_UNITS = 4
 
 
 class TestPDDecodeTransferTarget(unittest.TestCase):
