@@ -24,12 +24,12 @@ The test checks identical ``output_ids`` for every phase and a healthy server
 (the offload server runs with its default LRU units: idle regions and prefill
 staging lent as extra buffers), also for a server with one fixed buffer per
 request (``--nsa-kv-offload-max-units 1``) and one with the experimental
-cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``). A subclass repeats the
-no-offload / offload comparison with a bf16 KV cache (FlashMLA sparse decode,
-``--nsa-decode-backend flashmla_sparse``). Another class starts a PD
-decode server (``--disaggregation-mode decode``, sglang's fake KV transfer: no
-prefill server, KV unwritten, so no output comparison) with the offload and
-checks that it admits, decodes, idles and still serves.
+cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``). A
+subclass repeats the no-offload / offload comparison with a bf16 KV cache
+(FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``). Another
+class starts a PD decode server (``--disaggregation-mode decode``, sglang's
+fake KV transfer: no prefill server, KV unwritten, so no output comparison)
+with the offload and checks that it admits, decodes, idles and still serves.
 It needs a Hopper GPU with the DSA stack (``sgl_kernel.flash_mla``) and is
 skipped elsewhere (e.g. in the CPU test suite).
 

@@ -12,11 +12,12 @@
   (backups to host, warming a newly admitted request).
 
 With ``max_units = U > 1`` (the server's default is 4) free regions are also
-handed out as extra LRU units: a request may hold up to ``U`` units (:meth:`rebalance`), and
-gives its extra ones back, newest first, when an admission finds no free
-region. Other sources of idle rows can lend units too (:meth:`add_unit_source`:
-the coordinator adds idle prefill staging rows) and take them back when they
-need them (:meth:`reclaim_units_of`). A request's window stays in its region.
+handed out as extra LRU units: a request may hold up to ``U`` units
+(:meth:`rebalance`), and gives its extra ones back, newest first, when an
+admission finds no free region. Other sources of idle rows can lend units too
+(:meth:`add_unit_source`: the coordinator adds idle prefill staging rows) and
+take them back when they need them (:meth:`reclaim_units_of`). A request's
+window stays in its region.
 
 Per layer of a decode step the attention backend calls :meth:`swap_one_layer`:
 the LRU swap writes the page table (GPU rows in top-k order) and the miss list,
