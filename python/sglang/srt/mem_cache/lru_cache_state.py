@@ -170,16 +170,14 @@ class LRUCacheState:
             .repeat(L, max_num_reqs + 1, 1)
             .contiguous()
         )
-        self._region_base_buf = torch.full(
-            (max_num_reqs + 1,), -1, dtype=torch.int32, device=dev
-        )
-        self._region_base_buf[self._sink_req] = 0
         # unit_base[r, u]: first GPU row of unit u of request r (-1: none);
-        # unit 0 is the region (unit_base[r, 0] == region_base[r]).
+        # unit 0 is the region, read through the view _region_base_buf
+        # (kernels: unit_base_ptr + r * U).
         self._unit_base_buf = torch.full(
             (max_num_reqs + 1, max_units), -1, dtype=torch.int32, device=dev
         )
         self._unit_base_buf[self._sink_req] = 0
+        self._region_base_buf = self._unit_base_buf[:, 0]
         self._capacity_buf = torch.zeros(
             (max_num_reqs + 1,), dtype=torch.int32, device=dev
         )
@@ -237,9 +235,8 @@ class LRUCacheState:
             base = base.to(device=self.device, dtype=torch.int32).reshape(-1)
         else:
             base = torch.tensor(base, dtype=torch.int32, device=self.device)
-        self._region_base_buf[r] = base
         self._unit_base_buf[r] = -1
-        self._unit_base_buf[r, 0] = base
+        self._region_base_buf[r] = base
         self._capacity_buf[r] = self.buffer_size
         self._slot_loc_buf[:, r] = -1
         self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
@@ -253,7 +250,6 @@ class LRUCacheState:
         self._loc_to_slot_buf.scatter_(1, idx, -1)
         self._slot_loc_buf[:, r] = -1
         self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
-        self._region_base_buf[r] = -1
         self._unit_base_buf[r] = -1
         self._capacity_buf[r] = 0
 
@@ -355,11 +351,12 @@ class LRUCacheState:
             req_pool_indices,
             seq_lens,
             locs,
-            self._region_base_buf,
+            self._unit_base_buf,
             loc_to_row,
             bs,
             C=self.buffer_size,
             W=self.recent_window,
+            U=self.max_units,
             BLOCK=128,
         )
 
@@ -428,7 +425,6 @@ class LRUCacheState:
             loc_to_slot,
             slot_loc,
             lru,
-            self._region_base_buf,
             self._unit_base_buf,
             self._capacity_buf,
             counters,
@@ -690,7 +686,6 @@ if _HAS_TRITON:
             "seq_lens_ptr",
             "num_real_ptr",
             "loc_to_slot_ptr",
-            "region_base_ptr",
             "unit_base_ptr",
             "capacity_ptr",
             "counters_ptr",
@@ -708,8 +703,7 @@ if _HAS_TRITON:
         loc_to_slot_ptr,  # (N + 1,) int16, this layer
         slot_loc_ptr,  # (max_reqs + 1, C) int32, this layer
         lru_ptr,  # (max_reqs + 1, C) int16, this layer
-        region_base_ptr,  # (max_reqs + 1,) int32
-        unit_base_ptr,  # (max_reqs + 1, U) int32
+        unit_base_ptr,  # (max_reqs + 1, U) int32, unit 0 = the region
         capacity_ptr,  # (max_reqs + 1,) int32
         counters_ptr,  # (3,) int64, this layer
         page_table_ptr,
@@ -743,7 +737,7 @@ if _HAS_TRITON:
         r = tl.load(req_pool_ptr + b).to(tl.int64)
         r = tl.minimum(tl.maximum(r, 0), sink_req)
         n = tl.load(seq_lens_ptr + b).to(tl.int32)
-        base = tl.load(region_base_ptr + r)
+        base = tl.load(unit_base_ptr + r * U)
         capacity = tl.load(capacity_ptr + r)
         pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
         pos = pos.to(tl.int32)
@@ -848,11 +842,12 @@ if _HAS_TRITON:
         req_pool_ptr,
         seq_lens_ptr,
         locs_ptr,
-        region_base_ptr,
+        unit_base_ptr,  # (max_reqs + 1, U) int32, unit 0 = the region
         loc_to_row_ptr,  # int64
         bs,
         C: tl.constexpr,
         W: tl.constexpr,
+        U: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -860,5 +855,5 @@ if _HAS_TRITON:
         r = tl.load(req_pool_ptr + offs, mask=mask, other=0)
         pos = tl.load(seq_lens_ptr + offs, mask=mask, other=1).to(tl.int64) - 1
         loc = tl.load(locs_ptr + offs, mask=mask, other=0)
-        base = tl.load(region_base_ptr + r, mask=mask, other=0).to(tl.int64)
+        base = tl.load(unit_base_ptr + r * U, mask=mask, other=0).to(tl.int64)
         tl.store(loc_to_row_ptr + loc, base + C + pos % W, mask=mask)
