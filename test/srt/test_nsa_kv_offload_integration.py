@@ -896,9 +896,7 @@ class _Harness:
     def staging_room(self):
         """Free staging pages plus those lent to requests as extra units
         (a prefill takes them back)."""
-        lent = sum(
-            src != 0 for u in self.controller._req_units.values() for _, src in u
-        )
+        lent = self.controller.get_stats()["extra_units_lent"]
         return self.allocator.staging.available_pages() + lent * -(-self.C // PAGE)
 
     def snapshot(self):

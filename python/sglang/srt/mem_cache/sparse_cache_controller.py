@@ -475,8 +475,7 @@ class SparseCacheController:
     def admission_room(self) -> int:
         """Requests that can be admitted now: free regions plus the regions
         running requests hold as extra units (an admission takes them back)."""
-        lent = sum(src == 0 for u in self._req_units.values() for _, src in u)
-        return self.regions.available_size() + lent
+        return self.regions.available_size() + self.units_lent_by(0)
 
     def can_admit(self, num_reqs: int = 1) -> bool:
         """Whether ``num_reqs`` more requests get a GPU region now."""
@@ -581,6 +580,10 @@ class SparseCacheController:
         """LRU units the request holds (0 when not admitted)."""
         r = int(req_pool_idx)
         return 1 + len(self._req_units[r]) if r in self._req_base else 0
+
+    def units_lent_by(self, source: int) -> int:
+        """Extra units running requests hold from ``source`` (0: regions)."""
+        return sum(src == source for u in self._req_units.values() for _, src in u)
 
     def add_unit_source(self, source) -> int:
         """Another lender of extra units (``available()``, ``take() -> first
@@ -694,6 +697,6 @@ class SparseCacheController:
             # lent by the other sources (idle prefill staging).
             "extra_units": sum(len(u) for u in self._req_units.values()),
             "extra_units_lent": sum(
-                src != 0 for u in self._req_units.values() for _, src in u
+                self.units_lent_by(s) for s in range(1, len(self._unit_sources))
             ),
         }
