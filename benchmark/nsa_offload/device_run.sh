@@ -4,7 +4,8 @@
 #     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
 # STEP: engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests,
-# exactness with/without, a server with units), e2e (servers: exactness,
+# exactness with/without, a server with units), swap-units (the swap with
+# units: split vs fused kernels), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
 # offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra.tgz for the next
@@ -63,6 +64,10 @@ for step in "$@"; do
         --max-units 3 --extra-regions 2 2>&1 | tail -4 || rc=1
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
         --port $((31000 + 100 * GPU0)) --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
+      ;;
+    swap-units)
+      # The LRU swap with units: split kernels vs the fused one (time, equality).
+      timeout 150 python3 benchmark/nsa_offload/bench_swap_units.py --out $OUT/swap_units 2>&1 | tail -20 || rc=1
       ;;
     e2e)
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
