@@ -181,7 +181,7 @@ def main():
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--top-k", type=int, default=2048)
     p.add_argument("--keep", type=float, default=0.44)
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=32)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
@@ -215,6 +215,8 @@ def main():
         split = r.get("split")
         split_us = f"{split['us_per_swap']:.1f}" if split else "-"
         same = "-" if not split else ("yes" if r["mismatched_replays"] == 0 else "NO")
+        if split and not split["misses_per_row"]:
+            same += " (no misses: hits only)"
         lines.append(
             f"| {r['batch']} | {r['units']} ({r['units'] * args.buffer_size}) "
             f"| {r['fused']['us_per_swap']:.1f} | {split_us} "
