@@ -15,9 +15,11 @@ add and drop units at other bases): slot ``s`` lives at row
 slots are ever evicted into. ``U = 1`` is the fixed-region case above.
 
 Everything is fixed-shape and sync-free so the swap can be captured in a CUDA
-graph. ``swap_layer`` runs one fused Triton kernel; the pure-torch reference
-(``prepare_layer_swap`` -> ``build_gpu_page_table`` -> ``post_process_layer_swap``)
-implements the same semantics bit-exactly and backs the CPU tests.
+graph. ``swap_layer`` runs one fused Triton kernel (with units: the same swap
+split by unit into four kernels, see ``_swap_classify_kernel``); the pure-torch
+reference (``prepare_layer_swap`` -> ``build_gpu_page_table`` ->
+``post_process_layer_swap``) implements the same semantics bit-exactly and backs
+the CPU tests.
 
 Callers guarantee: top-k positions unique apart from padding; token locs unique
 across live requests; a request is released before its pool index is admitted
@@ -798,6 +800,80 @@ def _swap_kernel_is_interpreted() -> bool:
 # spills (ptxas, sm_90).
 if _HAS_TRITON:
 
+    # Steps shared by the fused swap kernel and the split one.
+    @triton.jit
+    def _classify_topk(
+        pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W: tl.constexpr
+    ):
+        # Top-k entries in the recent window, to look up (with their token
+        # loc), or neither (padding / beyond the sequence).
+        valid = mask_k & (pos >= 0) & (pos < n)
+        in_window = valid & (pos >= n - W)
+        lookup = valid & (pos < n - W)
+        loc = tl.load(
+            req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
+        )
+        return in_window, lookup, loc
+
+    @triton.jit
+    def _lru_new_positions(evictable, ev_rank, p, num_misses, num_evictable):
+        # The recency rule: [untaken evictables, victims, hits and slots beyond
+        # the capacity], each in its old order; p is the old position.
+        new_pos = tl.where(
+            evictable,
+            tl.where(
+                ev_rank >= num_misses,
+                ev_rank - num_misses,
+                num_evictable - num_misses + ev_rank,
+            ),
+            num_evictable + p - ev_rank,
+        )
+        return new_pos, evictable & (ev_rank < num_misses)
+
+    @triton.jit
+    def _place_entries(
+        pos,
+        in_window,
+        lookup,
+        loc,
+        cur,
+        miss_rank,
+        offs_k,
+        mask_k,
+        r,
+        base,
+        victims_row,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        unit_base_ptr,
+        pt_row,
+        miss_src_row,
+        miss_dst_row,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+    ):
+        # Misses take their victims (by miss rank); the page table in top-k
+        # order; the copy list compacted by miss rank.
+        hit = lookup & (cur >= 0)
+        miss = lookup & (cur < 0)
+        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
+        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+        slot = tl.where(hit, cur, victim)
+        if U == 1:
+            slot_row = base + slot
+        else:
+            unit_base = tl.load(
+                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            )
+            slot_row = unit_base + slot % C0
+        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(miss_src_row + miss_rank, loc.to(tl.int64), mask=miss)
+        tl.store(miss_dst_row + miss_rank, slot_row, mask=miss)
+
     # Per-layer views (loc_to_slot, counters) and caller-owned scalars are not
     # always 16-byte aligned; specializing on that would compile a variant per
     # layer parity, possibly inside CUDA-graph capture. They are gathered or
@@ -877,11 +953,8 @@ if _HAS_TRITON:
         tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=mask_c)
 
         # Phase 1: classify entries (padding / window / hit / miss).
-        valid = mask_k & (pos >= 0) & (pos < n)
-        in_window = valid & (pos >= n - W)
-        lookup = valid & (pos < n - W)
-        loc = tl.load(
-            req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
+        in_window, lookup, loc = _classify_topk(
+            pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
         )
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
         hit = lookup & (cur >= 0)
@@ -904,18 +977,9 @@ if _HAS_TRITON:
         evictable = evictable & (order < capacity)
         ev_i = evictable.to(tl.int32)
         ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
-        num_kept = C - tl.sum(ev_i, axis=0)
-        hit_rank = offs_c - ev_rank
-        new_pos = tl.where(
-            evictable,
-            tl.where(
-                ev_rank >= num_misses,
-                ev_rank - num_misses,
-                C - num_kept - num_misses + ev_rank,
-            ),
-            C - num_kept + hit_rank,
+        new_pos, taken = _lru_new_positions(
+            evictable, ev_rank, offs_c, num_misses, tl.sum(ev_i, axis=0)
         )
-        taken = evictable & (ev_rank < num_misses)
         # Victims' old locs leave the map now (phase 1 has read it already).
         tl.store(
             loc_to_slot_ptr + old_loc,
@@ -931,23 +995,29 @@ if _HAS_TRITON:
         tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
 
         # Phase 3: misses take their victims; page table in top-k order.
-        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
-        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
-        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
-        slot = tl.where(hit, cur, victim)
-        if U == 1:
-            slot_row = base + slot
-        else:
-            unit_base = tl.load(
-                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
-            )
-            slot_row = unit_base + slot % C0
-        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
-        tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(
-            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
+        _place_entries(
+            pos,
+            in_window,
+            lookup,
+            loc,
+            cur,
+            miss_rank,
+            offs_k,
+            mask_k,
+            r,
+            base,
+            victims_row,
+            loc_to_slot_ptr,
+            slot_loc_ptr,
+            unit_base_ptr,
+            pt_row,
+            miss_src_ptr + b * miss_src_stride,
+            miss_dst_ptr + b * miss_dst_stride,
+            C,
+            C0,
+            U,
+            W,
         )
-        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
         tl.store(miss_count_ptr + b, num_misses)
         tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
         tl.atomic_add(
@@ -1022,11 +1092,8 @@ if _HAS_TRITON:
                 tl.zeros([BLOCK_C0], tl.int8),
                 mask=offs_c0 < C0,
             )
-        valid = mask_k & (pos >= 0) & (pos < n)
-        in_window = valid & (pos >= n - W)
-        lookup = valid & (pos < n - W)
-        loc = tl.load(
-            req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
+        in_window, lookup, loc = _classify_topk(
+            pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
         )
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
         cur = tl.where(lookup, cur, -1)
@@ -1149,17 +1216,9 @@ if _HAS_TRITON:
         num_misses = tl.load(miss_count_ptr + b)
         ev_i = evictable.to(tl.int32)
         ev_rank = before + tl.cumsum(ev_i, axis=0) - ev_i
-        num_kept = C - num_evictable
-        new_pos = tl.where(
-            evictable,
-            tl.where(
-                ev_rank >= num_misses,
-                ev_rank - num_misses,
-                C - num_kept - num_misses + ev_rank,
-            ),
-            C - num_kept + p - ev_rank,
+        new_pos, taken = _lru_new_positions(
+            evictable, ev_rank, p, num_misses, num_evictable
         )
-        taken = evictable & (ev_rank < num_misses)
         old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
         tl.store(
             loc_to_slot_ptr + old_loc,
@@ -1228,40 +1287,33 @@ if _HAS_TRITON:
             base = tl.load(unit_base_ptr + r * U)
             pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
             pos = pos.to(tl.int32)
-            valid = mask_k & (pos >= 0) & (pos < n)
-            in_window = valid & (pos >= n - W)
-            lookup = valid & (pos < n - W)
-            loc = tl.load(
-                req_to_token_ptr + r * req_to_token_stride + pos,
-                mask=lookup,
-                other=0,
+            in_window, lookup, loc = _classify_topk(
+                pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
             )
             cur = tl.load(cur_ptr + b.to(tl.int64) * K + offs_k, mask=mask_k, other=-1)
-            hit = lookup & (cur >= 0)
-            miss = lookup & (cur < 0)
-            miss_i = miss.to(tl.int32)
-            miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
-            victim = tl.load(
-                victims_ptr + b.to(tl.int64) * K + miss_rank, mask=miss, other=0
-            )
-            tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
-            tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
-            slot = tl.where(hit, cur, victim)
-            unit_base = tl.load(
-                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
-            )
-            slot_row = unit_base + slot % C0
-            rows = tl.where(
-                in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1)
-            )
-            tl.store(page_table_ptr + b * page_table_stride + offs_k, rows, mask=mask_k)
-            tl.store(
-                miss_src_ptr + b * miss_src_stride + miss_rank,
-                loc.to(tl.int64),
-                mask=miss,
-            )
-            tl.store(
-                miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss
+            miss_i = (lookup & (cur < 0)).to(tl.int32)
+            _place_entries(
+                pos,
+                in_window,
+                lookup,
+                loc,
+                cur,
+                tl.cumsum(miss_i, axis=0) - miss_i,
+                offs_k,
+                mask_k,
+                r,
+                base,
+                victims_ptr + b.to(tl.int64) * K,
+                loc_to_slot_ptr,
+                slot_loc_ptr,
+                unit_base_ptr,
+                page_table_ptr + b * page_table_stride,
+                miss_src_ptr + b * miss_src_stride,
+                miss_dst_ptr + b * miss_dst_stride,
+                C,
+                C0,
+                U,
+                W,
             )
 
     # One variant for every batch size and slice offset (see above).
