@@ -1081,10 +1081,13 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
         plan = [(c, k) for c in args.contexts for k in args.concurrency]
         for i, (ctx, conc) in enumerate(plan):
             live = [k for k in kinds if k in servers and servers[k].proc.poll() is None]
-            est = point_estimate_s(
-                args, ctx, conc, args.repeats * len(live), prefill_rate
-            )
-            if not live or time.time() + est > deadline - 30:
+            # As many rounds as the point's share of the time left allows (up
+            # to --repeats): fewer rounds rather than a skipped point.
+            per_round = point_estimate_s(args, ctx, conc, len(live), prefill_rate)
+            left = deadline - 30 - time.time()
+            rounds = min(args.repeats, int(left / (len(plan) - i) // per_round))
+            est = per_round * max(rounds, 1)
+            if not live or rounds < 1:
                 for k in kinds:
                     result["servers"][k]["points"].append(
                         {
@@ -1095,9 +1098,14 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
                     )
                 log(f"ctx {ctx} x {conc}: skipped (needs ~{est:.0f} s)")
                 continue
+            if rounds < args.repeats:
+                log(
+                    f"ctx {ctx} x {conc}: {rounds} of {args.repeats} rounds "
+                    f"(time budget: ~{per_round:.0f} s a round)"
+                )
             runs: Dict[str, List[dict]] = {k: [] for k in live}
             orders = []
-            for rnd in range(args.repeats):
+            for rnd in range(rounds):
                 order = live[rnd % len(live) :] + live[: rnd % len(live)]
                 orders.append(order)
                 for k in order:

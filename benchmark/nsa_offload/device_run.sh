@@ -4,15 +4,16 @@
 #     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
 # STEP: engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests,
-# exactness with/without, a server with units), e2e (servers: exactness,
+# exactness with/without, a server with units), swap-units (the swap with
+# units: split vs fused kernels), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
 # offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), savejit
-# (pack the JIT caches built here into $OUT/jitcache-extra.tgz for the next
+# (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
 # Results go under $OUT. A cold machine compiles kernels for ~150-210 s
 # at each first server start: end the first warm call with "savejit" and carry
-# the returned jitcache-extra.tgz as .devwheels/jitcache-extra.tgz afterwards.
+# the returned jitcache-extra/ folder as .devwheels/jitcache-extra/ afterwards.
 #
 # One-time setup in the checkout (the wheelhouse is too big for git):
 #   mkdir -p .devwheels && cp -r ../shared/device/{wheels-a,wheels-b,jitcache-h200.tgz} .devwheels/
@@ -28,8 +29,10 @@ fi
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
   # JIT caches saved by an earlier "savejit" step (Triton MoE kernels etc.):
-  # carry .devwheels/jitcache-extra.tgz to skip ~2 min of compiling per start.
+  # carry .devwheels/jitcache-extra (a folder of archive parts; older: one
+  # jitcache-extra.tgz) to skip ~2 min of compiling per start.
   [ -f $W/jitcache-extra.tgz ] && tar xzf $W/jitcache-extra.tgz -C ~
+  [ -d $W/jitcache-extra ] && cat $W/jitcache-extra/part-* | tar xzf - -C ~
 fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # torch.compile's cache under ~ too, so that "savejit" can carry it.
@@ -64,6 +67,10 @@ for step in "$@"; do
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
         --port $((31000 + 100 * GPU0)) --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
       ;;
+    swap-units)
+      # The LRU swap with units: split kernels vs the fused one (time, equality).
+      timeout 150 python3 benchmark/nsa_offload/bench_swap_units.py --out $OUT/swap_units 2>&1 | tail -20 || rc=1
+      ;;
     e2e)
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
@@ -78,19 +85,22 @@ for step in "$@"; do
       # Triton's cache plus what the other JIT caches (deep_gemm, tvm-ffi,
       # flashinfer, torch.compile) built here beyond jitcache-h200.tgz: a cold no
       # offload server spends ~2 min compiling in its CUDA graph capture.
-      # Copy the returned file into .devwheels/ here.
+      # Copy the returned folder into .devwheels/ here.
       (cd ~ && { find .cache/deep_gemm .cache/tvm-ffi .cache/flashinfer \
         .cache/torchinductor -type f \
         -newer /tmp/site/.wheels-b 2>/dev/null; echo .triton; } \
-        | tar czf $OUT/jitcache-extra.tgz -T -) && ls -la $OUT/jitcache-extra.tgz
+        | tar czf /tmp/jitcache-extra.tgz -T -) && mkdir -p $OUT/jitcache-extra \
+        && split -b 15000000 -d /tmp/jitcache-extra.tgz $OUT/jitcache-extra/part- \
+        && rm /tmp/jitcache-extra.tgz && ls -la $OUT/jitcache-extra
       ;;
     *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
   esac
 done
 # At most 8 files come back from $OUT: pack them (the JIT cache stays apart).
-(cd $OUT && { [ ! -f jitcache-extra.tgz ] || mv jitcache-extra.tgz /tmp/jit-keep.tgz; } \
+# A returned file is at most 16 MiB: the JIT cache comes back in parts.
+(cd $OUT && rm -rf /tmp/jit-keep && { [ ! -d jitcache-extra ] || mv jitcache-extra /tmp/jit-keep; } \
   && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz . \
-  && { [ ! -f /tmp/jit-keep.tgz ] || mv /tmp/jit-keep.tgz jitcache-extra.tgz; })
+  && { [ ! -d /tmp/jit-keep ] || mv /tmp/jit-keep jitcache-extra; })
 # A returned file is at most 16 MiB: larger traces stay behind (summaries are kept).
 if [ -f /tmp/profiles.tgz ]; then
   if [ "$(stat -c %s /tmp/profiles.tgz)" -lt 15000000 ]; then mv /tmp/profiles.tgz $OUT/

@@ -5,7 +5,8 @@ measured runs and, while the requests decode, asks the server to profile N
 forward steps (sglang's ``/start_profile``, CPU + GPU activities). This module
 reads the chrome trace it writes and sums, per profiled step:
 
-* GPU kernel time by category: the offload's swap (``_swap_layer_kernel``),
+* GPU kernel time by category: the offload's swap (``_swap_layer_kernel``,
+  or the ``_swap_*_kernel`` four with LRU units),
   its miss copy (``_gather_rows_kernel``), its new-token backup
   (``_copy_rows_all_layers_kernel``), HiSparse's kernels, and everything else
   (the model). The cross-layer prefetch runs the same swap and copy kernels:
@@ -35,7 +36,17 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 # Kernel name fragments -> category (the first match wins).
 KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("swap", ("_swap_layer_kernel",)),
+    # The fused swap and, with LRU units, its four split kernels.
+    (
+        "swap",
+        (
+            "_swap_layer_kernel",
+            "_swap_classify_kernel",
+            "_swap_count_kernel",
+            "_swap_rank_kernel",
+            "_swap_assign_kernel",
+        ),
+    ),
     ("h2d_copy", ("_gather_rows_kernel",)),
     ("backup", ("_copy_rows_all_layers_kernel",)),
     ("hisparse", ("load_cache_to_device_buffer", "hisparse")),

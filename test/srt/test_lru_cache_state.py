@@ -412,8 +412,18 @@ class Sim:
         return plan
 
 
+def impl_state(cfg, impl) -> LRUCacheState:
+    """``impl``: False (reference), True (Triton) or "fused" (Triton, the
+    one-program swap even with units)."""
+    if impl == "fused":
+        state = new_state(cfg, True)
+        state.split_swap = False
+        return state
+    return new_state(cfg, impl)
+
+
 def run_sim(test, cfg: SimConfig, use_triton, steps: int, seed: int) -> Sim:
-    states = [new_state(cfg, u) for u in use_triton]
+    states = [impl_state(cfg, u) for u in use_triton]
     model = LRUModel(cfg.layers, cfg.C, cfg.W, max_units=cfg.units)
     sim = Sim(test, cfg, states, model, seed)
     for _ in range(steps):
@@ -659,6 +669,12 @@ class TestTritonMatchesReference(unittest.TestCase):
     def test_units_non_pow2_full_pressure(self):
         cfg = SimConfig(C=40, K=40, W=4, units=4, max_batch=3, p_keep=0.3, p_recent=0.3)
         self._run(cfg, steps=30, seed=7)
+
+    def test_units_split_kernels_match_fused(self):
+        # With units the swap runs split by unit; the fused kernel handles
+        # units too, and both must leave the same state (and match the model).
+        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
+        run_sim(self, cfg, (True, "fused", False), steps=30, seed=8)
 
 
 class TestUnits(unittest.TestCase):

@@ -331,7 +331,9 @@ class TestInterleave(unittest.TestCase):
 class TestInterleavedRuns(unittest.TestCase):
     """``bench_interleaved``'s schedule with stand-in servers (no sglang)."""
 
-    def test_rounds_rotate_and_a_failed_start_is_reported(self):
+    def _bench(self, extra_argv, deadline):
+        """bench_interleaved with stand-in servers (hisparse fails to start);
+        returns (result, calls, started)."""
         import tempfile
         from unittest import mock
 
@@ -366,8 +368,7 @@ class TestInterleavedRuns(unittest.TestCase):
             }
 
         with tempfile.TemporaryDirectory() as out:
-            argv = ["--out", out, "--interleave", "--no-record", "--repeats", "3"]
-            argv += ["--contexts", "4096", "--concurrency", "1,8"]
+            argv = ["--out", out, "--interleave", "--no-record"] + extra_argv
             argv += ["--mem-fraction-static", "0.03"]
             args = bench_server.parse_args(argv)
             args.mem_fraction_how, args.trace = "given", None
@@ -380,8 +381,13 @@ class TestInterleavedRuns(unittest.TestCase):
                 num_model_layers=lambda: 3,
             ):
                 bench_server.bench_interleaved(
-                    args, ["baseline", "ours", "hisparse"], 1e12, result, lambda: 0
+                    args, ["baseline", "ours", "hisparse"], deadline, result, lambda: 0
                 )
+        return result, calls, started
+
+    def test_rounds_rotate_and_a_failed_start_is_reported(self):
+        argv = ["--repeats", "3", "--contexts", "4096", "--concurrency", "1,8"]
+        result, calls, started = self._bench(argv, 1e12)
         srv = result["servers"]
         # Every server is stopped at the end, the unhealthy one at once.
         self.assertEqual([x.port for x in started], [31200, 31201, 31202])
@@ -400,6 +406,24 @@ class TestInterleavedRuns(unittest.TestCase):
         p4 = bench_server.evaluate_targets(result)["P4"]
         self.assertAlmostEqual(p4["rows"][1]["overhead_paired"], 0.1)
         self.assertFalse(p4["met"])  # +10.000...1% (float) is not <= 10%
+
+    def test_time_budget_cuts_rounds_before_points(self):
+        import time
+
+        # Planned at ~243 s a round (2 servers, 20000 tokens at 6 ms a step),
+        # with ~2.5 rounds of time left: 2 of the 5 rounds run.
+        argv = ["--repeats", "5", "--contexts", "4096", "--concurrency", "1"]
+        argv += ["--new-tokens", "20000"]
+        result, calls, _ = self._bench(argv, time.time() + 30 + 2.5 * 243)
+        self.assertEqual(len(calls), 4)
+        (point,) = result["servers"]["ours"]["points"]
+        self.assertEqual(len(point["round_orders"]), 2)
+        # Not even one round fits: the point is skipped, not cut.
+        argv[-1] = "100000"
+        result, calls, _ = self._bench(argv, time.time() + 30 + 2.5 * 243)
+        self.assertEqual(calls, [])
+        (point,) = result["servers"]["ours"]["points"]
+        self.assertIn("time budget", point["skipped"])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import pool_rounds  # noqa: E402
 
 S8 = BENCH_DIR / "results" / "h200_bench_server_s8"
 S9 = BENCH_DIR / "results" / "h200_units_s9"
+S10 = BENCH_DIR / "results" / "h200_s10"
 
 
 def point(ctx, conc, itls, interleaved=True, misses=None):
@@ -149,6 +150,24 @@ class TestCommittedSession9(unittest.TestCase):
         units = {(r["ctx"], r["conc"]): r for r in rows if r["server"] == "ours_units"}
         self.assertEqual({r["buffer_rows"] for r in units.values()}, {16384})
         self.assertEqual(units[(16384, 32)]["rounds"], 21)
+
+
+@unittest.skipUnless(S10.is_dir(), "needs the committed session-10 results")
+class TestCommittedSession10(unittest.TestCase):
+    """results/h200_s10/pooled.md comes from its P4 runs' JSON files (batch
+    1 and 8, the default server with units)."""
+
+    def test_pooled_table_matches_the_committed_one(self):
+        files = sorted(S10.glob("p4_run*/bench_server_*.json"))
+        results = [json.loads(f.read_text()) for f in files]
+        rows = pool_rounds.pool_runs(results, [f.parent.name for f in files])
+        self.assertEqual(
+            pool_rounds.render_markdown(rows), (S10 / "pooled.md").read_text()
+        )
+        by_point = {(r["ctx"], r["conc"]): r for r in rows}
+        self.assertEqual(by_point[(32768, 1)]["rounds"], 40)
+        self.assertEqual(by_point[(32768, 8)]["rounds"], 15)
+        self.assertGreater(by_point[(32768, 8)]["overhead"], 0.1)
 
 
 if __name__ == "__main__":

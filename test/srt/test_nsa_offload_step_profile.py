@@ -78,6 +78,11 @@ class TestSummarize(unittest.TestCase):
         self.assertEqual(
             step_profile.kernel_category("_swap_layer_kernel_0d1d"), "swap"
         )
+        # With LRU units the swap runs as four kernels.
+        for part in ("classify", "count", "rank", "assign"):
+            self.assertEqual(
+                step_profile.kernel_category(f"_swap_{part}_kernel"), "swap"
+            )
         self.assertEqual(
             step_profile.kernel_category("load_cache_to_device_buffer_kernel<64>"),
             "hisparse",

@@ -15,9 +15,11 @@ add and drop units at other bases): slot ``s`` lives at row
 slots are ever evicted into. ``U = 1`` is the fixed-region case above.
 
 Everything is fixed-shape and sync-free so the swap can be captured in a CUDA
-graph. ``swap_layer`` runs one fused Triton kernel; the pure-torch reference
-(``prepare_layer_swap`` -> ``build_gpu_page_table`` -> ``post_process_layer_swap``)
-implements the same semantics bit-exactly and backs the CPU tests.
+graph. ``swap_layer`` runs one fused Triton kernel (with units: the same swap
+split by unit into four kernels, see ``_swap_classify_kernel``); the pure-torch
+reference (``prepare_layer_swap`` -> ``build_gpu_page_table`` ->
+``post_process_layer_swap``) implements the same semantics bit-exactly and backs
+the CPU tests.
 
 Callers guarantee: top-k positions unique apart from padding; token locs unique
 across live requests; a request is released before its pool index is admitted
@@ -156,6 +158,9 @@ class LRUCacheState:
             # registers/thread without spills (C=4096 -> 16 warps).
             num_warps = min(16, max(4, self.block_c // 256))
         self.num_warps = num_warps
+        # Units: the swap runs as kernels split by unit (the fused kernel
+        # walks all U x C slots in one program). Benchmarks flip it to compare.
+        self.split_swap = max_units > 1
 
         L, C, dev = num_layers, self.num_slots, self.device
         self._sink_req = max_num_reqs
@@ -414,6 +419,20 @@ class LRUCacheState:
         loc_to_slot, slot_loc, lru, layer_counters = self._layer_views[layer]
         if counters is None:
             counters = layer_counters
+        if self.split_swap:
+            self._split_swap(
+                topk_pos,
+                req_pool_indices,
+                seq_lens,
+                req_to_token,
+                num_real,
+                loc_to_slot,
+                slot_loc,
+                lru,
+                counters,
+                plan,
+            )
+            return plan
         _swap_layer_kernel[(bs,)](
             topk_pos,
             topk_pos.stride(0),
@@ -449,18 +468,123 @@ class LRUCacheState:
         )
         return plan
 
+    def _split_swap(
+        self,
+        topk_pos: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_to_token: torch.Tensor,
+        num_real: torch.Tensor,
+        loc_to_slot: torch.Tensor,
+        slot_loc: torch.Tensor,
+        lru: torch.Tensor,
+        counters: torch.Tensor,
+        plan: LayerSwapPlan,
+    ) -> None:
+        # The swap with units as four kernels (see _swap_classify_kernel).
+        bs = topk_pos.shape[0]
+        U, C0 = self.max_units, self.buffer_size
+        shape = dict(
+            C=self.num_slots,
+            C0=C0,
+            U=U,
+            BLOCK_C0=_next_pow2(C0),
+            num_warps=self.num_warps,
+        )
+        _swap_classify_kernel[(bs,)](
+            topk_pos,
+            topk_pos.stride(0),
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            req_to_token.stride(0),
+            num_real,
+            loc_to_slot,
+            counters,
+            plan.page_table,
+            plan.page_table.stride(0),
+            plan.miss_count,
+            self._hit_flags,
+            self._entry_slots,
+            self._sink_req,
+            K=self.top_k,
+            W=self.recent_window,
+            BLOCK_K=self.block_k,
+            **shape,
+        )
+        _swap_count_kernel[(bs, U)](
+            req_pool_indices,
+            num_real,
+            lru,
+            self._capacity_buf,
+            self._hit_flags,
+            self._evictable_counts,
+            self._sink_req,
+            **shape,
+        )
+        _swap_rank_kernel[(bs, U)](
+            req_pool_indices,
+            num_real,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            self._capacity_buf,
+            plan.miss_count,
+            self._hit_flags,
+            self._evictable_counts,
+            self._victims,
+            self._new_lru,
+            self._sink_req,
+            K=self.top_k,
+            BLOCK_U=_next_pow2(U),
+            **shape,
+        )
+        _swap_assign_kernel[(bs, U)](
+            topk_pos,
+            topk_pos.stride(0),
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            req_to_token.stride(0),
+            num_real,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            self._unit_base_buf,
+            plan.page_table,
+            plan.page_table.stride(0),
+            plan.miss_src_loc,
+            plan.miss_src_loc.stride(0),
+            plan.miss_dst_row,
+            plan.miss_dst_row.stride(0),
+            self._entry_slots,
+            self._victims,
+            self._new_lru,
+            self._sink_req,
+            K=self.top_k,
+            W=self.recent_window,
+            BLOCK_K=self.block_k,
+            **shape,
+        )
+
     def _alloc_scratch(self, rows: int) -> None:
-        # Per-batch-row scratch of the kernel, shared by all layers: swaps of
+        # Per-batch-row scratch of the kernels, shared by all layers: swaps of
         # one state must run on one stream. Old buffers stay alive because
         # captured CUDA graphs may still point at them.
         if self._scratch_rows:
-            self._retired_scratch.append((self._hit_flags, self._victims))
-        self._hit_flags = torch.zeros(
-            (rows, self.num_slots), dtype=torch.int8, device=self.device
-        )
-        self._victims = torch.zeros(
-            (rows, self.top_k), dtype=torch.int32, device=self.device
-        )
+            self._retired_scratch.append(self._scratch)
+        dev, K, C = self.device, self.top_k, self.num_slots
+        self._hit_flags = torch.zeros((rows, C), dtype=torch.int8, device=dev)
+        self._victims = torch.zeros((rows, K), dtype=torch.int32, device=dev)
+        self._scratch = [self._hit_flags, self._victims]
+        if self.max_units > 1:
+            # The split swap's hand-over between its kernels.
+            self._entry_slots = torch.zeros((rows, K), dtype=torch.int32, device=dev)
+            self._evictable_counts = torch.zeros(
+                (rows, self.max_units), dtype=torch.int32, device=dev
+            )
+            self._new_lru = torch.zeros((rows, C), dtype=torch.int16, device=dev)
+            self._scratch += [self._entry_slots, self._evictable_counts, self._new_lru]
         self._scratch_rows = rows
 
     def _out_buffers(self, bs: int, out: Optional[LayerSwapPlan]) -> LayerSwapPlan:
@@ -676,6 +800,80 @@ def _swap_kernel_is_interpreted() -> bool:
 # spills (ptxas, sm_90).
 if _HAS_TRITON:
 
+    # Steps shared by the fused swap kernel and the split one.
+    @triton.jit
+    def _classify_topk(
+        pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W: tl.constexpr
+    ):
+        # Top-k entries in the recent window, to look up (with their token
+        # loc), or neither (padding / beyond the sequence).
+        valid = mask_k & (pos >= 0) & (pos < n)
+        in_window = valid & (pos >= n - W)
+        lookup = valid & (pos < n - W)
+        loc = tl.load(
+            req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
+        )
+        return in_window, lookup, loc
+
+    @triton.jit
+    def _lru_new_positions(evictable, ev_rank, p, num_misses, num_evictable):
+        # The recency rule: [untaken evictables, victims, hits and slots beyond
+        # the capacity], each in its old order; p is the old position.
+        new_pos = tl.where(
+            evictable,
+            tl.where(
+                ev_rank >= num_misses,
+                ev_rank - num_misses,
+                num_evictable - num_misses + ev_rank,
+            ),
+            num_evictable + p - ev_rank,
+        )
+        return new_pos, evictable & (ev_rank < num_misses)
+
+    @triton.jit
+    def _place_entries(
+        pos,
+        in_window,
+        lookup,
+        loc,
+        cur,
+        miss_rank,
+        offs_k,
+        mask_k,
+        r,
+        base,
+        victims_row,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        unit_base_ptr,
+        pt_row,
+        miss_src_row,
+        miss_dst_row,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+    ):
+        # Misses take their victims (by miss rank); the page table in top-k
+        # order; the copy list compacted by miss rank.
+        hit = lookup & (cur >= 0)
+        miss = lookup & (cur < 0)
+        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
+        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+        slot = tl.where(hit, cur, victim)
+        if U == 1:
+            slot_row = base + slot
+        else:
+            unit_base = tl.load(
+                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            )
+            slot_row = unit_base + slot % C0
+        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(miss_src_row + miss_rank, loc.to(tl.int64), mask=miss)
+        tl.store(miss_dst_row + miss_rank, slot_row, mask=miss)
+
     # Per-layer views (loc_to_slot, counters) and caller-owned scalars are not
     # always 16-byte aligned; specializing on that would compile a variant per
     # layer parity, possibly inside CUDA-graph capture. They are gathered or
@@ -755,11 +953,8 @@ if _HAS_TRITON:
         tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=mask_c)
 
         # Phase 1: classify entries (padding / window / hit / miss).
-        valid = mask_k & (pos >= 0) & (pos < n)
-        in_window = valid & (pos >= n - W)
-        lookup = valid & (pos < n - W)
-        loc = tl.load(
-            req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
+        in_window, lookup, loc = _classify_topk(
+            pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
         )
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
         hit = lookup & (cur >= 0)
@@ -782,18 +977,9 @@ if _HAS_TRITON:
         evictable = evictable & (order < capacity)
         ev_i = evictable.to(tl.int32)
         ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
-        num_kept = C - tl.sum(ev_i, axis=0)
-        hit_rank = offs_c - ev_rank
-        new_pos = tl.where(
-            evictable,
-            tl.where(
-                ev_rank >= num_misses,
-                ev_rank - num_misses,
-                C - num_kept - num_misses + ev_rank,
-            ),
-            C - num_kept + hit_rank,
+        new_pos, taken = _lru_new_positions(
+            evictable, ev_rank, offs_c, num_misses, tl.sum(ev_i, axis=0)
         )
-        taken = evictable & (ev_rank < num_misses)
         # Victims' old locs leave the map now (phase 1 has read it already).
         tl.store(
             loc_to_slot_ptr + old_loc,
@@ -809,29 +995,326 @@ if _HAS_TRITON:
         tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
 
         # Phase 3: misses take their victims; page table in top-k order.
-        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
-        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
-        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
-        slot = tl.where(hit, cur, victim)
-        if U == 1:
-            slot_row = base + slot
-        else:
-            unit_base = tl.load(
-                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
-            )
-            slot_row = unit_base + slot % C0
-        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
-        tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(
-            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
+        _place_entries(
+            pos,
+            in_window,
+            lookup,
+            loc,
+            cur,
+            miss_rank,
+            offs_k,
+            mask_k,
+            r,
+            base,
+            victims_row,
+            loc_to_slot_ptr,
+            slot_loc_ptr,
+            unit_base_ptr,
+            pt_row,
+            miss_src_ptr + b * miss_src_stride,
+            miss_dst_ptr + b * miss_dst_stride,
+            C,
+            C0,
+            U,
+            W,
         )
-        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
         tl.store(miss_count_ptr + b, num_misses)
         tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
         tl.atomic_add(
             counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
         )
         tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
+
+    # Split swap for U > 1 units (C = U x C0 slots): the fused kernel walks
+    # all C slots in one program, which costs U times the one-unit swap. Here
+    # the walk is spread over U programs per row, one per C0-position chunk of
+    # lru_order; the cross-chunk rank prefix goes through per-row counts, so
+    # the row's phases become kernels (same semantics, same results):
+    #   _swap_classify_kernel (bs,): phase 1; hit flags and each entry's slot
+    #     (-1 if none) to scratch, the row's miss count to miss_count.
+    #   _swap_count_kernel (bs, U): evictable slots per chunk.
+    #   _swap_rank_kernel (bs, U): phase 2 with the chunk's rank offset; the
+    #     permuted order goes to scratch (other chunks still read theirs).
+    #   _swap_assign_kernel (bs, U): chunk u copies the new order back; chunk 0
+    #     does phase 3.
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "seq_lens_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "counters_ptr",
+            "miss_count_ptr",
+        ]
+    )
+    def _swap_classify_kernel(
+        topk_ptr,
+        topk_stride,
+        req_pool_ptr,
+        seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride,
+        num_real_ptr,
+        loc_to_slot_ptr,
+        counters_ptr,
+        page_table_ptr,
+        page_table_stride,
+        miss_count_ptr,
+        hit_flags_ptr,  # (rows, C) int8 scratch
+        cur_ptr,  # (rows, K) int32 scratch: slot of each entry, -1 if none
+        sink_req,
+        K: tl.constexpr,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        if b >= tl.load(num_real_ptr):
+            pt_row = page_table_ptr + b * page_table_stride
+            tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
+            tl.store(miss_count_ptr + b, 0)
+            return
+        r = tl.load(req_pool_ptr + b).to(tl.int64)
+        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        n = tl.load(seq_lens_ptr + b).to(tl.int32)
+        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+        pos = pos.to(tl.int32)
+        flags_row = hit_flags_ptr + b.to(tl.int64) * C
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        for u in tl.static_range(U):
+            tl.store(
+                flags_row + u * C0 + offs_c0,
+                tl.zeros([BLOCK_C0], tl.int8),
+                mask=offs_c0 < C0,
+            )
+        in_window, lookup, loc = _classify_topk(
+            pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+        )
+        cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
+        cur = tl.where(lookup, cur, -1)
+        hit = cur >= 0
+        num_misses = tl.sum((lookup & (cur < 0)).to(tl.int32), axis=0)
+        tl.debug_barrier()
+        tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
+        tl.store(cur_ptr + b.to(tl.int64) * K + offs_k, cur, mask=mask_k)
+        tl.store(miss_count_ptr + b, num_misses)
+        tl.atomic_add(counters_ptr + 0, tl.sum(hit.to(tl.int32), axis=0).to(tl.int64))
+        tl.atomic_add(
+            counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
+        )
+        tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
+
+    @triton.jit
+    def _chunk_evictable(
+        b,
+        r,
+        lru_ptr,
+        capacity_ptr,
+        hit_flags_ptr,
+        offs,
+        mask,
+        C: tl.constexpr,
+    ):
+        # lru_order entries of one chunk and which of them are evictable: owned
+        # (below the capacity) and not hit this step.
+        order = tl.load(lru_ptr + r * C + offs, mask=mask, other=0).to(tl.int32)
+        hit = tl.load(hit_flags_ptr + b.to(tl.int64) * C + order, mask=mask, other=1)
+        evictable = mask & (hit == 0) & (order < tl.load(capacity_ptr + r))
+        return order, evictable
+
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "num_real_ptr",
+            "capacity_ptr",
+            "ev_count_ptr",
+        ]
+    )
+    def _swap_count_kernel(
+        req_pool_ptr,
+        num_real_ptr,
+        lru_ptr,
+        capacity_ptr,
+        hit_flags_ptr,
+        ev_count_ptr,  # (rows, U) int32 scratch
+        sink_req,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        if b >= tl.load(num_real_ptr):
+            return
+        r = tl.load(req_pool_ptr + b).to(tl.int64)
+        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        _, evictable = _chunk_evictable(
+            b,
+            r,
+            lru_ptr,
+            capacity_ptr,
+            hit_flags_ptr,
+            u * C0 + offs_c0,
+            offs_c0 < C0,
+            C,
+        )
+        tl.store(ev_count_ptr + b * U + u, tl.sum(evictable.to(tl.int32), axis=0))
+
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "capacity_ptr",
+            "miss_count_ptr",
+            "ev_count_ptr",
+        ]
+    )
+    def _swap_rank_kernel(
+        req_pool_ptr,
+        num_real_ptr,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        lru_ptr,
+        capacity_ptr,
+        miss_count_ptr,
+        hit_flags_ptr,
+        ev_count_ptr,
+        victims_ptr,  # (rows, K) int32 scratch
+        new_lru_ptr,  # (rows, C) int16 scratch
+        sink_req,
+        K: tl.constexpr,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        BLOCK_U: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        if b >= tl.load(num_real_ptr):
+            return
+        r = tl.load(req_pool_ptr + b).to(tl.int64)
+        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        mask = offs_c0 < C0
+        p = u * C0 + offs_c0  # positions of this chunk in lru_order
+        order, evictable = _chunk_evictable(
+            b, r, lru_ptr, capacity_ptr, hit_flags_ptr, p, mask, C
+        )
+        offs_u = tl.arange(0, BLOCK_U)
+        counts = tl.load(ev_count_ptr + b * U + offs_u, mask=offs_u < U, other=0)
+        num_evictable = tl.sum(counts, axis=0)
+        before = tl.sum(tl.where(offs_u < u, counts, 0), axis=0)
+        num_misses = tl.load(miss_count_ptr + b)
+        ev_i = evictable.to(tl.int32)
+        ev_rank = before + tl.cumsum(ev_i, axis=0) - ev_i
+        new_pos, taken = _lru_new_positions(
+            evictable, ev_rank, p, num_misses, num_evictable
+        )
+        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
+        tl.store(
+            loc_to_slot_ptr + old_loc,
+            tl.full([BLOCK_C0], -1, tl.int16),
+            mask=taken & (old_loc >= 0),
+        )
+        tl.store(victims_ptr + b.to(tl.int64) * K + ev_rank, order, mask=taken)
+        tl.store(
+            new_lru_ptr + b.to(tl.int64) * C + new_pos, order.to(tl.int16), mask=mask
+        )
+
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "seq_lens_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "unit_base_ptr",
+        ]
+    )
+    def _swap_assign_kernel(
+        topk_ptr,
+        topk_stride,
+        req_pool_ptr,
+        seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride,
+        num_real_ptr,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        lru_ptr,
+        unit_base_ptr,
+        page_table_ptr,
+        page_table_stride,
+        miss_src_ptr,
+        miss_src_stride,
+        miss_dst_ptr,
+        miss_dst_stride,
+        cur_ptr,
+        victims_ptr,
+        new_lru_ptr,
+        sink_req,
+        K: tl.constexpr,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        if b >= tl.load(num_real_ptr):
+            return
+        r = tl.load(req_pool_ptr + b).to(tl.int64)
+        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        mask = offs_c0 < C0
+        p = u * C0 + offs_c0
+        new_order = tl.load(new_lru_ptr + b.to(tl.int64) * C + p, mask=mask)
+        tl.store(lru_ptr + r * C + p, new_order, mask=mask)
+        if u == 0:
+            offs_k = tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            n = tl.load(seq_lens_ptr + b).to(tl.int32)
+            base = tl.load(unit_base_ptr + r * U)
+            pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+            pos = pos.to(tl.int32)
+            in_window, lookup, loc = _classify_topk(
+                pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+            )
+            cur = tl.load(cur_ptr + b.to(tl.int64) * K + offs_k, mask=mask_k, other=-1)
+            miss_i = (lookup & (cur < 0)).to(tl.int32)
+            _place_entries(
+                pos,
+                in_window,
+                lookup,
+                loc,
+                cur,
+                tl.cumsum(miss_i, axis=0) - miss_i,
+                offs_k,
+                mask_k,
+                r,
+                base,
+                victims_ptr + b.to(tl.int64) * K,
+                loc_to_slot_ptr,
+                slot_loc_ptr,
+                unit_base_ptr,
+                page_table_ptr + b * page_table_stride,
+                miss_src_ptr + b * miss_src_stride,
+                miss_dst_ptr + b * miss_dst_stride,
+                C,
+                C0,
+                U,
+                W,
+            )
 
     # One variant for every batch size and slice offset (see above).
     @triton.jit(

@@ -1,0 +1,233 @@
+"""The LRU swap with units on the GPU: the one-program (fused) kernel vs the
+kernels split by unit, and both against one unit.
+
+A request with ``U`` units has ``U x C`` LRU slots per layer; the fused kernel
+walks them all in one program per request, the split swap spreads the walk
+over ``U`` programs (``LRUCacheState.split_swap``). For each batch size and
+``U``, every request holds all ``U`` units and decodes at ``--ctx`` tokens
+with a top-k that keeps ``--keep`` of the previous step's positions (the rest
+fresh, uniform). ``--steps`` swaps with distinct top-k inputs are captured in
+one CUDA graph; the time per swap is the median over ``--repeats`` replays
+divided by the steps. The split and fused states are also compared after
+every replay (page tables, copy plans and the whole LRU state): a mismatch
+fails the run.
+
+    python benchmark/nsa_offload/bench_swap_units.py --out /tmp/out/swap_units
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
+
+# Without CUDA (TRITON_INTERPRET=1 set) the same steps run eagerly: a check
+# of the script and of split = fused, no timing worth reading.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _ints(s: str):
+    return [int(x) for x in s.split(",") if x]
+
+
+def topk_steps(rng, bs: int, ctx: int, k: int, window: int, steps: int, keep: float):
+    """(steps, bs, k) int32 top-k positions: each step keeps ``keep`` of the
+    previous one, the rest fresh outside the recent window."""
+    out = np.empty((steps, bs, k), dtype=np.int32)
+    for b in range(bs):
+        cur = rng.choice(ctx - window, size=k, replace=False)
+        for s in range(steps):
+            kept = rng.choice(cur, size=int(keep * k), replace=False)
+            pool = np.setdiff1d(np.arange(ctx - window), kept, assume_unique=True)
+            fresh = rng.choice(pool, size=k - kept.size, replace=False)
+            cur = rng.permutation(np.concatenate([kept, fresh]))
+            out[s, b] = cur
+    return out
+
+
+def make_state(args, bs: int, units: int, split: bool) -> LRUCacheState:
+    state = LRUCacheState(
+        num_layers=1,
+        max_num_reqs=bs,
+        num_locs=bs * args.ctx,
+        buffer_size=args.buffer_size,
+        recent_window=args.window,
+        top_k=args.top_k,
+        device=DEVICE,
+        max_batch_size=bs,
+        max_units=units,
+    )
+    state.split_swap = split
+    rows = args.buffer_size + args.window
+    for r in range(bs):
+        state.admit_request(r, r * units * rows)
+        for u in range(1, units):
+            state.grow_request(r, u, (r * units + u) * rows)
+    return state
+
+
+def run_point(args, bs: int, units: int, tops: torch.Tensor) -> dict:
+    dev = DEVICE
+    req = torch.arange(bs, dtype=torch.int64, device=dev)
+    seq_lens = torch.full((bs,), args.ctx, dtype=torch.int32, device=dev)
+    req_to_token = (
+        torch.arange(bs * args.ctx, dtype=torch.int32, device=dev)
+        .view(bs, args.ctx)
+        .contiguous()
+    )
+    variants = {"fused": False} if units == 1 else {"fused": False, "split": True}
+    res = {}
+    graphs, states = {}, {}
+    for name, split in variants.items():
+        state = make_state(args, bs, units, split)
+        # Compile outside the capture, then undo its effect on the state.
+        state.swap_layer(0, tops[0], req, seq_lens, req_to_token)
+        state = make_state(args, bs, units, split)
+        g = _Steps(state, tops, req, seq_lens, req_to_token)
+        graphs[name], states[name] = g, state
+    mismatches = 0
+    times = {name: [] for name in variants}
+    for rep in range(args.repeats):
+        for name, g in graphs.items():
+            states[name].reset_counters()
+            times[name].append(g.replay() / tops.shape[0])
+        if "split" in states:
+            plans = {name: g.out for name, g in graphs.items()}
+            mismatches += not _same(states["fused"], states["split"], plans)
+    for name in variants:
+        c = states[name].counters[0].tolist()
+        res[name] = {
+            "us_per_swap": statistics.median(times[name]),
+            "us_per_swap_min": min(times[name]),
+            "misses_per_row": c[2] / (tops.shape[0] * bs),
+            "hits_per_row": c[0] / (tops.shape[0] * bs),
+        }
+    res["mismatched_replays"] = mismatches
+    return res
+
+
+class _Steps:
+    """The swaps of every step, captured in one CUDA graph (eager on CPU)."""
+
+    def __init__(self, state, tops, req, seq_lens, req_to_token):
+        def run():
+            return [
+                state.swap_layer(0, tops[s], req, seq_lens, req_to_token)
+                for s in range(tops.shape[0])
+            ]
+
+        self.run, self.graph = run, None
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = run()
+        else:
+            self.out = None
+
+    def replay(self) -> float:
+        """Run every step once; microseconds."""
+        if self.graph is None:
+            tic = time.perf_counter()
+            self.out = self.run()
+            return (time.perf_counter() - tic) * 1e6
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        self.graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1000
+
+
+def _same(a: LRUCacheState, b: LRUCacheState, plans) -> bool:
+    state_equal = all(
+        torch.equal(x, y)
+        for x, y in (
+            (a.lru_order, b.lru_order),
+            (a.slot_loc, b.slot_loc),
+            (a.loc_to_slot, b.loc_to_slot),
+            (a.counters, b.counters),
+        )
+    )
+    plans_equal = True
+    for pa, pb in zip(plans["fused"], plans["split"]):
+        n = pa.miss_count
+        plans_equal &= torch.equal(pa.page_table, pb.page_table)
+        plans_equal &= torch.equal(n, pb.miss_count)
+        for row in range(n.shape[0]):
+            m = int(n[row])
+            plans_equal &= torch.equal(
+                pa.miss_src_loc[row, :m], pb.miss_src_loc[row, :m]
+            )
+            plans_equal &= torch.equal(
+                pa.miss_dst_row[row, :m], pb.miss_dst_row[row, :m]
+            )
+    return bool(state_equal and plans_equal)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
+    p.add_argument("--units", type=_ints, default=[1, 2, 4])
+    p.add_argument("--ctx", type=int, default=32768)
+    p.add_argument("--buffer-size", type=int, default=4096)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=2048)
+    p.add_argument("--keep", type=float, default=0.44)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rng = np.random.default_rng(args.seed)
+    rows, ok = [], True
+    for bs in args.batch_sizes:
+        tops = torch.from_numpy(
+            topk_steps(
+                rng, bs, args.ctx, args.top_k, args.window, args.steps, args.keep
+            )
+        ).to(DEVICE)
+        for units in args.units:
+            res = run_point(args, bs, units, tops)
+            ok &= res["mismatched_replays"] == 0
+            rows.append({"batch": bs, "units": units, **res})
+            print(json.dumps(rows[-1]), flush=True)
+    with open(os.path.join(args.out, "bench_swap_units.json"), "w") as f:
+        json.dump(
+            {"config": vars(args), "rows": rows, "split_equals_fused": ok}, f, indent=1
+        )
+    lines = [
+        f"LRU swap per layer, CUDA graph of {args.steps} swaps, median of "
+        f"{args.repeats} replays; {args.ctx}-token requests holding every unit, "
+        f"top-k {args.top_k} keeping {args.keep:.0%} of the previous step.",
+        "",
+        "| batch | units (LRU rows) | fused us | split us | misses per row | split = fused |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        split = r.get("split")
+        split_us = f"{split['us_per_swap']:.1f}" if split else "-"
+        same = "-" if not split else ("yes" if r["mismatched_replays"] == 0 else "NO")
+        if split and not split["misses_per_row"]:
+            same += " (no misses: hits only)"
+        lines.append(
+            f"| {r['batch']} | {r['units']} ({r['units'] * args.buffer_size}) "
+            f"| {r['fused']['us_per_swap']:.1f} | {split_us} "
+            f"| {r['fused']['misses_per_row']:.0f} | {same} |"
+        )
+    with open(os.path.join(args.out, "bench_swap_units.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print("SPLIT == FUSED:", "PASS" if ok else "FAIL")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

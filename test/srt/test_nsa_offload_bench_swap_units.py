@@ -1,0 +1,54 @@
+"""``benchmark/nsa_offload/bench_swap_units.py`` on a small workload: the
+split and fused swaps stay equal over replays with misses, and the report
+says so (CPU: eager steps under the Triton interpreter, no timing)."""
+
+import json
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+from unittest import mock
+
+import torch
+from sglang.srt.mem_cache import lru_cache_state as lru_mod
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
+sys.path.insert(0, str(BENCH_DIR))
+
+import bench_swap_units  # noqa: E402
+
+TRITON_OK = torch.cuda.is_available() or lru_mod._swap_kernel_is_interpreted()
+
+
+@unittest.skipUnless(TRITON_OK, "Triton neither on CUDA nor interpreted")
+class TestBenchSwapUnits(unittest.TestCase):
+    def test_split_equals_fused_with_misses(self):
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["bench_swap_units.py", "--out", out, "--batch-sizes", "2"]
+            argv += ["--units", "1,3", "--ctx", "4000", "--buffer-size", "24"]
+            argv += ["--window", "4", "--top-k", "24", "--steps", "6"]
+            argv += ["--repeats", "2"]
+            with mock.patch.object(sys, "argv", argv):
+                with self.assertRaises(SystemExit) as done:
+                    bench_swap_units.main()
+            self.assertEqual(done.exception.code, 0)
+            with open(Path(out) / "bench_swap_units.json") as f:
+                report = json.load(f)
+            self.assertTrue(report["split_equals_fused"])
+            by_units = {r["units"]: r for r in report["rows"]}
+            self.assertEqual(set(by_units), {1, 3})
+            self.assertNotIn("split", by_units[1])
+            # Fresh positions outnumber even three units' slots: both swaps
+            # evict on every replay, so the comparison covers victims.
+            self.assertGreater(by_units[3]["split"]["misses_per_row"], 0)
+            self.assertEqual(
+                by_units[3]["split"]["misses_per_row"],
+                by_units[3]["fused"]["misses_per_row"],
+            )
+            md = (Path(out) / "bench_swap_units.md").read_text()
+            self.assertIn("| 2 | 3 (72) |", md)
+            self.assertIn("| yes |", md)
+
+
+if __name__ == "__main__":
+    unittest.main()
