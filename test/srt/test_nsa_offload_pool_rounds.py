@@ -117,16 +117,24 @@ class TestPoolRuns(unittest.TestCase):
 
 
 @unittest.skipUnless(S8.is_dir(), "needs the committed session-8 results")
+def rebuild_committed(test, folder: Path, pattern: str):
+    """Pool a committed results folder's runs; its pooled.md must be what
+    they give. Returns the pooled rows."""
+    files = sorted(folder.glob(pattern))
+    results = [json.loads(f.read_text()) for f in files]
+    rows = pool_rounds.pool_runs(results, [f.parent.name for f in files])
+    test.assertEqual(
+        pool_rounds.render_markdown(rows), (folder / "pooled.md").read_text()
+    )
+    return rows
+
+
 class TestCommittedSession8(unittest.TestCase):
     """The pooled table in results/h200_bench_server_s8/README.md comes from
     its runs' JSON files."""
 
     def test_pooled_table_matches_the_committed_one(self):
-        files = sorted(S8.glob("run*/bench_server_*.json"))
-        results = [json.loads(f.read_text()) for f in files]
-        rows = pool_rounds.pool_runs(results, [f.parent.name for f in files])
-        table = pool_rounds.render_markdown(rows)
-        self.assertEqual(table, (S8 / "pooled.md").read_text())
+        rows = rebuild_committed(self, S8, "run*/bench_server_*.json")
         wide = [r for r in rows if r["buffer_rows"] == 12288 and r["conc"] == 32]
         self.assertEqual([r["rounds"] for r in wide], [28, 9])
         default = [
@@ -141,12 +149,7 @@ class TestCommittedSession9(unittest.TestCase):
     (one unit then) and ours + units (up to 4 x 4096 rows) pool apart."""
 
     def test_pooled_table_matches_the_committed_one(self):
-        files = sorted(S9.glob("run*/bench_server_*.json"))
-        results = [json.loads(f.read_text()) for f in files]
-        rows = pool_rounds.pool_runs(results, [f.parent.name for f in files])
-        self.assertEqual(
-            pool_rounds.render_markdown(rows), (S9 / "pooled.md").read_text()
-        )
+        rows = rebuild_committed(self, S9, "run*/bench_server_*.json")
         units = {(r["ctx"], r["conc"]): r for r in rows if r["server"] == "ours_units"}
         self.assertEqual({r["buffer_rows"] for r in units.values()}, {16384})
         self.assertEqual(units[(16384, 32)]["rounds"], 21)
@@ -158,12 +161,7 @@ class TestCommittedSession10(unittest.TestCase):
     1 and 8, the default server with units)."""
 
     def test_pooled_table_matches_the_committed_one(self):
-        files = sorted(S10.glob("p4_run*/bench_server_*.json"))
-        results = [json.loads(f.read_text()) for f in files]
-        rows = pool_rounds.pool_runs(results, [f.parent.name for f in files])
-        self.assertEqual(
-            pool_rounds.render_markdown(rows), (S10 / "pooled.md").read_text()
-        )
+        rows = rebuild_committed(self, S10, "p4_run*/bench_server_*.json")
         by_point = {(r["ctx"], r["conc"]): r for r in rows}
         self.assertEqual(by_point[(32768, 1)]["rounds"], 40)
         self.assertEqual(by_point[(32768, 8)]["rounds"], 15)
