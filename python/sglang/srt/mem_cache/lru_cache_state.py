@@ -802,6 +802,22 @@ if _HAS_TRITON:
 
     # Steps shared by the fused swap kernel and the split one.
     @triton.jit
+    def _request_row(req_pool_ptr, b, sink_req):
+        # The batch row's request pool index, clamped into the state (padding
+        # rows may hold stale indices).
+        r = tl.load(req_pool_ptr + b).to(tl.int64)
+        return tl.minimum(tl.maximum(r, 0), sink_req)
+
+    @triton.jit
+    def _add_counters(counters_ptr, num_hits, in_window, num_misses):
+        # The layer's (LRU hits, window hits, misses) counters.
+        tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
+        tl.atomic_add(
+            counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
+        )
+        tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
+
+    @triton.jit
     def _classify_topk(
         pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W: tl.constexpr
     ):
@@ -932,8 +948,7 @@ if _HAS_TRITON:
         num_real = tl.load(num_real_ptr)
         # Loads that are in bounds for padding rows too (stale but valid pool
         # index, clamped anyway) go before the branch: saves a round trip.
-        r = tl.load(req_pool_ptr + b).to(tl.int64)
-        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        r = _request_row(req_pool_ptr, b, sink_req)
         n = tl.load(seq_lens_ptr + b).to(tl.int32)
         base = tl.load(unit_base_ptr + r * U)
         capacity = tl.load(capacity_ptr + r)
@@ -1019,11 +1034,7 @@ if _HAS_TRITON:
             W,
         )
         tl.store(miss_count_ptr + b, num_misses)
-        tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
-        tl.atomic_add(
-            counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
-        )
-        tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
+        _add_counters(counters_ptr, num_hits, in_window, num_misses)
 
     # Split swap for U > 1 units (C = U x C0 slots): the fused kernel walks
     # all C slots in one program, which costs U times the one-unit swap. Here
@@ -1079,8 +1090,7 @@ if _HAS_TRITON:
             tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
             tl.store(miss_count_ptr + b, 0)
             return
-        r = tl.load(req_pool_ptr + b).to(tl.int64)
-        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        r = _request_row(req_pool_ptr, b, sink_req)
         n = tl.load(seq_lens_ptr + b).to(tl.int32)
         pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
         pos = pos.to(tl.int32)
@@ -1103,11 +1113,9 @@ if _HAS_TRITON:
         tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
         tl.store(cur_ptr + b.to(tl.int64) * K + offs_k, cur, mask=mask_k)
         tl.store(miss_count_ptr + b, num_misses)
-        tl.atomic_add(counters_ptr + 0, tl.sum(hit.to(tl.int32), axis=0).to(tl.int64))
-        tl.atomic_add(
-            counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
+        _add_counters(
+            counters_ptr, tl.sum(hit.to(tl.int32), axis=0), in_window, num_misses
         )
-        tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
 
     @triton.jit
     def _chunk_evictable(
@@ -1152,8 +1160,7 @@ if _HAS_TRITON:
         u = tl.program_id(1)
         if b >= tl.load(num_real_ptr):
             return
-        r = tl.load(req_pool_ptr + b).to(tl.int64)
-        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        r = _request_row(req_pool_ptr, b, sink_req)
         offs_c0 = tl.arange(0, BLOCK_C0)
         _, evictable = _chunk_evictable(
             b,
@@ -1201,8 +1208,7 @@ if _HAS_TRITON:
         u = tl.program_id(1)
         if b >= tl.load(num_real_ptr):
             return
-        r = tl.load(req_pool_ptr + b).to(tl.int64)
-        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        r = _request_row(req_pool_ptr, b, sink_req)
         offs_c0 = tl.arange(0, BLOCK_C0)
         mask = offs_c0 < C0
         p = u * C0 + offs_c0  # positions of this chunk in lru_order
@@ -1273,8 +1279,7 @@ if _HAS_TRITON:
         u = tl.program_id(1)
         if b >= tl.load(num_real_ptr):
             return
-        r = tl.load(req_pool_ptr + b).to(tl.int64)
-        r = tl.minimum(tl.maximum(r, 0), sink_req)
+        r = _request_row(req_pool_ptr, b, sink_req)
         offs_c0 = tl.arange(0, BLOCK_C0)
         mask = offs_c0 < C0
         p = u * C0 + offs_c0
