@@ -846,54 +846,6 @@ if _HAS_TRITON:
         )
         return new_pos, evictable & (ev_rank < num_misses)
 
-    @triton.jit
-    def _place_entries(
-        pos,
-        in_window,
-        lookup,
-        loc,
-        cur,
-        miss_rank,
-        offs_k,
-        mask_k,
-        r,
-        base,
-        victims_row,
-        loc_to_slot_ptr,
-        slot_loc_ptr,
-        unit_base_ptr,
-        pt_row,
-        miss_src_row,
-        miss_dst_row,
-        C: tl.constexpr,
-        C0: tl.constexpr,
-        U: tl.constexpr,
-        W: tl.constexpr,
-    ):
-        # Misses take their victims (by miss rank); the page table in top-k
-        # order; the copy list compacted by miss rank.
-        hit = lookup & (cur >= 0)
-        miss = lookup & (cur < 0)
-        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
-        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
-        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
-        slot = tl.where(hit, cur, victim)
-        if U == 1:
-            slot_row = base + slot
-        else:
-            unit_base = tl.load(
-                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
-            )
-            slot_row = unit_base + slot % C0
-        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
-        tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(miss_src_row + miss_rank, loc.to(tl.int64), mask=miss)
-        tl.store(miss_dst_row + miss_rank, slot_row, mask=miss)
-
-    # Per-layer views (loc_to_slot, counters) and caller-owned scalars are not
-    # always 16-byte aligned; specializing on that would compile a variant per
-    # layer parity, possibly inside CUDA-graph capture. They are gathered or
-    # scalar accesses, so alignment buys nothing there.
     @triton.jit(
         do_not_specialize_on_alignment=[
             "req_pool_ptr",
@@ -1010,29 +962,25 @@ if _HAS_TRITON:
         tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
 
         # Phase 3: misses take their victims; page table in top-k order.
-        _place_entries(
-            pos,
-            in_window,
-            lookup,
-            loc,
-            cur,
-            miss_rank,
-            offs_k,
-            mask_k,
-            r,
-            base,
-            victims_row,
-            loc_to_slot_ptr,
-            slot_loc_ptr,
-            unit_base_ptr,
-            pt_row,
-            miss_src_ptr + b * miss_src_stride,
-            miss_dst_ptr + b * miss_dst_stride,
-            C,
-            C0,
-            U,
-            W,
+        # (Inline: as a shared helper it costs this kernel 16 registers and a
+        # spill, ptxas sm_90.)
+        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
+        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+        slot = tl.where(hit, cur, victim)
+        if U == 1:
+            slot_row = base + slot
+        else:
+            unit_base = tl.load(
+                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            )
+            slot_row = unit_base + slot % C0
+        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(
+            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
         )
+        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
         tl.store(miss_count_ptr + b, num_misses)
         _add_counters(counters_ptr, num_hits, in_window, num_misses)
 
@@ -1296,29 +1244,31 @@ if _HAS_TRITON:
                 pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
             )
             cur = tl.load(cur_ptr + b.to(tl.int64) * K + offs_k, mask=mask_k, other=-1)
-            miss_i = (lookup & (cur < 0)).to(tl.int32)
-            _place_entries(
-                pos,
-                in_window,
-                lookup,
-                loc,
-                cur,
-                tl.cumsum(miss_i, axis=0) - miss_i,
-                offs_k,
-                mask_k,
-                r,
-                base,
-                victims_ptr + b.to(tl.int64) * K,
-                loc_to_slot_ptr,
-                slot_loc_ptr,
-                unit_base_ptr,
-                page_table_ptr + b * page_table_stride,
-                miss_src_ptr + b * miss_src_stride,
-                miss_dst_ptr + b * miss_dst_stride,
-                C,
-                C0,
-                U,
-                W,
+            hit = lookup & (cur >= 0)
+            miss = lookup & (cur < 0)
+            miss_i = miss.to(tl.int32)
+            miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
+            # Phase 3 as in the fused kernel (units: U > 1 here).
+            victims_row = victims_ptr + b.to(tl.int64) * K
+            victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
+            tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+            tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+            slot = tl.where(hit, cur, victim)
+            unit_base = tl.load(
+                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            )
+            slot_row = unit_base + slot % C0
+            rows = tl.where(
+                in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1)
+            )
+            tl.store(page_table_ptr + b * page_table_stride + offs_k, rows, mask=mask_k)
+            tl.store(
+                miss_src_ptr + b * miss_src_stride + miss_rank,
+                loc.to(tl.int64),
+                mask=miss,
+            )
+            tl.store(
+                miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss
             )
 
     # One variant for every batch size and slice offset (see above).

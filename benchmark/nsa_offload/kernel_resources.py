@@ -1,0 +1,152 @@
+"""Registers and stack (spills) of the LRU swap kernels, compiled for the
+H200 (sm_90) on any machine: Triton compiles ahead of time with the ptxas it
+ships, no GPU needed.
+
+The fused swap keeps a request's whole LRU order in registers; a spill there
+costs every decode layer. Prints one JSON line per kernel and unit count:
+
+    python benchmark/nsa_offload/kernel_resources.py --units 1,2,4
+
+Run it without TRITON_INTERPRET (the kernels must be JIT functions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# Argument dtypes of the swap kernels (LRUCacheState's buffers); every other
+# runtime argument is an int32 scalar (strides, sink row).
+POINTER_TYPES = {
+    "topk_ptr": "*i32",
+    "req_pool_ptr": "*i64",
+    "seq_lens_ptr": "*i32",
+    "req_to_token_ptr": "*i32",
+    "num_real_ptr": "*i32",
+    "loc_to_slot_ptr": "*i16",
+    "slot_loc_ptr": "*i32",
+    "lru_ptr": "*i16",
+    "unit_base_ptr": "*i32",
+    "capacity_ptr": "*i32",
+    "counters_ptr": "*i64",
+    "page_table_ptr": "*i32",
+    "miss_src_ptr": "*i64",
+    "miss_dst_ptr": "*i32",
+    "miss_count_ptr": "*i32",
+    "hit_flags_ptr": "*i8",
+    "victims_ptr": "*i32",
+    "cur_ptr": "*i32",
+    "ev_count_ptr": "*i32",
+    "new_lru_ptr": "*i16",
+}
+
+
+def resources(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> dict:
+    """Compile ``kernel`` for ``sm_<arch>``; its registers and stack bytes."""
+    params = list(inspect.signature(kernel.fn).parameters)
+    signature = {
+        p: "constexpr" if p in constexprs else POINTER_TYPES.get(p, "i32")
+        for p in params
+    }
+    src = ASTSource(
+        kernel,
+        signature,
+        constexprs={(params.index(k),): v for k, v in constexprs.items()},
+    )
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps}
+    )
+    tool = os.path.join(
+        os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump"
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", f.name],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    return {
+        "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),
+        "num_warps": num_warps,
+    }
+
+
+def swap_kernels(units: int, buffer_size: int, top_k: int, window: int):
+    """(name, kernel, constexprs, num_warps) as LRUCacheState launches them."""
+    from sglang.srt.mem_cache import lru_cache_state as lru
+
+    C0, C = buffer_size, buffer_size * units
+    num_warps = min(16, max(4, triton.next_power_of_2(C) // 256))
+    block_k = triton.next_power_of_2(top_k)
+    shape = dict(C=C, C0=C0, U=units)
+    chunk = dict(shape, BLOCK_C0=triton.next_power_of_2(C0))
+    out = [
+        (
+            "fused",
+            lru._swap_layer_kernel,
+            dict(
+                shape,
+                K=top_k,
+                W=window,
+                BLOCK_K=block_k,
+                BLOCK_C=triton.next_power_of_2(C),
+            ),
+        )
+    ]
+    if units > 1:
+        out += [
+            (
+                "classify",
+                lru._swap_classify_kernel,
+                dict(chunk, K=top_k, W=window, BLOCK_K=block_k),
+            ),
+            ("count", lru._swap_count_kernel, chunk),
+            (
+                "rank",
+                lru._swap_rank_kernel,
+                dict(chunk, K=top_k, BLOCK_U=triton.next_power_of_2(units)),
+            ),
+            (
+                "assign",
+                lru._swap_assign_kernel,
+                dict(chunk, K=top_k, W=window, BLOCK_K=block_k),
+            ),
+        ]
+    return [(name, k, c, num_warps) for name, k, c in out]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--units", default="1,2,4")
+    p.add_argument("--buffer-size", type=int, default=4096)
+    p.add_argument("--top-k", type=int, default=2048)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--arch", type=int, default=90)
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("kernel_resources.py: unset TRITON_INTERPRET (needs JIT kernels)")
+    for units in (int(u) for u in args.units.split(",")):
+        for name, kernel, constexprs, num_warps in swap_kernels(
+            units, args.buffer_size, args.top_k, args.window
+        ):
+            row = {"kernel": name, "units": units}
+            row.update(resources(kernel, constexprs, num_warps, args.arch))
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
