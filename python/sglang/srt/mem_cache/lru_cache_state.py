@@ -419,21 +419,8 @@ class LRUCacheState:
         loc_to_slot, slot_loc, lru, layer_counters = self._layer_views[layer]
         if counters is None:
             counters = layer_counters
-        if self.split_swap:
-            self._split_swap(
-                topk_pos,
-                req_pool_indices,
-                seq_lens,
-                req_to_token,
-                num_real,
-                loc_to_slot,
-                slot_loc,
-                lru,
-                counters,
-                plan,
-            )
-            return plan
-        _swap_layer_kernel[(bs,)](
+        # Launch arguments shared by the fused and the split kernels.
+        batch = (
             topk_pos,
             topk_pos.stride(0),
             req_pool_indices,
@@ -441,18 +428,29 @@ class LRUCacheState:
             req_to_token,
             req_to_token.stride(0),
             num_real,
-            loc_to_slot,
-            slot_loc,
-            lru,
-            self._unit_base_buf,
-            self._capacity_buf,
-            counters,
+        )
+        plan_rows = (
             plan.page_table,
             plan.page_table.stride(0),
             plan.miss_src_loc,
             plan.miss_src_loc.stride(0),
             plan.miss_dst_row,
             plan.miss_dst_row.stride(0),
+        )
+        if self.split_swap:
+            self._split_swap(
+                batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
+            )
+            return plan
+        _swap_layer_kernel[(bs,)](
+            *batch,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            self._unit_base_buf,
+            self._capacity_buf,
+            counters,
+            *plan_rows,
             plan.miss_count,
             self._hit_flags,
             self._victims,
@@ -470,19 +468,17 @@ class LRUCacheState:
 
     def _split_swap(
         self,
-        topk_pos: torch.Tensor,
-        req_pool_indices: torch.Tensor,
-        seq_lens: torch.Tensor,
-        req_to_token: torch.Tensor,
-        num_real: torch.Tensor,
+        batch: tuple,
+        plan_rows: tuple,
         loc_to_slot: torch.Tensor,
         slot_loc: torch.Tensor,
         lru: torch.Tensor,
         counters: torch.Tensor,
         plan: LayerSwapPlan,
     ) -> None:
-        # The swap with units as four kernels (see _swap_classify_kernel).
-        bs = topk_pos.shape[0]
+        # The swap with units as four kernels (see _swap_classify_kernel);
+        # batch and plan_rows as swap_layer builds them.
+        bs, req_pool_indices, num_real = batch[0].shape[0], batch[2], batch[6]
         U, C0 = self.max_units, self.buffer_size
         shape = dict(
             C=self.num_slots,
@@ -492,13 +488,7 @@ class LRUCacheState:
             num_warps=self.num_warps,
         )
         _swap_classify_kernel[(bs,)](
-            topk_pos,
-            topk_pos.stride(0),
-            req_pool_indices,
-            seq_lens,
-            req_to_token,
-            req_to_token.stride(0),
-            num_real,
+            *batch,
             loc_to_slot,
             counters,
             plan.page_table,
@@ -540,23 +530,12 @@ class LRUCacheState:
             **shape,
         )
         _swap_assign_kernel[(bs, U)](
-            topk_pos,
-            topk_pos.stride(0),
-            req_pool_indices,
-            seq_lens,
-            req_to_token,
-            req_to_token.stride(0),
-            num_real,
+            *batch,
             loc_to_slot,
             slot_loc,
             lru,
             self._unit_base_buf,
-            plan.page_table,
-            plan.page_table.stride(0),
-            plan.miss_src_loc,
-            plan.miss_src_loc.stride(0),
-            plan.miss_dst_row,
-            plan.miss_dst_row.stride(0),
+            *plan_rows,
             self._entry_slots,
             self._victims,
             self._new_lru,
