@@ -6,7 +6,9 @@ configuration pooled say more. For every offload server of every run (ours,
 ours + prefetch, HiSparse) and every equal-batch point, this takes the
 per-round ITL ratios against the same run's no-offload server and pools them
 over the runs that share a configuration (server, GPU buffer rows, top-k
-source), then prints the median overhead and its interquartile range:
+source), then prints the median overhead, its interquartile range (how far
+one round swings) and a bootstrap 95% interval of the median (where the
+pooled figure itself lies):
 
     python benchmark/nsa_offload/pool_rounds.py RUN/bench_server_override.json ... \\
         [--out pooled.md] [--json pooled.json] [--png tradeoff.png] \\
@@ -58,6 +60,17 @@ def run_config(result: dict, kind: str) -> Config:
     return kind, rows, cfg["topk"]
 
 
+def median_ci95(
+    ratios: List[float], resamples: int = 10000, seed: int = 0
+) -> List[float]:
+    """Percentile-bootstrap 95% interval of the median ratio, minus one.
+    Seeded, so a committed table rebuilds to the same figures."""
+    r = np.asarray(ratios, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(r), (resamples, len(r)))
+    lo, hi = np.percentile(np.median(r[picks], axis=1), [2.5, 97.5])
+    return [float(lo) - 1, float(hi) - 1]
+
+
 def pool_runs(results: List[dict], names: List[str]) -> List[dict]:
     """One row per (configuration, context, batch): the pooled paired
     overhead over every run that measured it, and each run's own median."""
@@ -102,6 +115,7 @@ def pool_runs(results: List[dict], names: List[str]) -> List[dict]:
                 "rounds": len(ratios),
                 "overhead": overhead,
                 "overhead_iqr": iqr,
+                "overhead_ci95": median_ci95(ratios),
                 **row,
             }
         )
@@ -205,18 +219,21 @@ def plot_servers(rows: List[dict], path: str) -> None:
 def render_markdown(rows: List[dict]) -> str:
     lines = [
         "| server | GPU buffer rows | top-k | context | batch | runs | rounds "
-        "| ITL overhead vs no offload: pooled median (IQR) | per run | misses/step |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
+        "| ITL overhead vs no offload: pooled median (IQR) | median's 95% interval "
+        "| per run | misses/step |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in rows:
         lo, hi = r["overhead_iqr"]
+        ci_lo, ci_hi = r["overhead_ci95"]
         per_run = ", ".join(f"{x['overhead']:+.0%} ({x['rounds']})" for x in r["runs"])
         misses = [x["misses_per_step"] for x in r["runs"] if x["misses_per_step"]]
         misses_cell = f"{statistics.median(misses):.0f}" if misses else "-"
         lines.append(
             f"| {bench_server.LABELS[r['server']]} | {r['buffer_rows']} | {r['topk']} "
             f"| {r['ctx'] // 1024}K | {r['conc']} | {len(r['runs'])} | {r['rounds']} "
-            f"| {r['overhead']:+.1%} ({lo:+.0%}..{hi:+.0%}) | {per_run} "
+            f"| {r['overhead']:+.1%} ({lo:+.0%}..{hi:+.0%}) "
+            f"| {ci_lo:+.1%}..{ci_hi:+.1%} | {per_run} "
             f"| {misses_cell} |"
         )
     return "\n".join(lines) + "\n"
