@@ -1081,33 +1081,31 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
         plan = [(c, k) for c in args.contexts for k in args.concurrency]
         for i, (ctx, conc) in enumerate(plan):
             live = [k for k in kinds if k in servers and servers[k].proc.poll() is None]
-            # As many rounds as the point's share of the time left allows (up
-            # to --repeats): fewer rounds rather than a skipped point.
+            # Rounds (up to --repeats) while the point's share of the time
+            # left holds one more: the first round on the planner's (safe)
+            # estimate, the next ones on the slowest round measured.
             per_round = point_estimate_s(args, ctx, conc, len(live), prefill_rate)
-            left = deadline - 30 - time.time()
-            rounds = min(args.repeats, int(left / (len(plan) - i) // per_round))
-            est = per_round * max(rounds, 1)
-            if not live or rounds < 1:
+            start = time.time()
+            share = (deadline - 30 - start) / (len(plan) - i)
+            if not live or share < per_round:
+                why = (
+                    f"time budget (~{per_round:.0f} s a round, {share:.0f} s left)"
+                    if live
+                    else "no server running"
+                )
                 for k in kinds:
                     result["servers"][k]["points"].append(
-                        {
-                            "ctx": ctx,
-                            "conc": conc,
-                            "skipped": f"time budget (~{est:.0f} s)",
-                        }
+                        {"ctx": ctx, "conc": conc, "skipped": why}
                     )
-                log(f"ctx {ctx} x {conc}: skipped (needs ~{est:.0f} s)")
+                log(f"ctx {ctx} x {conc}: skipped ({why})")
                 continue
-            if rounds < args.repeats:
-                log(
-                    f"ctx {ctx} x {conc}: {rounds} of {args.repeats} rounds "
-                    f"(time budget: ~{per_round:.0f} s a round)"
-                )
             runs: Dict[str, List[dict]] = {k: [] for k in live}
-            orders = []
-            for rnd in range(rounds):
+            orders, slowest = [], 0.0
+            while len(orders) < args.repeats:
+                rnd = len(orders)
                 order = live[rnd % len(live) :] + live[: rnd % len(live)]
                 orders.append(order)
+                tic = time.time()
                 for k in order:
                     timeout = max(30.0, deadline - time.time())
                     runs[k].append(
@@ -1115,6 +1113,15 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
                             servers[k], ctx, conc, args.new_tokens, 1000 + i, timeout
                         )
                     )
+                slowest = max(slowest, time.time() - tic)
+                if time.time() - start + slowest > share:
+                    break
+            if len(orders) < args.repeats:
+                log(
+                    f"ctx {ctx} x {conc}: {len(orders)} of {args.repeats} rounds in "
+                    f"{time.time() - start:.0f} s (its share of the time left: "
+                    f"{share:.0f} s; slowest round {slowest:.1f} s)"
+                )
             for k in live:
                 point = {
                     "ctx": ctx,

@@ -331,13 +331,22 @@ class TestInterleave(unittest.TestCase):
 class TestInterleavedRuns(unittest.TestCase):
     """``bench_interleaved``'s schedule with stand-in servers (no sglang)."""
 
-    def _bench(self, extra_argv, deadline):
-        """bench_interleaved with stand-in servers (hisparse fails to start);
+    START = 1e6  # the stand-in clock's start
+
+    def _bench(self, extra_argv, deadline, run_s=1.0):
+        """bench_interleaved with stand-in servers (hisparse fails to start)
+        and a stand-in clock that a server's run moves by ``run_s``;
         returns (result, calls, started)."""
         import tempfile
+        import time
+        import types
         from unittest import mock
 
         calls, started = [], []
+        clock = [self.START]
+        fake_time = types.SimpleNamespace(
+            time=lambda: clock[0], sleep=lambda s: None, strftime=time.strftime
+        )
 
         class FakeServer:
             def __init__(self, name, spec, port, out, env=None, timeout=0):
@@ -357,6 +366,7 @@ class TestInterleavedRuns(unittest.TestCase):
 
         def fake_run_point(server, ctx, conc, new_tokens, seed, timeout):
             calls.append((server.name.rsplit("_", 1)[0], ctx, conc, seed))
+            clock[0] += run_s
             itl = {"baseline": 1.0, "ours": 1.1}[calls[-1][0]]
             lines = [decode_line(conc, 1000.0 * conc / itl) for _ in range(3)]
             return {
@@ -379,6 +389,7 @@ class TestInterleavedRuns(unittest.TestCase):
                 run_point=fake_run_point,
                 warm_up=lambda *a: None,
                 num_model_layers=lambda: 3,
+                time=fake_time,
             ):
                 bench_server.bench_interleaved(
                     args, ["baseline", "ours", "hisparse"], deadline, result, lambda: 0
@@ -408,19 +419,28 @@ class TestInterleavedRuns(unittest.TestCase):
         self.assertFalse(p4["met"])  # +10.000...1% (float) is not <= 10%
 
     def test_time_budget_cuts_rounds_before_points(self):
-        import time
-
-        # Planned at ~243 s a round (2 servers, 20000 tokens at 6 ms a step),
-        # with ~2.5 rounds of time left: 2 of the 5 rounds run.
-        argv = ["--repeats", "5", "--contexts", "4096", "--concurrency", "1"]
+        # 2 servers, 20000 tokens: the planner says ~243 s a round, a round
+        # takes 80 s. With a 410 s share the first round starts on the
+        # estimate and the measured rounds decide the rest: 5 of 50.
+        argv = ["--repeats", "50", "--contexts", "4096", "--concurrency", "1"]
         argv += ["--new-tokens", "20000"]
-        result, calls, _ = self._bench(argv, time.time() + 30 + 2.5 * 243)
-        self.assertEqual(len(calls), 4)
+        result, calls, _ = self._bench(argv, self.START + 30 + 410, run_s=40)
+        self.assertEqual(len(calls), 10)
         (point,) = result["servers"]["ours"]["points"]
-        self.assertEqual(len(point["round_orders"]), 2)
+        self.assertEqual(len(point["round_orders"]), 5)
+        # Two points share the time left evenly: the first one does not
+        # spend the second one's share.
+        argv[5] = "1,8"
+        result, calls, _ = self._bench(argv, self.START + 30 + 820, run_s=40)
+        self.assertEqual([c[2] for c in calls], [1] * 10 + [8] * 10)
+        # Slower rounds than planned (300 s): the point stops at its share
+        # after the first round.
+        argv[5] = "1"
+        result, calls, _ = self._bench(argv, self.START + 30 + 410, run_s=150)
+        self.assertEqual(len(calls), 2)
         # Not even one round fits: the point is skipped, not cut.
         argv[-1] = "100000"
-        result, calls, _ = self._bench(argv, time.time() + 30 + 2.5 * 243)
+        result, calls, _ = self._bench(argv, self.START + 30 + 2.5 * 243)
         self.assertEqual(calls, [])
         (point,) = result["servers"]["ours"]["points"]
         self.assertIn("time budget", point["skipped"])
