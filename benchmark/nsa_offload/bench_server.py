@@ -1213,6 +1213,17 @@ def paired_overhead(ratios: List[float]):
     return statistics.median(ratios) - 1, [float(q1) - 1, float(q3) - 1]
 
 
+def median_ci95(
+    ratios: List[float], resamples: int = 10000, seed: int = 0
+) -> List[float]:
+    """Percentile-bootstrap 95% interval of the median ratio, minus one.
+    Seeded, so a committed table rebuilds to the same figures."""
+    r = np.asarray(ratios, dtype=np.float64)
+    picks = np.random.default_rng(seed).integers(0, len(r), (resamples, len(r)))
+    lo, hi = np.percentile(np.median(r[picks], axis=1), [2.5, 97.5])
+    return [float(lo) - 1, float(hi) - 1]
+
+
 def _p4(base: dict, ours: dict) -> dict:
     """ITL overhead per equal-batch point; the verdict takes the paired
     overhead where the run has one, the ratio of medians otherwise."""
@@ -1225,6 +1236,7 @@ def _p4(base: dict, ours: dict) -> dict:
             continue
         ratios = _paired_ratios(p, b)
         paired, iqr = paired_overhead(ratios) if ratios else (None, None)
+        ci95 = median_ci95(ratios) if ratios else None
         i_o, i_b = p["server"].get("itl_ms"), b["server"].get("itl_ms")
         c_o, c_bb = p["client"].get("itl_ms_p50"), b["client"].get("itl_ms_p50")
         misses = p["server"].get("misses_per_step")
@@ -1237,6 +1249,7 @@ def _p4(base: dict, ours: dict) -> dict:
                 "overhead_server": (i_o / i_b - 1) if i_o and i_b else None,
                 "overhead_paired": paired,
                 "overhead_paired_iqr": iqr,
+                "overhead_paired_ci95": ci95,
                 "overhead_client_p50": (c_o / c_bb - 1) if c_o and c_bb else None,
                 "miss_copy_ms": copy_ms,
                 "miss_copy_overhead": copy_ms / i_b if copy_ms and i_b else None,
@@ -1537,9 +1550,11 @@ def _p4_line(label: str, p4: dict) -> str:
         if r["overhead_paired"] is None:
             return ""
         lo, hi = r["overhead_paired_iqr"]
+        ci = r.get("overhead_paired_ci95")  # runs before session 11: none
+        ci = f", the median's 95% interval {ci[0]:+.1%}..{ci[1]:+.1%}" if ci else ""
         return (
             f"median of per-round ratios {r['overhead_paired']:+.1%}, "
-            f"IQR {lo:+.0%}..{hi:+.0%}; "
+            f"IQR {lo:+.0%}..{hi:+.0%}{ci}; "
         )
 
     return (

@@ -60,17 +60,6 @@ def run_config(result: dict, kind: str) -> Config:
     return kind, rows, cfg["topk"]
 
 
-def median_ci95(
-    ratios: List[float], resamples: int = 10000, seed: int = 0
-) -> List[float]:
-    """Percentile-bootstrap 95% interval of the median ratio, minus one.
-    Seeded, so a committed table rebuilds to the same figures."""
-    r = np.asarray(ratios, dtype=np.float64)
-    picks = np.random.default_rng(seed).integers(0, len(r), (resamples, len(r)))
-    lo, hi = np.percentile(np.median(r[picks], axis=1), [2.5, 97.5])
-    return [float(lo) - 1, float(hi) - 1]
-
-
 def pool_runs(results: List[dict], names: List[str]) -> List[dict]:
     """One row per (configuration, context, batch): the pooled paired
     overhead over every run that measured it, and each run's own median."""
@@ -115,7 +104,7 @@ def pool_runs(results: List[dict], names: List[str]) -> List[dict]:
                 "rounds": len(ratios),
                 "overhead": overhead,
                 "overhead_iqr": iqr,
-                "overhead_ci95": median_ci95(ratios),
+                "overhead_ci95": bench_server.median_ci95(ratios),
                 **row,
             }
         )

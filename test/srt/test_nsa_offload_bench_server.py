@@ -10,6 +10,7 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
 sys.path.insert(0, str(BENCH_DIR))
 
 import bench_server  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 def decode_line(running, throughput, queue=0, misses=None, prefetched=None):
@@ -200,6 +201,25 @@ class TestInterleave(unittest.TestCase):
             "server_runs": [{"itl_ms": v} for v in itls],
             "client": {},
         }
+
+    def test_median_interval(self):
+        # Every round alike: the median cannot move.
+        for bound in bench_server.median_ci95([1.2] * 9):
+            self.assertAlmostEqual(bound, 0.2)
+        rng = np.random.default_rng(1)
+        few = list(1.05 + 0.2 * rng.standard_normal(15))
+        many = list(1.05 + 0.2 * rng.standard_normal(240))
+        for ratios in (few, many):
+            lo, hi = bench_server.median_ci95(ratios)
+            self.assertLessEqual(lo, np.median(ratios) - 1)
+            self.assertGreaterEqual(hi, np.median(ratios) - 1)
+            # Seeded: a committed table rebuilds to the same interval.
+            self.assertEqual(bench_server.median_ci95(ratios), [lo, hi])
+        # 16x the rounds: about a quarter of the width.
+        (few_lo, few_hi), (lo, hi) = map(bench_server.median_ci95, (few, many))
+        self.assertLess(hi - lo, 0.5 * (few_hi - few_lo))
+        # The true median (0.05) inside the interval of many rounds.
+        self.assertTrue(lo < 0.05 < hi)
 
     def test_paired_overhead_follows_the_rounds(self):
         # The host slowed down in round 2 for both servers alike: the ratio
@@ -416,6 +436,11 @@ class TestInterleavedRuns(unittest.TestCase):
         self.assertAlmostEqual(ours[1]["server"]["itl_ms"], 1.1)
         p4 = bench_server.evaluate_targets(result)["P4"]
         self.assertAlmostEqual(p4["rows"][1]["overhead_paired"], 0.1)
+        # Every round +10%: the median's interval cannot move either.
+        self.assertIn(
+            "IQR +10%..+10%, the median's 95% interval +10.0%..+10.0%",
+            bench_server._p4_line("ours", p4),
+        )
         self.assertFalse(p4["met"])  # +10.000...1% (float) is not <= 10%
 
     def test_time_budget_cuts_rounds_before_points(self):
