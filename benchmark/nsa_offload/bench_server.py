@@ -1089,7 +1089,7 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
             share = (deadline - 30 - start) / (len(plan) - i)
             if not live or share < per_round:
                 why = (
-                    f"time budget (~{per_round:.0f} s a round, {share:.0f} s left)"
+                    f"time budget (~{per_round:.0f} s a round, its share {share:.0f} s)"
                     if live
                     else "no server running"
                 )
