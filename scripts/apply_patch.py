@@ -18,8 +18,17 @@ Usage::
     scripts/apply_patch.py --sglang-dir DIR             # apply (idempotent)
     scripts/apply_patch.py --sglang-dir DIR --check     # dry run, writes nothing
     scripts/apply_patch.py --sglang-dir DIR --revert    # restore upstream files
+    scripts/apply_patch.py --sglang-dir DIR --with-bench-hooks  # + benchmark hooks
     scripts/apply_patch.py --sglang-dir DIR --export NAME.patch \\
         --files srt/server_args.py [...]               # regenerate a patch
+
+``--with-bench-hooks`` adds the benchmark-only part (never for a production
+server): the top-k trace override / recorder
+(``benchmark/nsa_offload/traces/nsa_topk_trace.py``, installed as
+``sglang/srt/layers/attention/nsa_topk_trace.py``) and the patches listed in
+``benchmark/nsa_offload/traces/bench_hooks/series`` (its one call in the NSA
+backend), applied after ``patches/series``. Applying without the option takes
+them back out.
 
 Everything is computed in memory before anything is written: a patch that
 does not apply leaves every file untouched. Patches are applied in pure
@@ -56,6 +65,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PATCHES_DIR = REPO_ROOT / "patches"
 DEFAULT_MODULES_DIR = REPO_ROOT / "python" / "sglang"
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache"
+BENCH_HOOKS_PATCHES_DIR = REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "bench_hooks"
+# Package-relative path -> file of the benchmark-only modules.
+BENCH_HOOKS_MODULES = {
+    "srt/layers/attention/nsa_topk_trace.py": REPO_ROOT
+    / "benchmark"
+    / "nsa_offload"
+    / "traces"
+    / "nsa_topk_trace.py",
+}
 MANIFEST_NAME = ".nsa_kv_offload_manifest.json"
 MANIFEST_FORMAT = 1
 PATCH_PATH_PREFIXES = ("python/sglang/", "sglang/")
@@ -467,6 +485,12 @@ def read_series(patches_dir: Path) -> List[Patch]:
 
 
 _IGNORED_MODULE_NAMES = re.compile(r"(^\.|~$|\.py[co]$|\.sw[po]$|\.orig$|\.rej$)")
+
+
+def bench_hooks() -> Tuple[Dict[str, bytes], List[Patch]]:
+    """The benchmark-only modules and patches (``--with-bench-hooks``)."""
+    modules = {rel: path.read_bytes() for rel, path in BENCH_HOOKS_MODULES.items()}
+    return modules, read_series(BENCH_HOOKS_PATCHES_DIR)
 
 
 def list_modules(modules_dir: Path) -> Dict[str, bytes]:
@@ -1364,6 +1388,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default: the {SGLANG_VERSION} wheel, downloaded into .cache/)",
     )
     parser.add_argument(
+        "--with-bench-hooks",
+        action="store_true",
+        help="also install the benchmark-only top-k trace override / recorder "
+        "and its hook in the NSA backend (benchmark servers only; applying "
+        "without it takes them back out)",
+    )
+    parser.add_argument(
         "--ignore-version",
         action="store_true",
         help=f"go ahead even when the target is not sglang {SGLANG_VERSION}",
@@ -1375,6 +1406,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.export and args.check:
         print("error: --check does not go with --export", file=sys.stderr)
+        return EXIT_REFUSED
+    if args.export and args.with_bench_hooks:
+        print("error: --with-bench-hooks does not go with --export", file=sys.stderr)
         return EXIT_REFUSED
     if args.files and not args.export:
         print("error: --files goes with --export", file=sys.stderr)
@@ -1390,6 +1424,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_OK
         series = read_series(args.patches_dir)
         modules = list_modules(args.modules_dir)
+        if args.with_bench_hooks:
+            bench_modules, bench_series = bench_hooks()
+            modules.update(bench_modules)
+            series += bench_series
         what = "revert" if args.revert else "apply"
         print(
             f"{'check ' if args.check else ''}{what}: sglang {version} at "

@@ -73,15 +73,7 @@ from server_utils import (  # noqa: E402
 
 TRACE_FORMAT_PY = HERE / "trace_format.py"
 MAX_CHECKED_ROWS = 3000  # override check: rows recomputed per run
-TOPK_TRACE_PY = (
-    REPO_ROOT
-    / "python"
-    / "sglang"
-    / "srt"
-    / "layers"
-    / "attention"
-    / "nsa_topk_trace.py"
-)
+TOPK_TRACE_PY = HERE / "traces" / "nsa_topk_trace.py"
 SERVER_KINDS = (
     "baseline",
     "ours",

@@ -37,7 +37,8 @@ fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # torch.compile's cache under ~ too, so that "savejit" can carry it.
 export TORCHINDUCTOR_CACHE_DIR=$HOME/.cache/torchinductor
-python3 scripts/apply_patch.py --sglang-dir /tmp/site || exit 1
+# --with-bench-hooks: the top-k trace override / recorder the benchmarks use.
+python3 scripts/apply_patch.py --sglang-dir /tmp/site --with-bench-hooks || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 # Jobs side by side (device_pair.sh) need their own server ports.
 GPU0=${CUDA_VISIBLE_DEVICES:-0}; GPU0=${GPU0%%,*}

@@ -458,6 +458,36 @@ class _LayoutTests:
         run_tool("--sglang-dir", fx.sglang_dir, "--revert", *repo, check_rc=0)
         self.assertEqual(snapshot(fx.sglang_dir), before)
 
+    def test_bench_hooks_only_with_the_option(self):
+        """--with-bench-hooks adds the top-k trace module and its backend call;
+        a plain apply installs neither (and takes them back out)."""
+        fx = self.fx
+        before = snapshot(fx.sglang_dir)
+        repo = ("--patches-dir", REPO_ROOT / "patches")
+        repo += ("--modules-dir", REPO_ROOT / "python" / "sglang")
+        trace_rel = "srt/layers/attention/nsa_topk_trace.py"
+        backend = fx.package / "srt/layers/attention/nsa_backend.py"
+        run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0)
+        plain = snapshot(fx.sglang_dir)
+        self.assertFalse((fx.package / trace_rel).exists())
+        self.assertNotIn("nsa_topk_trace", backend.read_text())
+        out = run_tool(
+            "--sglang-dir", fx.sglang_dir, "--with-bench-hooks", *repo, check_rc=0
+        ).stdout
+        self.assertNotIn("ERROR", out)
+        self.assertEqual(
+            (fx.package / trace_rel).read_bytes(),
+            ap.BENCH_HOOKS_MODULES[trace_rel].read_bytes(),
+        )
+        self.assertIn("nsa_topk_trace.apply_decode_topk_hooks(", backend.read_text())
+        run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0)
+        self.assertEqual(snapshot(fx.sglang_dir), plain)
+        run_tool(
+            "--sglang-dir", fx.sglang_dir, "--with-bench-hooks", *repo, check_rc=0
+        )
+        run_tool("--sglang-dir", fx.sglang_dir, "--revert", *repo, check_rc=0)
+        self.assertEqual(snapshot(fx.sglang_dir), before)
+
 
 def snapshot_of_before(before_with_mtimes: dict) -> dict:
     return {

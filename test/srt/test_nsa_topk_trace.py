@@ -1,7 +1,7 @@
 """Benchmark-only NSA decode top-k trace override and recorder (CPU).
 
-Covers ``sglang.srt.layers.attention.nsa_topk_trace`` as installed in the venv
-and its entry point ``nsa_offload_hooks.maybe_override_decode_topk``:
+Covers ``benchmark/nsa_offload/traces/nsa_topk_trace.py`` (loaded by path)
+and its entry point ``nsa_topk_trace.apply_decode_topk_hooks``:
 
 * override: valid rows (unique positions < seq_len, ``-1`` only as padding,
   rows with seq_len <= K untouched) for random batches, int32/int64 inputs,
@@ -17,7 +17,9 @@ and its entry point ``nsa_offload_hooks.maybe_override_decode_topk``:
   very same tensor object.
 """
 
+import importlib.util
 import os
+import sys
 import tempfile
 import time
 import unittest
@@ -27,9 +29,21 @@ from unittest import mock
 
 import numpy as np
 import torch
-from sglang.srt.layers.attention import nsa_offload_hooks, nsa_topk_trace  # noqa
-
 REPO_ROOT = Path(__file__).resolve().parents[2]
+NSA_TOPK_TRACE_PY = REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "nsa_topk_trace.py"
+
+
+def _load_nsa_topk_trace():
+    # Benchmark tooling: not installed into the venv's sglang (apply_patch.py
+    # installs it only with --with-bench-hooks), so it is loaded by path.
+    spec = importlib.util.spec_from_file_location("nsa_topk_trace", NSA_TOPK_TRACE_PY)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["nsa_topk_trace"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+nsa_topk_trace = _load_nsa_topk_trace()
 TRACE_FORMAT_PY = REPO_ROOT / "benchmark" / "nsa_offload" / "trace_format.py"
 os.environ.setdefault(nsa_topk_trace.ENV_FORMAT, str(TRACE_FORMAT_PY))
 tf = nsa_topk_trace.import_trace_format()
@@ -240,7 +254,7 @@ class TestHook(HookEnvCase):
         x = torch.randint(0, 100, (3, K), dtype=torch.int32, device=DEVICE)
         fb = fake_forward_batch(torch.tensor([500, 600, 700]), torch.arange(3))
         for layer in range(3):
-            self.assertIs(nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x), x)
+            self.assertIs(nsa_topk_trace.apply_decode_topk_hooks(fb, layer, x), x)
         self.assertFalse(nsa_topk_trace.get_decode_topk_hooks().active)
 
     def test_override_via_env(self):
@@ -255,7 +269,7 @@ class TestHook(HookEnvCase):
         fb = fake_forward_batch(n, r)
         ref = make_override()
         for layer in range(3):
-            out = nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x)
+            out = nsa_topk_trace.apply_decode_topk_hooks(fb, layer, x)
             self.assertIsNot(out, x)
             check_valid(self, out, x, n)
             expect = ref.apply(layer, x, fb.seq_lens, fb.req_pool_indices)
@@ -280,7 +294,7 @@ class TestRecorder(HookEnvCase):
             layers = []
             for layer in range(3):
                 x = indexer_rows(n, gen).to(DEVICE)
-                out = nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x)
+                out = nsa_topk_trace.apply_decode_topk_hooks(fb, layer, x)
                 self.assertIs(out, x)  # recording does not change the top-k
                 layers.append(x.cpu().numpy())
             fed.append((n.numpy(), layers))
@@ -363,7 +377,7 @@ class TestRecorder(HookEnvCase):
             fb = fake_forward_batch(n, torch.tensor([0, 1]))
             for layer in range(3):
                 x = indexer_rows(n, gen).to(DEVICE)
-                out = nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x)
+                out = nsa_topk_trace.apply_decode_topk_hooks(fb, layer, x)
                 outs.append(out.cpu().numpy())
         nsa_topk_trace.get_decode_topk_hooks().recorder.flush()
         trace = tf.load_trace(path)  # validates: unique, < seq_len

@@ -51,18 +51,3 @@ def translate_locs_to_rows(
         return locs
     return offload.kv_pool.translate_loc_to_row(locs).to(locs.dtype)
 
-
-def maybe_override_decode_topk(
-    forward_batch: ForwardBatch, layer_id: int, topk_positions: torch.Tensor
-) -> torch.Tensor:
-    """Benchmark-only hook on the decode top-k of every server (offload,
-    HiSparse, none): off unless its environment variable is set.
-
-    ``SGLANG_NSA_TOPK_TRACE_OVERRIDE=trace.npz`` replaces the top-k positions
-    with a trace's, ``SGLANG_NSA_TOPK_TRACE_RECORD=out.npz`` records them
-    (``nsa_topk_trace``). Unset, ``topk_positions`` itself is returned."""
-    from sglang.srt.layers.attention import nsa_topk_trace
-
-    return nsa_topk_trace.apply_decode_topk_hooks(
-        forward_batch, layer_id, topk_positions
-    )

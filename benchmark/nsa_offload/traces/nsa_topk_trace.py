@@ -1,10 +1,14 @@
 """Benchmark-only tools on the NSA decode top-k: trace override and recorder.
 
-The NSA backend calls ``nsa_offload_hooks.maybe_override_decode_topk`` on the
-decode top-k of every server (no offload, HiSparse, decode NSA KV offload)
-right after ``_pad_topk_indices``. That hook delegates here. Both tools are off
-unless their environment variable is set; then the hook returns its input
-tensor object unchanged.
+Benchmark tooling, not part of the product: ``scripts/apply_patch.py
+--with-bench-hooks`` installs this file as
+``sglang/srt/layers/attention/nsa_topk_trace.py`` and applies
+``benchmark/nsa_offload/traces/bench_hooks/`` (one call in the NSA backend), so
+that the backend calls :func:`apply_decode_topk_hooks` on the decode top-k of
+every server (no offload, HiSparse, decode NSA KV offload) right after
+``_pad_topk_indices``. Without that option neither the module nor the call is
+installed. Both tools are off unless their environment variable is set; then
+the hook returns its input tensor object unchanged.
 
 Override (``SGLANG_NSA_TOPK_TRACE_OVERRIDE=/path/trace.npz``)
     Replaces the indexer's decode top-k positions with positions taken from a
@@ -1042,7 +1046,7 @@ def _is_tp_rank0() -> bool:
 
 
 class DecodeTopkHooks:
-    """What ``maybe_override_decode_topk`` runs when an env var is set."""
+    """What ``apply_decode_topk_hooks`` runs when an env var is set."""
 
     def __init__(
         self,
