@@ -65,7 +65,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_PATCHES_DIR = REPO_ROOT / "patches"
 DEFAULT_MODULES_DIR = REPO_ROOT / "python" / "sglang"
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache"
-BENCH_HOOKS_PATCHES_DIR = REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "bench_hooks"
+BENCH_HOOKS_PATCHES_DIR = (
+    REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "bench_hooks"
+)
 # Package-relative path -> file of the benchmark-only modules.
 BENCH_HOOKS_MODULES = {
     "srt/layers/attention/nsa_topk_trace.py": REPO_ROOT

@@ -7,8 +7,17 @@
 # through our policy and HiSparse's, with the reference engine's exactness.
 #
 #   bash scripts/demo.sh [--quick] [--out-dir DIR] [--mode cpu|gpu]
+#   bash scripts/demo.sh --help      # what it shows and what counts as good
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# --help (and bad arguments) answer at once, before any venv is built: demo.py
+# needs only the standard library to parse its arguments.
+for arg in "$@"; do
+    case "$arg" in
+    -h | --help) exec python3 "$ROOT/benchmark/nsa_offload/demo.py" --help ;;
+    esac
+done
+python3 "$ROOT/benchmark/nsa_offload/demo.py" --check-args "$@" || exit 2
 if python3 -c "import torch, sgl_kernel, sglang; assert torch.cuda.is_available()" 2>/dev/null; then
     exec python3 "$ROOT/benchmark/nsa_offload/demo.py" "$@"
 fi

@@ -47,6 +47,10 @@ pip_() {
 apply_patch_set() {
     local site
     site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    # `import sglang` outside pytest too: torchvision's op schemas defined at
+    # its first import (scripts/cpu_env/nsa_kv_offload_cpu_env.py).
+    cp "$ROOT/scripts/cpu_env/nsa_kv_offload_cpu_env.py" "$site/"
+    echo "import nsa_kv_offload_cpu_env" >"$site/nsa_kv_offload_cpu_env.pth"
     "$VENV/bin/python" "$ROOT/scripts/apply_patch.py" --sglang-dir "$site"
 }
 

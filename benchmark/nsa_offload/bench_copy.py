@@ -3,7 +3,7 @@
 Side by side, for 256 ... 256K rows picked at random from a pinned host pool
 and written to random GPU rows:
 
-* ours: ``sparse_kv_copy.gather_rows`` (Triton, UVA reads of pinned memory,
+* ours: ``nsa_kv_offload_copy.gather_rows`` (Triton, UVA reads of pinned memory,
   count-bounded ``(bs, K)`` plan as the swap produces it), default tile and a
   sweep of tiles (word size, rows per program, warps);
 * contiguous pinned H2D of the same number of bytes (``tensor.copy_``): the
@@ -50,17 +50,42 @@ TOP_K = 2048  # plan row width: the copy list of one request's layer swap
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--row-bytes", type=int, default=656)
+    p.add_argument(
+        "--row-bytes",
+        type=int,
+        default=656,
+        help="bytes of one KV row (656: fp8 FlashMLA layout)",
+    )
     p.add_argument(
         "--sizes",
         type=str,
         default=",".join(str(256 << i) for i in range(11)),
         help="comma-separated row counts (default 256..262144)",
     )
-    p.add_argument("--sweep-sizes", type=str, default="2048,16384,131072")
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--host-rows", type=int, default=1 << 20)
-    p.add_argument("--quotas", type=str, default="2,16,32,64,132")
+    p.add_argument(
+        "--sweep-sizes",
+        type=str,
+        default="2048,16384,131072",
+        help="comma-separated rows per copy to measure",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=30,
+        help="timed repetitions per point (median reported)",
+    )
+    p.add_argument(
+        "--host-rows",
+        type=int,
+        default=1 << 20,
+        help="rows of the pinned host buffer copied from",
+    )
+    p.add_argument(
+        "--quotas",
+        type=str,
+        default="2,16,32,64,132",
+        help="comma-separated block_quota values for sgl_kernel's transfer_kv_per_layer_mla",
+    )
     p.add_argument("--quick", action="store_true", help="fewer sizes and configs")
     return p.parse_args()
 

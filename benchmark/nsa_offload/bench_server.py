@@ -1697,10 +1697,27 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", help="output directory")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--quick", dest="mode", action="store_const", const="quick")
-    mode.add_argument("--full", dest="mode", action="store_const", const="full")
+    mode.add_argument(
+        "--quick",
+        dest="mode",
+        action="store_const",
+        const="quick",
+        help="the short preset (fewer points and rounds)",
+    )
+    mode.add_argument(
+        "--full",
+        dest="mode",
+        action="store_const",
+        const="full",
+        help="the full preset (every point)",
+    )
     p.set_defaults(mode="quick")
-    p.add_argument("--topk", choices=["model", "override"], default="model")
+    p.add_argument(
+        "--topk",
+        choices=["model", "override"],
+        default="model",
+        help="model: the servers' own top-k; override: a top-k trace replayed into every server",
+    )
     p.add_argument("--trace", help="override trace (default: generated into --out)")
     p.add_argument(
         "--servers",
@@ -1710,14 +1727,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "keeps exactly its own buffer; ours_prefetch: ours with the experimental "
         "cross-layer prefetch; side by side with ours)",
     )
-    p.add_argument("--contexts", type=_ints)
-    p.add_argument("--concurrency", type=_ints)
+    p.add_argument(
+        "--contexts",
+        type=_ints,
+        help="comma-separated request context lengths (tokens)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=_ints,
+        help="comma-separated batch sizes (concurrent requests)",
+    )
     p.add_argument(
         "--cap-contexts",
         type=_ints,
         help="contexts where each server also runs at its own capacity (P5)",
     )
-    p.add_argument("--new-tokens", type=int)
+    p.add_argument("--new-tokens", type=int, help="decode tokens per request")
     p.add_argument(
         "--repeats",
         type=int,
@@ -1732,8 +1757,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "repeats round-robin over them, rotating the order: host-speed drift "
         "hits all alike, and P4 also gives the median of per-round ratios",
     )
-    p.add_argument("--time-budget-s", type=float)
-    p.add_argument("--trace-steps", type=int)
+    p.add_argument(
+        "--time-budget-s",
+        type=float,
+        help="wall time the measured points may take, seconds",
+    )
+    p.add_argument(
+        "--trace-steps",
+        type=int,
+        help="decode steps of the generated top-k trace (--topk override)",
+    )
     p.add_argument(
         "--trace-layers",
         default="0,30,60",
@@ -1757,7 +1790,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "largest concurrency",
     )
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
-    p.add_argument("--recent-window", type=int, default=64)
+    p.add_argument(
+        "--recent-window",
+        type=int,
+        default=64,
+        help="recent-window rows per request (W)",
+    )
     p.add_argument(
         "--buffer-size",
         type=int,
@@ -1776,17 +1814,37 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="ours with SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1 (experimental)",
     )
-    p.add_argument("--decode-log-interval", type=int, default=32)
-    p.add_argument("--port", type=int, default=31200)
-    p.add_argument("--start-timeout", type=float, default=420.0)
-    p.add_argument("--prefill-rate-guess", type=float, default=40000.0)
+    p.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=32,
+        help="decode steps between the servers' log lines (their throughput readings)",
+    )
+    p.add_argument("--port", type=int, default=31200, help="first server port")
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=420.0,
+        help="seconds to wait for a server to come up",
+    )
+    p.add_argument(
+        "--prefill-rate-guess",
+        type=float,
+        default=40000.0,
+        help="prefill tokens/s assumed before the first measurement (plans the rounds)",
+    )
     p.add_argument(
         "--no-record",
         dest="record",
         action="store_false",
         help="do not record the top-k in the servers",
     )
-    p.add_argument("--record-rows", type=int, default=2)
+    p.add_argument(
+        "--record-rows",
+        type=int,
+        default=2,
+        help="batch rows the top-k recorder keeps per step",
+    )
     p.add_argument(
         "--profile-steps",
         type=int,

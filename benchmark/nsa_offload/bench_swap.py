@@ -6,7 +6,7 @@ miss rates 0.1% / 5% / 20% / 100%, on identical inputs:
 * ours: ``SparseCacheController.swap_one_layer`` (LRU swap kernel + the
   count-bounded Triton miss copy), eager and captured in a CUDA graph, plus
   the LRU kernel alone;
-* the bare copy of the same number of rows (``sparse_kv_copy.gather_rows``);
+* the bare copy of the same number of rows (``nsa_kv_offload_copy.gather_rows``);
 * upstream HiSparse's ``load_cache_to_device_buffer_mla`` (JIT kernel of
   sglang 0.5.12.post1, block_size 1024 as its coordinator uses), with the same
   top-k, buffer size, resident set and miss pattern.
@@ -55,17 +55,50 @@ PAGE = 64
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--batch-sizes", type=str, default="1,16,64,128")
-    p.add_argument("--miss-rates", type=str, default="0.001,0.05,0.2,1.0")
-    p.add_argument("--top-k", type=int, default=2048)
-    p.add_argument("--buffer-size", type=int, default=4096)
-    p.add_argument("--window", type=int, default=64)
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created) for the JSON/markdown results",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=str,
+        default="1,16,64,128",
+        help="comma-separated decode batch sizes",
+    )
+    p.add_argument(
+        "--miss-rates",
+        type=str,
+        default="0.001,0.05,0.2,1.0",
+        help="comma-separated shares of the top-k that miss per step",
+    )
+    p.add_argument("--top-k", type=int, default=2048, help="indexer top-k width K")
+    p.add_argument(
+        "--buffer-size",
+        type=int,
+        default=4096,
+        help="LRU rows per request and layer (C)",
+    )
+    p.add_argument(
+        "--window", type=int, default=64, help="recent-window rows per request (W)"
+    )
     p.add_argument("--ctx", type=int, default=16384, help="tokens per request")
-    p.add_argument("--row-bytes", type=int, default=656)
-    p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--hisparse-block-size", type=int, default=1024)
-    p.add_argument("--no-hisparse", action="store_true")
+    p.add_argument(
+        "--row-bytes",
+        type=int,
+        default=656,
+        help="bytes of one KV row (656: fp8 FlashMLA layout)",
+    )
+    p.add_argument("--iters", type=int, default=40, help="timed iterations per point")
+    p.add_argument(
+        "--hisparse-block-size",
+        type=int,
+        default=1024,
+        help="HiSparse's swap kernel block size",
+    )
+    p.add_argument(
+        "--no-hisparse", action="store_true", help="skip HiSparse's swap (only ours)"
+    )
     return p.parse_args()
 
 
@@ -182,16 +215,30 @@ def run_ours(s: Setup, iters: int, errors: Dict[str, str]):
         cur["topk"] = s.topk(step[0])
         step[0] += 1
 
+    # The swap's plan lands in these buffers (as the coordinator's does).
+    eager_plan = s.lru_mod.LayerSwapPlan(
+        torch.empty((s.bs, s.K), dtype=torch.int32, device=s.dev),
+        torch.empty((s.bs, s.K), dtype=torch.int64, device=s.dev),
+        torch.empty((s.bs, s.K), dtype=torch.int32, device=s.dev),
+        torch.empty((s.bs,), dtype=torch.int32, device=s.dev),
+    )
+
     def swap(_i):
         s.ctrl.swap_one_layer(
-            0, cur["topk"], s.req_idx, s.seq_lens32, s.req_to_token, s.num_real
+            0,
+            cur["topk"],
+            s.req_idx,
+            s.seq_lens32,
+            s.req_to_token,
+            s.num_real,
+            out=eager_plan,
         )
 
     # Correctness and exact miss count on a few steps.
     for _ in range(3):
         setup(0)
         swap(0)
-        plan = s.ctrl.last_plan
+        plan = eager_plan
         mc = plan.miss_count
         if not bool((mc == s.M).all()):
             raise AssertionError(

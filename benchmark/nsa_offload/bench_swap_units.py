@@ -3,7 +3,7 @@ kernels split by unit, and both against one unit.
 
 A request with ``U`` units has ``U x C`` LRU slots per layer; the fused kernel
 walks them all in one program per request, the split swap spreads the walk
-over ``U`` programs (``LRUCacheState.split_swap``). For each batch size and
+over ``U`` programs (``TritonLRUSwap(split_by_unit=...)``). For each batch size and
 ``U``, every request holds all ``U`` units and decodes at ``--ctx`` tokens
 with a top-k that keeps ``--keep`` of the previous step's positions (the rest
 fresh, uniform). ``--steps`` swaps with distinct top-k inputs are captured in
@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
+from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
 # Without CUDA (TRITON_INTERPRET=1 set) the same steps run eagerly: a check
 # of the script and of split = fused, no timing worth reading.
@@ -63,7 +64,7 @@ def make_state(args, bs: int, units: int, split: bool) -> LRUCacheState:
         max_batch_size=bs,
         max_units=units,
     )
-    state.split_swap = split
+    state.swap_backend = TritonLRUSwap(state, max_batch_size=bs, split_by_unit=split)
     rows = args.buffer_size + args.window
     for r in range(bs):
         state.admit_request(r, r * units * rows)
@@ -173,17 +174,55 @@ def _same(a: LRUCacheState, b: LRUCacheState, plans) -> bool:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 8, 32])
-    p.add_argument("--units", type=_ints, default=[1, 2, 4])
-    p.add_argument("--ctx", type=int, default=32768)
-    p.add_argument("--buffer-size", type=int, default=4096)
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=2048)
-    p.add_argument("--keep", type=float, default=0.44)
-    p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=30)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created) for the JSON/markdown results",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        type=_ints,
+        default=[1, 8, 32],
+        help="comma-separated decode batch sizes",
+    )
+    p.add_argument(
+        "--units",
+        type=_ints,
+        default=[1, 2, 4],
+        help="comma-separated LRU units per request to compare (1 = fixed buffer)",
+    )
+    p.add_argument(
+        "--ctx",
+        type=int,
+        default=32768,
+        help="context length of every request (tokens)",
+    )
+    p.add_argument(
+        "--buffer-size",
+        type=int,
+        default=4096,
+        help="LRU rows per request and layer (C)",
+    )
+    p.add_argument(
+        "--window", type=int, default=64, help="recent-window rows per request (W)"
+    )
+    p.add_argument("--top-k", type=int, default=2048, help="indexer top-k width K")
+    p.add_argument(
+        "--keep",
+        type=float,
+        default=0.44,
+        help="share of the top-k kept from one step to the next",
+    )
+    p.add_argument(
+        "--steps", type=int, default=32, help="swap steps captured in the CUDA graph"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=30,
+        help="timed repetitions per point (median reported)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rng = np.random.default_rng(args.seed)

@@ -48,27 +48,9 @@ def capacity_bound(tokens: int, region_rows: int) -> float:
     )
 
 
-def _import_sizing():
-    """The offload's own sizing code. On a CPU-only machine sglang's imports
-    need the test shims (torchvision ops, sgl_kernel stubs)."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            import sys
-
-            sys.path.insert(
-                0, os.path.join(os.path.dirname(__file__), "../../test/srt")
-            )
-            import cpu_shims
-
-            cpu_shims.install_all()
-    except ImportError:
-        pass
-
-
 def model_rows(args):
-    _import_sizing()
+    # On a CPU machine: the venv of scripts/setup_cpu_env.sh (its torchvision
+    # fix-up lets sglang import there).
     from sglang.srt.mem_cache.nsa_kv_offload_pool import (
         compute_offload_pool_sizes,
         offload_bytes_per_loc,
@@ -762,33 +744,94 @@ def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="mode", required=True)
     m = sub.add_parser("model")
-    m.add_argument("--out", required=True)
-    m.add_argument("--layers", type=int, default=61)
-    m.add_argument("--budget-gb", type=float, default=80.0)
+    m.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created) for the JSON/markdown results",
+    )
+    m.add_argument("--layers", type=int, default=61, help="model layers")
+    m.add_argument("--budget-gb", type=float, default=80.0, help="GPU KV budget, GB")
     m.add_argument(
         "--lengths",
         type=lambda s: [int(x) for x in s.split(",")],
         default=[16384, 32768, 65536, 131072],
+        help="comma-separated request lengths (prompt + output, tokens)",
     )
-    m.add_argument("--new-tokens", type=int, default=0)
-    m.add_argument("--buffer-size", type=int, default=4096)
-    m.add_argument("--recent-window", type=int, default=64)
+    m.add_argument(
+        "--new-tokens", type=int, default=0, help="output tokens per request"
+    )
+    m.add_argument(
+        "--buffer-size",
+        type=int,
+        default=4096,
+        help="LRU rows per request and layer (C)",
+    )
+    m.add_argument(
+        "--recent-window",
+        type=int,
+        default=64,
+        help="recent-window rows per request (W)",
+    )
     m.add_argument(
         "--max-units",
         type=int,
         help="LRU units a request may hold (--nsa-kv-offload-max-units; default: "
         "the server's)",
     )
-    m.add_argument("--context-len", type=int, default=131072 + 4096)
-    m.add_argument("--prefill-budget", type=int, default=16384)
+    m.add_argument(
+        "--context-len",
+        type=int,
+        default=131072 + 4096,
+        help="server context length (sizes prefill staging)",
+    )
+    m.add_argument(
+        "--prefill-budget",
+        type=int,
+        default=16384,
+        help="tokens of one prefill batch (sizes staging)",
+    )
     r = sub.add_parser("report", help="capacity table from e2e_server.py runs")
-    r.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    r.add_argument("--out", required=True)
-    r.add_argument("--context-length", type=int, required=True)
-    r.add_argument("--capacity-new-tokens", type=int, required=True)
-    r.add_argument("--buffer-size", type=int, default=None)
-    r.add_argument("--recent-window", type=int, default=64)
-    r.add_argument("--budget-margin-gib", type=float, default=0.02)
+    r.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directories written by e2e_server.py",
+    )
+    r.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created) for the JSON/markdown results",
+    )
+    r.add_argument(
+        "--context-length",
+        type=int,
+        required=True,
+        help="server context length of the runs",
+    )
+    r.add_argument(
+        "--capacity-new-tokens",
+        type=int,
+        required=True,
+        help="output tokens per request in the runs",
+    )
+    r.add_argument(
+        "--buffer-size",
+        type=int,
+        default=None,
+        help="LRU rows per request and layer (C)",
+    )
+    r.add_argument(
+        "--recent-window",
+        type=int,
+        default=64,
+        help="recent-window rows per request (W)",
+    )
+    r.add_argument(
+        "--budget-margin-gib",
+        type=float,
+        default=0.02,
+        help="GiB the runs' budget was lowered by",
+    )
     r.add_argument(
         "--max-units",
         type=int,
@@ -804,12 +847,33 @@ def main():
         "pool-report",
         help="capacity per server from the pool sizes its log shows (e2e_server.py runs)",
     )
-    q.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    q.add_argument("--out", required=True)
-    q.add_argument("--new-tokens", type=int, required=True)
+    q.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="run directories written by e2e_server.py",
+    )
+    q.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created) for the JSON/markdown results",
+    )
+    q.add_argument(
+        "--new-tokens", type=int, required=True, help="output tokens per request"
+    )
     q.add_argument("--pd-decode", action="store_true", help="PD decode servers")
-    q.add_argument("--buffer-size", type=int, default=4096)
-    q.add_argument("--recent-window", type=int, default=64)
+    q.add_argument(
+        "--buffer-size",
+        type=int,
+        default=4096,
+        help="LRU rows per request and layer (C)",
+    )
+    q.add_argument(
+        "--recent-window",
+        type=int,
+        default=64,
+        help="recent-window rows per request (W)",
+    )
     args = p.parse_args()
     if args.mode == "report":
         report_from_runs(args)

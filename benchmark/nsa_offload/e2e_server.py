@@ -192,21 +192,75 @@ def run_server(name, extra_args, args, prompts, lengths):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--servers", default="baseline,offload")
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--min-len", type=int, default=3000)
-    p.add_argument("--max-len", type=int, default=30000)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--buffer-size", type=int, default=None)
-    p.add_argument("--recent-window", type=int, default=64)
-    p.add_argument("--host-pool-gb", type=float, default=16.0)
-    p.add_argument("--mem-fraction-static", type=float, default=0.7)
-    p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--max-running-baseline", type=int, default=32)
-    p.add_argument("--max-running-offload", type=int, default=32)
-    p.add_argument("--max-running-hisparse", type=int, default=256)
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created) for the JSON/markdown results",
+    )
+    p.add_argument(
+        "--servers",
+        default="baseline,offload",
+        help="comma-separated servers to run: baseline, offload, hisparse",
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=32, help="requests compared token for token"
+    )
+    p.add_argument("--min-len", type=int, default=3000, help="shortest prompt (tokens)")
+    p.add_argument("--max-len", type=int, default=30000, help="longest prompt (tokens)")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=256, help="output tokens per request"
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=16, help="requests in flight at once"
+    )
+    p.add_argument(
+        "--buffer-size",
+        type=int,
+        default=None,
+        help="--nsa-kv-offload-gpu-buffer-size of the offload server (default: the server's)",
+    )
+    p.add_argument(
+        "--recent-window",
+        type=int,
+        default=64,
+        help="recent-window rows per request (W)",
+    )
+    p.add_argument(
+        "--host-pool-gb",
+        type=float,
+        default=16.0,
+        help="--nsa-kv-offload-host-pool-gb of the offload server",
+    )
+    p.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.7,
+        help="--mem-fraction-static of every server",
+    )
+    p.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="--context-length of every server (default: the model's)",
+    )
+    p.add_argument(
+        "--max-running-baseline",
+        type=int,
+        default=32,
+        help="--max-running-requests of the no-offload server",
+    )
+    p.add_argument(
+        "--max-running-offload",
+        type=int,
+        default=32,
+        help="--max-running-requests of the offload server",
+    )
+    p.add_argument(
+        "--max-running-hisparse",
+        type=int,
+        default=256,
+        help="--max-running-requests of the HiSparse server",
+    )
     p.add_argument(
         "--mem-fraction-static-hisparse",
         type=float,
@@ -265,18 +319,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="fp8_e4m3",
         help="KV dtype of every server (bfloat16: FlashMLA sparse decode)",
     )
-    p.add_argument("--capacity-new-tokens", type=int, default=512)
-    p.add_argument("--capacity-oversubscribe", type=float, default=1.25)
+    p.add_argument(
+        "--capacity-new-tokens",
+        type=int,
+        default=512,
+        help="output tokens per request in the capacity phase",
+    )
+    p.add_argument(
+        "--capacity-oversubscribe",
+        type=float,
+        default=1.25,
+        help="requests sent in the capacity phase, times the predicted capacity",
+    )
     p.add_argument(
         "--budget-gib",
         type=float,
         help="pool budget for the offload's region counts (default: read "
         "from the no-offload server's log)",
     )
-    p.add_argument("--budget-margin-gib", type=float, default=0.02)
-    p.add_argument("--port", type=int, default=31000)
-    p.add_argument("--idle-wait", type=float, default=8.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--budget-margin-gib",
+        type=float,
+        default=0.02,
+        help="GiB taken off the measured KV budget",
+    )
+    p.add_argument("--port", type=int, default=31000, help="first server port")
+    p.add_argument(
+        "--idle-wait",
+        type=float,
+        default=8.0,
+        help="seconds of idle before the idle/leak checks",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     return p.parse_args(argv)
 
 

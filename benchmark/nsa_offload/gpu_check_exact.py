@@ -50,18 +50,50 @@ FP8_ROW_BYTES = 656
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--modes", type=str, default="eager,graph")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--bs", type=int, default=4)
-    p.add_argument("--heads", type=str, default="64,128")
-    p.add_argument("--top-k", type=int, default=2048)
-    p.add_argument("--buffer-size", type=int, default=4096)
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--min-ctx", type=int, default=3000)
-    p.add_argument("--max-ctx", type=int, default=24000)
-    p.add_argument("--turnover-every", type=int, default=9)
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output directory (created) for the JSON/markdown results",
+    )
+    p.add_argument(
+        "--modes",
+        type=str,
+        default="eager,graph",
+        help="comma-separated: eager, graph (CUDA graph replay)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=40, help="decode steps checked per mode"
+    )
+    p.add_argument("--layers", type=int, default=3, help="model layers")
+    p.add_argument("--bs", type=int, default=4, help="decode batch size")
+    p.add_argument(
+        "--heads",
+        type=str,
+        default="64,128",
+        help="comma-separated query head counts for FlashMLA",
+    )
+    p.add_argument("--top-k", type=int, default=2048, help="indexer top-k width K")
+    p.add_argument(
+        "--buffer-size",
+        type=int,
+        default=4096,
+        help="LRU rows per request and layer (C)",
+    )
+    p.add_argument(
+        "--window", type=int, default=64, help="recent-window rows per request (W)"
+    )
+    p.add_argument(
+        "--min-ctx", type=int, default=3000, help="shortest request context (tokens)"
+    )
+    p.add_argument(
+        "--max-ctx", type=int, default=24000, help="longest request context (tokens)"
+    )
+    p.add_argument(
+        "--turnover-every",
+        type=int,
+        default=9,
+        help="replace a request (release + admit) every N steps",
+    )
     p.add_argument(
         "--max-units",
         type=int,
@@ -75,7 +107,7 @@ def parse_args():
         help="regions beyond the batch size: handed out as extra units "
         "between steps and taken back by admissions (with --max-units > 1)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     return p.parse_args()
 
 

@@ -458,12 +458,12 @@ def run_timing(args, bs: int, keep: float, seed: int) -> Dict:
     res = {
         "bs": bs,
         "keep": keep,
-        "default_num_warps": tri.num_warps,
+        "default_num_warps": tri.swap_backend.num_warps,
         "triton_us": {},
     }
     for nw in args.num_warps:
         restore(tri, snap)
-        tri.num_warps = nw
+        tri.swap_backend.num_warps = nw
         try:
             us, miss_rate = time_graph(tri, wl, topks, seqs, rpi, num_real, args.reps)
             res["triton_us"][nw] = round(us, 2)
@@ -483,19 +483,39 @@ def run_timing(args, bs: int, keep: float, seed: int) -> Dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="JSON result path")
-    p.add_argument("--C", type=int, default=4096)
-    p.add_argument("--K", type=int, default=2048)
-    p.add_argument("--W", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 128])
-    p.add_argument("--min-len", type=int, default=8192)
-    p.add_argument("--max-len", type=int, default=131072)
+    p.add_argument("--C", type=int, default=4096, help="LRU rows per request and layer")
+    p.add_argument("--K", type=int, default=2048, help="top-k width")
+    p.add_argument("--W", type=int, default=64, help="recent-window rows")
+    p.add_argument("--layers", type=int, default=2, help="layers of the LRU state")
+    p.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64, 128],
+        help="decode batch sizes",
+    )
+    p.add_argument(
+        "--min-len", type=int, default=8192, help="shortest request (tokens)"
+    )
+    p.add_argument(
+        "--max-len", type=int, default=131072, help="longest request (tokens)"
+    )
     p.add_argument("--steps", type=int, default=24, help="correctness steps")
     p.add_argument("--graph-steps", type=int, default=16, help="swaps per timed graph")
     p.add_argument("--reps", type=int, default=50, help="timed graph replays")
-    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8, 16, 32])
-    p.add_argument("--skip-reference-timing", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--num-warps",
+        type=int,
+        nargs="+",
+        default=[4, 8, 16, 32],
+        help="num_warps values of the fused kernel to time",
+    )
+    p.add_argument(
+        "--skip-reference-timing",
+        action="store_true",
+        help="do not time the torch reference",
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--device", default="cuda", help="cpu: smoke test of the script")
     args = p.parse_args()
     global DEV

@@ -87,7 +87,7 @@ def resources(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> dict:
 
 def swap_kernels(units: int, buffer_size: int, top_k: int, window: int):
     """(name, kernel, constexprs, num_warps) as LRUCacheState launches them."""
-    from sglang.srt.mem_cache import lru_cache_state as lru
+    from sglang.srt.mem_cache import nsa_kv_offload_lru_kernels as lru
 
     C0, C = buffer_size, buffer_size * units
     num_warps = min(16, max(4, triton.next_power_of_2(C) // 256))
@@ -131,11 +131,25 @@ def swap_kernels(units: int, buffer_size: int, top_k: int, window: int):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--units", default="1,2,4")
-    p.add_argument("--buffer-size", type=int, default=4096)
-    p.add_argument("--top-k", type=int, default=2048)
-    p.add_argument("--window", type=int, default=64)
-    p.add_argument("--arch", type=int, default=90)
+    p.add_argument(
+        "--units", default="1,2,4", help="comma-separated LRU units per request"
+    )
+    p.add_argument(
+        "--buffer-size",
+        type=int,
+        default=4096,
+        help="LRU rows per request and layer (C)",
+    )
+    p.add_argument("--top-k", type=int, default=2048, help="indexer top-k width K")
+    p.add_argument(
+        "--window", type=int, default=64, help="recent-window rows per request (W)"
+    )
+    p.add_argument(
+        "--arch",
+        type=int,
+        default=90,
+        help="CUDA compute capability to compile for (90 = H100/H200)",
+    )
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_resources.py: unset TRITON_INTERPRET (needs JIT kernels)")

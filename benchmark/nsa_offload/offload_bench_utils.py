@@ -22,13 +22,9 @@ import torch
 # CPU smoke mode (development only): run a script's logic on the CPU under the
 # Triton interpreter with tiny sizes; timings are meaningless.
 SMOKE = os.environ.get("NSA_OFFLOAD_BENCH_CPU_SMOKE") == "1"
+# Needs the CPU venv of scripts/setup_cpu_env.sh (``import sglang`` works there).
 if SMOKE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    _shims = os.path.join(os.path.dirname(__file__), "..", "..", "test", "srt")
-    sys.path.insert(0, os.path.abspath(_shims))
-    import cpu_shims  # noqa: E402
-
-    cpu_shims.install_all()
 
 PATCH_HINT = (
     "the offload modules are not importable from the installed sglang; apply the "
@@ -40,15 +36,18 @@ PATCH_HINT = (
 def import_offload_modules():
     """Import our engine modules from the installed (patched) sglang, or exit."""
     try:
-        from sglang.srt.mem_cache import lru_cache_state, sparse_kv_copy
-        from sglang.srt.mem_cache import nsa_kv_only_host_pool
-        from sglang.srt.mem_cache import sparse_cache_controller
+        from sglang.srt.mem_cache import (
+            lru_cache_state,
+            nsa_kv_offload_copy,
+            nsa_kv_only_host_pool,
+            sparse_cache_controller,
+        )
     except Exception as e:  # pragma: no cover - environment problem
         print(f"FATAL: {PATCH_HINT}\n  ({type(e).__name__}: {e})", flush=True)
         sys.exit(2)
     return (
         lru_cache_state,
-        sparse_kv_copy,
+        nsa_kv_offload_copy,
         nsa_kv_only_host_pool,
         sparse_cache_controller,
     )

@@ -544,15 +544,49 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default="",
         help="comma list of sensitivity.py variants to generate (cold init only)",
     )
-    p.add_argument("--variant-layers", default="20,21,22,40")
-    p.add_argument("--variant-requests", type=int, default=4)
-    p.add_argument("--variant-steps", type=int, default=64)
-    p.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
-    p.add_argument("--window", type=int, default=replay.DEFAULT_WINDOW)
-    p.add_argument("--warmup", type=int, default=replay.DEFAULT_WARMUP)
+    p.add_argument(
+        "--variant-layers",
+        default="20,21,22,40",
+        help="comma-separated layers of the generated trace variants",
+    )
+    p.add_argument(
+        "--variant-requests",
+        type=int,
+        default=4,
+        help="requests per generated trace variant",
+    )
+    p.add_argument(
+        "--variant-steps",
+        type=int,
+        default=64,
+        help="decode steps per generated trace variant",
+    )
+    p.add_argument(
+        "--budgets",
+        default=",".join(map(str, DEFAULT_BUDGETS)),
+        help="comma-separated LRU rows per request and layer",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=replay.DEFAULT_WINDOW,
+        help="recent-window rows per request (W)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=replay.DEFAULT_WARMUP,
+        help="first decode steps left out of the steady-state counts",
+    )
     p.add_argument("--only", default="", help="comma list of policies (+hisparse)")
-    p.add_argument("--no-self-check", action="store_true")
-    p.add_argument("--out-dir", default=None)
+    p.add_argument(
+        "--no-self-check",
+        action="store_true",
+        help="skip the policies' self-check against the reference model",
+    )
+    p.add_argument(
+        "--out-dir", default=None, help="folder for the results (default: print only)"
+    )
     return p.parse_args(argv)
 
 

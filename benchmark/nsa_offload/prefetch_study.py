@@ -167,12 +167,19 @@ def plot(results: Dict[str, List[Dict]], path: str) -> None:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("traces", nargs="+", metavar="NAME=PATH")
-    p.add_argument("--out-dir")
     p.add_argument(
-        "--budgets", type=lambda s: [int(x) for x in s.split(",")], default=[4160]
+        "traces", nargs="+", metavar="NAME=PATH", help="traces to study, as NAME=PATH"
     )
-    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--out-dir", help="folder for the results (default: print only)")
+    p.add_argument(
+        "--budgets",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[4160],
+        help="comma-separated LRU rows per request and layer",
+    )
+    p.add_argument(
+        "--window", type=int, default=64, help="recent-window rows per request (W)"
+    )
     p.add_argument(
         "--served-to-layers",
         type=int,

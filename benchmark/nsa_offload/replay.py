@@ -476,21 +476,20 @@ def _sha(p: Path) -> str:
 
 
 def load_reference_engine(path: Path):
-    """Import ``lru_cache_state.py`` by path.
-
-    Importing it as ``sglang.srt.mem_cache.lru_cache_state`` would run
-    ``sglang/__init__.py``, which does not import on a CPU-only machine (see the
-    design notes); the module itself only needs torch (and optionally triton).
+    """The ``lru_cache_state`` module at ``path``, which must be the installed
+    sglang's: it is imported as ``sglang.srt.mem_cache.lru_cache_state`` (it
+    imports its swap backends from that package). On a CPU machine this needs
+    the venv of ``scripts/setup_cpu_env.sh`` (its torchvision fix-up lets
+    ``import sglang`` work outside pytest).
     """
-    name = "_nsa_offload_lru_cache_state"
-    spec = importlib.util.spec_from_file_location(name, str(path))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
+    import importlib
+
+    mod = importlib.import_module("sglang.srt.mem_cache.lru_cache_state")
+    if Path(mod.__file__).resolve() != Path(path).resolve():
+        raise ImportError(
+            f"{path} is not the installed sglang's lru_cache_state.py "
+            f"({mod.__file__}); install it with scripts/apply_patch.py"
+        )
     return mod
 
 
@@ -1017,10 +1016,20 @@ def _ints(s: str) -> List[int]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="Offline replay: ours vs HiSparse")
-    p.add_argument("--trace", required=True)
+    p.add_argument(
+        "--trace", required=True, help="top-k trace file (.npz, trace_format.py)"
+    )
     p.add_argument("--out-dir", default=None, help="write summary.md/.json + plots")
-    p.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)))
-    p.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)))
+    p.add_argument(
+        "--budgets",
+        default=",".join(map(str, DEFAULT_BUDGETS)),
+        help="comma-separated LRU rows per request and layer",
+    )
+    p.add_argument(
+        "--windows",
+        default=",".join(map(str, DEFAULT_WINDOWS)),
+        help="comma-separated recent-window sizes",
+    )
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help="ours' W for P6")
     p.add_argument(
         "--headline-budget",
@@ -1028,28 +1037,42 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=None,
         help="budget of the P6 verdict (default 2*K + W, the engine default)",
     )
-    p.add_argument("--init", choices=["cold", "prefix"], default="cold")
+    p.add_argument(
+        "--init",
+        choices=["cold", "prefix"],
+        default="cold",
+        help="LRU state at the first decode step: cold or prefix (warmed)",
+    )
     p.add_argument(
         "--warmup",
         type=int,
         default=DEFAULT_WARMUP,
         help="steps per request left out of the steady-state figures",
     )
-    p.add_argument("--row-bytes", type=int, default=ROW_BYTES_FP8)
+    p.add_argument(
+        "--row-bytes",
+        type=int,
+        default=ROW_BYTES_FP8,
+        help="bytes of one KV row (656: fp8 FlashMLA layout)",
+    )
     p.add_argument(
         "--h2d-gbps",
         type=float,
         default=43.6,
         help="H2D rate for the copy-time column (H200 scattered rows, DESIGN.md)",
     )
-    p.add_argument("--no-engine-check", action="store_true")
+    p.add_argument(
+        "--no-engine-check",
+        action="store_true",
+        help="skip the reference engine's exactness check",
+    )
     p.add_argument(
         "--engine-path",
         default=None,
         help="lru_cache_state.py to check (default: the installed sglang's, "
         "else the repository's)",
     )
-    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="do not write PNGs")
     return p.parse_args(argv)
 
 

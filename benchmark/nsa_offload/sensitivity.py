@@ -122,16 +122,43 @@ def render(results: List[Dict], base: trace_gen.GeneratorConfig, window: int) ->
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out-dir", default=None)
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--layers", default="20,21,40")
-    p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--prompt-lens", default="16384,32768")
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budgets", default="2560,4160,8192")
-    p.add_argument("--windows", default="1,16,64,128,256")
-    p.add_argument("--window", type=int, default=replay.DEFAULT_WINDOW)
+    p.add_argument(
+        "--out-dir", default=None, help="folder for the results (default: print only)"
+    )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated trace-generator variants",
+    )
+    p.add_argument(
+        "--layers",
+        default="20,21,40",
+        help="comma-separated model layers of the generated traces",
+    )
+    p.add_argument("--requests", type=int, default=4, help="requests per trace")
+    p.add_argument(
+        "--prompt-lens",
+        default="16384,32768",
+        help="comma-separated prompt lengths (tokens)",
+    )
+    p.add_argument("--steps", type=int, default=64, help="decode steps per trace")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument(
+        "--budgets",
+        default="2560,4160,8192",
+        help="comma-separated LRU rows per request and layer",
+    )
+    p.add_argument(
+        "--windows",
+        default="1,16,64,128,256",
+        help="comma-separated recent-window sizes to sweep",
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=replay.DEFAULT_WINDOW,
+        help="recent-window rows of the budget sweep",
+    )
     return p.parse_args(argv)
 
 

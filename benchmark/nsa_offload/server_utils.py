@@ -65,7 +65,7 @@ HISPARSE_ARGS = [
     "flashmla_kv",
 ]
 
-# The offload server's default --nsa-kv-offload-max-units (nsa_kv_offload_hook).
+# The offload server's default --nsa-kv-offload-max-units (nsa_kv_offload_args).
 DEFAULT_MAX_UNITS = 4
 
 

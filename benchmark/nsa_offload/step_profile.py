@@ -186,14 +186,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     summ = sub.add_parser("summary", help="per-step summary of one trace")
-    summ.add_argument("trace")
-    summ.add_argument("--steps", type=int, required=True)
+    summ.add_argument("trace", help="torch profiler trace (.json) of a server")
+    summ.add_argument(
+        "--steps", type=int, required=True, help="decode steps the trace covers"
+    )
     diff = sub.add_parser(
         "diff", help="host ops whose calls per step differ between two traces"
     )
-    diff.add_argument("base")
-    diff.add_argument("other")
-    diff.add_argument("--steps", type=int, required=True)
+    diff.add_argument("base", help="profiler trace of the reference server")
+    diff.add_argument("other", help="profiler trace of the server compared")
+    diff.add_argument(
+        "--steps", type=int, required=True, help="decode steps the trace covers"
+    )
     args = p.parse_args(argv)
     if args.cmd == "summary":
         print(json.dumps(summarize_trace(args.trace, args.steps), indent=1))

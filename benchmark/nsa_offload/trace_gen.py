@@ -570,35 +570,73 @@ def build_trace(cfg: GeneratorConfig, command: str, verbose: bool = True):
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output .npz trace")
-    p.add_argument("--num-model-layers", type=int, default=DSV32_NUM_LAYERS)
+    p.add_argument(
+        "--num-model-layers",
+        type=int,
+        default=DSV32_NUM_LAYERS,
+        help="layers of the model the trace stands for",
+    )
     p.add_argument(
         "--layers", default=None, help="comma list of model layer ids (default all)"
     )
-    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--requests", type=int, default=4, help="requests in the trace")
     p.add_argument(
         "--prompt-lens",
         default="16384,32768",
         help="one value per request, or min,max spread evenly over the requests",
     )
-    p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--top-k", type=int, default=DSV32_TOP_K)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--step-overlap", default=DEFAULT_STEP_OVERLAP)
-    p.add_argument("--adjacent-overlap", default=DEFAULT_ADJACENT_OVERLAP)
-    p.add_argument("--recency-amp", default=DEFAULT_RECENCY_AMP)
-    p.add_argument("--recency-tau", type=float, default=64.0)
-    p.add_argument("--num-sinks", type=int, default=4)
-    p.add_argument("--sink-boost", type=float, default=6.0)
+    p.add_argument("--steps", type=int, default=64, help="decode steps")
+    p.add_argument(
+        "--top-k", type=int, default=DSV32_TOP_K, help="indexer top-k width K"
+    )
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+    p.add_argument(
+        "--step-overlap",
+        default=DEFAULT_STEP_OVERLAP,
+        help="share of a layer's top-k kept from the previous step (one value, or per-layer list)",
+    )
+    p.add_argument(
+        "--adjacent-overlap",
+        default=DEFAULT_ADJACENT_OVERLAP,
+        help="share of a layer's top-k shared with the layer before (one value, or list)",
+    )
+    p.add_argument(
+        "--recency-amp",
+        default=DEFAULT_RECENCY_AMP,
+        help="score boost of the newest tokens (one value, or list)",
+    )
+    p.add_argument(
+        "--recency-tau",
+        type=float,
+        default=64.0,
+        help="decay (tokens) of the recency boost",
+    )
+    p.add_argument(
+        "--num-sinks", type=int, default=4, help="attention-sink tokens at the start"
+    )
+    p.add_argument(
+        "--sink-boost", type=float, default=6.0, help="score boost of the sink tokens"
+    )
     p.add_argument(
         "--long-memory",
         type=float,
         default=0.5,
         help="share of the lag-1 correlation that never decays (0 = pure AR(1))",
     )
-    p.add_argument("--order", choices=["ascending", "score"], default="ascending")
-    p.add_argument("--calib-reps", type=int, default=8)
     p.add_argument(
-        "--encoding", default="auto", choices=["auto", "dense", "sorted_delta"]
+        "--order",
+        choices=["ascending", "score"],
+        default="ascending",
+        help="entry order of a trace row: ascending positions or by score",
+    )
+    p.add_argument(
+        "--calib-reps", type=int, default=8, help="repetitions of the calibration runs"
+    )
+    p.add_argument(
+        "--encoding",
+        default="auto",
+        choices=["auto", "dense", "sorted_delta"],
+        help="file encoding of the top-k (auto picks the smaller)",
     )
     p.add_argument(
         "--report-json", default=None, help="also write the metadata (JSON) here"

@@ -482,9 +482,7 @@ class _LayoutTests:
         self.assertIn("nsa_topk_trace.apply_decode_topk_hooks(", backend.read_text())
         run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0)
         self.assertEqual(snapshot(fx.sglang_dir), plain)
-        run_tool(
-            "--sglang-dir", fx.sglang_dir, "--with-bench-hooks", *repo, check_rc=0
-        )
+        run_tool("--sglang-dir", fx.sglang_dir, "--with-bench-hooks", *repo, check_rc=0)
         run_tool("--sglang-dir", fx.sglang_dir, "--revert", *repo, check_rc=0)
         self.assertEqual(snapshot(fx.sglang_dir), before)
 

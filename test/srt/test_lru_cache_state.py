@@ -22,7 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lru_model import LRUModel
 from sglang.srt.mem_cache import lru_cache_state as lru_mod
+from sglang.srt.mem_cache import nsa_kv_offload_lru_reference as lru_reference
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
+from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_OK = DEVICE == "cuda" or lru_mod._swap_kernel_is_interpreted()
@@ -417,7 +419,11 @@ def impl_state(cfg, impl) -> LRUCacheState:
     one-program swap even with units)."""
     if impl == "fused":
         state = new_state(cfg, True)
-        state.split_swap = False
+        state.swap_backend = TritonLRUSwap(
+            state,
+            max_batch_size=state.swap_backend._scratch_rows,
+            split_by_unit=False,
+        )
         return state
     return new_state(cfg, impl)
 
@@ -592,9 +598,9 @@ class TestLRUCacheStateBasics(unittest.TestCase):
             torch.tensor([20, 9], device=DEVICE),
             r2t,
         )
-        work = a.prepare_layer_swap(0, *args)
-        pt = a.build_gpu_page_table(work)
-        plan_a = a.post_process_layer_swap(work, pt)
+        work = lru_reference.prepare_layer_swap(a, 0, *args)
+        pt = lru_reference.build_gpu_page_table(a, work)
+        plan_a = lru_reference.post_process_layer_swap(a, work, pt)
         plan_b = b.swap_layer(0, *args)
         self.assertEqual(plan_rows(plan_a, 2), plan_rows(plan_b, 2))
         assert_states_equal(self, a, b)

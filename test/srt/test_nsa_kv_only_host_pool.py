@@ -1,4 +1,4 @@
-"""NSAKVOnlyTokenToKVPoolHost layout and the row copy kernels of sparse_kv_copy.
+"""NSAKVOnlyTokenToKVPoolHost layout and the row copy kernels of nsa_kv_offload_copy.
 
 On a machine without CUDA the Triton kernels run in the interpreter
 (TRITON_INTERPRET=1, set here before triton is imported); "host" and "device"
@@ -9,7 +9,7 @@ import unittest
 from types import SimpleNamespace
 
 import torch
-from sglang.srt.mem_cache import sparse_kv_copy as skc
+from sglang.srt.mem_cache import nsa_kv_offload_copy as skc
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

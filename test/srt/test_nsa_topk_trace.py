@@ -29,8 +29,11 @@ from unittest import mock
 
 import numpy as np
 import torch
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-NSA_TOPK_TRACE_PY = REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "nsa_topk_trace.py"
+NSA_TOPK_TRACE_PY = (
+    REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "nsa_topk_trace.py"
+)
 
 
 def _load_nsa_topk_trace():

@@ -15,6 +15,7 @@ import random
 import unittest
 
 import torch
+from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import (
     RegionAllocator,
@@ -196,7 +197,7 @@ class TestUnits(_ControllerCase):
 
         ctrl = self.make(max_units=3)
         extra = Source([1000, 2000])
-        self.assertEqual(ctrl.add_unit_source(extra), 1)
+        ctrl.add_unit_source("extra", extra)
         for r in (0, 1, 2):
             ctrl.admit_request(r)
         # No free region: the other source lends, fewest units first.
@@ -210,12 +211,12 @@ class TestUnits(_ControllerCase):
         self.assertEqual(ctrl.num_units(0), 3)  # region, lent, region
         # Taking the lent units back: request 0's region unit sits on top of
         # its lent one, so it goes back to the free regions first.
-        ok = ctrl.reclaim_units_of(1, lambda: len(extra.free) == 2)
+        ok = ctrl.reclaim_units_of("extra", lambda: len(extra.free) == 2)
         self.assertTrue(ok)
         self.assertEqual([ctrl.num_units(r) for r in (0, 1)], [1, 1])
         self.assertEqual(ctrl.num_free_regions(), 1)
         self.assertEqual(ctrl.lru.capacity[:2].tolist(), [self.C, self.C])
-        self.assertFalse(ctrl.reclaim_units_of(1, lambda: len(extra.free) == 3))
+        self.assertFalse(ctrl.reclaim_units_of("extra", lambda: len(extra.free) == 3))
 
     def test_one_unit_never_rebalances(self):
         ctrl = self.make()
@@ -434,10 +435,17 @@ class TestEndToEnd(_ControllerCase):
             torch.tensor([n], device=DEVICE),
             req_to_token.to(DEVICE),
         )
-        ctrl.swap_one_layer(0, *args)
-        self.assertEqual(int(ctrl.last_plan.miss_count[0]), self.K)
-        ctrl.swap_one_layer(0, *args)  # all hits now
-        self.assertEqual(int(ctrl.last_plan.miss_count[0]), 0)
+        # The plan lands in the buffers passed as ``out`` (as the coordinator's).
+        plan = LayerSwapPlan(
+            torch.full((1, self.K), -1, dtype=torch.int32, device=DEVICE),
+            torch.zeros((1, self.K), dtype=torch.int64, device=DEVICE),
+            torch.zeros((1, self.K), dtype=torch.int32, device=DEVICE),
+            torch.zeros((1,), dtype=torch.int32, device=DEVICE),
+        )
+        ctrl.swap_one_layer(0, *args, out=plan)
+        self.assertEqual(int(plan.miss_count[0]), self.K)
+        ctrl.swap_one_layer(0, *args, out=plan)  # all hits now
+        self.assertEqual(int(plan.miss_count[0]), 0)
         stats = ctrl.get_stats()
         self.assertEqual(stats["misses"], self.K)
         self.assertEqual(stats["lru_hits"], self.K)

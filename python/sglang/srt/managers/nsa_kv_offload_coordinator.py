@@ -37,14 +37,16 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
-
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolSizes,
     NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
-    StagingUnitLender,
     staging_reserve_rows,
+)
+from sglang.srt.mem_cache.nsa_kv_offload_units import (
+    STAGING_UNIT_SOURCE,
+    StagingUnitLender,
 )
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
@@ -118,11 +120,14 @@ class NSAKVOffloadCoordinator:
         )
         self.lru = self.controller.lru
         kv_pool.nsa_kv_offload = self
-        self._staging_source = None
-        if max_units > 1 and allocator.staging.num_pages:
+        self._lends_staging = max_units > 1 and allocator.staging.num_pages > 0
+        if self._lends_staging:
             # Between prefills the staging rows idle: lend them as units.
-            self._staging_source = self.controller.add_unit_source(
-                StagingUnitLender(allocator.staging, buffer_size, staging_reserve_pages)
+            self.controller.add_unit_source(
+                STAGING_UNIT_SOURCE,
+                StagingUnitLender(
+                    allocator.staging, buffer_size, staging_reserve_pages
+                ),
             )
 
         # Rows of the batch that are real (CUDA-graph padding rows are inert).
@@ -237,12 +242,12 @@ class NSAKVOffloadCoordinator:
     def reclaim_staging(self, num_pages: int) -> bool:
         """A prefill needs ``num_pages`` staging pages: take staging units back
         until they are free. False when that is not enough."""
-        if self._staging_source is None:
+        if not self._lends_staging:
             return False
         self._wait_producer()
         staging = self.allocator.staging
         return self.controller.reclaim_units_of(
-            self._staging_source, lambda: staging.available_pages() >= num_pages
+            STAGING_UNIT_SOURCE, lambda: staging.available_pages() >= num_pages
         )
 
     def release(self, req: Req) -> None:
@@ -413,12 +418,12 @@ def cuda_graph_coverage_warning(server_args, num_regions: int) -> Optional[str]:
 
 
 def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
-    from sglang.srt.configs.model_config import get_nsa_index_topk
     from sglang.srt.utils import get_bool_env_var
 
     sa = model_runner.server_args
     max_batch_size = max(model_runner.max_running_requests, sa.cuda_graph_max_bs or 0)
     sizes = model_runner.nsa_kv_offload_sizes
+    geometry = sizes.geometry
     logger.info(
         "NSA KV offload: requests held at once by length (prompt + output): %s; "
         "--max-running-requests trades decode regions for token locs.",
@@ -432,13 +437,13 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         allocator=model_runner.token_to_kv_pool_allocator,
         req_to_token=model_runner.req_to_token_pool.req_to_token,
         sizes=sizes,
-        top_k=get_nsa_index_topk(model_runner.model_config.hf_config),
-        buffer_size=sa.nsa_kv_offload_gpu_buffer_size,
-        recent_window=sa.nsa_kv_offload_recent_window,
+        top_k=geometry.top_k,
+        buffer_size=geometry.buffer_size,
+        recent_window=geometry.recent_window,
         max_batch_size=max_batch_size,
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
-        max_units=sa.nsa_kv_offload_max_units,
+        max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(
             max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens),

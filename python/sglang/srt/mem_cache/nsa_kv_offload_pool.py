@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
-
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
@@ -143,56 +142,6 @@ class StagingRowAllocator:
             self.free_pages = torch.cat((pages, self.free_pages))
 
 
-class StagingUnitLender:
-    """Lends runs of idle prefill staging pages as extra LRU units
-    (``SparseCacheController.add_unit_source``), keeping ``reserve_pages``
-    free for the next prefills; the allocator takes units back when a
-    prefill needs their pages."""
-
-    def __init__(self, staging: StagingRowAllocator, unit_rows: int, reserve_pages):
-        self.staging = staging
-        self.pages_per_unit = -(-unit_rows // staging.page_size)
-        self.reserve_pages = reserve_pages
-        # Free page count at which the last search found no run: no new
-        # search (a host read of the free list) until the count changes.
-        self._no_run_at = None
-
-    def available(self) -> bool:
-        free = self.staging.available_pages()
-        if free == self._no_run_at:
-            return False
-        return free - self.reserve_pages >= self.pages_per_unit
-
-    def take(self) -> Optional[int]:
-        """First row of a run of free pages (the highest run), or None.
-        Reads the free list on the host: only called while rebalancing."""
-        if not self.available():
-            return None
-        n = self.pages_per_unit
-        free = sorted(self.staging.free_pages.tolist())
-        for end in range(len(free) - 1, n - 2, -1):
-            if free[end] - free[end - n + 1] == n - 1:
-                first = free[end - n + 1]
-                rest = free[: end - n + 1] + free[end + 1 :]
-                self.staging.free_pages = torch.tensor(
-                    rest, dtype=torch.int64, device=self.staging.device
-                )
-                return self.staging.start_row + first * self.staging.page_size
-        self._no_run_at = len(free)
-        return None
-
-    def give(self, base: int) -> None:
-        first = (base - self.staging.start_row) // self.staging.page_size
-        self.staging.free(
-            torch.arange(
-                first,
-                first + self.pages_per_unit,
-                dtype=torch.int64,
-                device=self.staging.device,
-            )
-        )
-
-
 class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
     """Paged allocator of logical token locs that also gives every new page of
     a prefill a GPU staging page, and takes it back when the page is freed or
@@ -275,6 +224,34 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         super().free(free_index)
 
 
+@dataclass(frozen=True)
+class NSAKVOffloadGeometry:
+    """The per-request GPU layout of the offload, fixed at startup: read once
+    from the server args and the model config, then passed down (pool sizing,
+    coordinator, controller, LRU state)."""
+
+    top_k: int  # K, the indexer's top-k width
+    buffer_size: int  # C, LRU slots per unit (--nsa-kv-offload-gpu-buffer-size)
+    recent_window: int  # W, ring rows of the newest tokens
+    max_units: int  # U, LRU units one request may hold
+
+    @property
+    def region_rows(self) -> int:
+        """R = C + W: the GPU rows of one decode region."""
+        return self.buffer_size + self.recent_window
+
+    @classmethod
+    def from_server_args(cls, server_args, hf_config) -> "NSAKVOffloadGeometry":
+        from sglang.srt.configs.model_config import get_nsa_index_topk
+
+        return cls(
+            top_k=get_nsa_index_topk(hf_config),
+            buffer_size=server_args.nsa_kv_offload_gpu_buffer_size,
+            recent_window=server_args.nsa_kv_offload_recent_window,
+            max_units=server_args.nsa_kv_offload_max_units,
+        )
+
+
 @dataclass
 class NSAKVOffloadPoolSizes:
     """How the offload splits the GPU KV budget (all counts per rank)."""
@@ -285,6 +262,8 @@ class NSAKVOffloadPoolSizes:
     staging_rows: int
     page_size: int
     host_capacity_locs: int
+    # The layout the sizes were computed for (None: sizes built by hand).
+    geometry: Optional[NSAKVOffloadGeometry] = None
 
     @property
     def kv_pool_size(self) -> int:
@@ -376,7 +355,6 @@ def compute_offload_pool_sizes(
     """Split ``available_bytes`` between fixed costs (regions, staging) and
     logical token locs, and cap the locs by what the host pool holds."""
     staging_rows = _round_up(staging_rows, page_size)
-    region_rows = buffer_size + recent_window
     fixed = num_layers * (
         page_size + staging_rows
     ) * row_bytes + num_regions * offload_bytes_per_region(
@@ -391,7 +369,7 @@ def compute_offload_pool_sizes(
     if num_locs <= 0:
         raise RuntimeError(
             "NSA KV offload: not enough GPU memory for "
-            f"{num_regions} decode regions of {region_rows} rows and "
+            f"{num_regions} decode regions of {buffer_size + recent_window} rows and "
             f"{staging_rows} staging rows ({fixed / (1 << 30):.2f} GB of "
             f"{available_bytes / (1 << 30):.2f} GB available). Lower "
             "--max-running-requests or --nsa-kv-offload-gpu-buffer-size, or raise "
@@ -400,7 +378,7 @@ def compute_offload_pool_sizes(
     return NSAKVOffloadPoolSizes(
         num_locs=num_locs,
         num_regions=num_regions,
-        region_rows=region_rows,
+        region_rows=buffer_size + recent_window,
         staging_rows=staging_rows,
         page_size=page_size,
         host_capacity_locs=host_capacity,
@@ -425,6 +403,9 @@ class NSAKVOffloadPoolConfigurator:
         from sglang.srt.configs.model_config import get_nsa_index_head_dim
 
         sa = mr.server_args
+        self.geometry = NSAKVOffloadGeometry.from_server_args(
+            sa, mr.model_config.hf_config
+        )
         self.num_layers = mr.num_effective_layers
         self.row_bytes = mr.calculate_mla_kv_cache_dim() * torch._utils._element_size(
             mr.kv_cache_dtype
@@ -433,15 +414,15 @@ class NSAKVOffloadPoolConfigurator:
         self.indexer_bytes = (
             index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
         )
-        self.buffer_size = sa.nsa_kv_offload_gpu_buffer_size
-        self.recent_window = sa.nsa_kv_offload_recent_window
+        self.buffer_size = self.geometry.buffer_size
+        self.recent_window = self.geometry.recent_window
         self.host_pool_bytes = int(sa.nsa_kv_offload_host_pool_gb * (1 << 30))
         self.user_max_running_requests = sa.max_running_requests
         self.context_len = mr.model_config.context_len
         self.prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
         self.max_total_tokens = sa.max_total_tokens
         self.kv_arrives_in_host = sa.disaggregation_mode == "decode"
-        self.max_units = sa.nsa_kv_offload_max_units
+        self.max_units = self.geometry.max_units
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
         if self.kv_arrives_in_host:
@@ -468,7 +449,7 @@ class NSAKVOffloadPoolConfigurator:
     ) -> NSAKVOffloadPoolSizes:
         if num_regions is None:
             num_regions = self._num_regions(available_bytes)
-        return compute_offload_pool_sizes(
+        sizes = compute_offload_pool_sizes(
             available_bytes=available_bytes,
             num_layers=self.num_layers,
             row_bytes=self.row_bytes,
@@ -482,6 +463,8 @@ class NSAKVOffloadPoolConfigurator:
             max_total_tokens=self.max_total_tokens,
             max_units=self.max_units,
         )
+        sizes.geometry = self.geometry
+        return sizes
 
     def calculate_pool_sizes(self, available_bytes: int, page_size: int):
         from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
@@ -510,11 +493,12 @@ class NSAKVOffloadPoolConfigurator:
         return NSAKVOffloadPoolSizes(
             num_locs=num_locs,
             num_regions=num_regions,
-            region_rows=self.buffer_size + self.recent_window,
+            region_rows=self.geometry.region_rows,
             staging_rows=_round_up(
                 self.staging_rows(num_regions, page_size), page_size
             ),
             page_size=page_size,
             host_capacity_locs=self.host_pool_bytes
             // (self.num_layers * self.row_bytes),
+            geometry=self.geometry,
         )

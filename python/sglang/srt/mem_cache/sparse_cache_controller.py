@@ -45,8 +45,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
-from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
-from sglang.srt.mem_cache.sparse_kv_copy import (
+from sglang.srt.mem_cache.nsa_kv_offload_copy import (
     COUNTER_D2H_ROWS,
     COUNTER_H2D_ROWS,
     DEFAULT_ALL_LAYER_BLOCK_ROWS,
@@ -61,6 +60,12 @@ from sglang.srt.mem_cache.sparse_kv_copy import (
     gather_rows_reference,
     layer_pointer_table,
 )
+from sglang.srt.mem_cache.nsa_kv_offload_units import (
+    REGION_UNIT_SOURCE,
+    NSAKVOffloadUnitSource,
+    RegionUnitSource,
+)
+from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 
 logger = logging.getLogger(__name__)
 
@@ -115,22 +120,6 @@ class RegionAllocator:
             raise ValueError(f"row {base_row} is not the base of an allocated region")
         self._used.remove(region)
         heapq.heappush(self._free, region)
-
-
-class RegionUnitSource:
-    """Free regions, lent as extra LRU units (the first unit source)."""
-
-    def __init__(self, regions: RegionAllocator):
-        self.regions = regions
-
-    def available(self) -> bool:
-        return self.regions.available_size() > 0
-
-    def take(self) -> Optional[int]:
-        return self.regions.alloc_contiguous()
-
-    def give(self, base: int) -> None:
-        self.regions.free(base)
 
 
 class SparseCacheController:
@@ -233,7 +222,7 @@ class SparseCacheController:
         self.host_layer_ptrs = host_pool.get_layer_ptrs(self.device)
         self._host_rows = [host_pool.data_refs[i] for i in range(self.layer_num)]
 
-        # Rows/bytes moved (see sparse_kv_copy.COUNTER_*), on the device.
+        # Rows/bytes moved (see nsa_kv_offload_copy.COUNTER_*), on the device.
         self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=self.device)
         # (LRU hits, window hits, loads) of cross-layer prefetches, per layer.
         self.prefetch_counters = torch.zeros(
@@ -247,10 +236,12 @@ class SparseCacheController:
         self._last_side_event = None
         self._req_base: Dict[int, int] = {}
         # Extra units of each request beyond its region, oldest first:
-        # (first row, index of the source in _unit_sources).
-        self._req_units: Dict[int, List[Tuple[int, int]]] = {}
-        self._unit_sources = [RegionUnitSource(self.regions)]
-        self.last_plan: Optional[LayerSwapPlan] = None
+        # (first row, name of its source).
+        self._req_units: Dict[int, List[Tuple[int, str]]] = {}
+        # Lenders of extra units by name, asked in this order.
+        self._unit_sources: Dict[str, NSAKVOffloadUnitSource] = {
+            REGION_UNIT_SOURCE: RegionUnitSource(self.regions)
+        }
 
     # ------------------------------------------------------------------ helpers
 
@@ -301,15 +292,17 @@ class SparseCacheController:
                 word_bytes=self.copy_word_bytes,
                 block_rows=DEFAULT_ALL_LAYER_BLOCK_ROWS,
             )
-            return
-        copy_rows_all_layers_reference(
-            src_layers, dst_layers, src_idx, dst_idx, self.row_bytes, count
-        )
-        n = src_idx.shape[-1]
-        if count is not None:
-            n = min(n, int(count.reshape(-1)[0]))
-        self.counters[counter_idx] += n * self.layer_num
-        self.counters[counter_idx + 1] += n * self.layer_num * self.row_bytes
+        else:
+            copy_rows_all_layers_reference(
+                src_layers,
+                dst_layers,
+                src_idx,
+                dst_idx,
+                self.row_bytes,
+                count,
+                counters=self.counters,
+                counter_idx=counter_idx,
+            )
 
     def _d2h_all_layers(self, gpu_rows, locs, count) -> None:
         self._copy_all_layers(
@@ -364,18 +357,17 @@ class SparseCacheController:
                 block_rows=self.copy_block_rows,
                 num_warps=self.copy_num_warps,
             )
-            return
-        gather_rows_reference(
-            self._host_rows[layer],
-            self._device_rows[layer],
-            plan.miss_src_loc,
-            plan.miss_dst_row,
-            plan.miss_count,
-            self.row_bytes,
-        )
-        n = int(plan.miss_count.sum())
-        self.counters[COUNTER_H2D_ROWS] += n
-        self.counters[COUNTER_H2D_ROWS + 1] += n * self.row_bytes
+        else:
+            gather_rows_reference(
+                self._host_rows[layer],
+                self._device_rows[layer],
+                plan.miss_src_loc,
+                plan.miss_dst_row,
+                plan.miss_count,
+                self.row_bytes,
+                counters=self.counters,
+                counter_idx=COUNTER_H2D_ROWS,
+            )
 
     def swap_one_layer(
         self,
@@ -395,7 +387,6 @@ class SparseCacheController:
         """
         swap_args = (topk_pos, req_pool_indices, seq_lens, req_to_token, num_real_reqs)
         plan = self._swap_and_load(layer_id, swap_args, out, counters=None)
-        self.last_plan = plan
         return plan.page_table
 
     def prefetch_one_layer(
@@ -475,7 +466,7 @@ class SparseCacheController:
     def admission_room(self) -> int:
         """Requests that can be admitted now: free regions plus the regions
         running requests hold as extra units (an admission takes them back)."""
-        return self.regions.available_size() + self.units_lent_by(0)
+        return self.regions.available_size() + self.units_lent_by(REGION_UNIT_SOURCE)
 
     def can_admit(self, num_reqs: int = 1) -> bool:
         """Whether ``num_reqs`` more requests get a GPU region now."""
@@ -581,21 +572,25 @@ class SparseCacheController:
         r = int(req_pool_idx)
         return 1 + len(self._req_units[r]) if r in self._req_base else 0
 
-    def units_lent_by(self, source: int) -> int:
-        """Extra units running requests hold from ``source`` (0: regions)."""
+    def units_lent_by(self, source: str) -> int:
+        """Extra units running requests hold from the source named ``source``
+        (``REGION_UNIT_SOURCE``: the free decode regions)."""
         return sum(src == source for u in self._req_units.values() for _, src in u)
 
-    def add_unit_source(self, source) -> int:
-        """Another lender of extra units (``available()``, ``take() -> first
-        row or None``, ``give(first row)``; ``buffer_size`` rows per unit),
-        used after the free regions. Returns its index."""
-        self._unit_sources.append(source)
-        return len(self._unit_sources) - 1
+    def add_unit_source(self, name: str, source: NSAKVOffloadUnitSource) -> None:
+        """Another lender of extra units, named ``name`` (see
+        ``nsa_kv_offload_units``; ``buffer_size`` rows per unit), asked after
+        the sources added before it (the free regions first)."""
+        if name in self._unit_sources:
+            raise ValueError(f"unit source {name!r} is already added")
+        self._unit_sources[name] = source
 
     def _grow_candidate(self) -> Optional[int]:
         """The admitted request with the fewest units below ``max_units``
         (lowest pool index first), if some source can lend a unit."""
-        if self.max_units == 1 or not any(s.available() for s in self._unit_sources):
+        if self.max_units == 1 or not any(
+            s.available() for s in self._unit_sources.values()
+        ):
             return None
         candidates = [
             (len(u), r)
@@ -615,19 +610,19 @@ class SparseCacheController:
         out."""
         granted = 0
         while (r := self._grow_candidate()) is not None:
-            for index, source in enumerate(self._unit_sources):
+            for name, source in self._unit_sources.items():
                 base = source.take() if source.available() else None
                 if base is not None:
                     break
             else:
                 break
-            self._req_units[r].append((base, index))
+            self._req_units[r].append((base, name))
             self.lru.grow_request(r, len(self._req_units[r]), base)
             granted += 1
         return granted
 
-    def _shrink_last_unit(self, r: int) -> int:
-        """Drop request ``r``'s newest extra unit; returns its source index."""
+    def _shrink_last_unit(self, r: int) -> str:
+        """Drop request ``r``'s newest extra unit; returns its source's name."""
         units = self._req_units[r]
         # Copies still in flight on the side stream may target its rows.
         self.wait_backup()
@@ -636,7 +631,7 @@ class SparseCacheController:
         self._unit_sources[source].give(base)
         return source
 
-    def _reclaim_from(self, source: int) -> bool:
+    def _reclaim_from(self, source: str) -> bool:
         """Give one unit of ``source`` back: the request holding the most
         units (highest pool index first) among those holding one gives its
         newest units back until one of ``source`` is among them (the others
@@ -656,9 +651,9 @@ class SparseCacheController:
 
     def _reclaim_unit(self) -> bool:
         """Free a region for an admission (see :meth:`_reclaim_from`)."""
-        return self._reclaim_from(0)
+        return self._reclaim_from(REGION_UNIT_SOURCE)
 
-    def reclaim_units_of(self, source: int, enough) -> bool:
+    def reclaim_units_of(self, source: str, enough) -> bool:
         """Take back units lent by ``source`` until ``enough()``; the caller's
         stream must already wait for every forward that may still read them.
         Returns ``enough()``."""
@@ -697,6 +692,8 @@ class SparseCacheController:
             # lent by the other sources (idle prefill staging).
             "extra_units": sum(len(u) for u in self._req_units.values()),
             "extra_units_lent": sum(
-                self.units_lent_by(s) for s in range(1, len(self._unit_sources))
+                self.units_lent_by(name)
+                for name in self._unit_sources
+                if name != REGION_UNIT_SOURCE
             ),
         }

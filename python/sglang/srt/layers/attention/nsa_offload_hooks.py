@@ -50,4 +50,3 @@ def translate_locs_to_rows(
     if offload is None or locs is None:
         return locs
     return offload.kv_pool.translate_loc_to_row(locs).to(locs.dtype)
-

@@ -439,10 +439,17 @@ def gather_rows_reference(
     dst_idx: torch.Tensor,
     count: torch.Tensor,
     row_bytes: int,
+    counters: Optional[torch.Tensor] = None,
+    counter_idx: int = COUNTER_H2D_ROWS,
 ) -> None:
-    """Pure-torch reference of :func:`gather_rows` (syncs; for tests only)."""
+    """Pure-torch reference of :func:`gather_rows` (syncs; CPU only), counting
+    into ``counters`` like it."""
     src_r = as_rows(src, row_bytes)
     dst_r = as_rows(dst, row_bytes)
+    if counters is not None:
+        n = int(count.clamp(min=0).sum())
+        counters[counter_idx] += n
+        counters[counter_idx + 1] += n * row_bytes
     for b, c in enumerate(count.tolist()):
         if c <= 0:
             continue
@@ -458,12 +465,18 @@ def copy_rows_all_layers_reference(
     dst_idx: torch.Tensor,
     row_bytes: int,
     count: Optional[Union[torch.Tensor, int]] = None,
+    counters: Optional[torch.Tensor] = None,
+    counter_idx: int = COUNTER_D2H_ROWS,
 ) -> None:
     """Pure-torch reference of :func:`copy_rows_all_layers` over lists of layer
-    buffers (syncs; for tests and CPU runs without Triton)."""
+    buffers (syncs; for tests and CPU runs without Triton), counting into
+    ``counters`` like it."""
     n = src_idx.shape[-1]
     if count is not None:
         n = min(n, int(count.reshape(-1)[0]) if torch.is_tensor(count) else count)
+    if counters is not None:
+        counters[counter_idx] += n * len(src_layers)
+        counters[counter_idx + 1] += n * len(src_layers) * row_bytes
     if n <= 0:
         return
     for layer, (src, dst) in enumerate(zip(src_layers, dst_layers)):

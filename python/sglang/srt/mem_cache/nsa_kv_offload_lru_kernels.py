@@ -1,0 +1,531 @@
+"""Triton kernels of the LRU swap of ``LRUCacheState`` (launched by
+``nsa_kv_offload_lru_triton.TritonLRUSwap``; on CPU the tests run them under
+``TRITON_INTERPRET=1``). Semantics: ``docs/ENGINE.md``.
+"""
+
+try:
+    import triton
+    import triton.language as tl
+
+    _HAS_TRITON = True
+except ImportError:  # pragma: no cover - triton ships with every CUDA build
+    _HAS_TRITON = False
+
+
+def swap_kernel_is_interpreted() -> bool:
+    # triton.jit picks the interpreter from TRITON_INTERPRET at decoration time.
+    return _HAS_TRITON and not isinstance(_swap_layer_kernel, triton.JITFunction)
+
+
+# Fused swap kernel: one program per batch row (grid (bs,)), three phases.
+#   1. classify the K top-k entries (padding / window / hit via a loc_to_slot
+#      gather / miss); exclusive cumsum gives each miss its rank; hit slots are
+#      flagged in per-row scratch.
+#   2. walk lru_order (C entries): gather the hit flags, cumsum ranks the
+#      evictable slots; the first num_misses of them are the victims (their old
+#      locs leave loc_to_slot) and are written to scratch by rank; lru_order is
+#      permuted in place to [untaken evictables, victims, hits].
+#   3. each miss gathers its victim by rank, updates loc_to_slot / slot_loc and
+#      the page table; the copy list is compacted by miss rank.
+# Scatter -> gather between phases (by slot, by rank) crosses threads, so it
+# goes through global scratch with tl.debug_barrier() (bar.sync orders the
+# CTA's global memory accesses). Whole-row blocks (next pow2 of K and C) keep
+# the scans in registers: C=4096, K=2048 at 16 warps is ~116 registers, no
+# spills (ptxas, sm_90).
+if _HAS_TRITON:
+
+    # Steps shared by the fused swap kernel and the split one.
+    @triton.jit
+    def _request_row(req_pool_ptr, b, sink_req):
+        # The batch row's request pool index, clamped into the state (padding
+        # rows may hold stale indices).
+        r = tl.load(req_pool_ptr + b).to(tl.int64)
+        return tl.minimum(tl.maximum(r, 0), sink_req)
+
+    @triton.jit
+    def _add_counters(counters_ptr, num_hits, in_window, num_misses):
+        # The layer's (LRU hits, window hits, misses) counters.
+        tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
+        tl.atomic_add(
+            counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
+        )
+        tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
+
+    @triton.jit
+    def _classify_topk(
+        pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W: tl.constexpr
+    ):
+        # Top-k entries in the recent window, to look up (with their token
+        # loc), or neither (padding / beyond the sequence).
+        valid = mask_k & (pos >= 0) & (pos < n)
+        in_window = valid & (pos >= n - W)
+        lookup = valid & (pos < n - W)
+        loc = tl.load(
+            req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
+        )
+        return in_window, lookup, loc
+
+    @triton.jit
+    def _lru_new_positions(evictable, ev_rank, p, num_misses, num_evictable):
+        # The recency rule: [untaken evictables, victims, hits and slots beyond
+        # the capacity], each in its old order; p is the old position.
+        new_pos = tl.where(
+            evictable,
+            tl.where(
+                ev_rank >= num_misses,
+                ev_rank - num_misses,
+                num_evictable - num_misses + ev_rank,
+            ),
+            num_evictable + p - ev_rank,
+        )
+        return new_pos, evictable & (ev_rank < num_misses)
+
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "seq_lens_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "unit_base_ptr",
+            "capacity_ptr",
+            "counters_ptr",
+            "miss_count_ptr",
+        ]
+    )
+    def _swap_layer_kernel(
+        topk_ptr,
+        topk_stride,
+        req_pool_ptr,
+        seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride,
+        num_real_ptr,
+        loc_to_slot_ptr,  # (N + 1,) int16, this layer
+        slot_loc_ptr,  # (max_reqs + 1, C) int32, this layer
+        lru_ptr,  # (max_reqs + 1, C) int16, this layer
+        unit_base_ptr,  # (max_reqs + 1, U) int32, unit 0 = the region
+        capacity_ptr,  # (max_reqs + 1,) int32
+        counters_ptr,  # (3,) int64, this layer
+        page_table_ptr,
+        page_table_stride,
+        miss_src_ptr,
+        miss_src_stride,
+        miss_dst_ptr,
+        miss_dst_stride,
+        miss_count_ptr,
+        hit_flags_ptr,  # (rows, C) int8 scratch
+        victims_ptr,  # (rows, K) int32 scratch
+        sink_req,  # max_reqs: the last row of the per-request tensors
+        K: tl.constexpr,
+        C: tl.constexpr,  # LRU slots of all units (U x C0)
+        C0: tl.constexpr,  # LRU slots of one unit
+        U: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        # One program per batch row; rows touch disjoint state (distinct
+        # requests own distinct locs and slots), so programs never race.
+        b = tl.program_id(0)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        offs_c = tl.arange(0, BLOCK_C)
+        mask_c = offs_c < C
+        num_real = tl.load(num_real_ptr)
+        # Loads that are in bounds for padding rows too (stale but valid pool
+        # index, clamped anyway) go before the branch: saves a round trip.
+        r = _request_row(req_pool_ptr, b, sink_req)
+        n = tl.load(seq_lens_ptr + b).to(tl.int32)
+        base = tl.load(unit_base_ptr + r * U)
+        capacity = tl.load(capacity_ptr + r)
+        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+        pos = pos.to(tl.int32)
+        order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
+        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=mask_c, other=-1)
+
+        pt_row = page_table_ptr + b * page_table_stride
+        if b >= num_real:
+            tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
+            tl.store(miss_count_ptr + b, 0)
+            return
+
+        flags_row = hit_flags_ptr + b.to(tl.int64) * C
+        victims_row = victims_ptr + b.to(tl.int64) * K
+        tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=mask_c)
+
+        # Phase 1: classify entries (padding / window / hit / miss).
+        in_window, lookup, loc = _classify_topk(
+            pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+        )
+        cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
+        hit = lookup & (cur >= 0)
+        miss = lookup & (cur < 0)
+        miss_i = miss.to(tl.int32)
+        miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
+        num_misses = tl.sum(miss_i, axis=0)
+        num_hits = tl.sum(hit.to(tl.int32), axis=0)
+        # Scatter hit flags by slot: the recency pass needs them by lru position,
+        # a different thread mapping, so they go through global scratch. The
+        # barriers order the zeroing, this scatter and the gather below.
+        tl.debug_barrier()
+        tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
+        tl.debug_barrier()
+
+        # Phase 2: walk lru_order, rank evictable (not hit) slots, reorder.
+        # Slots beyond the request's units are never victims; they keep their
+        # order at the end with the hits.
+        evictable = mask_c & (tl.load(flags_row + order, mask=mask_c, other=1) == 0)
+        evictable = evictable & (order < capacity)
+        ev_i = evictable.to(tl.int32)
+        ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
+        new_pos, taken = _lru_new_positions(
+            evictable, ev_rank, offs_c, num_misses, tl.sum(ev_i, axis=0)
+        )
+        # Victims' old locs leave the map now (phase 1 has read it already).
+        tl.store(
+            loc_to_slot_ptr + old_loc,
+            tl.full([BLOCK_C], -1, tl.int16),
+            mask=taken & (old_loc >= 0),
+        )
+        # Victim by rank, gathered by miss rank in phase 3 (another scatter ->
+        # gather across threads through scratch).
+        tl.store(victims_row + ev_rank, order, mask=taken)
+        # Every thread has read lru_order (the scans above synchronize, the
+        # barrier makes it explicit) before the in-place permutation.
+        tl.debug_barrier()
+        tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
+
+        # Phase 3: misses take their victims; page table in top-k order.
+        # (Inline: as a shared helper it costs this kernel 16 registers and a
+        # spill, ptxas sm_90.)
+        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
+        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+        slot = tl.where(hit, cur, victim)
+        if U == 1:
+            slot_row = base + slot
+        else:
+            unit_base = tl.load(
+                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            )
+            slot_row = unit_base + slot % C0
+        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(
+            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
+        )
+        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
+        tl.store(miss_count_ptr + b, num_misses)
+        _add_counters(counters_ptr, num_hits, in_window, num_misses)
+
+    # Split swap for U > 1 units (C = U x C0 slots): the fused kernel walks
+    # all C slots in one program, which costs U times the one-unit swap. Here
+    # the walk is spread over U programs per row, one per C0-position chunk of
+    # lru_order; the cross-chunk rank prefix goes through per-row counts, so
+    # the row's phases become kernels (same semantics, same results):
+    #   _swap_classify_kernel (bs,): phase 1; hit flags and each entry's slot
+    #     (-1 if none) to scratch, the row's miss count to miss_count.
+    #   _swap_count_kernel (bs, U): evictable slots per chunk.
+    #   _swap_rank_kernel (bs, U): phase 2 with the chunk's rank offset; the
+    #     permuted order goes to scratch (other chunks still read theirs).
+    #   _swap_assign_kernel (bs, U): chunk u copies the new order back; chunk 0
+    #     does phase 3.
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "seq_lens_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "counters_ptr",
+            "miss_count_ptr",
+        ]
+    )
+    def _swap_classify_kernel(
+        topk_ptr,
+        topk_stride,
+        req_pool_ptr,
+        seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride,
+        num_real_ptr,
+        loc_to_slot_ptr,
+        counters_ptr,
+        page_table_ptr,
+        page_table_stride,
+        miss_count_ptr,
+        hit_flags_ptr,  # (rows, C) int8 scratch
+        cur_ptr,  # (rows, K) int32 scratch: slot of each entry, -1 if none
+        sink_req,
+        K: tl.constexpr,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        if b >= tl.load(num_real_ptr):
+            pt_row = page_table_ptr + b * page_table_stride
+            tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
+            tl.store(miss_count_ptr + b, 0)
+            return
+        r = _request_row(req_pool_ptr, b, sink_req)
+        n = tl.load(seq_lens_ptr + b).to(tl.int32)
+        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+        pos = pos.to(tl.int32)
+        flags_row = hit_flags_ptr + b.to(tl.int64) * C
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        for u in tl.static_range(U):
+            tl.store(
+                flags_row + u * C0 + offs_c0,
+                tl.zeros([BLOCK_C0], tl.int8),
+                mask=offs_c0 < C0,
+            )
+        in_window, lookup, loc = _classify_topk(
+            pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+        )
+        cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
+        cur = tl.where(lookup, cur, -1)
+        hit = cur >= 0
+        num_misses = tl.sum((lookup & (cur < 0)).to(tl.int32), axis=0)
+        tl.debug_barrier()
+        tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
+        tl.store(cur_ptr + b.to(tl.int64) * K + offs_k, cur, mask=mask_k)
+        tl.store(miss_count_ptr + b, num_misses)
+        _add_counters(
+            counters_ptr, tl.sum(hit.to(tl.int32), axis=0), in_window, num_misses
+        )
+
+    @triton.jit
+    def _chunk_evictable(
+        b,
+        r,
+        lru_ptr,
+        capacity_ptr,
+        hit_flags_ptr,
+        offs,
+        mask,
+        C: tl.constexpr,
+    ):
+        # lru_order entries of one chunk and which of them are evictable: owned
+        # (below the capacity) and not hit this step.
+        order = tl.load(lru_ptr + r * C + offs, mask=mask, other=0).to(tl.int32)
+        hit = tl.load(hit_flags_ptr + b.to(tl.int64) * C + order, mask=mask, other=1)
+        evictable = mask & (hit == 0) & (order < tl.load(capacity_ptr + r))
+        return order, evictable
+
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "num_real_ptr",
+            "capacity_ptr",
+            "ev_count_ptr",
+        ]
+    )
+    def _swap_count_kernel(
+        req_pool_ptr,
+        num_real_ptr,
+        lru_ptr,
+        capacity_ptr,
+        hit_flags_ptr,
+        ev_count_ptr,  # (rows, U) int32 scratch
+        sink_req,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        if b >= tl.load(num_real_ptr):
+            return
+        r = _request_row(req_pool_ptr, b, sink_req)
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        _, evictable = _chunk_evictable(
+            b,
+            r,
+            lru_ptr,
+            capacity_ptr,
+            hit_flags_ptr,
+            u * C0 + offs_c0,
+            offs_c0 < C0,
+            C,
+        )
+        tl.store(ev_count_ptr + b * U + u, tl.sum(evictable.to(tl.int32), axis=0))
+
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "capacity_ptr",
+            "miss_count_ptr",
+            "ev_count_ptr",
+        ]
+    )
+    def _swap_rank_kernel(
+        req_pool_ptr,
+        num_real_ptr,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        lru_ptr,
+        capacity_ptr,
+        miss_count_ptr,
+        hit_flags_ptr,
+        ev_count_ptr,
+        victims_ptr,  # (rows, K) int32 scratch
+        new_lru_ptr,  # (rows, C) int16 scratch
+        sink_req,
+        K: tl.constexpr,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        BLOCK_U: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        if b >= tl.load(num_real_ptr):
+            return
+        r = _request_row(req_pool_ptr, b, sink_req)
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        mask = offs_c0 < C0
+        p = u * C0 + offs_c0  # positions of this chunk in lru_order
+        order, evictable = _chunk_evictable(
+            b, r, lru_ptr, capacity_ptr, hit_flags_ptr, p, mask, C
+        )
+        offs_u = tl.arange(0, BLOCK_U)
+        counts = tl.load(ev_count_ptr + b * U + offs_u, mask=offs_u < U, other=0)
+        num_evictable = tl.sum(counts, axis=0)
+        before = tl.sum(tl.where(offs_u < u, counts, 0), axis=0)
+        num_misses = tl.load(miss_count_ptr + b)
+        ev_i = evictable.to(tl.int32)
+        ev_rank = before + tl.cumsum(ev_i, axis=0) - ev_i
+        new_pos, taken = _lru_new_positions(
+            evictable, ev_rank, p, num_misses, num_evictable
+        )
+        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
+        tl.store(
+            loc_to_slot_ptr + old_loc,
+            tl.full([BLOCK_C0], -1, tl.int16),
+            mask=taken & (old_loc >= 0),
+        )
+        tl.store(victims_ptr + b.to(tl.int64) * K + ev_rank, order, mask=taken)
+        tl.store(
+            new_lru_ptr + b.to(tl.int64) * C + new_pos, order.to(tl.int16), mask=mask
+        )
+
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "seq_lens_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "unit_base_ptr",
+        ]
+    )
+    def _swap_assign_kernel(
+        topk_ptr,
+        topk_stride,
+        req_pool_ptr,
+        seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride,
+        num_real_ptr,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        lru_ptr,
+        unit_base_ptr,
+        page_table_ptr,
+        page_table_stride,
+        miss_src_ptr,
+        miss_src_stride,
+        miss_dst_ptr,
+        miss_dst_stride,
+        cur_ptr,
+        victims_ptr,
+        new_lru_ptr,
+        sink_req,
+        K: tl.constexpr,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        if b >= tl.load(num_real_ptr):
+            return
+        r = _request_row(req_pool_ptr, b, sink_req)
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        mask = offs_c0 < C0
+        p = u * C0 + offs_c0
+        new_order = tl.load(new_lru_ptr + b.to(tl.int64) * C + p, mask=mask)
+        tl.store(lru_ptr + r * C + p, new_order, mask=mask)
+        if u == 0:
+            offs_k = tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            n = tl.load(seq_lens_ptr + b).to(tl.int32)
+            base = tl.load(unit_base_ptr + r * U)
+            pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+            pos = pos.to(tl.int32)
+            in_window, lookup, loc = _classify_topk(
+                pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+            )
+            cur = tl.load(cur_ptr + b.to(tl.int64) * K + offs_k, mask=mask_k, other=-1)
+            hit = lookup & (cur >= 0)
+            miss = lookup & (cur < 0)
+            miss_i = miss.to(tl.int32)
+            miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
+            # Phase 3 as in the fused kernel (units: U > 1 here).
+            victims_row = victims_ptr + b.to(tl.int64) * K
+            victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
+            tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+            tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+            slot = tl.where(hit, cur, victim)
+            unit_base = tl.load(
+                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            )
+            slot_row = unit_base + slot % C0
+            rows = tl.where(
+                in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1)
+            )
+            tl.store(page_table_ptr + b * page_table_stride + offs_k, rows, mask=mask_k)
+            tl.store(
+                miss_src_ptr + b * miss_src_stride + miss_rank,
+                loc.to(tl.int64),
+                mask=miss,
+            )
+            tl.store(
+                miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss
+            )
+
+    # One variant for every batch size and slice offset (see above).
+    @triton.jit(
+        do_not_specialize=["bs"],
+        do_not_specialize_on_alignment=["req_pool_ptr", "seq_lens_ptr", "locs_ptr"],
+    )
+    def _map_new_tokens_kernel(
+        req_pool_ptr,
+        seq_lens_ptr,
+        locs_ptr,
+        unit_base_ptr,  # (max_reqs + 1, U) int32, unit 0 = the region
+        loc_to_row_ptr,  # int64
+        bs,
+        C: tl.constexpr,
+        W: tl.constexpr,
+        U: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < bs
+        r = tl.load(req_pool_ptr + offs, mask=mask, other=0)
+        pos = tl.load(seq_lens_ptr + offs, mask=mask, other=1).to(tl.int64) - 1
+        loc = tl.load(locs_ptr + offs, mask=mask, other=0)
+        base = tl.load(unit_base_ptr + r * U, mask=mask, other=0).to(tl.int64)
+        tl.store(loc_to_row_ptr + loc, base + C + pos % W, mask=mask)

@@ -1,0 +1,262 @@
+"""Pure-torch reference of the LRU swap of ``LRUCacheState`` (CPU tests).
+
+The same semantics as the Triton kernels (``nsa_kv_offload_lru_triton``),
+bit-exactly, in three steps: :func:`prepare_layer_swap` (hits, misses,
+victims; updates residency), :func:`build_gpu_page_table` (GPU rows in top-k
+order) and :func:`post_process_layer_swap` (compacts the copy list, applies the
+recency rule, counts). ``LRUCacheState.warm_request`` uses :func:`assign_slots`
+and :func:`reorder_lru` on every backend. See ``docs/ENGINE.md`` ("Per-layer
+swap semantics").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
+
+
+class LayerSwapPlan(NamedTuple):
+    """Result of one layer's swap for a batch of ``bs`` rows.
+
+    Only the first ``miss_count[b]`` entries of ``miss_src_loc[b]`` and
+    ``miss_dst_row[b]`` are meaningful; the rest are garbage.
+    """
+
+    page_table: torch.Tensor  # (bs, K) int32, GPU rows in top-k order, -1 = skip
+    miss_src_loc: torch.Tensor  # (bs, K) int64, host slot (= token loc) to load
+    miss_dst_row: torch.Tensor  # (bs, K) int32, GPU row to load it into
+    miss_count: torch.Tensor  # (bs,) int32
+
+
+@dataclass
+class LayerSwapWork:
+    """Intermediate state of the reference swap, passed between its three steps."""
+
+    layer: int
+    real: torch.Tensor  # (bs,) bool, row is not CUDA-graph padding
+    req: torch.Tensor  # (bs,) int64, request pool index (padding -> sink row)
+    base: torch.Tensor  # (bs,) int64, region base row (unit 0)
+    pos: torch.Tensor  # (bs, K) int64, top-k positions
+    in_window: torch.Tensor  # (bs, K) bool
+    hit: torch.Tensor  # (bs, K) bool
+    miss: torch.Tensor  # (bs, K) bool
+    loc: torch.Tensor  # (bs, K) int64, token loc of looked-up entries
+    slot: torch.Tensor  # (bs, K) int64, LRU slot of hits and misses, else -1
+    row: torch.Tensor  # (bs, K) int64, GPU row of ``slot``, else -1
+    miss_rank: torch.Tensor  # (bs, K) int64, index among the row's misses
+    num_misses: torch.Tensor  # (bs,) int64
+    num_hits: torch.Tensor  # (bs,) int64
+    order: torch.Tensor  # (bs, C) int64, lru_order before the step
+    order_evictable: torch.Tensor  # (bs, C) bool, slot at that position not hit
+    evict_rank: torch.Tensor  # (bs, C) int64, rank among evictable positions
+
+
+class ReferenceLRUSwap:
+    """The swap backend of ``LRUCacheState`` without Triton (CPU)."""
+
+    def swap_layer(
+        self,
+        state: LRUCacheState,
+        layer: int,
+        topk_pos: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_to_token: torch.Tensor,
+        num_real_reqs: Optional[Union[torch.Tensor, int]],
+        out: Optional[LayerSwapPlan],
+        counters: Optional[torch.Tensor],
+    ) -> LayerSwapPlan:
+        work = prepare_layer_swap(
+            state,
+            layer,
+            topk_pos,
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            num_real_reqs,
+        )
+        page_table = build_gpu_page_table(
+            state, work, out=None if out is None else out.page_table
+        )
+        return post_process_layer_swap(
+            state, work, page_table, out=out, counters=counters
+        )
+
+    def map_new_tokens(
+        self,
+        state: LRUCacheState,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        locs: torch.Tensor,
+        loc_to_row: torch.Tensor,
+    ) -> None:
+        loc_to_row[locs] = state.window_rows(req_pool_indices, seq_lens)
+
+
+def prepare_layer_swap(
+    state: LRUCacheState,
+    layer: int,
+    topk_pos: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,
+    num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
+) -> LayerSwapWork:
+    """Classify the top-k entries, pick victims and update residency."""
+    bs = topk_pos.shape[0]
+    W = state.recent_window
+    num_real = state.num_real_tensor(num_real_reqs, bs)
+    real = torch.arange(bs, device=state.device) < num_real
+    req_in = req_pool_indices.long()
+    req = torch.where(real, req_in, state._sink_req)
+    base = state._region_base_buf[req].long()
+    n = seq_lens.long()[:, None]
+    pos = topk_pos.long()
+    valid = real[:, None] & (pos >= 0) & (pos < n)
+    in_window = valid & (pos >= n - W)
+    lookup = valid & ~in_window
+    tok_req = torch.where(real, req_in, 0)[:, None]
+    loc = req_to_token[tok_req, torch.where(lookup, pos, 0)].long()
+    loc = torch.where(lookup, loc, -1)
+    return assign_slots(state, layer, req, base, lookup, loc, real, pos, in_window)
+
+
+def build_gpu_page_table(
+    state: LRUCacheState, work: LayerSwapWork, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """GPU rows of the top-k entries, in top-k order (-1 for padding)."""
+    base = work.base[:, None]
+    window_row = base + state.buffer_size + work.pos.remainder(state.recent_window)
+    rows = torch.where(work.in_window, window_row, work.row).to(torch.int32)
+    if out is None:
+        return rows
+    out[: rows.shape[0]].copy_(rows)
+    return out[: rows.shape[0]]
+
+
+def post_process_layer_swap(
+    state: LRUCacheState,
+    work: LayerSwapWork,
+    page_table: torch.Tensor,
+    out: Optional[LayerSwapPlan] = None,
+    counters: Optional[torch.Tensor] = None,
+) -> LayerSwapPlan:
+    """Compact the misses into the copy list and apply the recency rule."""
+    bs, k = work.miss.shape
+    sink = torch.where(work.miss, work.miss_rank, k)
+    src = torch.zeros((bs, k + 1), dtype=torch.int64, device=state.device)
+    src.scatter_(1, sink, work.loc)
+    dst = torch.zeros((bs, k + 1), dtype=torch.int64, device=state.device)
+    dst.scatter_(1, sink, work.row)
+    count = work.num_misses.to(torch.int32)
+    reorder_lru(state, work)
+    stats = torch.stack([work.hit.sum(), work.in_window.sum(), work.miss.sum()]).to(
+        torch.int64
+    )
+    if counters is None:
+        counters = state.counters[work.layer]
+    counters += stats
+    plan = LayerSwapPlan(page_table, src[:, :k], dst[:, :k].to(torch.int32), count)
+    if out is None:
+        return plan
+    result = state.plan_view(bs, out)
+    for dst_t, src_t in zip(result, plan):
+        if dst_t.data_ptr() != src_t.data_ptr():
+            dst_t.copy_(src_t)
+    return result
+
+
+def assign_slots(
+    state: LRUCacheState,
+    layer: int,
+    req: torch.Tensor,
+    base: torch.Tensor,
+    lookup: torch.Tensor,
+    loc: torch.Tensor,
+    real: Optional[torch.Tensor] = None,
+    pos: Optional[torch.Tensor] = None,
+    in_window: Optional[torch.Tensor] = None,
+) -> LayerSwapWork:
+    """Hits, misses and victims of looked-up locs; updates residency."""
+    bs, k = loc.shape
+    C, N = state.num_slots, state.num_locs
+    l2s = state._loc_to_slot_buf[layer]
+    slot_loc = state._slot_loc_buf[layer]
+    # The sink entries of loc_to_slot may hold garbage: mask after the gather.
+    cur = l2s[torch.where(lookup, loc, N)].long()
+    hit = lookup & (cur >= 0)
+    miss = lookup & (cur < 0)
+    hit_flags = torch.zeros((bs, C + 1), dtype=torch.bool, device=state.device)
+    hit_flags.scatter_(1, torch.where(hit, cur, C), True)
+    order = state._lru_buf[layer][req].long()
+    # Slots beyond the request's units are never victims.
+    in_capacity = order < state._capacity_buf[req].long()[:, None]
+    evictable = ~hit_flags.gather(1, order) & in_capacity
+    ev = evictable.long()
+    evict_rank = ev.cumsum(1) - ev
+    mi = miss.long()
+    miss_rank = mi.cumsum(1) - mi
+    num_misses = mi.sum(1)
+    # The j-th miss (top-k order) takes the j-th evictable slot (LRU first).
+    taken = evictable & (evict_rank < num_misses[:, None])
+    victim_by_rank = torch.zeros((bs, k + 1), dtype=torch.int64, device=state.device)
+    victim_by_rank.scatter_(1, torch.where(taken, evict_rank, k), order)
+    victim = victim_by_rank.gather(1, torch.where(miss, miss_rank, k))
+    slot = torch.where(hit, cur, torch.where(miss, victim, -1))
+    C0 = state.buffer_size
+    unit = torch.where(slot >= 0, slot // C0, 0)
+    unit_base = state._unit_base_buf[req].long().gather(1, unit)
+    row = torch.where(slot >= 0, unit_base + slot % C0, -1)
+
+    # Residency: victims' old locs leave, the missed locs enter.
+    req2 = torch.where(miss, req[:, None], state._sink_req)
+    vslot = torch.where(miss, victim, 0)
+    old = torch.where(miss, slot_loc[req2, vslot].long(), -1)
+    l2s.index_put_((torch.where(old >= 0, old, N),), l2s.new_full((), -1))
+    l2s.index_put_((torch.where(miss, loc, N),), slot.to(l2s.dtype))
+    slot_loc.index_put_((req2, vslot), loc.to(slot_loc.dtype))
+
+    return LayerSwapWork(
+        layer=layer,
+        real=torch.ones_like(req, dtype=torch.bool) if real is None else real,
+        req=req,
+        base=base,
+        pos=loc if pos is None else pos,
+        in_window=torch.zeros_like(lookup) if in_window is None else in_window,
+        hit=hit,
+        miss=miss,
+        loc=loc,
+        slot=slot,
+        row=row,
+        miss_rank=miss_rank,
+        num_misses=num_misses,
+        num_hits=hit.long().sum(1),
+        order=order,
+        order_evictable=evictable,
+        evict_rank=evict_rank,
+    )
+
+
+def reorder_lru(state: LRUCacheState, work: LayerSwapWork) -> None:
+    # New order: [untaken evictables] + [victims] + [hits], each in old order
+    # (victims in old order == misses in top-k order).
+    m = work.num_misses[:, None]
+    # Hits and the slots beyond the capacity keep their order at the end.
+    num_evictable = work.order_evictable.long().sum(1, keepdim=True)
+    ev_rank = work.evict_rank
+    hit_rank = state._arange_c[None, :] - ev_rank
+    new_pos = torch.where(
+        work.order_evictable,
+        torch.where(ev_rank >= m, ev_rank - m, num_evictable - m + ev_rank),
+        num_evictable + hit_rank,
+    )
+    new_order = torch.empty_like(work.order).scatter_(1, new_pos, work.order)
+    # Padding rows target the sink row; their new order equals the old one.
+    state._lru_buf[work.layer].index_put_(
+        (work.req,), new_order.to(state._lru_buf.dtype)
+    )

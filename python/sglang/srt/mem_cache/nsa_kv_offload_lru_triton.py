@@ -1,0 +1,296 @@
+"""The Triton swap backend of ``LRUCacheState`` (CUDA; the CPU tests run it
+under ``TRITON_INTERPRET=1``).
+
+:class:`TritonLRUSwap` launches the kernels of ``nsa_kv_offload_lru_kernels``: one fused
+kernel per layer (``_swap_layer_kernel``), or, with units (``max_units > 1``),
+the same swap split by unit into four kernels (``_swap_classify_kernel``
+...), plus the per-step new-token mapping. Semantics: ``docs/ENGINE.md``; the
+pure-torch reference in ``nsa_kv_offload_lru_reference`` is bit-exact with it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+from sglang.srt.mem_cache.nsa_kv_offload_lru_kernels import (
+    _HAS_TRITON,
+)
+from sglang.srt.mem_cache.nsa_kv_offload_lru_kernels import (
+    swap_kernel_is_interpreted as _swap_kernel_is_interpreted,
+)
+from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import LayerSwapPlan
+
+if _HAS_TRITON:
+    import triton
+    from sglang.srt.mem_cache.nsa_kv_offload_lru_kernels import (
+        _map_new_tokens_kernel,
+        _swap_assign_kernel,
+        _swap_classify_kernel,
+        _swap_count_kernel,
+        _swap_layer_kernel,
+        _swap_rank_kernel,
+    )
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _is_capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def check_triton_usable(device: torch.device) -> None:
+    """Raise when the kernels cannot run on ``device``."""
+    if not _HAS_TRITON:
+        raise RuntimeError("use_triton=True but triton is not installed")
+    if device.type != "cuda" and not _swap_kernel_is_interpreted():
+        raise RuntimeError(
+            "the Triton swap kernel on a non-CUDA device needs "
+            "TRITON_INTERPRET=1 set before this module is imported"
+        )
+
+
+class TritonLRUSwap:
+    """The swap backend of ``LRUCacheState`` on CUDA.
+
+    ``split_by_unit`` (default: with units) runs the swap as the four kernels
+    split by unit; ``False`` runs the one-program fused kernel even with units
+    (benchmarks and tests compare the two).
+    """
+
+    def __init__(
+        self,
+        state: LRUCacheState,
+        max_batch_size: Optional[int] = None,
+        num_warps: Optional[int] = None,
+        split_by_unit: Optional[bool] = None,
+    ):
+        check_triton_usable(state.device)
+        self.device = state.device
+        self.top_k = state.top_k
+        self.num_slots = state.num_slots
+        self.buffer_size = state.buffer_size
+        self.recent_window = state.recent_window
+        self.max_units = state.max_units
+        self.block_c = _next_pow2(self.num_slots)
+        self.block_k = _next_pow2(self.top_k)
+        if num_warps is None:
+            # ~256 lru entries per warp keeps the fused kernel near 128
+            # registers/thread without spills (C=4096 -> 16 warps).
+            num_warps = min(16, max(4, self.block_c // 256))
+        self.num_warps = num_warps
+        # Units: the fused kernel walks all U x C slots in one program.
+        self.split_by_unit = (
+            self.max_units > 1 if split_by_unit is None else split_by_unit
+        )
+        self._scratch_rows = 0
+        self._retired_scratch = []
+        self._alloc_scratch(max_batch_size or state.max_num_reqs)
+
+    def map_new_tokens(
+        self,
+        state: LRUCacheState,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        locs: torch.Tensor,
+        loc_to_row: torch.Tensor,
+    ) -> None:
+        bs = locs.numel()
+        _map_new_tokens_kernel[(triton.cdiv(bs, 128),)](
+            req_pool_indices,
+            seq_lens,
+            locs,
+            state._unit_base_buf,
+            loc_to_row,
+            bs,
+            C=self.buffer_size,
+            W=self.recent_window,
+            U=self.max_units,
+            BLOCK=128,
+        )
+
+    def swap_layer(
+        self,
+        state: LRUCacheState,
+        layer: int,
+        topk_pos: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_to_token: torch.Tensor,
+        num_real_reqs: Optional[Union[torch.Tensor, int]],
+        out: Optional[LayerSwapPlan],
+        counters: Optional[torch.Tensor],
+    ) -> LayerSwapPlan:
+        bs, k = topk_pos.shape
+        assert k == self.top_k, f"top-k width {k} != {self.top_k}"
+        assert req_to_token.dtype == torch.int32
+        plan = state.plan_view(bs, out)
+        num_real = state.num_real_tensor(num_real_reqs, bs)
+        if bs > self._scratch_rows:
+            if _is_capturing(self.device):
+                raise RuntimeError(
+                    f"swap_layer: bs={bs} exceeds the scratch rows "
+                    f"({self._scratch_rows}); pass max_batch_size"
+                )
+            self._alloc_scratch(bs)
+        if topk_pos.stride(1) != 1:
+            topk_pos = topk_pos.contiguous()
+        if req_to_token.stride(1) != 1:
+            req_to_token = req_to_token.contiguous()
+        if bs == 0:
+            return plan
+        loc_to_slot, slot_loc, lru, layer_counters = state._layer_views[layer]
+        if counters is None:
+            counters = layer_counters
+        # Launch arguments shared by the fused and the split kernels.
+        batch = (
+            topk_pos,
+            topk_pos.stride(0),
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            req_to_token.stride(0),
+            num_real,
+        )
+        plan_rows = (
+            plan.page_table,
+            plan.page_table.stride(0),
+            plan.miss_src_loc,
+            plan.miss_src_loc.stride(0),
+            plan.miss_dst_row,
+            plan.miss_dst_row.stride(0),
+        )
+        if self.split_by_unit:
+            self._split_swap(
+                state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
+            )
+            return plan
+        _swap_layer_kernel[(bs,)](
+            *batch,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            state._unit_base_buf,
+            state._capacity_buf,
+            counters,
+            *plan_rows,
+            plan.miss_count,
+            self._hit_flags,
+            self._victims,
+            state._sink_req,
+            K=self.top_k,
+            C=self.num_slots,
+            C0=self.buffer_size,
+            U=self.max_units,
+            W=self.recent_window,
+            BLOCK_K=self.block_k,
+            BLOCK_C=self.block_c,
+            num_warps=self.num_warps,
+        )
+        return plan
+
+    def _split_swap(
+        self,
+        state: LRUCacheState,
+        batch: tuple,
+        plan_rows: tuple,
+        loc_to_slot: torch.Tensor,
+        slot_loc: torch.Tensor,
+        lru: torch.Tensor,
+        counters: torch.Tensor,
+        plan: LayerSwapPlan,
+    ) -> None:
+        # The swap with units as four kernels (see _swap_classify_kernel);
+        # batch and plan_rows as swap_layer builds them.
+        bs, req_pool_indices, num_real = batch[0].shape[0], batch[2], batch[6]
+        U, C0 = self.max_units, self.buffer_size
+        shape = dict(
+            C=self.num_slots,
+            C0=C0,
+            U=U,
+            BLOCK_C0=_next_pow2(C0),
+            num_warps=self.num_warps,
+        )
+        _swap_classify_kernel[(bs,)](
+            *batch,
+            loc_to_slot,
+            counters,
+            plan.page_table,
+            plan.page_table.stride(0),
+            plan.miss_count,
+            self._hit_flags,
+            self._entry_slots,
+            state._sink_req,
+            K=self.top_k,
+            W=self.recent_window,
+            BLOCK_K=self.block_k,
+            **shape,
+        )
+        _swap_count_kernel[(bs, U)](
+            req_pool_indices,
+            num_real,
+            lru,
+            state._capacity_buf,
+            self._hit_flags,
+            self._evictable_counts,
+            state._sink_req,
+            **shape,
+        )
+        _swap_rank_kernel[(bs, U)](
+            req_pool_indices,
+            num_real,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            state._capacity_buf,
+            plan.miss_count,
+            self._hit_flags,
+            self._evictable_counts,
+            self._victims,
+            self._new_lru,
+            state._sink_req,
+            K=self.top_k,
+            BLOCK_U=_next_pow2(U),
+            **shape,
+        )
+        _swap_assign_kernel[(bs, U)](
+            *batch,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            state._unit_base_buf,
+            *plan_rows,
+            self._entry_slots,
+            self._victims,
+            self._new_lru,
+            state._sink_req,
+            K=self.top_k,
+            W=self.recent_window,
+            BLOCK_K=self.block_k,
+            **shape,
+        )
+
+    def _alloc_scratch(self, rows: int) -> None:
+        # Per-batch-row scratch of the kernels, shared by all layers: swaps of
+        # one state must run on one stream. Old buffers stay alive because
+        # captured CUDA graphs may still point at them.
+        if self._scratch_rows:
+            self._retired_scratch.append(self._scratch)
+        dev, K, C = self.device, self.top_k, self.num_slots
+        self._hit_flags = torch.zeros((rows, C), dtype=torch.int8, device=dev)
+        self._victims = torch.zeros((rows, K), dtype=torch.int32, device=dev)
+        self._scratch = [self._hit_flags, self._victims]
+        if self.max_units > 1:
+            # The split swap's hand-over between its kernels.
+            self._entry_slots = torch.zeros((rows, K), dtype=torch.int32, device=dev)
+            self._evictable_counts = torch.zeros(
+                (rows, self.max_units), dtype=torch.int32, device=dev
+            )
+            self._new_lru = torch.zeros((rows, C), dtype=torch.int16, device=dev)
+            self._scratch += [self._entry_slots, self._evictable_counts, self._new_lru]
+        self._scratch_rows = rows
