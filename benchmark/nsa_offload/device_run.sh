@@ -7,7 +7,8 @@
 # exactness with/without, a server with units), swap-units (the swap with
 # units: split vs fused kernels), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
-# offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), savejit
+# offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), exact
+# (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
@@ -28,6 +29,8 @@ if [ "${1:-}" = install-a ]; then
 fi
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
+  # What a rank-sized (61-layer) server compiles beyond that (../shared/DEVICE.md).
+  [ -f $W/jitcache-rank-h200.tgz ] && tar xzf $W/jitcache-rank-h200.tgz -C ~
   # JIT caches saved by an earlier "savejit" step (Triton MoE kernels etc.):
   # carry .devwheels/jitcache-extra (a folder of archive parts; older: one
   # jitcache-extra.tgz) to skip ~2 min of compiling per start.
@@ -70,6 +73,13 @@ for step in "$@"; do
     swap-units)
       # The LRU swap with units: split kernels vs the fused one (time, equality).
       timeout 150 python3 benchmark/nsa_offload/bench_swap_units.py --out $OUT/swap_units 2>&1 | tail -20 || rc=1
+      ;;
+    exact)
+      # End-to-end exactness on a generated checkpoint (exactness.py):
+      # $EXACT_MODEL tiny|rank, more flags in $EXACT_ARGS.
+      (cd benchmark/nsa_offload && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
+        --out $OUT/exact_${EXACT_MODEL:-tiny} --model ${EXACT_MODEL:-tiny} --port $((32000 + 100 * GPU0)) \
+        ${EXACT_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
     e2e)
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1

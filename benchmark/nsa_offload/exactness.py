@@ -208,10 +208,11 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
 
 def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, save):
     n = args.max_new_tokens
-    t = time.time()
-    res["seq"] = [srv.generate(p, n)["output_ids"] for p in prompts]
-    res["seq_s"] = round(time.time() - t, 1)
-    save()
+    if not spec.get("nc_only"):
+        t = time.time()
+        res["seq"] = [srv.generate(p, n)["output_ids"] for p in prompts]
+        res["seq_s"] = round(time.time() - t, 1)
+        save()
     if spec.get("nc"):
         arm = srv.env["SGLANG_NSA_TOPK_CORRUPT"]
         nc_tokens = 2 * NC_PERIOD + 1
@@ -228,7 +229,7 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
         except OSError:
             res["nc_hits"] = 0
         save()
-    if spec.get("dummy"):
+    if spec.get("dummy") or spec.get("nc_only"):
         return
     k = args.abort_requests
     with ThreadPoolExecutor(k) as pool:
@@ -255,7 +256,9 @@ def scan_log(path: str) -> dict:
         for line in f:
             if "#retracted_reqs:" in line:
                 out["retractions"] += 1
-                out["retracted_reqs"] += int(line.split("#retracted_reqs:")[1].split(",")[0])
+                out["retracted_reqs"] += int(
+                    line.split("#retracted_reqs:")[1].split(",")[0]
+                )
             if "Traceback" in line or "memory leak" in line.lower():
                 out["errors"] += 1
             if "nsa-offload hit rate" in line:
@@ -292,15 +295,19 @@ def negative_control(res: dict, nc_lens: List[int]) -> dict:
 
 def compare(a: List[List[int]], b: List[List[int]]) -> dict:
     same = sum(x == y for x, y in zip(a, b))
-    return {"identical": same, "total": len(a), "first_diff": [
-        first_diff(x, y) for x, y in zip(a, b) if x != y][:8]}
+    return {
+        "identical": same,
+        "total": len(a),
+        "first_diff": [first_diff(x, y) for x, y in zip(a, b) if x != y][:8],
+    }
 
 
 def summarize(result: dict, args) -> dict:
     srv = result["servers"]
+    specs = result["specs"]
     cases, identical, total, strict = [], 0, 0, {}
     for name, res in srv.items():
-        spec = SERVERS[name]
+        spec = specs[name]
         base = srv.get(spec.get("base", ""), {})
         if not spec.get("base") or "seq" not in base or "seq" not in res:
             continue
@@ -322,14 +329,21 @@ def summarize(result: dict, args) -> dict:
                 cases.append(f"{args.model}:{name}:{phase}")
                 identical += rows[phase]["identical"]
                 total += rows[phase]["total"]
-    nc = {n: negative_control(r, result["nc_lens"]) for n, r in srv.items() if "nc_armed" in r}
+    nc = {
+        n: negative_control(r, result["nc_lens"])
+        for n, r in srv.items()
+        if "nc_armed" in r
+    }
     own = {
-        n: compare(r["concurrent"], r["seq"]) for n, r in srv.items()
+        n: compare(r["concurrent"], r["seq"])
+        for n, r in srv.items()
         if "concurrent" in r and "seq" in r
     }
     return {
         "weights": "checkpoint",
         "model": args.model,
+        "checkpoint": result["ckpt_meta"],
+        "sweep": result.get("sweep"),
         "negative_control_flip_fraction": nc.get("base_fp8", {}).get("flip_fraction"),
         "negative_control": nc,
         "identical": identical,
@@ -356,15 +370,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="results directory")
     p.add_argument("--model", default="tiny", choices=["tiny", "rank"], help="config")
-    p.add_argument("--ckpt", help="checkpoint dir (written there if it has none)")
+    p.add_argument("--ckpt", help="checkpoint dir prefix (written there if absent)")
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="qk:out gain pairs to try the negative control on first, e.g. 1:1,1.5:1",
+    )
+    p.add_argument("--flip-target", type=float, default=0.9, help="for --sweep")
     p.add_argument("--servers", help="comma list of server names (default by model)")
     p.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
-    p.add_argument("--qk-gain", type=float, default=1.0, help="make_checkpoint --qk-gain")
-    p.add_argument("--out-gain", type=float, default=1.0, help="make_checkpoint --out-gain")
+    p.add_argument(
+        "--qk-gain", type=float, default=1.0, help="make_checkpoint --qk-gain"
+    )
+    p.add_argument(
+        "--out-gain", type=float, default=1.0, help="make_checkpoint --out-gain"
+    )
     p.add_argument("--num-requests", type=int, default=64, help="seq requests")
-    p.add_argument("--nc-requests", type=int, default=64, help="negative control requests")
+    p.add_argument(
+        "--nc-requests", type=int, default=64, help="negative control requests"
+    )
     p.add_argument("--max-new-tokens", type=int, default=65, help="per request")
-    p.add_argument("--concurrency", type=int, default=8, help="concurrent phase, max running")
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="concurrent phase, max running"
+    )
     p.add_argument("--abort-requests", type=int, default=6, help="aborted streams")
     p.add_argument("--longest", type=int, default=33000, help="longest prompt")
     p.add_argument("--context-length", type=int, default=40000, help="server context")
@@ -372,7 +400,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-fraction-static", type=float, default=0.5, help="per server")
     p.add_argument("--host-pool-gb", type=float, default=4.0, help="offload host pool")
     p.add_argument("--retract-interval", type=int, default=25, help="forced retraction")
-    p.add_argument("--idle-wait", type=float, default=6.0, help="idle seconds at the end")
+    p.add_argument(
+        "--idle-wait", type=float, default=6.0, help="idle seconds at the end"
+    )
     p.add_argument("--port", type=int, default=32000, help="first server's port")
     p.add_argument("--timeout", type=float, default=900.0, help="server start timeout")
     return p.parse_args(argv)
@@ -382,28 +412,32 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     config = load_config(args.model)
-    ckpt = args.ckpt or f"/tmp/ckpt_{args.model}_s{args.seed}"
-    if not os.path.exists(os.path.join(ckpt, "model.safetensors.index.json")):
-        device = "cuda" if args.model == "rank" else "cpu"
-        meta = write_checkpoint(
-            config, ckpt, args.seed, args.qk_gain, args.out_gain, device
-        )
-        print(f"[exactness] checkpoint {ckpt}: {json.dumps(meta)}", flush=True)
-    names = (args.servers or (TINY_SERVERS if args.model == "tiny" else RANK_SERVERS)).split(",")
+
+    def checkpoint(qk: float, out: float) -> str:
+        path = f"{args.ckpt or '/tmp/ckpt'}_{args.model}_s{args.seed}_q{qk:g}_o{out:g}"
+        if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+            device = "cuda" if args.model == "rank" else "cpu"
+            meta = write_checkpoint(config, path, args.seed, qk, out, device)
+            print(f"[exactness] checkpoint {path}: {json.dumps(meta)}", flush=True)
+        return path
+
+    names = (
+        args.servers or (TINY_SERVERS if args.model == "tiny" else RANK_SERVERS)
+    ).split(",")
     lengths = case_lengths(4096, 64, args.longest)
     rng = random.Random(args.seed + 1)
     while len(lengths) < args.num_requests:
         lengths.append(rng.randrange(100, 12000))
     prompts = prompts_for(lengths, args.seed + 2, config["vocab_size"])
-    nc_lens = [rng.randrange(100, 8000) for _ in range(args.nc_requests)]
+    nc_lens = [rng.randrange(100, 12000) for _ in range(args.nc_requests)]
     nc_prompts = prompts_for(nc_lens, args.seed + 3, config["vocab_size"])
     result = {
         "config": vars(args),
-        "ckpt_meta": json.load(open(os.path.join(ckpt, "checkpoint_meta.json"))),
         "prompt_lens": lengths,
         "nc_lens": nc_lens,
         "code_commit": git_commit(),
         "servers": {},
+        "specs": {},
         "logs": {},
     }
     lock = threading.Lock()
@@ -413,54 +447,100 @@ def main(argv=None) -> int:
             with open(os.path.join(args.out, "exactness.json"), "w") as f:
                 json.dump(result, f)
 
-    servers = []
-    for i, name in enumerate(names):
-        spec = SERVERS[name]
-        extra, env = server_args(spec, args, ckpt)
-        if spec.get("nc"):
-            env["SGLANG_NSA_TOPK_CORRUPT"] = os.path.join(args.out, f"arm_{name}")
-        srv = ExactServer(name, extra, args.port + 10 * i, args.out, env, args.timeout)
-        servers.append((name, spec, srv))
+    def run_stage(plan):
+        """plan: (name, spec, checkpoint dir) of servers to run."""
+        servers = []
+        for i, (name, spec, ckpt) in enumerate(plan):
+            extra, env = server_args(spec, args, ckpt)
+            if spec.get("nc"):
+                env["SGLANG_NSA_TOPK_CORRUPT"] = os.path.join(args.out, f"arm_{name}")
+            port = args.port + 10 * (i + len(result["specs"]))
+            servers.append(
+                (
+                    name,
+                    spec,
+                    ExactServer(name, extra, port, args.out, env, args.timeout),
+                )
+            )
+            result["specs"][name] = spec
 
-    def run_one(item):
-        name, spec, srv = item
-        res = result["servers"].setdefault(name, {})
-        try:
-            srv.wait_ready()
-            run_phases(srv, spec, args, prompts, nc_prompts, res, save)
-        except Exception as e:  # keep the other servers' results
-            res["error"] = f"{type(e).__name__}: {e}"[:2000]
-            print(f"[{name}] FAILED: {res['error']}", flush=True)
-        finally:
-            srv.stop()
-            result["logs"][name] = scan_log(srv.log_path)
-            save()
+        def run_one(item):
+            name, spec, srv = item
+            res = result["servers"].setdefault(name, {})
+            try:
+                srv.wait_ready()
+                run_phases(srv, spec, args, prompts, nc_prompts, res, save)
+            except Exception as e:  # keep the other servers' results
+                res["error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"[{name}] FAILED: {res['error']}", flush=True)
+            finally:
+                srv.stop()
+                result["logs"][name] = scan_log(srv.log_path)
+                save()
 
-    # Tiny servers all start at once; rank servers each take a third of the
-    # GPU's memory in weights, and sglang sizes a pool from the memory free
-    # at its own start: the next one starts once the previous is up.
-    if args.model == "tiny":
-        for _, _, srv in servers:
-            srv.start()
-        with ThreadPoolExecutor(len(servers)) as pool:
-            list(pool.map(run_one, servers))
-    else:
-        threads = []
-        for item in servers:
-            item[2].start().wait_ready()
-            th = threading.Thread(target=run_one, args=(item,))
-            th.start()
-            threads.append(th)
-        for th in threads:
-            th.join()
+        # Tiny servers all start at once; rank servers each take a third of
+        # the GPU's memory in weights, and sglang sizes a pool from the
+        # memory free at its own start: the next one starts once the
+        # previous is up.
+        if args.model == "tiny":
+            for _, _, srv in servers:
+                srv.start()
+            with ThreadPoolExecutor(len(servers)) as pool:
+                list(pool.map(run_one, servers))
+        else:
+            threads = []
+            for item in servers:
+                item[2].start().wait_ready()
+                th = threading.Thread(target=run_one, args=(item,))
+                th.start()
+                threads.append(th)
+            for th in threads:
+                th.join()
+
+    gains = [tuple(float(x) for x in g.split(":")) for g in args.sweep.split(",") if g]
+    qk, out = args.qk_gain, args.out_gain
+    if gains:
+        # The negative control alone on each candidate checkpoint; the run
+        # takes the first (in the given order) whose control flips enough.
+        plan = [
+            (f"nc_q{q:g}_o{o:g}", dict(nc=True, nc_only=True), checkpoint(q, o))
+            for q, o in gains
+        ]
+        run_stage(plan)
+        sweep = []
+        for (q, o), (name, _, _) in zip(gains, plan):
+            res = result["servers"][name]
+            frac = (
+                negative_control(res, nc_lens)["flip_fraction"]
+                if "nc_armed" in res
+                else None
+            )
+            sweep.append({"qk_gain": q, "out_gain": o, "flip_fraction": frac})
+        result["sweep"] = sweep
+        print(f"[exactness] sweep: {json.dumps(sweep)}", flush=True)
+        good = [g for g in sweep if (g["flip_fraction"] or 0) >= args.flip_target]
+        best = good[0] if good else max(sweep, key=lambda g: g["flip_fraction"] or 0)
+        qk, out = best["qk_gain"], best["out_gain"]
+    ckpt = checkpoint(qk, out)
+    result["ckpt_meta"] = json.load(open(os.path.join(ckpt, "checkpoint_meta.json")))
+    run_stage([(n, SERVERS[n], ckpt) for n in names])
     summary = summarize(result, args)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(json.dumps({k: summary[k] for k in (
-        "negative_control_flip_fraction", "identical", "total")}), flush=True)
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in ("negative_control_flip_fraction", "identical", "total")
+            }
+        ),
+        flush=True,
+    )
     print(json.dumps(summary["negative_control"]), flush=True)
     for name, rows in summary["comparisons"].items():
-        print(name, json.dumps({k: (v["identical"], v["total"]) for k, v in rows.items()}))
+        print(
+            name, json.dumps({k: (v["identical"], v["total"]) for k, v in rows.items()})
+        )
     print(json.dumps(summary["logs"]), flush=True)
     return 0
 

@@ -37,7 +37,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, List, Tuple
 
 HERE = Path(__file__).resolve().parent
 CONFIGS = {
@@ -125,7 +125,10 @@ def checkpoint_tensors(c: dict) -> List[Tuple[str, Tuple[int, ...], str]]:
                 (p + "shared_head.head.weight", (vocab, h), "linear"),
                 (p + "embed_tokens.weight", (vocab, h), "embed"),
             ]
-    out += [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (vocab, h), "linear")]
+    out += [
+        ("model.norm.weight", (h,), "norm"),
+        ("lm_head.weight", (vocab, h), "linear"),
+    ]
     return out
 
 

@@ -411,7 +411,9 @@ class TestNegativeControl(HookEnvCase):
         hooks.corruption.poll()
         for layer in (0, 2):
             self.assertTrue(
-                torch.equal(nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x), x)
+                torch.equal(
+                    nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x), x
+                )
             )
         out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
         hit = torch.tensor([False, True, True, False, True, False])
