@@ -29,13 +29,16 @@ if [ "${1:-}" = install-a ]; then
 fi
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
-  # What a rank-sized (61-layer) server compiles beyond that (../shared/DEVICE.md).
-  [ -f $W/jitcache-rank-h200.tgz ] && tar xzf $W/jitcache-rank-h200.tgz -C ~
   # JIT caches saved by an earlier "savejit" step (Triton MoE kernels etc.):
   # carry .devwheels/jitcache-extra (a folder of archive parts; older: one
   # jitcache-extra.tgz) to skip ~2 min of compiling per start.
   [ -f $W/jitcache-extra.tgz ] && tar xzf $W/jitcache-extra.tgz -C ~
   [ -d $W/jitcache-extra ] && cat $W/jitcache-extra/part-* | tar xzf - -C ~
+fi
+# What a rank-sized (61-layer) server compiles beyond that (../shared/DEVICE.md),
+# on top of jitcache-h200.tgz; carried in a later call if need be.
+if [ -f $W/jitcache-rank-h200.tgz ] && [ ! -f /tmp/site/.jit-rank ]; then
+  tar xzf $W/jitcache-rank-h200.tgz -C ~ && touch /tmp/site/.jit-rank
 fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # torch.compile's cache under ~ too, so that "savejit" can carry it.

@@ -377,6 +377,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="qk:out gain pairs to try the negative control on first, e.g. 1:1,1.5:1",
     )
     p.add_argument("--flip-target", type=float, default=0.9, help="for --sweep")
+    p.add_argument(
+        "--sweep-requests",
+        type=int,
+        default=32,
+        help="control requests per sweep server",
+    )
     p.add_argument("--servers", help="comma list of server names (default by model)")
     p.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
     p.add_argument(
@@ -506,7 +512,10 @@ def main(argv=None) -> int:
             (f"nc_q{q:g}_o{o:g}", dict(nc=True, nc_only=True), checkpoint(q, o))
             for q, o in gains
         ]
+        all_nc = nc_prompts
+        nc_prompts = nc_prompts[: args.sweep_requests]
         run_stage(plan)
+        nc_prompts = all_nc
         sweep = []
         for (q, o), (name, _, _) in zip(gains, plan):
             res = result["servers"][name]
@@ -522,8 +531,9 @@ def main(argv=None) -> int:
         best = good[0] if good else max(sweep, key=lambda g: g["flip_fraction"] or 0)
         qk, out = best["qk_gain"], best["out_gain"]
     ckpt = checkpoint(qk, out)
-    result["ckpt_meta"] = json.load(open(os.path.join(ckpt, "checkpoint_meta.json")))
-    run_stage([(n, SERVERS[n], ckpt) for n in names])
+    with open(os.path.join(ckpt, "checkpoint_meta.json")) as f:
+        result["ckpt_meta"] = json.load(f)
+    run_stage([(n, SERVERS[n], ckpt) for n in names if n])  # "--servers=": sweep only
     summary = summarize(result, args)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
