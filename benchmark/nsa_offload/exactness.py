@@ -409,6 +409,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--idle-wait", type=float, default=6.0, help="idle seconds at the end"
     )
+    p.add_argument("--parallel", type=int, default=6, help="tiny servers at once")
     p.add_argument("--port", type=int, default=32000, help="first server's port")
     p.add_argument("--timeout", type=float, default=900.0, help="server start timeout")
     return p.parse_args(argv)
@@ -427,9 +428,9 @@ def main(argv=None) -> int:
             print(f"[exactness] checkpoint {path}: {json.dumps(meta)}", flush=True)
         return path
 
-    names = (
-        args.servers or (TINY_SERVERS if args.model == "tiny" else RANK_SERVERS)
-    ).split(",")
+    if args.servers is None:
+        args.servers = TINY_SERVERS if args.model == "tiny" else RANK_SERVERS
+    names = [n for n in args.servers.split(",") if n]  # "--servers=": sweep only
     lengths = case_lengths(4096, 64, args.longest)
     rng = random.Random(args.seed + 1)
     while len(lengths) < args.num_requests:
@@ -489,10 +490,13 @@ def main(argv=None) -> int:
         # memory free at its own start: the next one starts once the
         # previous is up.
         if args.model == "tiny":
-            for _, _, srv in servers:
-                srv.start()
-            with ThreadPoolExecutor(len(servers)) as pool:
-                list(pool.map(run_one, servers))
+            # --parallel at a time: each server's processes take host memory.
+            for i in range(0, len(servers), args.parallel):
+                group = servers[i : i + args.parallel]
+                for _, _, srv in group:
+                    srv.start()
+                with ThreadPoolExecutor(len(group)) as pool:
+                    list(pool.map(run_one, group))
         else:
             threads = []
             for item in servers:
@@ -533,7 +537,7 @@ def main(argv=None) -> int:
     ckpt = checkpoint(qk, out)
     with open(os.path.join(ckpt, "checkpoint_meta.json")) as f:
         result["ckpt_meta"] = json.load(f)
-    run_stage([(n, SERVERS[n], ckpt) for n in names if n])  # "--servers=": sweep only
+    run_stage([(n, SERVERS[n], ckpt) for n in names])
     summary = summarize(result, args)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

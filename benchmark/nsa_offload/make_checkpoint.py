@@ -114,8 +114,7 @@ def checkpoint_tensors(c: dict) -> List[Tuple[str, Tuple[int, ...], str]]:
         out += [(p + "input_layernorm.weight", (h,), "norm")]
         out += [(p + s, shape, k) for s, shape, k in _attention_tensors(c)]
         out += [(p + "post_attention_layernorm.weight", (h,), "norm")]
-        # The NextN layer is a MoE layer whatever first_k_dense_replace says.
-        out += [(p + s, shape, k) for s, shape, k in _mlp_tensors(c, max(i, n))]
+        out += [(p + s, shape, k) for s, shape, k in _mlp_tensors(c, i)]
         if i >= n:
             out += [
                 (p + "enorm.weight", (h,), "norm"),
