@@ -25,7 +25,10 @@ PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
 if [ "${1:-}" = install-a ]; then
   # wheels-a, or its halves wheels-a1 / wheels-a2 in two calls when the
   # checkout plus wheels-a exceed what one call carries (64 MiB).
-  $PIP $W/wheels-a*/*.whl && echo "installed: $(ls $W | grep wheels-a)"; exit $?
+  $PIP $W/wheels-a*/*.whl && echo "installed: $(ls $W | grep wheels-a)" || exit 1
+  # A JIT cache carried with wheels-a waits here for the wheels-b call.
+  if [ -d $W/jitcache-extra ]; then mkdir -p /tmp/jit-parts && cp $W/jitcache-extra/part-* /tmp/jit-parts/; fi
+  exit 0
 fi
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
@@ -34,6 +37,7 @@ if [ ! -f /tmp/site/.wheels-b ]; then
   # jitcache-extra.tgz) to skip ~2 min of compiling per start.
   [ -f $W/jitcache-extra.tgz ] && tar xzf $W/jitcache-extra.tgz -C ~
   [ -d $W/jitcache-extra ] && cat $W/jitcache-extra/part-* | tar xzf - -C ~
+  [ -d /tmp/jit-parts ] && cat /tmp/jit-parts/part-* | tar xzf - -C ~
 fi
 # What a rank-sized (61-layer) server compiles beyond that (../shared/DEVICE.md),
 # on top of jitcache-h200.tgz; carried in a later call if need be.

@@ -51,11 +51,19 @@ from make_checkpoint import load_config, write_checkpoint
 from server_utils import BF16_KV_ARGS, Server
 
 NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
+# Negative-control modes: the arm file's "M R" (corrupt where seq_len % M == R).
+# step: one decode step in every 64 (one wrong KV row read once); persistent:
+# every decode step (the same request position's row read wrong each time,
+# as a stale row would be until evicted).
+NC_MODES = {"step": (NC_PERIOD, 0), "persistent": (1, 0)}
+SORTED_TOPK_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "sorted_topk"
+)
 
 # name -> how the server differs from the no-offload fp8 server on the
 # checkpoint. "base": the server it is compared with.
 SERVERS = {
-    "base_fp8": dict(nc=True),
+    "base_fp8": dict(nc=True, repeat=True),
     "ours_fp8": dict(offload=[], base="base_fp8"),
     "ours_fp8_1unit": dict(
         offload=["--nsa-kv-offload-max-units", "1"], base="base_fp8"
@@ -80,7 +88,7 @@ SERVERS = {
     "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
     "base_fp8_retract": dict(retract=True),
     "ours_fp8_retract": dict(offload=[], retract=True, base="base_fp8_retract"),
-    "stock_fp8": dict(stock=True, base="base_fp8"),
+    "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
     "dummy_fp8": dict(dummy=True, nc=True),
 }
 TINY_SERVERS = ",".join(SERVERS)
@@ -198,7 +206,12 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
             *spec["offload"],
         ]
     if not spec.get("stock"):
+        # Positional top-k in a deterministic order (sorted_topk/).
         env["SGLANG_NSA_FUSE_TOPK"] = "0"
+        env["SGLANG_NSA_TOPK_SORTED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (SORTED_TOPK_DIR, os.environ.get("PYTHONPATH")) if p
+        )
     if spec.get("retract"):
         env["SGLANG_TEST_RETRACT"] = "1"
         env["SGLANG_TEST_RETRACT_INTERVAL"] = str(args.retract_interval)
@@ -213,22 +226,30 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
         res["seq"] = [srv.generate(p, n)["output_ids"] for p in prompts]
         res["seq_s"] = round(time.time() - t, 1)
         save()
+    if spec.get("repeat"):
+        # The same requests again: the server's own run-to-run agreement.
+        res["seq_again"] = [srv.generate(p, n)["output_ids"] for p in prompts]
+        save()
     if spec.get("nc"):
         arm = srv.env["SGLANG_NSA_TOPK_CORRUPT"]
         nc_tokens = 2 * NC_PERIOD + 1
         res["nc_clean"] = [srv.generate(p, nc_tokens)["output_ids"] for p in nc_prompts]
-        with open(arm, "w") as f:
-            f.write(f"{NC_PERIOD} 0")
-        time.sleep(1.0)  # the server's poll thread reads it every 0.2 s
-        res["nc_armed"] = [srv.generate(p, nc_tokens)["output_ids"] for p in nc_prompts]
-        os.remove(arm)
-        time.sleep(1.0)
-        try:
-            with open(arm + ".hits") as f:
-                res["nc_hits"] = int(f.read())
-        except OSError:
-            res["nc_hits"] = 0
-        save()
+        res["nc_hits"] = {}
+        for mode in args.nc_modes.split(","):
+            with open(arm, "w") as f:
+                f.write("%d %d" % NC_MODES[mode])
+            time.sleep(1.0)  # the server's poll thread reads it every 0.2 s
+            res[f"nc_armed_{mode}"] = [
+                srv.generate(p, nc_tokens)["output_ids"] for p in nc_prompts
+            ]
+            os.remove(arm)
+            time.sleep(1.0)
+            try:
+                with open(arm + ".hits") as f:
+                    res["nc_hits"][mode] = int(f.read())
+            except OSError:
+                res["nc_hits"][mode] = 0
+            save()
     if spec.get("dummy") or spec.get("nc_only"):
         return
     k = args.abort_requests
@@ -273,11 +294,14 @@ def first_diff(a: List[int], b: List[int]) -> Optional[int]:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def negative_control(res: dict, nc_lens: List[int]) -> dict:
+def negative_control(res: dict, nc_lens: List[int], mode: str = "step") -> dict:
+    """Flips of one control mode: the output differs within the 64 tokens
+    from the first corrupted decode step; it must not differ before it."""
+    period, residue = NC_MODES[mode]
     flips, early = 0, 0
-    for clean, armed, plen in zip(res["nc_clean"], res["nc_armed"], nc_lens):
-        # Output token i is decoded at sequence length plen + i.
-        ic = (NC_PERIOD - plen % NC_PERIOD) % NC_PERIOD or NC_PERIOD
+    for clean, armed, plen in zip(res["nc_clean"], res[f"nc_armed_{mode}"], nc_lens):
+        # Output token i is decoded at sequence length plen + i (i >= 1).
+        ic = (residue - plen) % period or period
         d = first_diff(clean, armed)
         if d is not None and d < ic:
             early += 1
@@ -289,7 +313,7 @@ def negative_control(res: dict, nc_lens: List[int]) -> dict:
         "flipped": flips,
         "flip_fraction": round(flips / max(n, 1), 4),
         "changed_before_corruption": early,
-        "rows_corrupted": res.get("nc_hits"),
+        "rows_corrupted": (res.get("nc_hits") or {}).get(mode),
     }
 
 
@@ -330,9 +354,13 @@ def summarize(result: dict, args) -> dict:
                 identical += rows[phase]["identical"]
                 total += rows[phase]["total"]
     nc = {
-        n: negative_control(r, result["nc_lens"])
+        n: {
+            m: negative_control(r, result["nc_lens"], m)
+            for m in NC_MODES
+            if f"nc_armed_{m}" in r
+        }
         for n, r in srv.items()
-        if "nc_armed" in r
+        if "nc_clean" in r
     }
     own = {
         n: compare(r["concurrent"], r["seq"])
@@ -344,7 +372,17 @@ def summarize(result: dict, args) -> dict:
         "model": args.model,
         "checkpoint": result["ckpt_meta"],
         "sweep": result.get("sweep"),
-        "negative_control_flip_fraction": nc.get("base_fp8", {}).get("flip_fraction"),
+        "negative_control_flip_fraction": nc.get("base_fp8", {})
+        .get("step", {})
+        .get("flip_fraction"),
+        "negative_control_flip_fraction_persistent": nc.get("base_fp8", {})
+        .get("persistent", {})
+        .get("flip_fraction"),
+        "self_agreement": {
+            n: compare(r["seq_again"], r["seq"])
+            for n, r in srv.items()
+            if "seq_again" in r
+        },
         "negative_control": nc,
         "identical": identical,
         "total": total,
@@ -409,7 +447,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--idle-wait", type=float, default=6.0, help="idle seconds at the end"
     )
-    p.add_argument("--parallel", type=int, default=6, help="tiny servers at once")
+    p.add_argument("--parallel", type=int, default=11, help="tiny servers at once")
+    p.add_argument(
+        "--nc-modes", default="step,persistent", help="negative control modes to run"
+    )
     p.add_argument("--port", type=int, default=32000, help="first server's port")
     p.add_argument("--timeout", type=float, default=900.0, help="server start timeout")
     return p.parse_args(argv)
@@ -524,8 +565,8 @@ def main(argv=None) -> int:
         for (q, o), (name, _, _) in zip(gains, plan):
             res = result["servers"][name]
             frac = (
-                negative_control(res, nc_lens)["flip_fraction"]
-                if "nc_armed" in res
+                negative_control(res, nc_lens, "step")["flip_fraction"]
+                if "nc_armed_step" in res
                 else None
             )
             sweep.append({"qk_gain": q, "out_gain": o, "flip_fraction": frac})

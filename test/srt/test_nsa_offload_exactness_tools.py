@@ -7,14 +7,18 @@ generator and the negative control's accounting.
   checkpoint holds exactly those, at the documented scales, and the same
   seed gives the same bytes whatever the order;
 * ``exactness``: the boundary prompt lengths, and when a control request
-  counts as flipped.
+  counts as flipped (one corrupted step, or every step);
+* ``sorted_topk``: top-k rows come out sorted with ``-1`` padding last, and
+  only on the unfused (positional) path.
 """
 
+import importlib.util
 import json
 import math
 import os
 import sys
 import tempfile
+import types
 import unittest
 from pathlib import Path
 
@@ -26,6 +30,13 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import exactness  # noqa: E402
 import make_checkpoint as mc  # noqa: E402
+
+# By path: another sitecustomize may already be imported.
+_spec = importlib.util.spec_from_file_location(
+    "sorted_topk_sitecustomize", BENCH_DIR / "sorted_topk" / "sitecustomize.py"
+)
+sorted_topk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sorted_topk)
 
 
 def small_config(**over):
@@ -150,16 +161,59 @@ class TestExactnessAccounting(unittest.TestCase):
             "after_window": clean[: ic + period] + [2] * (len(clean) - ic - period),
             "before": clean[: ic - 1] + [2] * (len(clean) - ic + 1),
         }
-        res = {"nc_clean": [clean] * len(cases), "nc_armed": list(cases.values())}
+        res = {"nc_clean": [clean] * len(cases), "nc_armed_step": list(cases.values())}
         out = exactness.negative_control(res, [100] * len(cases))
         self.assertEqual(out["flipped"], 2)  # in_window, window_end
         self.assertEqual(out["changed_before_corruption"], 1)
         self.assertTrue(math.isclose(out["flip_fraction"], 2 / 5, rel_tol=1e-3))
         # A prompt whose length is a multiple of 64 is corrupted at token 64.
-        res = {"nc_clean": [clean], "nc_armed": [clean[:63] + [2] * 66]}
+        res = {"nc_clean": [clean], "nc_armed_step": [clean[:63] + [2] * 66]}
         self.assertEqual(
             exactness.negative_control(res, [128])["changed_before_corruption"], 1
         )
+
+    def test_persistent_mode(self):
+        clean = [1] * (2 * exactness.NC_PERIOD + 1)
+        res = {
+            "nc_clean": [clean] * 3,
+            "nc_armed_persistent": [
+                clean[:1] + [2] * 128,
+                clean[:64] + [2] * 65,
+                clean,
+            ],
+        }
+        out = exactness.negative_control(res, [100, 4096, 7], "persistent")
+        self.assertEqual(out["flipped"], 2)  # from token 1 on, within 64 tokens
+        self.assertEqual(out["changed_before_corruption"], 0)
+
+
+class TestSortedTopk(unittest.TestCase):
+    def test_rows_sorted_padding_last(self):
+        x = torch.tensor([[5, -1, 2, 9, -1], [3, 1, 0, 2, 4]], dtype=torch.int32)
+        out = sorted_topk._sorted_rows(x)
+        self.assertEqual(out.tolist(), [[2, 5, 9, -1, -1], [0, 1, 2, 3, 4]])
+        self.assertEqual(out.dtype, x.dtype)
+
+    def test_patch_only_unfused(self):
+        rows = torch.tensor([[4, 1, -1, 3]])
+
+        class Metadata:
+            force_unfused_topk = False
+
+            def topk_transform(self, logits, topk):
+                return rows
+
+        fused = [True]
+        module = types.SimpleNamespace(
+            NSAIndexerMetadata=Metadata,
+            envs=types.SimpleNamespace(
+                SGLANG_NSA_FUSE_TOPK=types.SimpleNamespace(get=lambda: fused[0])
+            ),
+        )
+        sorted_topk._patch(module)
+        self.assertIs(Metadata().topk_transform(None, 4), rows)  # fused: as is
+        fused[0] = False
+        self.assertEqual(Metadata().topk_transform(None, 4).tolist(), [[1, 3, 4, -1]])
 
 
 if __name__ == "__main__":
