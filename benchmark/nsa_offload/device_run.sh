@@ -7,7 +7,8 @@
 # exactness with/without, a server with units), swap-units (the swap with
 # units: split vs fused kernels), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
-# offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), savejit
+# offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), exact
+# (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
@@ -24,7 +25,10 @@ PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
 if [ "${1:-}" = install-a ]; then
   # wheels-a, or its halves wheels-a1 / wheels-a2 in two calls when the
   # checkout plus wheels-a exceed what one call carries (64 MiB).
-  $PIP $W/wheels-a*/*.whl && echo "installed: $(ls $W | grep wheels-a)"; exit $?
+  $PIP $W/wheels-a*/*.whl && echo "installed: $(ls $W | grep wheels-a)" || exit 1
+  # A JIT cache carried with wheels-a waits here for the wheels-b call.
+  if [ -d $W/jitcache-extra ]; then mkdir -p /tmp/jit-parts && cp $W/jitcache-extra/part-* /tmp/jit-parts/; fi
+  exit 0
 fi
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
@@ -33,6 +37,12 @@ if [ ! -f /tmp/site/.wheels-b ]; then
   # jitcache-extra.tgz) to skip ~2 min of compiling per start.
   [ -f $W/jitcache-extra.tgz ] && tar xzf $W/jitcache-extra.tgz -C ~
   [ -d $W/jitcache-extra ] && cat $W/jitcache-extra/part-* | tar xzf - -C ~
+  [ -d /tmp/jit-parts ] && cat /tmp/jit-parts/part-* | tar xzf - -C ~
+fi
+# What a rank-sized (61-layer) server compiles beyond that (../shared/DEVICE.md),
+# on top of jitcache-h200.tgz; carried in a later call if need be.
+if [ -f $W/jitcache-rank-h200.tgz ] && [ ! -f /tmp/site/.jit-rank ]; then
+  tar xzf $W/jitcache-rank-h200.tgz -C ~ && touch /tmp/site/.jit-rank
 fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # torch.compile's cache under ~ too, so that "savejit" can carry it.
@@ -71,6 +81,13 @@ for step in "$@"; do
     swap-units)
       # The LRU swap with units: split kernels vs the fused one (time, equality).
       timeout 150 python3 benchmark/nsa_offload/bench_swap_units.py --out $OUT/swap_units 2>&1 | tail -20 || rc=1
+      ;;
+    exact)
+      # End-to-end exactness on a generated checkpoint (exactness.py):
+      # $EXACT_MODEL tiny|rank, more flags in $EXACT_ARGS.
+      (cd benchmark/nsa_offload && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
+        --out $OUT/exact_${EXACT_MODEL:-tiny} --model ${EXACT_MODEL:-tiny} --port $((32000 + 100 * GPU0)) \
+        ${EXACT_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
     e2e)
       (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1

@@ -13,7 +13,10 @@ and its entry point ``nsa_topk_trace.apply_decode_topk_hooks``:
 * recorder: a few steps (with ring wrap-around and CUDA-graph padding rows)
   round-trip through ``trace_format``'s writer and reader, through the torch
   and the Triton path, and the ``<path>.flush`` trigger;
-* both off when their environment variables are unset: the hook returns the
+* negative control: the first entry of the chosen layer's rows is replaced
+  exactly while armed and where ``seq_len % M == R`` (padding rows and
+  ``-1`` entries never), other layers untouched, the hit count published;
+* all off when their environment variables are unset: the hook returns the
   very same tensor object.
 """
 
@@ -388,6 +391,84 @@ class TestRecorder(HookEnvCase):
         for t in range(3):
             for li in range(3):
                 np.testing.assert_array_equal(trace.topk[t, li], outs[3 * t + li])
+
+
+class TestNegativeControl(HookEnvCase):
+    def arm(self, text):
+        path = os.path.join(self.tmp, "arm")
+        if text is None:
+            if os.path.exists(path):
+                os.remove(path)
+        else:
+            with open(path, "w") as f:
+                f.write(text)
+        return path
+
+    def hooks(self, layer=1):
+        os.environ[nsa_topk_trace.ENV_CORRUPT] = self.arm(None)
+        os.environ[nsa_topk_trace.ENV_CORRUPT_LAYER] = str(layer)
+        hooks = nsa_topk_trace.get_decode_topk_hooks()
+        self.assertTrue(hooks.active)
+        hooks.corruption.poll_s = 0  # the test polls by hand
+        x = torch.zeros((1, K), dtype=torch.int32, device=DEVICE)
+        fb = fake_forward_batch(torch.tensor([64]), torch.arange(1))
+        nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x)  # sets up
+        return hooks
+
+    def test_replaces_first_entry_only_when_armed(self):
+        hooks = self.hooks(layer=1)
+        gen = torch.Generator().manual_seed(5)
+        n = torch.tensor([1, 64, 128, 130, 4096, 200])
+        x = indexer_rows(n, gen).to(DEVICE)
+        x[5, 0] = -1  # an invalid first entry stays as it is
+        fb = fake_forward_batch(n, torch.arange(len(n)))
+        out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
+        self.assertTrue(torch.equal(out, x))  # not armed yet
+        self.arm("64 0")
+        hooks.corruption.poll()
+        for layer in (0, 2):
+            self.assertTrue(
+                torch.equal(
+                    nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x), x
+                )
+            )
+        out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
+        hit = torch.tensor([False, True, True, False, True, False])
+        self.assertTrue(torch.equal(out[:, 1:], x[:, 1:]))
+        self.assertTrue(torch.equal(out[~hit, 0], x[~hit, 0]))
+        expect = (x[hit, 0].cpu() + n[hit] // 2) % n[hit]
+        self.assertTrue(torch.equal(out[hit, 0].cpu(), expect.to(out.dtype)))
+        self.assertTrue(bool((out[hit, 0] != x[hit, 0]).all()))
+        self.assertTrue(bool((out[hit, 0].cpu() < n[hit]).all()))
+        hooks.corruption.poll()
+        with open(hooks.corruption.path + ".hits") as f:
+            self.assertEqual(int(f.read()), 3)
+        self.arm("64 2")  # residue 2: row 3 (130) only
+        hooks.corruption.poll()
+        out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
+        self.assertEqual(int((out != x).sum()), 1)
+        self.assertNotEqual(int(out[3, 0]), int(x[3, 0]))
+        self.arm(None)
+        hooks.corruption.poll()
+        out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
+        self.assertTrue(torch.equal(out, x))
+        hooks.corruption.poll()
+        with open(hooks.corruption.path + ".hits") as f:
+            self.assertEqual(int(f.read()), 4)
+
+    def test_one_step_in_every_64(self):
+        hooks = self.hooks(layer=0)
+        self.arm("64 0")
+        hooks.corruption.poll()
+        gen = torch.Generator().manual_seed(9)
+        changed = []
+        for t in range(64):
+            n = torch.tensor([3000 + t, 77 + t])
+            x = indexer_rows(n, gen).to(DEVICE)
+            fb = fake_forward_batch(n, torch.arange(2))
+            out = nsa_offload_hooks.maybe_override_decode_topk(fb, 0, x)
+            changed.append((out != x).any(dim=1).cpu())
+        self.assertEqual(torch.stack(changed).sum(dim=0).tolist(), [1, 1])
 
 
 if __name__ == "__main__":

@@ -84,6 +84,21 @@ Recorder (``SGLANG_NSA_TOPK_TRACE_RECORD=/path/out.npz``)
     and held it with ``seq_len - 1``; metadata ``recorder`` says what was
     recorded. Only TP rank 0 records.
 
+Negative control (``SGLANG_NSA_TOPK_CORRUPT=/path/arm``)
+    Makes attention read one wrong KV row, to show that an exactness check on
+    a checkpoint can fail. While the file ``/path/arm`` exists and holds two
+    integers ``M R``, every decode row of model layer
+    ``SGLANG_NSA_TOPK_CORRUPT_LAYER`` (0) whose sequence length ``n`` (the
+    token being decoded counted) has ``n > 1`` and ``n % M == R`` gets its
+    first top-k entry ``p`` (if valid) replaced by ``(p + n // 2) % n``: one
+    other token's KV row, read once. With ``M = 64`` a request meets exactly
+    one such step in any 64 consecutive decode steps, and its output before
+    that step must stay as without the control. A host thread polls the file
+    (no CUDA call); the GPU reads the arm state from pinned memory through a
+    copy captured in the CUDA graph, so one running server serves clean and
+    corrupted requests alike. The number of rows changed so far is written
+    to ``/path/arm.hits`` whenever it changes.
+
 ``trace_format.py`` is found through ``SGLANG_NSA_TOPK_TRACE_FORMAT`` (path of
 the file), ``import trace_format``, or next to the working directory /
 the trace (``benchmark/nsa_offload/trace_format.py``).
@@ -120,6 +135,8 @@ ENV_RECORD_MAX_ROWS = "SGLANG_NSA_TOPK_TRACE_RECORD_MAX_ROWS"
 ENV_RECORD_LAYERS = "SGLANG_NSA_TOPK_TRACE_RECORD_LAYERS"
 ENV_RECORD_STAGE = "SGLANG_NSA_TOPK_TRACE_RECORD_STAGE"
 ENV_RECORD_FLUSH_IDLE_S = "SGLANG_NSA_TOPK_TRACE_RECORD_FLUSH_IDLE_S"
+ENV_CORRUPT = "SGLANG_NSA_TOPK_CORRUPT"
+ENV_CORRUPT_LAYER = "SGLANG_NSA_TOPK_CORRUPT_LAYER"
 
 DEFAULT_SINKS = 64
 DEFAULT_RECENT = 1024
@@ -1018,6 +1035,90 @@ class TopkTraceRecorder:
         atexit.unregister(self._at_exit)
 
 
+class TopkCorruption:
+    """The negative control: one top-k entry of one layer replaced while the
+    arm file says so (module docstring)."""
+
+    HITS_SUFFIX = ".hits"
+
+    def __init__(self, path: str, layer: int, poll_s: float = _POLL_S):
+        self.path = path
+        self.layer = layer
+        self.poll_s = poll_s
+        self._hits_written = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def setup(self, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        # [armed, M, R] as the poll thread last read them; the row count
+        # changed so far, copied back after every corrupted layer call.
+        self.arm_host = torch.zeros(3, dtype=torch.int64, pin_memory=pin)
+        self.hits_host = torch.zeros(1, dtype=torch.int64, pin_memory=pin)
+        self.arm_dev = torch.zeros(3, dtype=torch.int64, device=device)
+        self.hits_dev = torch.zeros(1, dtype=torch.int64, device=device)
+        self.poll()
+        if self._thread is None and self.poll_s > 0:
+            self._thread = threading.Thread(
+                target=self._run, name="nsa-topk-corrupt", daemon=True
+            )
+            self._thread.start()
+        logger.warning(
+            "NSA top-k negative control on layer %d, armed by %s",
+            self.layer,
+            self.path,
+        )
+
+    def poll(self) -> None:
+        """Read the arm file into pinned memory and publish the hit count."""
+        arm = [0, 1, 0]
+        try:
+            with open(self.path) as f:
+                m, r = (int(x) for x in f.read().split()[:2])
+            arm = [1, max(m, 1), r]
+        except (OSError, ValueError):
+            pass
+        self.arm_host[1], self.arm_host[2] = arm[1], arm[2]
+        self.arm_host[0] = arm[0]
+        hits = int(self.hits_host[0])
+        if hits != self._hits_written:
+            tmp = self.path + self.HITS_SUFFIX + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{hits}\n")
+            os.replace(tmp, self.path + self.HITS_SUFFIX)
+            self._hits_written = hits
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception:  # pragma: no cover - keep the server up
+                logger.exception("NSA top-k negative control: poll failed")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def apply(
+        self, layer_id: int, topk: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        if layer_id != self.layer:
+            return topk
+        self.arm_dev.copy_(self.arm_host, non_blocking=True)
+        n = seq_lens.to(topk.dtype)
+        first = topk[:, 0]
+        hit = (
+            (self.arm_dev[0] > 0)
+            & (n > 1)
+            & (n % self.arm_dev[1] == self.arm_dev[2])
+            & (first >= 0)
+        )
+        out = topk.clone()
+        out[:, 0] = torch.where(hit, (first + n // 2) % n.clamp(min=1), first)
+        self.hits_dev += hit.sum()
+        self.hits_host.copy_(self.hits_dev, non_blocking=True)
+        return out
+
+
 # ---------------------------------------------------------------------- hook
 
 
@@ -1052,10 +1153,12 @@ class DecodeTopkHooks:
         self,
         override: Optional[TopkTraceOverride],
         recorder: Optional[TopkTraceRecorder],
+        corruption: Optional[TopkCorruption] = None,
     ):
         self.override = override
         self.recorder = recorder
-        self.active = override is not None or recorder is not None
+        self.corruption = corruption
+        self.active = any(h is not None for h in (override, recorder, corruption))
         self._ready = False
 
     @classmethod
@@ -1084,7 +1187,11 @@ class DecodeTopkHooks:
                 ),
                 impl=impl,
             )
-        return cls(override, recorder)
+        corruption = None
+        path = _env(ENV_CORRUPT)
+        if path is not None:
+            corruption = TopkCorruption(path, _env_int(ENV_CORRUPT_LAYER, 0))
+        return cls(override, recorder, corruption)
 
     def _setup(self, forward_batch, topk: torch.Tensor) -> None:
         if topk.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -1101,6 +1208,8 @@ class DecodeTopkHooks:
             except Exception:
                 logger.exception("NSA top-k trace recorder disabled")
                 self.recorder = None
+        if self.corruption is not None:
+            self.corruption.setup(topk.device)
         self._ready = True
 
     def __call__(self, forward_batch, layer_id: int, topk: torch.Tensor):
@@ -1114,6 +1223,8 @@ class DecodeTopkHooks:
         out = topk
         if self.override is not None:
             out = self.override.apply(layer_id, topk, seq_lens, req_pool_indices)
+        if self.corruption is not None:
+            out = self.corruption.apply(layer_id, out, seq_lens)
         if self.recorder is not None:
             src = out if self.recorder.stage == "output" else topk
             try:
@@ -1155,4 +1266,6 @@ def reset_decode_topk_hooks() -> None:
     with _HOOKS_LOCK:
         if _HOOKS is not None and _HOOKS.recorder is not None:
             _HOOKS.recorder.stop()
+        if _HOOKS is not None and _HOOKS.corruption is not None:
+            _HOOKS.corruption.stop()
         _HOOKS = None

@@ -1,0 +1,604 @@
+"""End-to-end exactness of --enable-decode-nsa-kv-offload on weights that make
+attention matter (GPU host).
+
+Generates a checkpoint (``make_checkpoint.py``: ``tiny`` or ``rank``), starts
+the servers of ``--servers`` (all at once for ``tiny``, one after the other
+for ``rank``, whose weights take a third of the GPU each) and sends each the
+same requests:
+
+* ``seq``: prompts of the boundary lengths (1, 63, 64, 65, 2047, 2048, 2049,
+  buffer +-1, buffer + window +-1, buffer - 32 so that decode crosses the
+  buffer, >= 30K, ...) and random ones, one request at a time (batch 1: the
+  batch composition, which changes GEMM and MoE rounding, is the same on
+  every server), greedy, ``--max-new-tokens``;
+* ``abort``: streamed requests the client closes after a few tokens (what a
+  client abort mid-stream is), then the same prompts again, one at a time:
+  the partial outputs must be prefixes, the repeated ones identical;
+* ``concurrent``: the ``seq`` prompts again, ``--concurrency`` at a time (the
+  batch composition then follows timing: compared as reported agreement);
+* ``nc`` (negative control, on the servers with ``nc``): the control prompts
+  one at a time without and with the benchmark-only top-k corruption armed
+  (``nsa_topk_trace.TopkCorruption``: in layer 0, the first top-k entry of a
+  row replaced by another token's position at the decode step whose
+  sequence length is a multiple of 64; one wrong KV row read once). A request
+  flips when its greedy output differs within the 64 tokens from that step;
+  before it the output must be unchanged.
+
+Every offload server is compared with the no-offload server of its KV dtype
+(same top-k path: positional top-k, ``SGLANG_NSA_FUSE_TOPK=0``); the
+``stock`` server (sglang's defaults: fused top-k, no hooks) with the
+no-offload one; ``*_retract`` servers force retraction
+(``SGLANG_TEST_RETRACT``: sglang retracts decode requests every
+``SGLANG_TEST_RETRACT_INTERVAL`` forwards) and are compared with each other.
+Writes ``exactness.json`` (every output) and ``summary.json``/``summary.md``.
+
+    python benchmark/nsa_offload/exactness.py --model tiny --out /tmp/exact_tiny
+"""
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional
+
+from make_checkpoint import load_config, write_checkpoint
+from server_utils import BF16_KV_ARGS, Server
+
+NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
+# Negative-control modes: the arm file's "M R" (corrupt where seq_len % M == R).
+# step: one decode step in every 64 (one wrong KV row read once); persistent:
+# every decode step (the same request position's row read wrong each time,
+# as a stale row would be until evicted).
+NC_MODES = {"step": (NC_PERIOD, 0), "persistent": (1, 0)}
+SORTED_TOPK_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "sorted_topk"
+)
+
+# name -> how the server differs from the no-offload fp8 server on the
+# checkpoint. "base": the server it is compared with.
+SERVERS = {
+    "base_fp8": dict(nc=True, repeat=True),
+    "ours_fp8": dict(offload=[], base="base_fp8"),
+    "ours_fp8_1unit": dict(
+        offload=["--nsa-kv-offload-max-units", "1"], base="base_fp8"
+    ),
+    "ours_fp8_heavy": dict(
+        offload=[
+            "--nsa-kv-offload-max-units",
+            "1",
+            "--nsa-kv-offload-gpu-buffer-size",
+            "2048",
+            "--nsa-kv-offload-recent-window",
+            "8",
+        ],
+        base="base_fp8",
+    ),
+    "ours_fp8_prefetch": dict(
+        offload=[],
+        env={"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
+        base="base_fp8",
+    ),
+    "base_bf16": dict(kv="bf16"),
+    "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
+    "base_fp8_retract": dict(retract=True),
+    "ours_fp8_retract": dict(offload=[], retract=True, base="base_fp8_retract"),
+    "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
+    "dummy_fp8": dict(dummy=True, nc=True),
+}
+TINY_SERVERS = ",".join(SERVERS)
+RANK_SERVERS = "base_fp8,ours_fp8"
+
+
+def case_lengths(buffer: int, window: int, longest: int) -> List[int]:
+    edges = [1, 63, 64, 65, 2047, 2048, 2049]
+    for c, w in ((buffer, window), (2048, 8)):
+        edges += [c - 1, c, c + 1, c + w - 1, c + w, c + w + 1, c - 32]
+    edges += [4 * buffer - 1, 4 * buffer + 1, 30000, longest]
+    return sorted(set(edges))
+
+
+def prompts_for(lengths: List[int], seed: int, vocab: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
+
+
+class ExactServer(Server):
+    """A ``Server`` that starts without waiting, so several start at once."""
+
+    def start(self):
+        print(f"[{self.name}] starting", flush=True)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
+        )
+        self.started = time.time()
+        return self
+
+    def wait_ready(self):
+        while time.time() - self.started < self.timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"[{self.name}] exited with {self.proc.returncode}:\n" + self.tail()
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        print(
+                            f"[{self.name}] ready in {time.time() - self.started:.0f} s",
+                            flush=True,
+                        )
+                        return self
+            except OSError:
+                pass
+            time.sleep(2)
+        raise RuntimeError(f"[{self.name}] not healthy after {self.timeout} s")
+
+    def stop(self):
+        self.__exit__(None, None, None)
+
+    def stream_abort(self, input_ids: List[int], after: int) -> List[int]:
+        """Stream a request and close the connection after ``after`` chunks."""
+        body = json.dumps(
+            {
+                "input_ids": input_ids,
+                "stream": True,
+                "sampling_params": {
+                    "max_new_tokens": 4096,
+                    "temperature": 0.0,
+                    "ignore_eos": True,
+                },
+            }
+        ).encode()
+        req = urllib.request.Request(
+            self.url + "/generate",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        ids: List[int] = []
+        r = urllib.request.urlopen(req, timeout=600)
+        try:
+            chunks = 0
+            for line in r:
+                line = line.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                out = json.loads(line[5:])
+                ids = list(out.get("output_ids", ids))
+                chunks += 1
+                if chunks >= after:
+                    break
+        finally:
+            r.close()
+        return ids
+
+
+def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
+    extra = [
+        "--mem-fraction-static",
+        str(args.mem_fraction_static),
+        "--max-total-tokens",
+        str(args.max_total_tokens),
+        "--max-running-requests",
+        str(args.concurrency),
+        "--cuda-graph-max-bs",
+        str(args.concurrency),
+        "--context-length",
+        str(args.context_length),
+        "--decode-log-interval",
+        "10",
+    ]
+    env = {}
+    if not spec.get("dummy"):
+        extra += ["--load-format", "auto", "--model-path", ckpt]
+    if spec.get("kv") == "bf16":
+        extra += BF16_KV_ARGS
+    if spec.get("offload") is not None:
+        extra += [
+            "--enable-decode-nsa-kv-offload",
+            "--nsa-kv-offload-host-pool-gb",
+            str(args.host_pool_gb),
+            *spec["offload"],
+        ]
+    if not spec.get("stock"):
+        # Positional top-k in a deterministic order (sorted_topk/).
+        env["SGLANG_NSA_FUSE_TOPK"] = "0"
+        env["SGLANG_NSA_TOPK_SORTED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (SORTED_TOPK_DIR, os.environ.get("PYTHONPATH")) if p
+        )
+    if spec.get("retract"):
+        env["SGLANG_TEST_RETRACT"] = "1"
+        env["SGLANG_TEST_RETRACT_INTERVAL"] = str(args.retract_interval)
+    env.update(spec.get("env", {}))
+    return extra, env
+
+
+def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, save):
+    n = args.max_new_tokens
+    if not spec.get("nc_only"):
+        t = time.time()
+        res["seq"] = [srv.generate(p, n)["output_ids"] for p in prompts]
+        res["seq_s"] = round(time.time() - t, 1)
+        save()
+    if spec.get("repeat"):
+        # The same requests again: the server's own run-to-run agreement.
+        res["seq_again"] = [srv.generate(p, n)["output_ids"] for p in prompts]
+        save()
+    if spec.get("nc"):
+        arm = srv.env["SGLANG_NSA_TOPK_CORRUPT"]
+        nc_tokens = 2 * NC_PERIOD + 1
+        res["nc_clean"] = [srv.generate(p, nc_tokens)["output_ids"] for p in nc_prompts]
+        res["nc_hits"] = {}
+        for mode in args.nc_modes.split(","):
+            with open(arm, "w") as f:
+                f.write("%d %d" % NC_MODES[mode])
+            time.sleep(1.0)  # the server's poll thread reads it every 0.2 s
+            res[f"nc_armed_{mode}"] = [
+                srv.generate(p, nc_tokens)["output_ids"] for p in nc_prompts
+            ]
+            os.remove(arm)
+            time.sleep(1.0)
+            try:
+                with open(arm + ".hits") as f:
+                    res["nc_hits"][mode] = int(f.read())
+            except OSError:
+                res["nc_hits"][mode] = 0
+            save()
+    if spec.get("dummy") or spec.get("nc_only"):
+        return
+    k = args.abort_requests
+    with ThreadPoolExecutor(k) as pool:
+        res["abort_partial"] = list(
+            pool.map(lambda i: srv.stream_abort(prompts[i], 4 + 3 * i), range(k))
+        )
+    res["abort_again"] = [srv.generate(p, n)["output_ids"] for p in prompts[:k]]
+    save()
+    t = time.time()
+    res["concurrent"] = srv.generate_many(prompts, n, args.concurrency)
+    res["concurrent"] = [r["output_ids"] for r in res["concurrent"]]
+    res["concurrent_s"] = round(time.time() - t, 1)
+    # The scheduler goes idle: sglang's own leak check runs, the server must
+    # still answer.
+    time.sleep(args.idle_wait)
+    res["after_idle"] = srv.generate(prompts[0], n)["output_ids"]
+    res["alive"] = srv.proc.poll() is None
+    save()
+
+
+def scan_log(path: str) -> dict:
+    out = {"retractions": 0, "retracted_reqs": 0, "errors": 0, "offload_line": None}
+    with open(path, errors="replace") as f:
+        for line in f:
+            if "#retracted_reqs:" in line:
+                out["retractions"] += 1
+                out["retracted_reqs"] += int(
+                    line.split("#retracted_reqs:")[1].split(",")[0]
+                )
+            if "Traceback" in line or "memory leak" in line.lower():
+                out["errors"] += 1
+            if "nsa-offload hit rate" in line:
+                out["offload_line"] = line.strip()[-200:]
+    return out
+
+
+def first_diff(a: List[int], b: List[int]) -> Optional[int]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def negative_control(res: dict, nc_lens: List[int], mode: str = "step") -> dict:
+    """Flips of one control mode: the output differs within the 64 tokens
+    from the first corrupted decode step; it must not differ before it."""
+    period, residue = NC_MODES[mode]
+    flips, early = 0, 0
+    for clean, armed, plen in zip(res["nc_clean"], res[f"nc_armed_{mode}"], nc_lens):
+        # Output token i is decoded at sequence length plen + i (i >= 1).
+        ic = (residue - plen) % period or period
+        d = first_diff(clean, armed)
+        if d is not None and d < ic:
+            early += 1
+        if d is not None and ic <= d < ic + NC_PERIOD:
+            flips += 1
+    n = len(nc_lens)
+    return {
+        "requests": n,
+        "flipped": flips,
+        "flip_fraction": round(flips / max(n, 1), 4),
+        "changed_before_corruption": early,
+        "rows_corrupted": (res.get("nc_hits") or {}).get(mode),
+    }
+
+
+def compare(a: List[List[int]], b: List[List[int]]) -> dict:
+    same = sum(x == y for x, y in zip(a, b))
+    return {
+        "identical": same,
+        "total": len(a),
+        "first_diff": [first_diff(x, y) for x, y in zip(a, b) if x != y][:8],
+    }
+
+
+def summarize(result: dict, args) -> dict:
+    srv = result["servers"]
+    specs = result["specs"]
+    cases, identical, total, strict = [], 0, 0, {}
+    for name, res in srv.items():
+        spec = specs[name]
+        base = srv.get(spec.get("base", ""), {})
+        if not spec.get("base") or "seq" not in base or "seq" not in res:
+            continue
+        rows = {"seq": compare(res["seq"], base["seq"])}
+        if "abort_again" in res and "seq" in base:
+            k = len(res["abort_again"])
+            rows["abort"] = compare(res["abort_again"], base["seq"][:k])
+            rows["abort"]["partial_prefixes"] = sum(
+                p == s[: len(p)] for p, s in zip(res["abort_partial"], base["seq"])
+            )
+        if "concurrent" in res and "concurrent" in base:
+            rows["concurrent"] = compare(res["concurrent"], base["concurrent"])
+            rows["concurrent_vs_own_seq"] = compare(res["concurrent"], res["seq"])
+        strict[name] = rows
+        if spec.get("stock"):
+            continue  # reported agreement, not an offload case
+        for phase in ("seq", "abort", "concurrent"):
+            if phase in rows:
+                cases.append(f"{args.model}:{name}:{phase}")
+                identical += rows[phase]["identical"]
+                total += rows[phase]["total"]
+    nc = {
+        n: {
+            m: negative_control(r, result["nc_lens"], m)
+            for m in NC_MODES
+            if f"nc_armed_{m}" in r
+        }
+        for n, r in srv.items()
+        if "nc_clean" in r
+    }
+    own = {
+        n: compare(r["concurrent"], r["seq"])
+        for n, r in srv.items()
+        if "concurrent" in r and "seq" in r
+    }
+    return {
+        "weights": "checkpoint",
+        "model": args.model,
+        "checkpoint": result["ckpt_meta"],
+        "sweep": result.get("sweep"),
+        "negative_control_flip_fraction": nc.get("base_fp8", {})
+        .get("step", {})
+        .get("flip_fraction"),
+        "negative_control_flip_fraction_persistent": nc.get("base_fp8", {})
+        .get("persistent", {})
+        .get("flip_fraction"),
+        "self_agreement": {
+            n: compare(r["seq_again"], r["seq"])
+            for n, r in srv.items()
+            if "seq_again" in r
+        },
+        "negative_control": nc,
+        "identical": identical,
+        "total": total,
+        "cases": cases,
+        "comparisons": strict,
+        "concurrent_vs_own_seq": own,
+        "logs": result.get("logs", {}),
+        "prompt_lens": result["prompt_lens"],
+        "code_commit": result["code_commit"],
+    }
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return os.environ.get("CODE_COMMIT", "unknown")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="results directory")
+    p.add_argument("--model", default="tiny", choices=["tiny", "rank"], help="config")
+    p.add_argument("--ckpt", help="checkpoint dir prefix (written there if absent)")
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="qk:out gain pairs to try the negative control on first, e.g. 1:1,1.5:1",
+    )
+    p.add_argument("--flip-target", type=float, default=0.9, help="for --sweep")
+    p.add_argument(
+        "--sweep-requests",
+        type=int,
+        default=32,
+        help="control requests per sweep server",
+    )
+    p.add_argument("--servers", help="comma list of server names (default by model)")
+    p.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
+    p.add_argument(
+        "--qk-gain", type=float, default=1.0, help="make_checkpoint --qk-gain"
+    )
+    p.add_argument(
+        "--out-gain", type=float, default=1.0, help="make_checkpoint --out-gain"
+    )
+    p.add_argument("--num-requests", type=int, default=64, help="seq requests")
+    p.add_argument(
+        "--nc-requests", type=int, default=64, help="negative control requests"
+    )
+    p.add_argument("--max-new-tokens", type=int, default=65, help="per request")
+    p.add_argument(
+        "--concurrency", type=int, default=8, help="concurrent phase, max running"
+    )
+    p.add_argument("--abort-requests", type=int, default=6, help="aborted streams")
+    p.add_argument("--longest", type=int, default=33000, help="longest prompt")
+    p.add_argument("--context-length", type=int, default=40000, help="server context")
+    p.add_argument("--max-total-tokens", type=int, default=300000, help="token locs")
+    p.add_argument("--mem-fraction-static", type=float, default=0.5, help="per server")
+    p.add_argument("--host-pool-gb", type=float, default=4.0, help="offload host pool")
+    p.add_argument("--retract-interval", type=int, default=25, help="forced retraction")
+    p.add_argument(
+        "--idle-wait", type=float, default=6.0, help="idle seconds at the end"
+    )
+    p.add_argument("--parallel", type=int, default=11, help="tiny servers at once")
+    p.add_argument(
+        "--nc-modes", default="step,persistent", help="negative control modes to run"
+    )
+    p.add_argument("--port", type=int, default=32000, help="first server's port")
+    p.add_argument("--timeout", type=float, default=900.0, help="server start timeout")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    config = load_config(args.model)
+
+    def checkpoint(qk: float, out: float) -> str:
+        path = f"{args.ckpt or '/tmp/ckpt'}_{args.model}_s{args.seed}_q{qk:g}_o{out:g}"
+        if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+            device = "cuda" if args.model == "rank" else "cpu"
+            meta = write_checkpoint(config, path, args.seed, qk, out, device)
+            print(f"[exactness] checkpoint {path}: {json.dumps(meta)}", flush=True)
+        return path
+
+    if args.servers is None:
+        args.servers = TINY_SERVERS if args.model == "tiny" else RANK_SERVERS
+    names = [n for n in args.servers.split(",") if n]  # "--servers=": sweep only
+    lengths = case_lengths(4096, 64, args.longest)
+    rng = random.Random(args.seed + 1)
+    while len(lengths) < args.num_requests:
+        lengths.append(rng.randrange(100, 12000))
+    prompts = prompts_for(lengths, args.seed + 2, config["vocab_size"])
+    nc_lens = [rng.randrange(100, 12000) for _ in range(args.nc_requests)]
+    nc_prompts = prompts_for(nc_lens, args.seed + 3, config["vocab_size"])
+    result = {
+        "config": vars(args),
+        "prompt_lens": lengths,
+        "nc_lens": nc_lens,
+        "code_commit": git_commit(),
+        "servers": {},
+        "specs": {},
+        "logs": {},
+    }
+    lock = threading.Lock()
+
+    def save():
+        with lock:
+            with open(os.path.join(args.out, "exactness.json"), "w") as f:
+                json.dump(result, f)
+
+    def run_stage(plan):
+        """plan: (name, spec, checkpoint dir) of servers to run."""
+        servers = []
+        for i, (name, spec, ckpt) in enumerate(plan):
+            extra, env = server_args(spec, args, ckpt)
+            if spec.get("nc"):
+                env["SGLANG_NSA_TOPK_CORRUPT"] = os.path.join(args.out, f"arm_{name}")
+            port = args.port + 10 * (i + len(result["specs"]))
+            servers.append(
+                (
+                    name,
+                    spec,
+                    ExactServer(name, extra, port, args.out, env, args.timeout),
+                )
+            )
+            result["specs"][name] = spec
+
+        def run_one(item):
+            name, spec, srv = item
+            res = result["servers"].setdefault(name, {})
+            try:
+                srv.wait_ready()
+                run_phases(srv, spec, args, prompts, nc_prompts, res, save)
+            except Exception as e:  # keep the other servers' results
+                res["error"] = f"{type(e).__name__}: {e}"[:2000]
+                print(f"[{name}] FAILED: {res['error']}", flush=True)
+            finally:
+                srv.stop()
+                result["logs"][name] = scan_log(srv.log_path)
+                save()
+
+        # Tiny servers all start at once; rank servers each take a third of
+        # the GPU's memory in weights, and sglang sizes a pool from the
+        # memory free at its own start: the next one starts once the
+        # previous is up.
+        if args.model == "tiny":
+            # --parallel at a time: each server's processes take host memory.
+            for i in range(0, len(servers), args.parallel):
+                group = servers[i : i + args.parallel]
+                for _, _, srv in group:
+                    srv.start()
+                with ThreadPoolExecutor(len(group)) as pool:
+                    list(pool.map(run_one, group))
+        else:
+            threads = []
+            for item in servers:
+                item[2].start().wait_ready()
+                th = threading.Thread(target=run_one, args=(item,))
+                th.start()
+                threads.append(th)
+            for th in threads:
+                th.join()
+
+    gains = [tuple(float(x) for x in g.split(":")) for g in args.sweep.split(",") if g]
+    qk, out = args.qk_gain, args.out_gain
+    if gains:
+        # The negative control alone on each candidate checkpoint; the run
+        # takes the first (in the given order) whose control flips enough.
+        plan = [
+            (f"nc_q{q:g}_o{o:g}", dict(nc=True, nc_only=True), checkpoint(q, o))
+            for q, o in gains
+        ]
+        all_nc = nc_prompts
+        nc_prompts = nc_prompts[: args.sweep_requests]
+        run_stage(plan)
+        nc_prompts = all_nc
+        sweep = []
+        for (q, o), (name, _, _) in zip(gains, plan):
+            res = result["servers"][name]
+            frac = (
+                negative_control(res, nc_lens, "step")["flip_fraction"]
+                if "nc_armed_step" in res
+                else None
+            )
+            sweep.append({"qk_gain": q, "out_gain": o, "flip_fraction": frac})
+        result["sweep"] = sweep
+        print(f"[exactness] sweep: {json.dumps(sweep)}", flush=True)
+        good = [g for g in sweep if (g["flip_fraction"] or 0) >= args.flip_target]
+        best = good[0] if good else max(sweep, key=lambda g: g["flip_fraction"] or 0)
+        qk, out = best["qk_gain"], best["out_gain"]
+    ckpt = checkpoint(qk, out)
+    with open(os.path.join(ckpt, "checkpoint_meta.json")) as f:
+        result["ckpt_meta"] = json.load(f)
+    run_stage([(n, SERVERS[n], ckpt) for n in names])
+    summary = summarize(result, args)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(
+        json.dumps(
+            {
+                k: summary[k]
+                for k in ("negative_control_flip_fraction", "identical", "total")
+            }
+        ),
+        flush=True,
+    )
+    print(json.dumps(summary["negative_control"]), flush=True)
+    for name, rows in summary["comparisons"].items():
+        print(
+            name, json.dumps({k: (v["identical"], v["total"]) for k, v in rows.items()})
+        )
+    print(json.dumps(summary["logs"]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The exactness tooling of benchmark/nsa_offload (CPU): the checkpoint
+generator and the negative control's accounting.
+
+* ``make_checkpoint``: every tensor a DeepSeek-V3.2 checkpoint has, by layer
+  kind (dense MLP before ``first_k_dense_replace``, MoE after, the NextN
+  layer's own tensors), with the shapes the config gives; the written
+  checkpoint holds exactly those, at the documented scales, and the same
+  seed gives the same bytes whatever the order;
+* ``exactness``: the boundary prompt lengths, and when a control request
+  counts as flipped (one corrupted step, or every step);
+* ``sorted_topk``: top-k rows come out sorted with ``-1`` padding last, and
+  only on the unfused (positional) path.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import types
+import unittest
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
+sys.path.insert(0, str(BENCH_DIR))
+
+import exactness  # noqa: E402
+import make_checkpoint as mc  # noqa: E402
+
+# By path: another sitecustomize may already be imported.
+_spec = importlib.util.spec_from_file_location(
+    "sorted_topk_sitecustomize", BENCH_DIR / "sorted_topk" / "sitecustomize.py"
+)
+sorted_topk = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sorted_topk)
+
+
+def small_config(**over):
+    config = mc.load_config("tiny")
+    config.update(
+        hidden_size=64,
+        num_attention_heads=2,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        index_n_heads=2,
+        index_head_dim=8,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        vocab_size=50,
+        num_hidden_layers=3,
+        first_k_dense_replace=2,
+    )
+    config.update(over)
+    return config
+
+
+class TestCheckpointTensors(unittest.TestCase):
+    def test_layer_kinds(self):
+        c = small_config()
+        names = {n: (shape, kind) for n, shape, kind in mc.checkpoint_tensors(c)}
+        for i in (0, 1):  # dense
+            self.assertIn(f"model.layers.{i}.mlp.gate_proj.weight", names)
+            self.assertNotIn(f"model.layers.{i}.mlp.gate.weight", names)
+        for i in (2, 3):  # MoE; 3 is the NextN layer
+            self.assertNotIn(f"model.layers.{i}.mlp.gate_proj.weight", names)
+            self.assertIn(f"model.layers.{i}.mlp.gate.e_score_correction_bias", names)
+            self.assertIn(f"model.layers.{i}.mlp.experts.3.down_proj.weight", names)
+            self.assertIn(f"model.layers.{i}.self_attn.indexer.wk.weight", names)
+        for s in ("enorm", "hnorm", "eh_proj", "shared_head.head", "embed_tokens"):
+            self.assertIn(f"model.layers.3.{s}.weight", names)
+            self.assertNotIn(f"model.layers.2.{s}.weight", names)
+        self.assertNotIn("model.layers.4.input_layernorm.weight", names)
+        h = c["hidden_size"]
+        self.assertEqual(
+            names["model.layers.0.self_attn.kv_b_proj.weight"][0], (32, 16)
+        )
+        self.assertEqual(names["model.layers.0.self_attn.q_b_proj.weight"][0], (24, 32))
+        self.assertEqual(names["model.layers.0.self_attn.o_proj.weight"][0], (h, 16))
+        self.assertEqual(names["model.layers.3.eh_proj.weight"][0], (h, 2 * h))
+        self.assertEqual(names["lm_head.weight"][0], (50, h))
+
+    def test_written_checkpoint(self):
+        from safetensors import safe_open
+
+        c = small_config()
+        with tempfile.TemporaryDirectory() as d:
+            meta = mc.write_checkpoint(c, d, seed=3, qk_gain=2.0, progress=lambda m: 0)
+            with open(os.path.join(d, "model.safetensors.index.json")) as f:
+                index = json.load(f)
+            expected = {n for n, _, _ in mc.checkpoint_tensors(c)}
+            self.assertEqual(set(index["weight_map"]), expected)
+            self.assertEqual(meta["num_tensors"], len(expected))
+            tensors = {}
+            for fname in set(index["weight_map"].values()):
+                with safe_open(os.path.join(d, fname), "pt") as f:
+                    tensors.update({k: f.get_tensor(k) for k in f.keys()})
+            self.assertEqual(set(tensors), expected)
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.assertEqual(size, index["metadata"]["total_size"])
+            p = "model.layers.2."
+            self.assertTrue(bool((tensors[p + "input_layernorm.weight"] == 1).all()))
+            self.assertTrue(
+                bool((tensors[p + "self_attn.indexer.k_norm.bias"] == 0).all())
+            )
+            bias = tensors[p + "mlp.gate.e_score_correction_bias"]
+            self.assertEqual(bias.dtype, torch.float32)
+            # N(0, 1/fan_in): std ~ fan_in ** -0.5 (gain 1), x qk_gain on q.
+            w = tensors[p + "self_attn.o_proj.weight"].float()
+            self.assertAlmostEqual(w.std().item(), 16**-0.5, delta=0.1 * 16**-0.5)
+            q = tensors[p + "self_attn.q_b_proj.weight"].float()
+            self.assertAlmostEqual(q.std().item(), 2 * 32**-0.5, delta=0.2 * 32**-0.5)
+            kvb = tensors[p + "self_attn.kv_b_proj.weight"].float().view(2, 16, 16)
+            k_std, v_std = kvb[:, :8].std().item(), kvb[:, 8:].std().item()
+            self.assertAlmostEqual(k_std / v_std, 2.0, delta=0.4)
+            emb = tensors["model.embed_tokens.weight"].float()
+            self.assertAlmostEqual(emb.std().item(), 1.0, delta=0.1)
+
+    def test_seeded_per_tensor(self):
+        c = small_config()
+        name, shape, kind = mc.checkpoint_tensors(c)[5]
+        a = mc.make_tensor(name, shape, kind, c, 1, 1.0, 1.0, "cpu")
+        mc.make_tensor("other", (7, 7), "linear", c, 1, 1.0, 1.0, "cpu")
+        b = mc.make_tensor(name, shape, kind, c, 1, 1.0, 1.0, "cpu")
+        d = mc.make_tensor(name, shape, kind, c, 2, 1.0, 1.0, "cpu")
+        self.assertTrue(torch.equal(a, b))
+        self.assertFalse(torch.equal(a, d))
+
+    def test_unknown_config_is_one_line_error(self):
+        with self.assertRaises(SystemExit) as cm:
+            mc.load_config("nope")
+        self.assertIn("tiny", str(cm.exception))
+
+
+class TestExactnessAccounting(unittest.TestCase):
+    def test_boundary_lengths(self):
+        lengths = exactness.case_lengths(4096, 64, 33000)
+        for n in (1, 63, 64, 65, 2047, 2048, 2049, 4095, 4096, 4097, 4159, 4161):
+            self.assertIn(n, lengths)
+        self.assertIn(4096 - 32, lengths)  # decode crosses the buffer
+        self.assertGreaterEqual(max(lengths), 30000)
+        self.assertEqual(lengths, sorted(set(lengths)))
+
+    def test_flip_window(self):
+        period = exactness.NC_PERIOD
+        clean = [1] * (2 * period + 1)
+        # prompt 100: the corrupted step decodes token (64 - 100 % 64) = 28
+        ic = period - 100 % period
+        cases = {
+            "same": clean,
+            "in_window": clean[:ic] + [2] * (len(clean) - ic),
+            "window_end": clean[: ic + period - 1]
+            + [2] * (len(clean) - ic - period + 1),
+            "after_window": clean[: ic + period] + [2] * (len(clean) - ic - period),
+            "before": clean[: ic - 1] + [2] * (len(clean) - ic + 1),
+        }
+        res = {"nc_clean": [clean] * len(cases), "nc_armed_step": list(cases.values())}
+        out = exactness.negative_control(res, [100] * len(cases))
+        self.assertEqual(out["flipped"], 2)  # in_window, window_end
+        self.assertEqual(out["changed_before_corruption"], 1)
+        self.assertTrue(math.isclose(out["flip_fraction"], 2 / 5, rel_tol=1e-3))
+        # A prompt whose length is a multiple of 64 is corrupted at token 64.
+        res = {"nc_clean": [clean], "nc_armed_step": [clean[:63] + [2] * 66]}
+        self.assertEqual(
+            exactness.negative_control(res, [128])["changed_before_corruption"], 1
+        )
+
+    def test_persistent_mode(self):
+        clean = [1] * (2 * exactness.NC_PERIOD + 1)
+        res = {
+            "nc_clean": [clean] * 3,
+            "nc_armed_persistent": [
+                clean[:1] + [2] * 128,
+                clean[:64] + [2] * 65,
+                clean,
+            ],
+        }
+        out = exactness.negative_control(res, [100, 4096, 7], "persistent")
+        self.assertEqual(out["flipped"], 2)  # from token 1 on, within 64 tokens
+        self.assertEqual(out["changed_before_corruption"], 0)
+
+
+class TestSortedTopk(unittest.TestCase):
+    def test_rows_sorted_padding_last(self):
+        x = torch.tensor([[5, -1, 2, 9, -1], [3, 1, 0, 2, 4]], dtype=torch.int32)
+        out = sorted_topk._sorted_rows(x)
+        self.assertEqual(out.tolist(), [[2, 5, 9, -1, -1], [0, 1, 2, 3, 4]])
+        self.assertEqual(out.dtype, x.dtype)
+
+    def test_patch_only_unfused(self):
+        rows = torch.tensor([[4, 1, -1, 3]])
+
+        class Metadata:
+            force_unfused_topk = False
+
+            def topk_transform(self, logits, topk):
+                return rows
+
+        fused = [True]
+        module = types.SimpleNamespace(
+            NSAIndexerMetadata=Metadata,
+            envs=types.SimpleNamespace(
+                SGLANG_NSA_FUSE_TOPK=types.SimpleNamespace(get=lambda: fused[0])
+            ),
+        )
+        sorted_topk._patch(module)
+        self.assertIs(Metadata().topk_transform(None, 4), rows)  # fused: as is
+        fused[0] = False
+        self.assertEqual(Metadata().topk_transform(None, 4).tolist(), [[1, 3, 4, -1]])
+
+
+if __name__ == "__main__":
+    unittest.main()
