@@ -412,7 +412,7 @@ class TestNegativeControl(HookEnvCase):
         hooks.corruption.poll_s = 0  # the test polls by hand
         x = torch.zeros((1, K), dtype=torch.int32, device=DEVICE)
         fb = fake_forward_batch(torch.tensor([64]), torch.arange(1))
-        nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x)  # sets up
+        nsa_topk_trace.apply_decode_topk_hooks(fb, layer, x)  # sets up
         return hooks
 
     def test_replaces_first_entry_only_when_armed(self):
@@ -422,17 +422,15 @@ class TestNegativeControl(HookEnvCase):
         x = indexer_rows(n, gen).to(DEVICE)
         x[5, 0] = -1  # an invalid first entry stays as it is
         fb = fake_forward_batch(n, torch.arange(len(n)))
-        out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
+        out = nsa_topk_trace.apply_decode_topk_hooks(fb, 1, x)
         self.assertTrue(torch.equal(out, x))  # not armed yet
         self.arm("64 0")
         hooks.corruption.poll()
         for layer in (0, 2):
             self.assertTrue(
-                torch.equal(
-                    nsa_offload_hooks.maybe_override_decode_topk(fb, layer, x), x
-                )
+                torch.equal(nsa_topk_trace.apply_decode_topk_hooks(fb, layer, x), x)
             )
-        out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
+        out = nsa_topk_trace.apply_decode_topk_hooks(fb, 1, x)
         hit = torch.tensor([False, True, True, False, True, False])
         self.assertTrue(torch.equal(out[:, 1:], x[:, 1:]))
         self.assertTrue(torch.equal(out[~hit, 0], x[~hit, 0]))
@@ -445,12 +443,12 @@ class TestNegativeControl(HookEnvCase):
             self.assertEqual(int(f.read()), 3)
         self.arm("64 2")  # residue 2: row 3 (130) only
         hooks.corruption.poll()
-        out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
+        out = nsa_topk_trace.apply_decode_topk_hooks(fb, 1, x)
         self.assertEqual(int((out != x).sum()), 1)
         self.assertNotEqual(int(out[3, 0]), int(x[3, 0]))
         self.arm(None)
         hooks.corruption.poll()
-        out = nsa_offload_hooks.maybe_override_decode_topk(fb, 1, x)
+        out = nsa_topk_trace.apply_decode_topk_hooks(fb, 1, x)
         self.assertTrue(torch.equal(out, x))
         hooks.corruption.poll()
         with open(hooks.corruption.path + ".hits") as f:
@@ -466,7 +464,7 @@ class TestNegativeControl(HookEnvCase):
             n = torch.tensor([3000 + t, 77 + t])
             x = indexer_rows(n, gen).to(DEVICE)
             fb = fake_forward_batch(n, torch.arange(2))
-            out = nsa_offload_hooks.maybe_override_decode_topk(fb, 0, x)
+            out = nsa_topk_trace.apply_decode_topk_hooks(fb, 0, x)
             changed.append((out != x).any(dim=1).cpu())
         self.assertEqual(torch.stack(changed).sum(dim=0).tolist(), [1, 1])
 
