@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 # The replay tools (numpy, torch) are imported when needed: --help and bad
 # arguments answer at once, before any venv is built.
 TRACES_DIR = HERE / "traces"
+SERVER_DIR = HERE / "server"
 DEFAULT_TRACE = TRACES_DIR / "dsv32_synth_default.npz"
 DEFAULT_OUT_DIR = Path("/tmp/nsa_offload_demo")
 QUICK_BUDGETS = "2560,4160,8192"
@@ -108,9 +109,14 @@ def run_gpu_comparison(args: argparse.Namespace) -> int:
         runs.append(("pd_decode_128k", GPU_PD_CAPACITY_ARGS))
     rc = 0
     for name, run_args in runs:
-        cmd = [sys.executable, str(HERE / "e2e_server.py"), "--out", str(out / name)]
+        cmd = [
+            sys.executable,
+            str(SERVER_DIR / "e2e_server.py"),
+            "--out",
+            str(out / name),
+        ]
         print(f"\n== {name}\n$", " ".join(cmd + run_args), flush=True)
-        rc = subprocess.call(cmd + run_args, cwd=str(HERE)) or rc
+        rc = subprocess.call(cmd + run_args, cwd=str(SERVER_DIR)) or rc
     return rc
 
 
@@ -218,7 +224,10 @@ def print_prefetch_replay(embedded, prefetch_study, trace_gen) -> None:
     """P6 with the experimental cross-layer prefetch: it loads layer l's top-k
     into layer l+1 ahead of time, so it needs adjacent layers; the embedded
     trace has one adjacent pair (20, 21), the generated one three layers."""
-    cmd = "python benchmark/nsa_offload/trace_gen.py --out X " + ADJACENT_TRACE_ARGS
+    cmd = (
+        "python benchmark/nsa_offload/traces/trace_gen.py --out X "
+        + ADJACENT_TRACE_ARGS
+    )
     gen = trace_gen.parse_args(["--out", "unused"] + ADJACENT_TRACE_ARGS.split())
     adjacent, _ = trace_gen.build_trace(
         trace_gen.config_from_args(gen), cmd, verbose=False

@@ -61,10 +61,10 @@ fi
 for step in "$@"; do
   case $step in
     engine)
-      timeout 100 python3 benchmark/nsa_offload/gpu_check_lru.py --out $OUT/gpu_check_lru.json 2>&1 | tail -40 || rc=1
-      timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -30 || rc=1
-      timeout 70 python3 benchmark/nsa_offload/bench_copy.py --quick --out $OUT/copy 2>&1 | tail -40 || rc=1
-      timeout 80 python3 benchmark/nsa_offload/bench_swap.py --out $OUT/swap 2>&1 | tail -40 || rc=1
+      timeout 100 python3 benchmark/nsa_offload/engine/gpu_check_lru.py --out $OUT/gpu_check_lru.json 2>&1 | tail -40 || rc=1
+      timeout 60 python3 benchmark/nsa_offload/engine/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -30 || rc=1
+      timeout 70 python3 benchmark/nsa_offload/engine/bench_copy.py --quick --out $OUT/copy 2>&1 | tail -40 || rc=1
+      timeout 80 python3 benchmark/nsa_offload/engine/bench_swap.py --out $OUT/swap 2>&1 | tail -40 || rc=1
       ;;
     units)
       # Units (docs/ELASTIC_BUFFER.md): CUDA paths of the CPU tests, the
@@ -72,28 +72,28 @@ for step in "$@"; do
       # (outputs vs no offload).
       timeout 240 python3 -m pytest -q -p no:cacheprovider test/srt/test_lru_cache_state.py \
         test/srt/test_sparse_cache_controller.py test/srt/test_nsa_kv_offload_integration.py 2>&1 | tail -15 || rc=1
-      timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -4 || rc=1
-      timeout 60 python3 benchmark/nsa_offload/gpu_check_exact.py --out $OUT/exact_units \
+      timeout 60 python3 benchmark/nsa_offload/engine/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -4 || rc=1
+      timeout 60 python3 benchmark/nsa_offload/engine/gpu_check_exact.py --out $OUT/exact_units \
         --max-units 3 --extra-regions 2 2>&1 | tail -4 || rc=1
-      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
+      (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
         --port $((31000 + 100 * GPU0)) --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
       ;;
     swap-units)
       # The LRU swap with units: split kernels vs the fused one (time, equality).
-      timeout 150 python3 benchmark/nsa_offload/bench_swap_units.py --out $OUT/swap_units 2>&1 | tail -20 || rc=1
+      timeout 150 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/swap_units 2>&1 | tail -20 || rc=1
       ;;
     exact)
       # End-to-end exactness on a generated checkpoint (exactness.py):
       # $EXACT_MODEL tiny|rank, more flags in $EXACT_ARGS.
-      (cd benchmark/nsa_offload && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
+      (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
         --out $OUT/exact_${EXACT_MODEL:-tiny} --model ${EXACT_MODEL:-tiny} --port $((32000 + 100 * GPU0)) \
         ${EXACT_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
     e2e)
-      (cd benchmark/nsa_offload && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
+      (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} --port $((31200 + 100 * GPU0)) ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
+      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/server/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} --port $((31200 + 100 * GPU0)) ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
       # Raw profiler traces (--profile-steps) travel in their own file.
       for d in $OUT/bench_*/profiles; do
         [ -d "$d" ] && tar czf /tmp/profiles.tgz -C "$d" . && rm -rf "$d"

@@ -1,7 +1,7 @@
 """End-to-end exactness of --enable-decode-nsa-kv-offload on a real server (GPU).
 
 Launches the tiny DeepSeek-V3.2-shaped model (dummy weights, 3 layers,
-``benchmark/nsa_offload/tiny_dsv32_config.json``) twice, one server after the
+``benchmark/nsa_offload/server/tiny_dsv32_config.json``) twice, one server after the
 other: without and with ``--enable-decode-nsa-kv-offload``. Both take the same
 decode top-k path (positional top-k + page-table transform:
 ``SGLANG_NSA_FUSE_TOPK=0``), so greedy decoding must give the same tokens.
@@ -55,7 +55,9 @@ from typing import Dict, List, Optional
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY_DSV32_CONFIG = REPO_ROOT / "benchmark" / "nsa_offload" / "tiny_dsv32_config.json"
+TINY_DSV32_CONFIG = (
+    REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
+)
 VOCAB_SIZE = 4096  # of the tiny config
 
 
@@ -92,7 +94,7 @@ if SKIP_REASON is None:
     except Exception as e:  # pragma: no cover - depends on the GPU stack
         print(f"sglang.test.test_utils not importable ({e}); using a local launcher")
 
-# Server flags of benchmark/nsa_offload/server_utils.py: fp8 KV with FlashMLA
+# Server flags of benchmark/nsa_offload/server/server_utils.py: fp8 KV with FlashMLA
 # sparse prefill + FlashMLA fp8 decode, token ids only.
 BASE_ARGS = [
     "--load-format",
@@ -463,7 +465,7 @@ class TestDecodeNSAKVOffloadBF16(TestDecodeNSAKVOffload):
     """The same with a bf16 KV cache: FlashMLA sparse prefill and decode
     (``flashmla_sparse``), the offload's other supported pair."""
 
-    # = BF16_KV_ARGS of benchmark/nsa_offload/server_utils.py (this upstream-
+    # = BF16_KV_ARGS of benchmark/nsa_offload/server/server_utils.py (this upstream-
     # style test stays self-contained, as with BASE_ARGS).
     KV_ARGS = [
         "--kv-cache-dtype",

@@ -3,7 +3,7 @@
 On a CPU-only machine the Triton kernel runs under the interpreter: set
 TRITON_INTERPRET=1 before anything imports triton-jitted sglang modules (this
 file sets it when it is first and CUDA is absent). Sizes are kept small so the
-interpreter finishes quickly; benchmark/nsa_offload/gpu_check_lru.py repeats the
+interpreter finishes quickly; benchmark/nsa_offload/engine/gpu_check_lru.py repeats the
 differential check at production sizes on a GPU.
 """
 

@@ -1,4 +1,4 @@
-"""What ``benchmark/nsa_offload/bench_server.py`` reads from server logs and how
+"""What ``benchmark/nsa_offload/server/bench_server.py`` reads from server logs and how
 it combines repeated runs (CPU; the servers themselves need a GPU)."""
 
 import sys
@@ -7,7 +7,7 @@ import unittest
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import bench_server  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,4 +1,4 @@
-"""``benchmark/nsa_offload/bench_swap_units.py`` on a small workload: the
+"""``benchmark/nsa_offload/engine/bench_swap_units.py`` on a small workload: the
 split and fused swaps stay equal over replays with misses, and the report
 says so (CPU: eager steps under the Triton interpreter, no timing)."""
 
@@ -13,7 +13,7 @@ import torch
 from sglang.srt.mem_cache import lru_cache_state as lru_mod
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR / "engine"))
 
 import bench_swap_units  # noqa: E402
 

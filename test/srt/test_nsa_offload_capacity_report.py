@@ -1,4 +1,4 @@
-"""The measured-capacity report of ``benchmark/nsa_offload/capacity.py`` (CPU).
+"""The measured-capacity report of ``benchmark/nsa_offload/server/capacity.py`` (CPU).
 
 The end-to-end script itself needs a GPU; what it derives from the server
 logs does not: the per-phase peak of ``#running-req``, the pool memory and
@@ -17,7 +17,7 @@ from unittest import mock
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
 RESULTS = BENCH_DIR / "results" / "h200_e2e_capacity"
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import capacity  # noqa: E402
 from capacity import scan_log  # noqa: E402

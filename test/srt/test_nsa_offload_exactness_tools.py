@@ -26,14 +26,15 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import exactness  # noqa: E402
 import make_checkpoint as mc  # noqa: E402
 
 # By path: another sitecustomize may already be imported.
 _spec = importlib.util.spec_from_file_location(
-    "sorted_topk_sitecustomize", BENCH_DIR / "sorted_topk" / "sitecustomize.py"
+    "sorted_topk_sitecustomize",
+    BENCH_DIR / "server" / "sorted_topk" / "sitecustomize.py",
 )
 sorted_topk = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sorted_topk)

@@ -1,5 +1,5 @@
 """The LRU swap kernels compiled for the H200 (sm_90) on this CPU machine
-(``benchmark/nsa_offload/kernel_resources.py``): every kernel compiles, and
+(``benchmark/nsa_offload/engine/kernel_resources.py``): every kernel compiles, and
 the ones that keep a request's LRU walk in registers do not spill."""
 
 import json
@@ -12,7 +12,9 @@ from pathlib import Path
 import triton
 
 HERE = Path(__file__).resolve().parent
-SCRIPT = HERE.parents[1] / "benchmark" / "nsa_offload" / "kernel_resources.py"
+SCRIPT = (
+    HERE.parents[1] / "benchmark" / "nsa_offload" / "engine" / "kernel_resources.py"
+)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 # The CPU shims (torchvision op schemas etc.) before sglang is imported, and

@@ -1,4 +1,4 @@
-"""``benchmark/nsa_offload/pool_rounds.py``: pooling the paired rounds of
+"""``benchmark/nsa_offload/server/pool_rounds.py``: pooling the paired rounds of
 several interleaved server benchmark runs (CPU)."""
 
 import json
@@ -8,7 +8,7 @@ import unittest
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import pool_rounds  # noqa: E402
 

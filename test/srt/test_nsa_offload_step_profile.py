@@ -1,4 +1,4 @@
-"""``benchmark/nsa_offload/step_profile.py``: the per-step breakdown of a
+"""``benchmark/nsa_offload/server/step_profile.py``: the per-step breakdown of a
 profiled decode window, and the glue that asks a server for it (CPU: a
 synthetic chrome trace and a stand-in HTTP server)."""
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import bench_server  # noqa: E402
 import step_profile  # noqa: E402

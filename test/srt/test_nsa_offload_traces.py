@@ -18,7 +18,7 @@ import numpy as np
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
-sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR / "traces"))
 
 import prefetch_study  # noqa: E402
 import replay  # noqa: E402

@@ -12,7 +12,7 @@ the hook returns its input tensor object unchanged.
 
 Override (``SGLANG_NSA_TOPK_TRACE_OVERRIDE=/path/trace.npz``)
     Replaces the indexer's decode top-k positions with positions taken from a
-    top-k trace (``benchmark/nsa_offload/trace_format.py``, e.g. written by
+    top-k trace (``benchmark/nsa_offload/traces/trace_format.py``, e.g. written by
     ``trace_gen.py``), so that servers with dummy weights see DeepSeek-V3.2-like
     locality. Needs positional top-k on every server: HiSparse and the offload
     force it; the server without offload needs ``SGLANG_NSA_FUSE_TOPK=0``.
@@ -101,7 +101,7 @@ Negative control (``SGLANG_NSA_TOPK_CORRUPT=/path/arm``)
 
 ``trace_format.py`` is found through ``SGLANG_NSA_TOPK_TRACE_FORMAT`` (path of
 the file), ``import trace_format``, or next to the working directory /
-the trace (``benchmark/nsa_offload/trace_format.py``).
+the trace (``benchmark/nsa_offload/traces/trace_format.py``).
 """
 
 from __future__ import annotations
@@ -204,7 +204,9 @@ def import_trace_format(near: Optional[str] = None):
         for root in roots:
             candidates.append(os.path.join(root, "trace_format.py"))
             candidates.append(
-                os.path.join(root, "benchmark", "nsa_offload", "trace_format.py")
+                os.path.join(
+                    root, "benchmark", "nsa_offload", "traces", "trace_format.py"
+                )
             )
     for path in candidates:
         if os.path.isfile(path):
@@ -221,7 +223,7 @@ def import_trace_format(near: Optional[str] = None):
     raise ImportError(
         "NSA top-k trace: cannot find trace_format.py (tried "
         f"{candidates or 'import trace_format'}); set {ENV_FORMAT}=/path/to/"
-        "benchmark/nsa_offload/trace_format.py"
+        "benchmark/nsa_offload/traces/trace_format.py"
     )
 
 

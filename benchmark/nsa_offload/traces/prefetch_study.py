@@ -17,9 +17,9 @@ prefetch and HiSparse, per (request, layer, decode step) in the steady state:
 Only traces that hold consecutive model layers tell anything (the embedded
 default trace has layers 0, 20, 21, 40, 60: only 20 -> 21 are neighbours).
 
-    python benchmark/nsa_offload/trace_gen.py --out /tmp/dsv32_61l_68k.npz \\
+    python benchmark/nsa_offload/traces/trace_gen.py --out /tmp/dsv32_61l_68k.npz \\
         --requests 1 --prompt-lens 68000 --steps 32 --seed 0
-    python benchmark/nsa_offload/prefetch_study.py --out-dir \\
+    python benchmark/nsa_offload/traces/prefetch_study.py --out-dir \\
         benchmark/nsa_offload/results/prefetch_study 61l=/tmp/dsv32_61l_68k.npz
 """
 

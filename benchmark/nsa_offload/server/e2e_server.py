@@ -34,7 +34,7 @@ decoding when the last one is admitted (``--capacity-new-tokens 4096`` at
 (``--num-reserved-decode-tokens``), so none over-admits and retracts; a phase
 whose peak stays below the prediction is reported as not saturated.
 
-    python benchmark/nsa_offload/e2e_server.py --out DIR [--capacity-lengths 16384,131072]
+    python benchmark/nsa_offload/server/e2e_server.py --out DIR [--capacity-lengths 16384,131072]
 """
 
 import argparse

@@ -22,7 +22,7 @@ Both results are checked against the host rows.
 
 Writes bench_swap.json, bench_swap.md and bench_swap.png to ``--out``.
 
-    python benchmark/nsa_offload/bench_swap.py --out /tmp/out/swap
+    python benchmark/nsa_offload/engine/bench_swap.py --out /tmp/out/swap
 """
 
 from __future__ import annotations

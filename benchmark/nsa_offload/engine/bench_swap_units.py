@@ -12,7 +12,7 @@ divided by the steps. The split and fused states are also compared after
 every replay (page tables, copy plans and the whole LRU state): a mismatch
 fails the run.
 
-    python benchmark/nsa_offload/bench_swap_units.py --out /tmp/out/swap_units
+    python benchmark/nsa_offload/engine/bench_swap_units.py --out /tmp/out/swap_units
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ no-offload one; ``*_retract`` servers force retraction
 ``SGLANG_TEST_RETRACT_INTERVAL`` forwards) and are compared with each other.
 Writes ``exactness.json`` (every output) and ``summary.json``/``summary.md``.
 
-    python benchmark/nsa_offload/exactness.py --model tiny --out /tmp/exact_tiny
+    python benchmark/nsa_offload/server/exactness.py --model tiny --out /tmp/exact_tiny
 """
 
 import argparse

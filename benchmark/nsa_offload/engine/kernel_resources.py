@@ -5,7 +5,7 @@ ships, no GPU needed.
 The fused swap keeps a request's whole LRU order in registers; a spill there
 costs every decode layer. Prints one JSON line per kernel and unit count:
 
-    python benchmark/nsa_offload/kernel_resources.py --units 1,2,4
+    python benchmark/nsa_offload/engine/kernel_resources.py --units 1,2,4
 
 Run it without TRITON_INTERPRET (the kernels must be JIT functions).
 """

@@ -19,7 +19,7 @@ a stale CUDA-graph row) and replays it every step.
 
 Exits non-zero on any mismatch; writes gpu_check_exact.json to ``--out``.
 
-    python benchmark/nsa_offload/gpu_check_exact.py --out /tmp/out/exact
+    python benchmark/nsa_offload/engine/gpu_check_exact.py --out /tmp/out/exact
 """
 
 from __future__ import annotations

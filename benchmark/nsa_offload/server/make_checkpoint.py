@@ -26,8 +26,8 @@ checkpoint has it. Servers load it with sglang's normal loader
 generated on the GPU host at run time (``tiny`` ~0.4 GB in seconds, ``rank``
 ~39 GB in about a minute).
 
-    python benchmark/nsa_offload/make_checkpoint.py --config tiny --out /tmp/ckpt_tiny
-    python benchmark/nsa_offload/make_checkpoint.py --config rank --out /tmp/ckpt_rank --device cuda
+    python benchmark/nsa_offload/server/make_checkpoint.py --config tiny --out /tmp/ckpt_tiny
+    python benchmark/nsa_offload/server/make_checkpoint.py --config rank --out /tmp/ckpt_rank --device cuda
 """
 
 import argparse

@@ -12,8 +12,8 @@ Two parts:
   log parsing below; ``report`` builds the table (JSON, Markdown, PNG) from
   one or more of its runs, also from a run cut before it wrote its JSON.
 
-    python benchmark/nsa_offload/capacity.py model --out results/capacity
-    python benchmark/nsa_offload/capacity.py report --out DIR --context-length 131584 \
+    python benchmark/nsa_offload/server/capacity.py model --out results/capacity
+    python benchmark/nsa_offload/server/capacity.py report --out DIR --context-length 131584 \
         --capacity-new-tokens 128 RUN_A RUN_B
 """
 

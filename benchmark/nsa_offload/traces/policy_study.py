@@ -40,7 +40,7 @@ the order of a per-policy eviction key, ties broken by recency):
 
 Example (repository root)::
 
-    python benchmark/nsa_offload/policy_study.py \\
+    python benchmark/nsa_offload/traces/policy_study.py \\
         --trace embedded=benchmark/nsa_offload/traces/dsv32_synth_default.npz \\
         --trace 61l_68k=/tmp/dsv32_61l_68k.npz --variants long-memory,short-memory \\
         --out-dir benchmark/nsa_offload/results/policy_study

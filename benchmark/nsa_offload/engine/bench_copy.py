@@ -15,7 +15,7 @@ Every method's result is checked against the host rows. GPU time per copy is
 the median over ``--repeats`` calls (CUDA events, host launch cost hidden).
 Writes bench_copy.json, bench_copy.md and bench_copy.png to ``--out``.
 
-    python benchmark/nsa_offload/bench_copy.py --out /tmp/out/copy
+    python benchmark/nsa_offload/engine/bench_copy.py --out /tmp/out/copy
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ benchmark's context lengths; ``SGLANG_NSA_TOPK_TRACE_OVERRIDE``); in that mode
 the recorded rows are also checked against a CPU recomputation of the override.
 
     # ~6-9 min on an H200 each (warm JIT caches)
-    python benchmark/nsa_offload/bench_server.py --quick --topk model --out OUT/model
-    python benchmark/nsa_offload/bench_server.py --quick --topk override --out OUT/override
+    python benchmark/nsa_offload/server/bench_server.py --quick --topk model --out OUT/model
+    python benchmark/nsa_offload/server/bench_server.py --quick --topk override --out OUT/override
     # tables + PNGs of both runs (any machine with matplotlib)
-    python benchmark/nsa_offload/bench_server.py --plot-only OUT/model/bench_server_model.json \\
+    python benchmark/nsa_offload/server/bench_server.py --plot-only OUT/model/bench_server_model.json \\
         OUT/override/bench_server_override.json --out OUT
 """
 
@@ -57,8 +57,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parents[1]
+REPO_ROOT = HERE.parents[2]
+# The trace tools (trace_format, trace_gen, replay) live in ../traces/.
+TRACES_DIR = HERE.parent / "traces"
 sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(TRACES_DIR))
 
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
@@ -71,9 +74,9 @@ from server_utils import (  # noqa: E402
     offload_max_units,
 )
 
-TRACE_FORMAT_PY = HERE / "trace_format.py"
+TRACE_FORMAT_PY = TRACES_DIR / "trace_format.py"
 MAX_CHECKED_ROWS = 3000  # override check: rows recomputed per run
-TOPK_TRACE_PY = HERE / "traces" / "nsa_topk_trace.py"
+TOPK_TRACE_PY = TRACES_DIR / "nsa_topk_trace.py"
 SERVER_KINDS = (
     "baseline",
     "ours",
@@ -797,7 +800,7 @@ def prepare_trace(args) -> None:
     path = os.path.join(args.out, "trace_bench.npz")
     cmd = [
         sys.executable,
-        str(HERE / "trace_gen.py"),
+        str(TRACES_DIR / "trace_gen.py"),
         "--out",
         path,
         "--requests",

@@ -33,7 +33,7 @@ tables): the "exactness of the reference engine" line.
 
 Example (repository root)::
 
-    python benchmark/nsa_offload/replay.py \\
+    python benchmark/nsa_offload/traces/replay.py \\
         --trace benchmark/nsa_offload/traces/dsv32_synth_default.npz \\
         --out-dir benchmark/nsa_offload/results/embedded
 """
@@ -57,7 +57,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from trace_format import NSATopkTrace, load_trace  # noqa: E402
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 ROW_BYTES_FP8 = 656
 DEFAULT_BUDGETS = (2112, 2560, 3072, 4160, 5120, 6144, 8192)
 DEFAULT_WINDOWS = (0, 1, 16, 64, 128, 256, 512)

@@ -8,7 +8,7 @@ free parameters (and two what-if overlap levels), replays each variant, and
 tabulates ours / HiSparse, the alternative tie rule (misses most recent) and Belady's OPT at equal
 GPU rows.
 
-    python benchmark/nsa_offload/sensitivity.py \\
+    python benchmark/nsa_offload/traces/sensitivity.py \\
         --out-dir benchmark/nsa_offload/results/sensitivity
 """
 

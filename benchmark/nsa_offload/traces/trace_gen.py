@@ -50,11 +50,11 @@ is shown, not assumed.
 Examples (from the repository root)::
 
     # Embedded default trace of the CPU demo (see README.md for the exact command)
-    python benchmark/nsa_offload/trace_gen.py --out /tmp/t.npz --requests 4 \\
+    python benchmark/nsa_offload/traces/trace_gen.py --out /tmp/t.npz --requests 4 \\
         --prompt-lens 16384,32768 --steps 64 --layers 0,20,21,40
 
     # Calibration check against the published setup: 61 layers, one 68K prompt
-    python benchmark/nsa_offload/trace_gen.py --requests 1 --prompt-lens 68000 \\
+    python benchmark/nsa_offload/traces/trace_gen.py --requests 1 --prompt-lens 68000 \\
         --steps 32 --out /tmp/calib_68k.npz
 """
 
@@ -674,7 +674,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     cfg = config_from_args(args)
     argv_list = list(sys.argv[1:] if argv is None else argv)
-    command = "python benchmark/nsa_offload/trace_gen.py " + shlex.join(argv_list)
+    command = "python benchmark/nsa_offload/traces/trace_gen.py " + shlex.join(
+        argv_list
+    )
     t0 = time.time()
     trace, report = build_trace(cfg, command)
     encoding = save_trace(args.out, trace, encoding=args.encoding)

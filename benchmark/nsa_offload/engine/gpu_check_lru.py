@@ -16,7 +16,7 @@ At production sizes (C=4096, K=2048, W=64, bs 1/16/64/128, seq lens 8K-128K):
 
 Prints a table, writes JSON to --out, exits 1 on any mismatch.
 
-    python benchmark/nsa_offload/gpu_check_lru.py --out /tmp/lru_check.json
+    python benchmark/nsa_offload/engine/gpu_check_lru.py --out /tmp/lru_check.json
 """
 
 import argparse

@@ -10,7 +10,7 @@ source), then prints the median overhead, its interquartile range (how far
 one round swings) and a bootstrap 95% interval of the median (where the
 pooled figure itself lies):
 
-    python benchmark/nsa_offload/pool_rounds.py RUN/bench_server_override.json ... \\
+    python benchmark/nsa_offload/server/pool_rounds.py RUN/bench_server_override.json ... \\
         [--out pooled.md] [--json pooled.json] [--png tradeoff.png] \\
         [--png-servers servers.png]
 
