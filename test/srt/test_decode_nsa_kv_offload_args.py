@@ -15,7 +15,9 @@ from pathlib import Path
 from sglang.srt.server_args import ServerArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY_DSV32_CONFIG = REPO_ROOT / "benchmark" / "nsa_offload" / "tiny_dsv32_config.json"
+TINY_DSV32_CONFIG = (
+    REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
+)
 
 
 class TestDecodeNSAKVOffloadArgs(unittest.TestCase):

@@ -82,7 +82,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY_DSV32_CONFIG = REPO_ROOT / "benchmark" / "nsa_offload" / "tiny_dsv32_config.json"
+TINY_DSV32_CONFIG = (
+    REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
+)
 
 PAGE = 64
 KV_LORA_RANK = 512
