@@ -29,11 +29,13 @@ for arg in "$@"; do
     fi
 done
 
-# The whole suite runs on every CPU core, one test file per worker at a time
-# (pytest-xdist; TEST_WORKERS=N picks the number, TEST_WORKERS=1 one process).
+# The whole suite runs on every CPU core (pytest-xdist, tests handed out one
+# at a time; TEST_WORKERS=N picks the number of workers, TEST_WORKERS=1 runs
+# one process). One torch thread per worker: the workers fill the cores.
 workers=()
 if [[ ${#targets[@]} -gt 0 && "${TEST_WORKERS:-auto}" != 1 ]]; then
-    workers=(-n "${TEST_WORKERS:-auto}" --dist loadfile)
+    workers=(-n "${TEST_WORKERS:-auto}" --dist load)
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 
 set +e
