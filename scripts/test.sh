@@ -29,12 +29,12 @@ for arg in "$@"; do
     fi
 done
 
-# The whole suite runs on every CPU core (pytest-xdist, tests handed out one
-# at a time; TEST_WORKERS=N picks the number of workers, TEST_WORKERS=1 runs
+# The whole suite runs on every CPU core (pytest-xdist; an idle worker steals tests
+# from a busy one; TEST_WORKERS=N picks the number of workers, TEST_WORKERS=1 runs
 # one process). One torch thread per worker: the workers fill the cores.
 workers=()
 if [[ ${#targets[@]} -gt 0 && "${TEST_WORKERS:-auto}" != 1 ]]; then
-    workers=(-n "${TEST_WORKERS:-auto}" --dist load)
+    workers=(-n "${TEST_WORKERS:-auto}" --dist worksteal)
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 
