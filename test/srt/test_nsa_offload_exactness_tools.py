@@ -212,9 +212,19 @@ class TestSortedTopk(unittest.TestCase):
             ),
         )
         sorted_topk._patch(module)
-        self.assertIs(Metadata().topk_transform(None, 4), rows)  # fused: as is
+        logits = torch.ones(1, 4)
+        self.assertIs(Metadata().topk_transform(logits, 4), rows)  # fused: as is
         fused[0] = False
-        self.assertEqual(Metadata().topk_transform(None, 4).tolist(), [[1, 3, 4, -1]])
+        self.assertEqual(Metadata().topk_transform(logits, 4).tolist(), [[1, 3, 4, -1]])
+
+    def test_ties_broken_by_column(self):
+        x = torch.tensor([[1.5, 1.5, -2.0, float("-inf"), 1.5, 0.0]])
+        out = sorted_topk._ties_broken(x)
+        self.assertEqual(len(set(out[0, [0, 1, 4]].tolist())), 3)  # no tie left
+        self.assertTrue(torch.equal(out, sorted_topk._ties_broken(x.clone())))
+        self.assertEqual(out[0, 3].item(), float("-inf"))
+        finite = torch.isfinite(x)
+        self.assertTrue(bool(torch.isclose(out[finite], x[finite], rtol=1e-4).all()))
 
 
 if __name__ == "__main__":

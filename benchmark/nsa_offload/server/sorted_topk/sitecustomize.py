@@ -11,9 +11,14 @@ check is for. With ``SGLANG_NSA_TOPK_SORTED=1`` and this directory first on
 ``PYTHONPATH`` (Python imports ``sitecustomize`` at every interpreter start,
 sglang's spawned scheduler included), ``NSAIndexerMetadata.topk_transform``
 sorts each row of the positions it returns (``-1`` padding last): the same
-set then always comes in the same order, in prefill and in decode. The
-offload keeps whatever order it is given, so the check still compares the
-offload's page tables with the no-offload server's.
+set then always comes in the same order, in prefill and in decode. The set
+itself can change too: the indexer's scores come from fp8 keys and queries,
+equal scores are common, and which of the tied positions at the cut the
+radix select keeps is up to its atomics. So the lowest 8 mantissa bits of
+every finite score (2**-15 relative) are first replaced by a fixed function
+of the column, which breaks every tie the same way in every run. The offload
+keeps whatever positions and order it is given, so the check still compares
+the offload's page tables with the no-offload server's.
 """
 
 import importlib.abc
@@ -32,15 +37,26 @@ def _sorted_rows(out):
     return torch.where(key == big, torch.full_like(key, -1), key)
 
 
+def _ties_broken(logits):
+    import torch
+
+    if logits.dtype != torch.float32:
+        return logits
+    col = torch.arange(logits.shape[-1], device=logits.device, dtype=torch.int32)
+    low = (col * 37) & 0xFF
+    bits = (logits.contiguous().view(torch.int32) & ~0xFF) | low
+    return torch.where(torch.isfinite(logits), bits.view(torch.float32), logits)
+
+
 def _patch(module) -> None:
     cls = module.NSAIndexerMetadata
     original = cls.topk_transform
 
-    def topk_transform(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
+    def topk_transform(self, logits, *args, **kwargs):
         if module.envs.SGLANG_NSA_FUSE_TOPK.get() and not self.force_unfused_topk:
-            return out  # fused: already a page table, not ours to reorder
-        return _sorted_rows(out)
+            # fused: a page table comes back, not ours to touch
+            return original(self, logits, *args, **kwargs)
+        return _sorted_rows(original(self, _ties_broken(logits), *args, **kwargs))
 
     cls.topk_transform = topk_transform
 
