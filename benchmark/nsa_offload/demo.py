@@ -5,7 +5,7 @@ request's KV per layer on the GPU and copies each decode step's misses (top-k
 tokens not on the GPU) from host memory. Fewer GPU rows per request means more
 requests per GPU; the price is the misses' PCIe traffic.
 
-Without a GPU (CPU replay, about a minute): it replays the embedded synthetic
+Without a GPU (CPU replay, under a minute): it replays the embedded synthetic
 DeepSeek-V3.2 top-k trace (``traces/dsv32_synth_default.npz``) through our LRU
 policy and HiSparse's (sglang's own sparse KV offload) with the same GPU rows
 and prints, first, the default server's result: misses per (request, layer,
@@ -190,7 +190,7 @@ def run_cpu_replay(args: argparse.Namespace) -> int:
         f"replaying {trace.num_steps} steps x {trace.num_layers} layers x "
         f"{trace.num_requests} requests through ours and HiSparse at "
         f"{len(budgets.split(','))} buffer sizes, then the reference engine "
-        "(imports sglang; about a minute in all)"
+        "(imports sglang; 10-40 s)"
     )
     res = replay.run(rargs)
     print(f"[demo] replay done in {time.time() - t:.0f} s", flush=True)
@@ -256,7 +256,7 @@ def print_prefetch_replay(embedded, prefetch_study, trace_gen) -> None:
     print(
         f"\n**P6 with the prefetch on adjacent layers: demand misses / HiSparse = "
         f"{ratio:.3f} -> {verdict}** (target <= 0.8; the H200 run of this trace: "
-        "results/h200_bench_server_s5/)."
+        "benchmark/nsa_offload/results/h200_bench_server_s5/)."
     )
 
 
