@@ -342,6 +342,19 @@ class NSAKVOffloadCoordinator:
             self.controller.prefetch_one_layer(layer_id, topk, *args, out=out)
             self._prefetch_done[layer_id - self._layer_range[0]].record(stream)
 
+    def check_idle(self) -> str:
+        """The offload's leaks when the scheduler is idle, as one message
+        (empty when none): decode regions, lent units and prefill staging
+        rows must all be back. Host slots are token locs: sglang's own check
+        of the token pool covers them."""
+        leaks = self.controller.idle_leaks()
+        staging = self.allocator.staging
+        if staging.available_pages() != staging.num_pages:
+            leaks.append(
+                f"staging pages free: {staging.available_pages()} of {staging.num_pages}"
+            )
+        return "; ".join(leaks)
+
     # ---------------------------------------------------------------- stats
 
     def get_decode_log_msg(self) -> str:
