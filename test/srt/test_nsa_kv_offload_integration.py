@@ -1821,5 +1821,48 @@ class TestIdleLeakCheck(unittest.TestCase):
         self.assertEqual(h.co.check_idle(), "")
 
 
+class TestMetrics(unittest.TestCase):
+    """The coordinator feeds its Prometheus collector where the decode log
+    reads its counters: the exported totals are what the logs reported."""
+
+    def test_decode_log_feeds_metrics(self):
+        from prometheus_client import CollectorRegistry
+
+        h = _Harness(self, max_units=4, lend_staging_pages=4)
+        registry, labels = CollectorRegistry(), {"tp_rank": "0"}
+        h.co.enable_metrics(labels, registry)
+
+        def value(name):
+            return registry.get_sample_value("sglang:nsa_kv_offload_" + name, labels)
+
+        a = h.new_req()
+        h.prefill([(a, 300)])
+        h.decode_step([a], first_step_of=(a,))
+        stats = h.co.get_stats()
+        self.assertGreater(stats["d2h_bytes"], 0)  # the prefill's backup
+        self.assertEqual(value("d2h_bytes_total"), stats["d2h_bytes"])
+        # Alone, A holds its region and the other one as an extra unit.
+        self.assertEqual(value("decode_regions_used"), 2)
+        self.assertEqual(value("extra_units_used"), stats["extra_units"])
+        self.assertEqual(value("host_pool_used_tokens"), stats["host_used_tokens"])
+        self.assertGreaterEqual(stats["host_used_tokens"], 300)
+        self.assertEqual(value("host_pool_total_tokens"), h.allocator.size)
+        for _ in range(4):
+            h.decode_step([a])
+            line = h.co.get_decode_log_msg()
+            self.assertIn("nsa-offload hit rate", line)
+        # Each read reset the controller: the totals add up the intervals.
+        total = sum(
+            value(name)
+            for name in ("lru_hits_total", "window_hits_total", "misses_total")
+        )
+        self.assertGreater(total, 0)
+        h.finish(a)
+        h.co.get_stats()
+        self.assertEqual(value("decode_regions_used"), 0)
+        self.assertEqual(value("staging_rows_used"), 0)
+        h.check_no_leaks()
+
+
 if __name__ == "__main__":
     unittest.main()
