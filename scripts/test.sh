@@ -3,6 +3,7 @@
 #
 #   bash scripts/test.sh [pytest args...]     # VENV=... overrides .venv
 #   bash scripts/test.sh test/srt/test_cpu_env.py -x   # some tests only
+#   TEST_WORKERS=1 bash scripts/test.sh                 # the suite in one process
 #
 # 1. scripts/setup_cpu_env.sh builds or tops up the venv (fast when nothing
 #    changed) and 2. re-applies our modules and patches/ into its sglang, so
@@ -28,8 +29,17 @@ for arg in "$@"; do
     fi
 done
 
+# The whole suite runs on every CPU core (pytest-xdist, tests handed out one
+# at a time; TEST_WORKERS=N picks the number of workers, TEST_WORKERS=1 runs
+# one process). One torch thread per worker: the workers fill the cores.
+workers=()
+if [[ ${#targets[@]} -gt 0 && "${TEST_WORKERS:-auto}" != 1 ]]; then
+    workers=(-n "${TEST_WORKERS:-auto}" --dist load)
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+fi
+
 set +e
-"$VENV/bin/python" -m pytest "${targets[@]}" -q "$@"
+"$VENV/bin/python" -m pytest "${targets[@]}" "${workers[@]}" -q "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 && $# -gt 0 ]]; then

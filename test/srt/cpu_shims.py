@@ -28,8 +28,10 @@ import os
 import sys
 import types
 import unittest
+from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SGL_KERNEL = "sgl_kernel"
 
 # Submodules of sgl_kernel that the sglang modules under test import at module
@@ -173,39 +175,21 @@ def install_torchvision_shim() -> bool:
     """Define the torchvision op schemas when its C extension cannot load.
 
     Must run before torchvision is imported. Returns True when the schemas
-    were defined here.
+    were defined here. The same fix-up the CPU venv applies at torchvision's
+    first import (``scripts/cpu_env/nsa_kv_offload_cpu_env.py``, installed by
+    ``scripts/setup_cpu_env.sh``), run eagerly.
     """
     if "torchvision" in sys.modules:
         return False
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or not spec.submodule_search_locations:
-        return False  # not installed: nothing to fix
+    return _cpu_env_module().define_torchvision_schemas()
 
-    import torch
 
-    if _torch_op_exists("torchvision", "nms"):
-        return False
-    pkg_dir = list(spec.submodule_search_locations)[0]
-    for entry in sorted(os.listdir(pkg_dir)):
-        if entry.startswith("_C.") and entry.endswith((".so", ".pyd")):
-            try:
-                torch.ops.load_library(os.path.join(pkg_dir, entry))
-            except (OSError, RuntimeError):
-                break  # CUDA build beside CPU torch: fall through to the shim
-            if _torch_op_exists("torchvision", "nms"):
-                return False
-            break
-
-    # Schemas as in torchvision/csrc/ops/{nms,quantized/qnms}.cpp.
-    torch.library.define(
-        "torchvision::nms",
-        "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    )
-    torch.library.define(
-        "torchvision::qnms",
-        "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    )
-    return True
+def _cpu_env_module():
+    path = REPO_ROOT / "scripts" / "cpu_env" / "nsa_kv_offload_cpu_env.py"
+    spec = importlib.util.spec_from_file_location("_nsa_kv_offload_cpu_env", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _torch_op_exists(namespace: str, name: str) -> bool:

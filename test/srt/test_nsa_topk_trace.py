@@ -50,7 +50,7 @@ def _load_nsa_topk_trace():
 
 
 nsa_topk_trace = _load_nsa_topk_trace()
-TRACE_FORMAT_PY = REPO_ROOT / "benchmark" / "nsa_offload" / "trace_format.py"
+TRACE_FORMAT_PY = REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "trace_format.py"
 os.environ.setdefault(nsa_topk_trace.ENV_FORMAT, str(TRACE_FORMAT_PY))
 tf = nsa_topk_trace.import_trace_format()
 

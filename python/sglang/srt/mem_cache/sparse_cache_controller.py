@@ -39,6 +39,7 @@ See ``docs/ENGINE.md`` for the swap semantics and address spaces.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -209,6 +210,18 @@ class SparseCacheController:
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
 
         self.use_triton_copy = self.device.type == "cuda" or copy_kernels_interpreted()
+        # The miss copy, chosen once: the Triton kernel, or its torch reference
+        # (CPU without the interpreter).
+        self._gather_rows = (
+            functools.partial(
+                gather_rows,
+                word_bytes=copy_word_bytes,
+                block_rows=copy_block_rows,
+                num_warps=copy_num_warps,
+            )
+            if self.use_triton_copy
+            else gather_rows_reference
+        )
         if self.device.type == "cuda" and not host_pool.pin_memory:
             raise ValueError("the host pool must be pinned for GPU copies")
         self.copy_block_rows = copy_block_rows
@@ -343,31 +356,16 @@ class SparseCacheController:
         device; runs on the current stream (the attention needs the rows).
         """
         layer = self._local_layer(layer_id)
-        if self.use_triton_copy:
-            gather_rows(
-                self._host_rows[layer],
-                self._device_rows[layer],
-                plan.miss_src_loc,
-                plan.miss_dst_row,
-                plan.miss_count,
-                self.row_bytes,
-                counters=self.counters,
-                counter_idx=COUNTER_H2D_ROWS,
-                word_bytes=self.copy_word_bytes,
-                block_rows=self.copy_block_rows,
-                num_warps=self.copy_num_warps,
-            )
-        else:
-            gather_rows_reference(
-                self._host_rows[layer],
-                self._device_rows[layer],
-                plan.miss_src_loc,
-                plan.miss_dst_row,
-                plan.miss_count,
-                self.row_bytes,
-                counters=self.counters,
-                counter_idx=COUNTER_H2D_ROWS,
-            )
+        self._gather_rows(
+            self._host_rows[layer],
+            self._device_rows[layer],
+            plan.miss_src_loc,
+            plan.miss_dst_row,
+            plan.miss_count,
+            self.row_bytes,
+            counters=self.counters,
+            counter_idx=COUNTER_H2D_ROWS,
+        )
 
     def swap_one_layer(
         self,
