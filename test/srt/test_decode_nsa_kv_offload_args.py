@@ -266,6 +266,74 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             nsa_kv_offload_host_pool_gb=0.0,
         )
 
+    # NSA backends: only the pairs run on the GPU with the offload pass.
+
+    def test_reject_unproven_prefill_backends(self):
+        # trtllm prefill reads KV by token loc before the offload's loc -> row
+        # translation; the others were never run with the offload on.
+        for backend in ("flashmla_kv", "flashmla_auto", "trtllm", "fa3", "tilelang"):
+            with self.subTest(backend=backend):
+                self._assert_rejected(
+                    "requires --nsa-prefill-backend flashmla_sparse (the prefill "
+                    "path that reads KV through the offload's staging rows), but "
+                    f"got --nsa-prefill-backend {backend}",
+                    nsa_prefill_backend=backend,
+                )
+
+    def test_reject_unproven_decode_backends(self):
+        for dtype, expect in (
+            ("fp8_e4m3", "flashmla_kv"),
+            ("bfloat16", "flashmla_sparse"),
+        ):
+            for backend in (
+                "flashmla_kv",
+                "flashmla_sparse",
+                "trtllm",
+                "fa3",
+                "tilelang",
+            ):
+                if backend == expect:
+                    continue
+                with self.subTest(dtype=dtype, backend=backend):
+                    self._assert_rejected(
+                        f"requires --nsa-decode-backend {expect}, but got "
+                        f"--nsa-decode-backend {backend}",
+                        kv_cache_dtype=dtype,
+                        nsa_decode_backend=backend,
+                    )
+
+    def test_backend_defaults_with_offload(self):
+        # sglang's Hopper defaults would be flashmla_kv prefill (fp8) and fa3
+        # decode (bf16); with the offload on, unset flags get its backends and
+        # an explicit choice is kept (then validated).
+        for dtype, decode in (
+            ("fp8_e4m3", "flashmla_kv"),
+            ("bfloat16", "flashmla_sparse"),
+        ):
+            with self.subTest(dtype=dtype):
+                args = self._server_args(
+                    kv_cache_dtype=dtype,
+                    nsa_prefill_backend=None,
+                    nsa_decode_backend=None,
+                )
+                args._set_default_nsa_backends(dtype, 9)
+                self.assertEqual(args.nsa_prefill_backend, "flashmla_sparse")
+                self.assertEqual(args.nsa_decode_backend, decode)
+                args._handle_decode_nsa_kv_offload()
+        args = self._server_args(
+            nsa_prefill_backend="flashmla_kv", nsa_decode_backend=None
+        )
+        args._set_default_nsa_backends("fp8_e4m3", 9)
+        self.assertEqual(args.nsa_prefill_backend, "flashmla_kv")
+        self.assertEqual(args.nsa_decode_backend, "flashmla_kv")
+        off = self._server_args(
+            enable_decode_nsa_kv_offload=False,
+            nsa_prefill_backend=None,
+            nsa_decode_backend=None,
+        )
+        off._set_default_nsa_backends("fp8_e4m3", 9)
+        self.assertEqual(off.nsa_prefill_backend, "flashmla_kv")  # sglang's own
+
 
 if __name__ == "__main__":
     unittest.main()

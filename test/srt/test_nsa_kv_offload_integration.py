@@ -40,8 +40,10 @@ the real code. With CUDA the same tests run on the GPU.
 import importlib.util
 import os
 import random
+import re
 import shutil
 import tempfile
+import types
 import unittest
 from pathlib import Path
 from types import SimpleNamespace
@@ -1279,6 +1281,9 @@ class _Harness:
         self.co.release(req)  # no-op once released
 
     def check_no_leaks(self):
+        # The scheduler's idle check agrees (and so can never cry wolf on a
+        # lifecycle the tests below run).
+        self.t.assertEqual(self.co.check_idle(), "")
         self.t.assertEqual(self.snapshot(), self.initial)
         self.t.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))
         self.t.assertTrue(bool((self.co.lru.loc_to_slot == -1).all()))
@@ -1774,6 +1779,117 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
         self.assertEqual(
             kv_args.kv_data_ptrs, [buf.data_ptr() for buf in h.pool.kv_buffer]
         )
+
+
+class TestIdleLeakCheck(unittest.TestCase):
+    """The offload's check at sglang's idle leak check: a region, a lent unit
+    or a staging page left behind is reported, through the scheduler's own
+    ``on_idle`` and as loudly as its pool check (it raises by default)."""
+
+    def _on_idle(self, coordinator):
+        from sglang.srt.managers.scheduler_runtime_checker_mixin import (
+            SchedulerRuntimeCheckerMixin,
+        )
+
+        sched = types.SimpleNamespace(
+            is_fully_idle=lambda: True,
+            enable_hisparse=False,
+            get_pool_stats=lambda: None,
+            _check_all_pools=lambda ps: (False, []),
+            _check_req_pool=lambda: None,
+            nsa_kv_offload=coordinator,
+            _check_tree_cache=lambda: None,
+            _maybe_log_idle_metrics=lambda: None,
+            _publish_kv_events=lambda: None,
+            init_new_token_ratio=0.5,
+            reset_device_timer_window=lambda: None,
+            maybe_sleep_on_idle=lambda: None,
+        )
+        sched._report_leak = lambda *a: SchedulerRuntimeCheckerMixin._report_leak(
+            sched, *a
+        )
+        SchedulerRuntimeCheckerMixin.on_idle(sched)
+
+    def test_clean_after_lifecycle(self):
+        h = _Harness(self, max_units=4, lend_staging_pages=4)
+        a = h.new_req()
+        h.prefill([(a, 190)])
+        h.decode_step([a], first_step_of=(a,))
+        self.assertGreater(h.controller.num_units(a.req_pool_idx), 1)
+        self.assertIn("still admitted", h.co.check_idle())
+        h.finish(a)
+        self.assertEqual(h.co.check_idle(), "")
+        self._on_idle(h.co)  # does not raise
+
+    def test_leaked_region_and_units_reported(self):
+        h = _Harness(self, max_units=4, lend_staging_pages=4)
+        a = h.new_req()
+        h.prefill([(a, 190)])
+        h.decode_step([a], first_step_of=(a,))
+        # Inject: the scheduler goes idle without the request's release.
+        msg = h.co.check_idle()
+        self.assertIn("1 request(s) still admitted", msg)
+        self.assertIn("decode regions free: 0 of 2", msg)
+        self.assertIn("still lent by", msg)
+        with self.assertRaises(ValueError) as ctx:
+            self._on_idle(h.co)
+        self.assertIn("NSA KV offload memory leak detected!", str(ctx.exception))
+        self.assertIn("still admitted", str(ctx.exception))
+
+    def test_leaked_staging_page_reported(self):
+        h = _Harness(self)
+        pages = h.allocator.staging.alloc(1)  # inject: a page never freed
+        self.assertIsNotNone(pages)
+        self.assertIn("staging pages free: 9 of 10", h.co.check_idle())
+        with self.assertRaises(ValueError):
+            self._on_idle(h.co)
+        h.allocator.staging.free(pages)
+        self.assertEqual(h.co.check_idle(), "")
+
+
+class TestMetrics(unittest.TestCase):
+    """The coordinator feeds its Prometheus collector where the decode log
+    reads its counters: the exported totals are what the logs reported."""
+
+    def test_decode_log_feeds_metrics(self):
+        from prometheus_client import CollectorRegistry
+
+        h = _Harness(self, max_units=4, lend_staging_pages=4)
+        registry, labels = CollectorRegistry(), {"tp_rank": "0"}
+        h.co.enable_metrics(labels, registry)
+
+        def value(name):
+            return registry.get_sample_value("sglang:nsa_kv_offload_" + name, labels)
+
+        a = h.new_req()
+        h.prefill([(a, 300)])
+        h.decode_step([a], first_step_of=(a,))
+        stats = h.co.get_stats()
+        self.assertGreater(stats["d2h_bytes"], 0)  # the prefill's backup
+        self.assertEqual(value("d2h_bytes_total"), stats["d2h_bytes"])
+        # Alone, A holds its region and the other one as an extra unit.
+        self.assertEqual(value("decode_regions_used"), 2)
+        self.assertEqual(value("extra_units_used"), stats["extra_units"])
+        self.assertEqual(value("host_pool_used_tokens"), stats["host_used_tokens"])
+        self.assertGreaterEqual(stats["host_used_tokens"], 300)
+        self.assertEqual(value("host_pool_total_tokens"), h.allocator.size)
+        misses_before, logged = value("misses_total") or 0, 0
+        for _ in range(4):
+            h.decode_step([a])
+            line = h.co.get_decode_log_msg()
+            logged += int(re.search(r"misses: (\d+)", line).group(1))
+        # Each read reset the controller: the total adds up the intervals.
+        self.assertEqual((value("misses_total") or 0) - misses_before, logged)
+        lookups = sum(
+            value(name) or 0
+            for name in ("lru_hits_total", "window_hits_total", "misses_total")
+        )
+        self.assertGreater(lookups, 0)
+        h.finish(a)
+        h.co.get_stats()
+        self.assertEqual(value("decode_regions_used"), 0)
+        self.assertEqual(value("staging_rows_used"), 0)
+        h.check_no_leaks()
 
 
 if __name__ == "__main__":

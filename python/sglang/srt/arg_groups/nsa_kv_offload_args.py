@@ -27,11 +27,17 @@ DEFAULT_MAX_UNITS = 4
 # LRU slot ids of a request are int16 (loc_to_slot, lru_order).
 _MAX_LRU_SLOTS = 32767
 
-# Decode backends that read KV through a per-token page table, by KV dtype.
+# The NSA backends run on the GPU with the offload, the only ones accepted:
+# decode reads KV through a per-token page table (by KV dtype); prefill must
+# translate token locs to staging rows before it reads KV, which only the
+# FlashMLA sparse prefill path is shown to do (flashmla_kv and flashmla_auto
+# prefill, trtllm, fa3, tilelang were never run with the offload on; trtllm
+# reads KV by token loc before the translation: silent wrong attention).
 _OFFLOAD_DECODE_BACKENDS_BY_DTYPE = {
     "fp8_e4m3": "flashmla_kv",
     "bfloat16": "flashmla_sparse",
 }
+_OFFLOAD_PREFILL_BACKENDS = ("flashmla_sparse",)
 
 # Host memory left to the OS, the scheduler and the tokenizer when sizing the
 # pinned pool automatically: the larger of an absolute floor and a fraction.
@@ -58,6 +64,32 @@ def _num_local_ranks(server_args: "ServerArgs") -> int:
 
 def _fail(message: str) -> None:
     raise ValueError(f"--enable-decode-nsa-kv-offload: {message}")
+
+
+def apply_nsa_kv_offload_backend_defaults(
+    server_args: "ServerArgs",
+    user_set_prefill: bool,
+    user_set_decode: bool,
+    kv_cache_dtype: str,
+) -> bool:
+    """sglang's NSA backend defaults with the offload on: the backends it runs
+    with, for whichever of the two flags the user left unset (an explicit
+    choice is validated later). True when the defaults were handled here."""
+    if not server_args.enable_decode_nsa_kv_offload:
+        return False
+    decode = _OFFLOAD_DECODE_BACKENDS_BY_DTYPE.get(kv_cache_dtype)
+    if decode is None:
+        return False  # refused with its reason by handle_decode_nsa_kv_offload
+    if not user_set_prefill:
+        server_args.nsa_prefill_backend = _OFFLOAD_PREFILL_BACKENDS[0]
+    if not user_set_decode:
+        server_args.nsa_decode_backend = decode
+    logger.info(
+        "Decode NSA KV offload: NSA backends prefill=%s, decode=%s.",
+        server_args.nsa_prefill_backend,
+        server_args.nsa_decode_backend,
+    )
+    return True
 
 
 def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
@@ -128,6 +160,13 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             f"with --kv-cache-dtype {server_args.kv_cache_dtype} it requires "
             f"--nsa-decode-backend {expected_backend}, but got "
             f"--nsa-decode-backend {server_args.nsa_decode_backend}."
+        )
+    if server_args.nsa_prefill_backend not in _OFFLOAD_PREFILL_BACKENDS:
+        _fail(
+            "it requires --nsa-prefill-backend "
+            f"{' or '.join(_OFFLOAD_PREFILL_BACKENDS)} (the prefill path that reads "
+            "KV through the offload's staging rows), but got --nsa-prefill-backend "
+            f"{server_args.nsa_prefill_backend}."
         )
 
     if server_args.nsa_kv_offload_gpu_buffer_size is None:

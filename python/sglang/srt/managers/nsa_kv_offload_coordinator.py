@@ -153,6 +153,7 @@ class NSAKVOffloadCoordinator:
             )
         self.producer_stream = None
         self._last_log_tic = time.perf_counter()
+        self.metrics = None  # NSAKVOffloadMetricsCollector with --enable-metrics
 
         logger.info(
             "NSA KV offload: %d logical token locs (host capacity %d), %d decode "
@@ -342,15 +343,55 @@ class NSAKVOffloadCoordinator:
             self.controller.prefetch_one_layer(layer_id, topk, *args, out=out)
             self._prefetch_done[layer_id - self._layer_range[0]].record(stream)
 
+    def check_idle(self) -> str:
+        """The offload's leaks when the scheduler is idle, as one message
+        (empty when none): decode regions, lent units and prefill staging
+        rows must all be back. Host slots are token locs: sglang's own check
+        of the token pool covers them."""
+        leaks = self.controller.idle_leaks()
+        staging = self.allocator.staging
+        if staging.available_pages() != staging.num_pages:
+            leaks.append(
+                f"staging pages free: {staging.available_pages()} of {staging.num_pages}"
+            )
+        return "; ".join(leaks)
+
     # ---------------------------------------------------------------- stats
+
+    def enable_metrics(self, labels, registry=None) -> None:
+        """Export the offload's counters and gauges to Prometheus, labelled
+        like the scheduler's metrics; fed at each decode log line."""
+        from sglang.srt.observability.nsa_kv_offload_metrics import (
+            NSAKVOffloadMetricsCollector,
+        )
+
+        self.metrics = NSAKVOffloadMetricsCollector(labels, registry)
+
+    def get_stats(self) -> dict:
+        """The controller's counters since the last read, and the host pool's
+        and staging rows' use (syncs: for logs and metrics)."""
+        stats = self.controller.get_stats()
+        self.controller.reset_stats()
+        staging = self.allocator.staging
+        # Host slot = token loc: the host pool holds what the allocator lent.
+        stats["host_total_tokens"] = self.allocator.size
+        stats["host_used_tokens"] = (
+            self.allocator.size - self.allocator.available_size()
+        )
+        stats["staging_total_rows"] = staging.num_pages * staging.page_size
+        stats["staging_used_rows"] = (
+            staging.num_pages - staging.available_pages()
+        ) * staging.page_size
+        if self.metrics is not None:
+            self.metrics.observe(stats)
+        return stats
 
     def get_decode_log_msg(self) -> str:
         """`, nsa-offload ...` suffix of the decode log line (syncs; logging only)."""
-        stats = self.controller.get_stats()
+        stats = self.get_stats()
         now = time.perf_counter()
         gap = max(now - self._last_log_tic, 1e-9)
         self._last_log_tic = now
-        self.controller.reset_stats()
         lookups = stats["lru_hits"] + stats["window_hits"] + stats["misses"]
         prefetched = (
             f"prefetched: {stats['prefetched']}, " if self.cross_layer_prefetch else ""

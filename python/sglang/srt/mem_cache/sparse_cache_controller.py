@@ -695,3 +695,18 @@ class SparseCacheController:
                 if name != REGION_UNIT_SOURCE
             ),
         }
+
+    def idle_leaks(self) -> List[str]:
+        """What the controller still holds although no request is left (the
+        scheduler's idle check); empty when every region and unit is back."""
+        leaks = []
+        if self._req_base:
+            held = sorted(self._req_base)
+            leaks.append(f"{len(held)} request(s) still admitted (req pool {held[:8]})")
+        free = self.regions.available_size()
+        if free != self.regions.num_regions:
+            leaks.append(f"decode regions free: {free} of {self.regions.num_regions}")
+        for name in self._unit_sources:
+            if self.units_lent_by(name):
+                leaks.append(f"{self.units_lent_by(name)} unit(s) still lent by {name}")
+        return leaks

@@ -1,0 +1,114 @@
+"""Prometheus metrics of the decode NSA KV offload (``--enable-metrics``).
+
+The scheduler hands the offload its metric labels; the offload then feeds
+these collectors where it reads its device counters for the decode log line
+(one host sync per log interval, none on the decode path). Counters
+accumulate what each log interval moved; gauges hold the state at the last
+log.
+"""
+
+from typing import Dict, Optional
+
+_PREFIX = "sglang:nsa_kv_offload_"
+
+# (attribute, metric name, stats key, help)
+_COUNTERS = (
+    ("lru_hits", "lru_hits_total", "lru_hits", "Top-k lookups found in LRU rows."),
+    (
+        "window_hits",
+        "window_hits_total",
+        "window_hits",
+        "Top-k lookups found in the recent-window rows.",
+    ),
+    ("misses", "misses_total", "misses", "Top-k lookups copied from host memory."),
+    (
+        "prefetched_rows",
+        "prefetched_rows_total",
+        "prefetched",
+        "Rows the cross-layer prefetch loaded ahead of their layer.",
+    ),
+    ("h2d_bytes", "h2d_bytes_total", "h2d_bytes", "Bytes copied host to device."),
+    ("d2h_bytes", "d2h_bytes_total", "d2h_bytes", "Bytes copied device to host."),
+)
+_GAUGES = (
+    (
+        "host_pool_used_tokens",
+        "host_pool_used_tokens",
+        "host_used_tokens",
+        "Tokens whose KV the host pool holds.",
+    ),
+    (
+        "host_pool_total_tokens",
+        "host_pool_total_tokens",
+        "host_total_tokens",
+        "Tokens the host pool can hold.",
+    ),
+    (
+        "decode_regions_used",
+        "decode_regions_used",
+        "regions_used",
+        "Decode regions held by running requests.",
+    ),
+    (
+        "decode_regions_total",
+        "decode_regions_total",
+        "regions_total",
+        "Decode regions of the GPU pool.",
+    ),
+    (
+        "extra_units_used",
+        "extra_units_used",
+        "extra_units",
+        "Extra LRU units lent to running requests (idle regions and staging).",
+    ),
+    (
+        "staging_rows_used",
+        "staging_rows_used",
+        "staging_used_rows",
+        "Prefill staging rows held (by prompts or lent as units).",
+    ),
+    (
+        "staging_rows_total",
+        "staging_rows_total",
+        "staging_total_rows",
+        "Prefill staging rows of the GPU pool.",
+    ),
+)
+
+
+class NSAKVOffloadMetricsCollector:
+    """The offload's counters and gauges, labelled like the scheduler's."""
+
+    def __init__(self, labels: Dict[str, str], registry: Optional[object] = None):
+        # Imported here, after sglang set PROMETHEUS_MULTIPROC_DIR.
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        self.labels = labels
+        registry = registry if registry is not None else REGISTRY
+        for attr, name, _, doc in _COUNTERS:
+            metric = Counter(
+                name=_PREFIX + name,
+                documentation=doc,
+                labelnames=labels.keys(),
+                registry=registry,
+            )
+            setattr(self, attr, metric)
+        for attr, name, _, doc in _GAUGES:
+            metric = Gauge(
+                name=_PREFIX + name,
+                documentation=doc,
+                labelnames=labels.keys(),
+                multiprocess_mode="mostrecent",
+                registry=registry,
+            )
+            setattr(self, attr, metric)
+
+    def observe(self, stats: Dict[str, float]) -> None:
+        """Add one log interval's counts (``stats`` as the offload's decode
+        log reads them) and set the gauges."""
+        for attr, _, key, _ in _COUNTERS:
+            if stats.get(key):
+                getattr(self, attr).labels(**self.labels).inc(stats[key])
+        for attr, _, key, _ in _GAUGES:
+            if key in stats:
+                getattr(self, attr).labels(**self.labels).set(stats[key])
