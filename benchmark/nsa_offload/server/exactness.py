@@ -64,7 +64,7 @@ SORTED_TOPK_DIR = os.path.join(
 # checkpoint. "base": the server it is compared with.
 SERVERS = {
     "base_fp8": dict(nc=True, repeat=True),
-    "ours_fp8": dict(offload=[], base="base_fp8"),
+    "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
     "ours_fp8_1unit": dict(
         offload=["--nsa-kv-offload-max-units", "1"], base="base_fp8"
     ),
@@ -109,35 +109,7 @@ def prompts_for(lengths: List[int], seed: int, vocab: int) -> List[List[int]]:
 
 
 class ExactServer(Server):
-    """A ``Server`` that starts without waiting, so several start at once."""
-
-    def start(self):
-        print(f"[{self.name}] starting", flush=True)
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
-        )
-        self.started = time.time()
-        return self
-
-    def wait_ready(self):
-        while time.time() - self.started < self.timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"[{self.name}] exited with {self.proc.returncode}:\n" + self.tail()
-                )
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        print(
-                            f"[{self.name}] ready in {time.time() - self.started:.0f} s",
-                            flush=True,
-                        )
-                        return self
-            except OSError:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"[{self.name}] not healthy after {self.timeout} s")
+    """A ``Server`` with what the exactness phases need besides generate."""
 
     def stop(self):
         self.__exit__(None, None, None)
@@ -207,6 +179,8 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
     env = {}
     if not spec.get("dummy"):
         extra += ["--load-format", "auto", "--model-path", ckpt]
+    if spec.get("metrics"):
+        extra += ["--enable-metrics"]
     if spec.get("kv") == "bf16":
         extra += BF16_KV_ARGS
     if spec.get("offload") is not None:
@@ -282,7 +256,21 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
     time.sleep(args.idle_wait)
     res["after_idle"] = srv.generate(prompts[0], n)["output_ids"]
     res["alive"] = srv.proc.poll() is None
+    if spec.get("metrics"):
+        res["metrics"] = scrape_offload_metrics(srv.url)
     save()
+
+
+def scrape_offload_metrics(url: str) -> Dict[str, float]:
+    """The offload's series on the server's ``/metrics`` (summed over labels)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("sglang:nsa_kv_offload_"):
+            name = line.split("{")[0].split(" ")[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def scan_log(path: str) -> dict:
@@ -425,6 +413,7 @@ def summarize(result: dict, model: str) -> dict:
         "cases": cases,
         "comparisons": comparisons,
         "concurrent_vs_own_seq": own,
+        "metrics": {n: r["metrics"] for n, r in srv.items() if "metrics" in r},
         "logs": result.get("logs", {}),
         "prompt_lens": result["prompt_lens"],
         "code_commit": result["code_commit"],

@@ -143,6 +143,11 @@ class Server:
         self._next_room = 0
 
     def __enter__(self):
+        return self.start().wait_ready()
+
+    def start(self) -> "Server":
+        """Launch the server process without waiting for it (several servers
+        can then start at once)."""
         # A port already taken would make the health check below answer for
         # another process's server.
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -156,8 +161,12 @@ class Server:
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env
         )
-        tic = time.time()
-        while time.time() - tic < self.timeout:
+        self.started = time.time()
+        return self
+
+    def wait_ready(self) -> "Server":
+        """Until ``/health`` answers (the process dying or the timeout raise)."""
+        while time.time() - self.started < self.timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"[{self.name}] server exited with {self.proc.returncode}:\n"
@@ -167,7 +176,7 @@ class Server:
                 with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
                     if r.status == 200:
                         print(
-                            f"[{self.name}] ready in {time.time() - tic:.0f} s",
+                            f"[{self.name}] ready in {time.time() - self.started:.0f} s",
                             flush=True,
                         )
                         return self
