@@ -181,6 +181,14 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
     def test_reject_pipeline_parallelism(self):
         self._assert_rejected("pipeline parallelism (--pp-size 2)", pp_size=2)
 
+    def test_reject_tensor_parallelism(self):
+        self._assert_rejected("tensor parallelism (--tp-size 8)", tp_size=8)
+
+    def test_reject_dp_attention(self):
+        self._assert_rejected(
+            "--enable-dp-attention is not supported", enable_dp_attention=True
+        )
+
     def test_reject_radix_cache(self):
         self._assert_rejected(
             "requires --disable-radix-cache", disable_radix_cache=False

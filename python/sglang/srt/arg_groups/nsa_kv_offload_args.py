@@ -134,6 +134,16 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         _fail(
             f"pipeline parallelism (--pp-size {server_args.pp_size}) is not supported."
         )
+    # Not run on more than one GPU yet: with attention TP every rank would pin
+    # its own copy of the same host KV, and DP attention's IDLE batches and
+    # per-rank admission are untested.
+    if server_args.tp_size > 1:
+        _fail(
+            f"tensor parallelism (--tp-size {server_args.tp_size}) is not supported "
+            "yet."
+        )
+    if server_args.enable_dp_attention:
+        _fail("--enable-dp-attention is not supported yet.")
     if not server_args.disable_radix_cache:
         _fail("it requires --disable-radix-cache.")
     if server_args.enable_mixed_chunk:
