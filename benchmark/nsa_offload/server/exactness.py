@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
 from make_checkpoint import load_config, write_checkpoint
-from server_utils import BF16_KV_ARGS, Server
+from server_utils import BF16_KV_ARGS, Server, random_prompts
 
 NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
 # Negative-control modes: the arm file's "M R" (corrupt where seq_len % M == R).
@@ -101,11 +101,6 @@ def case_lengths(buffer: int, window: int, longest: int) -> List[int]:
         edges += [c - 1, c, c + 1, c + w - 1, c + w, c + w + 1, c - 32]
     edges += [4 * buffer - 1, 4 * buffer + 1, 30000, longest]
     return sorted(set(edges))
-
-
-def prompts_for(lengths: List[int], seed: int, vocab: int) -> List[List[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
 
 
 class ExactServer(Server):
@@ -565,9 +560,9 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed + 1)
     while len(lengths) < args.num_requests:
         lengths.append(rng.randrange(100, 12000))
-    prompts = prompts_for(lengths, args.seed + 2, config["vocab_size"])
+    prompts = random_prompts(lengths, args.seed + 2, config["vocab_size"])
     nc_lens = [rng.randrange(100, 12000) for _ in range(args.nc_requests)]
-    nc_prompts = prompts_for(nc_lens, args.seed + 3, config["vocab_size"])
+    nc_prompts = random_prompts(nc_lens, args.seed + 3, config["vocab_size"])
     result = {
         "config": vars(args),
         "prompt_lens": lengths,

@@ -238,6 +238,8 @@ class Server:
             return list(pool.map(lambda p: self.generate(p, max_new_tokens), prompts))
 
 
-def random_prompts(lengths: Sequence[int], seed: int) -> List[List[int]]:
+def random_prompts(
+    lengths: Sequence[int], seed: int, vocab: int = VOCAB_SIZE
+) -> List[List[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+    return [[rng.randrange(2, vocab) for _ in range(n)] for n in lengths]
