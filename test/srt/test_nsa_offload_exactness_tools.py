@@ -8,8 +8,10 @@ generator and the negative control's accounting.
   seed gives the same bytes whatever the order;
 * ``exactness``: the boundary prompt lengths, and when a control request
   counts as flipped (one corrupted step, or every step);
-* ``sorted_topk``: top-k rows come out sorted with ``-1`` padding last, and
-  only on the unfused (positional) path.
+* ``sorted_topk``: the top-k set picked on a total order (score, then the
+  lower column) against a brute-force reference on scores full of ties,
+  handed to the kernel as 0/1 logits, rows sorted with ``-1`` padding last,
+  and only on the unfused (positional) path.
 """
 
 import importlib.util
@@ -197,11 +199,16 @@ class TestSortedTopk(unittest.TestCase):
 
     def test_patch_only_unfused(self):
         rows = torch.tensor([[4, 1, -1, 3]])
+        seen = []
 
         class Metadata:
             force_unfused_topk = False
 
-            def topk_transform(self, logits, topk):
+            def get_seqlens_expanded(self):
+                return torch.tensor([4])
+
+            def topk_transform(self, logits, topk, ks=None, ke_offset=None):
+                seen.append(logits.clone())
                 return rows
 
         fused = [True]
@@ -212,19 +219,56 @@ class TestSortedTopk(unittest.TestCase):
             ),
         )
         sorted_topk._patch(module)
-        logits = torch.ones(1, 4)
-        self.assertIs(Metadata().topk_transform(logits, 4), rows)  # fused: as is
+        logits = torch.tensor([[0.5, 2.0, 2.0, -1.0]])
+        self.assertIs(Metadata().topk_transform(logits.clone(), 2), rows)  # fused
+        self.assertEqual(seen[-1].tolist(), logits.tolist())  # as is
         fused[0] = False
-        self.assertEqual(Metadata().topk_transform(logits, 4).tolist(), [[1, 3, 4, -1]])
+        self.assertEqual(
+            Metadata().topk_transform(logits.clone(), 2).tolist(), [[1, 3, 4, -1]]
+        )
+        # the kernel got the picked columns as 1, the rest as 0
+        self.assertEqual(seen[-1].tolist(), [[0.0, 1.0, 1.0, 0.0]])
+        Metadata().topk_transform(logits.clone(), 2, ks=torch.tensor([1]))
+        self.assertEqual(seen[-1].tolist(), [[0.0, 1.0, 1.0, 0.0]])
+        Metadata().topk_transform(
+            logits.clone(), 1, ks=torch.tensor([2]), ke_offset=torch.tensor([2])
+        )
+        self.assertEqual(seen[-1].tolist(), [[0.0, 0.0, 1.0, 0.0]])
 
-    def test_ties_broken_by_column(self):
-        x = torch.tensor([[1.5, 1.5, -2.0, float("-inf"), 1.5, 0.0]])
-        out = sorted_topk._ties_broken(x)
-        self.assertEqual(len(set(out[0, [0, 1, 4]].tolist())), 3)  # no tie left
-        self.assertTrue(torch.equal(out, sorted_topk._ties_broken(x.clone())))
-        self.assertEqual(out[0, 3].item(), float("-inf"))
-        finite = torch.isfinite(x)
-        self.assertTrue(bool(torch.isclose(out[finite], x[finite], rtol=1e-4).all()))
+    @staticmethod
+    def reference_pick(row, topk, start, length):
+        """Columns of the topk largest scores in [start, start + length),
+        -0.0 below +0.0 (as their bits order), ties to the lower column."""
+        cols = range(start, min(start + length, len(row)))
+        key = lambda c: (-row[c], -math.copysign(1.0, row[c]), c)
+        return set(sorted(cols, key=key)[:topk])
+
+    def test_pick_matches_reference_with_ties(self):
+        gen = torch.Generator().manual_seed(0)
+        for trial in range(40):
+            rows = int(torch.randint(1, 6, (1,), generator=gen))
+            cols = int(torch.randint(1, 80, (1,), generator=gen))
+            topk = int(torch.randint(1, 40, (1,), generator=gen))
+            # few distinct values (many ties), both signs, +-0 and -inf
+            vals = torch.tensor([-3.0, -0.5, -0.0, 0.0, 0.25, 1.5, float("-inf")])
+            logits = vals[torch.randint(0, len(vals), (rows, cols), generator=gen)]
+            starts = torch.randint(0, cols, (rows,), generator=gen)
+            lengths = torch.randint(0, cols + 1, (rows,), generator=gen)
+            lengths = torch.minimum(lengths, cols - starts)
+            out = logits.clone()
+            old = sorted_topk._KEY_ELEMS
+            sorted_topk._KEY_ELEMS = 2 * cols if trial % 2 else old  # row chunks
+            try:
+                sorted_topk._pick_topk_inplace(out, topk, lengths, starts)
+            finally:
+                sorted_topk._KEY_ELEMS = old
+            for r in range(rows):
+                want = self.reference_pick(
+                    logits[r].tolist(), topk, int(starts[r]), int(lengths[r])
+                )
+                got = set(torch.nonzero(out[r]).flatten().tolist())
+                self.assertEqual(got, want, (trial, r))
+                self.assertTrue(set(out[r].unique().tolist()) <= {0.0, 1.0})
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
 # every decode step (the same request position's row read wrong each time,
 # as a stale row would be until evicted).
 NC_MODES = {"step": (NC_PERIOD, 0), "persistent": (1, 0)}
+# traces/nsa_topk_trace.py: the layer whose top-k the control corrupts.
+ENV_CORRUPT_LAYER = "SGLANG_NSA_TOPK_CORRUPT_LAYER"
 SORTED_TOPK_DIR = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "sorted_topk"
 )
@@ -192,6 +194,11 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (SORTED_TOPK_DIR, os.environ.get("PYTHONPATH")) if p
         )
+        # cuBLAS picks its workspace per stream; a fixed one keeps its
+        # reductions the same from run to run.
+        env["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    if spec.get("nc"):
+        env[ENV_CORRUPT_LAYER] = str(args.nc_layer)
     if spec.get("retract"):
         env["SGLANG_TEST_RETRACT"] = "1"
         env["SGLANG_TEST_RETRACT_INTERVAL"] = str(args.retract_interval)
@@ -401,6 +408,7 @@ def summarize(result: dict, model: str) -> dict:
             "flip_fraction"
         ),
         "negative_control": nc,
+        "negative_control_layer": result.get("nc_layer", 0),
         "identical": identical,
         "total": total,
         "identical_on_deterministic_prompts": on_det,
@@ -487,7 +495,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--sweep",
         default="",
-        help="qk:out gain pairs to try the negative control on first, e.g. 1:1,1.5:1",
+        help="qk:out[:layer] gains (and the corrupted layer, default 0) to try "
+        "the negative control on first, e.g. 1:1,1:8,1:1:2",
     )
     p.add_argument("--flip-target", type=float, default=0.9, help="for --sweep")
     p.add_argument(
@@ -525,6 +534,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=11, help="tiny servers at once")
     p.add_argument(
         "--nc-modes", default="step,persistent", help="negative control modes to run"
+    )
+    p.add_argument(
+        "--nc-layer",
+        type=int,
+        default=0,
+        help="layer the negative control corrupts (a --sweep picks its own)",
     )
     p.add_argument("--port", type=int, default=32000, help="first server's port")
     p.add_argument("--timeout", type=float, default=900.0, help="server start timeout")
@@ -565,6 +580,7 @@ def main(argv=None) -> int:
     nc_prompts = random_prompts(nc_lens, args.seed + 3, config["vocab_size"])
     result = {
         "config": vars(args),
+        "nc_layer": args.nc_layer,
         "prompt_lens": lengths,
         "nc_lens": nc_lens,
         "code_commit": git_commit(),
@@ -632,33 +648,44 @@ def main(argv=None) -> int:
             for th in threads:
                 th.join()
 
-    gains = [tuple(float(x) for x in g.split(":")) for g in args.sweep.split(",") if g]
+    sweep_specs = [g.split(":") for g in args.sweep.split(",") if g]
+    gains = [
+        (float(g[0]), float(g[1]), int(g[2]) if len(g) > 2 else 0) for g in sweep_specs
+    ]
     qk, out = args.qk_gain, args.out_gain
     if gains:
-        # The negative control alone on each candidate checkpoint; the run
-        # takes the first (in the given order) whose control flips enough.
+        # The negative control alone on each candidate checkpoint (and
+        # corrupted layer); the run takes the first (in the given order)
+        # whose control flips enough.
         plan = [
-            (f"nc_q{q:g}_o{o:g}", dict(nc=True, nc_only=True), checkpoint(q, o))
-            for q, o in gains
+            (
+                f"nc_q{q:g}_o{o:g}_l{layer}",
+                dict(nc=True, nc_only=True, env={ENV_CORRUPT_LAYER: str(layer)}),
+                checkpoint(q, o),
+            )
+            for q, o, layer in gains
         ]
         all_nc = nc_prompts
         nc_prompts = nc_prompts[: args.sweep_requests]
         run_stage(plan)
         nc_prompts = all_nc
         sweep = []
-        for (q, o), (name, _, _) in zip(gains, plan):
+        for (q, o, layer), (name, _, _) in zip(gains, plan):
             res = result["servers"][name]
             frac = (
                 negative_control(res, nc_lens, "step")["flip_fraction"]
                 if "nc_armed_step" in res
                 else None
             )
-            sweep.append({"qk_gain": q, "out_gain": o, "flip_fraction": frac})
+            sweep.append(
+                {"qk_gain": q, "out_gain": o, "layer": layer, "flip_fraction": frac}
+            )
         result["sweep"] = sweep
         print(f"[exactness] sweep: {json.dumps(sweep)}", flush=True)
         good = [g for g in sweep if (g["flip_fraction"] or 0) >= args.flip_target]
         best = good[0] if good else max(sweep, key=lambda g: g["flip_fraction"] or 0)
         qk, out = best["qk_gain"], best["out_gain"]
+        args.nc_layer = result["nc_layer"] = best["layer"]
     ckpt = checkpoint(qk, out)
     with open(os.path.join(ckpt, "checkpoint_meta.json")) as f:
         result["ckpt_meta"] = json.load(f)
