@@ -49,6 +49,8 @@ export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export TORCHINDUCTOR_CACHE_DIR=$HOME/.cache/torchinductor
 # --with-bench-hooks: the top-k trace override / recorder the benchmarks use.
 python3 scripts/apply_patch.py --sglang-dir /tmp/site --with-bench-hooks || exit 1
+# Jobs started beside this one in the same call wait for this mark.
+touch /tmp/site/.ready
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 # Jobs side by side (device_pair.sh) need their own server ports.
 GPU0=${CUDA_VISIBLE_DEVICES:-0}; GPU0=${GPU0%%,*}
@@ -84,10 +86,19 @@ for step in "$@"; do
       ;;
     exact)
       # End-to-end exactness on a generated checkpoint (exactness.py):
-      # $EXACT_MODEL tiny|rank, more flags in $EXACT_ARGS.
+      # $EXACT_MODEL tiny|rank, more flags in $EXACT_ARGS; a second run side
+      # by side (its own ports and output) with $EXACT_ARGS_2.
+      if [ -n "${EXACT_ARGS_2:-}" ]; then
+        (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
+          --out $OUT/exact_${EXACT_MODEL:-tiny}_2 --model ${EXACT_MODEL:-tiny} --port $((33000 + 100 * GPU0)) \
+          $EXACT_ARGS_2 > /tmp/exact_2.log 2>&1) &
+      fi
       (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
         --out $OUT/exact_${EXACT_MODEL:-tiny} --model ${EXACT_MODEL:-tiny} --port $((32000 + 100 * GPU0)) \
         ${EXACT_ARGS:-}) 2>&1 | tail -60 || rc=1
+      if [ -n "${EXACT_ARGS_2:-}" ]; then
+        wait; echo "=== second run"; tail -40 /tmp/exact_2.log
+      fi
       ;;
     e2e)
       (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
