@@ -608,7 +608,9 @@ class TestHooksAndLookup(unittest.TestCase):
         # has no top-k trace hook (apply_patch.py --with-bench-hooks adds it;
         # unset, it returns its input itself: test_nsa_topk_trace.py).
         backend = importlib.util.find_spec("sglang.srt.layers.attention.nsa_backend")
-        self.assertNotIn("nsa_topk_trace", Path(backend.origin).read_text())
+        trace = importlib.util.find_spec("sglang.srt.layers.attention.nsa_topk_trace")
+        if trace is None:  # not the GPU host's benchmark install
+            self.assertNotIn("nsa_topk_trace", Path(backend.origin).read_text())
         self.assertFalse(hasattr(nsa_offload_hooks, "maybe_override_decode_topk"))
 
     def test_translate_locs_to_rows(self):

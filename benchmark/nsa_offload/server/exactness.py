@@ -213,7 +213,7 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
         res["seq"] = [srv.generate(p, n)["output_ids"] for p in prompts]
         res["seq_s"] = round(time.time() - t, 1)
         save()
-    if spec.get("repeat"):
+    if spec.get("repeat") and not args.skip_repeat:
         # The same requests again: the server's own run-to-run agreement.
         res["seq_again"] = [srv.generate(p, n)["output_ids"] for p in prompts]
         save()
@@ -507,6 +507,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--servers", help="comma list of server names (default by model)")
     p.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
+    p.add_argument(
+        "--skip-repeat",
+        action="store_true",
+        help="no second seq pass on the no-offload server (its self-agreement)",
+    )
     p.add_argument(
         "--qk-gain", type=float, default=1.0, help="make_checkpoint --qk-gain"
     )
