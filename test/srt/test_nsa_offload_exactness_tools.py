@@ -95,7 +95,10 @@ class TestCheckpointTensors(unittest.TestCase):
 
         c = small_config()
         with tempfile.TemporaryDirectory() as d:
-            meta = mc.write_checkpoint(c, d, seed=3, qk_gain=2.0, progress=lambda m: 0)
+            meta = mc.write_checkpoint(
+                c, d, seed=3, qk_gain=2.0, progress=lambda m: 0, attn_out_gain=3.0
+            )
+            self.assertEqual(meta["attn_out_gain"], 3.0)
             with open(os.path.join(d, "model.safetensors.index.json")) as f:
                 index = json.load(f)
             expected = {n for n, _, _ in mc.checkpoint_tensors(c)}
@@ -115,9 +118,15 @@ class TestCheckpointTensors(unittest.TestCase):
             )
             bias = tensors[p + "mlp.gate.e_score_correction_bias"]
             self.assertEqual(bias.dtype, torch.float32)
-            # N(0, 1/fan_in): std ~ fan_in ** -0.5 (gain 1), x qk_gain on q.
+            # N(0, 1/fan_in): std ~ fan_in ** -0.5 (gain 1), x qk_gain on q,
+            # x attn_out_gain on o_proj alone.
             w = tensors[p + "self_attn.o_proj.weight"].float()
-            self.assertAlmostEqual(w.std().item(), 16**-0.5, delta=0.1 * 16**-0.5)
+            self.assertAlmostEqual(w.std().item(), 3 * 16**-0.5, delta=0.3 * 16**-0.5)
+            w = tensors["model.layers.0.mlp.down_proj.weight"].float()
+            fan_in = w.shape[1]
+            self.assertAlmostEqual(
+                w.std().item(), fan_in**-0.5, delta=0.1 * fan_in**-0.5
+            )
             q = tensors[p + "self_attn.q_b_proj.weight"].float()
             self.assertAlmostEqual(q.std().item(), 2 * 32**-0.5, delta=0.2 * 32**-0.5)
             kvb = tensors[p + "self_attn.kv_b_proj.weight"].float().view(2, 16, 16)
@@ -188,6 +197,17 @@ class TestExactnessAccounting(unittest.TestCase):
         out = exactness.negative_control(res, [100, 4096, 7], "persistent")
         self.assertEqual(out["flipped"], 2)  # from token 1 on, within 64 tokens
         self.assertEqual(out["changed_before_corruption"], 0)
+
+
+class TestSweepSpec(unittest.TestCase):
+    def test_fields_and_defaults(self):
+        self.assertEqual(
+            exactness.parse_sweep("1:1,1.5:2:32,1:1:1:2,"),
+            [(1.0, 1.0, 1.0, 0), (1.5, 2.0, 32.0, 0), (1.0, 1.0, 1.0, 2)],
+        )
+        self.assertEqual(exactness.parse_sweep(""), [])
+        with self.assertRaises(SystemExit):
+            exactness.parse_sweep("1")
 
 
 class TestSortedTopk(unittest.TestCase):

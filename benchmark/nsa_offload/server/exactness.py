@@ -468,6 +468,19 @@ def write_summary(result: dict, model: str, out: str) -> dict:
     return summary
 
 
+def parse_sweep(text: str) -> List[tuple]:
+    """``qk:out[:attn_out[:layer]],...`` -> (qk, out, attn_out, layer) tuples,
+    missing fields at 1.0 and layer 0."""
+    out = []
+    for entry in filter(None, text.split(",")):
+        fields = entry.split(":")
+        if not 2 <= len(fields) <= 4:
+            raise SystemExit(f"--sweep: {entry!r} is not qk:out[:attn_out[:layer]]")
+        q, o, a, layer = (fields + ["1", "0"][len(fields) - 2 :])[:4]
+        out.append((float(q), float(o), float(a), int(layer)))
+    return out
+
+
 def git_commit() -> str:
     # The device's copy of the tree may carry a stale .git: the caller's
     # CODE_COMMIT wins.
@@ -495,8 +508,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--sweep",
         default="",
-        help="qk:out[:layer] gains (and the corrupted layer, default 0) to try "
-        "the negative control on first, e.g. 1:1,1:8,1:1:2",
+        help="qk:out[:attn_out[:layer]] gains (and the corrupted layer, default "
+        "0) to try the negative control on first, e.g. 1:1,1:1:32,1:1:1:2",
     )
     p.add_argument("--flip-target", type=float, default=0.9, help="for --sweep")
     p.add_argument(
@@ -517,6 +530,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--out-gain", type=float, default=1.0, help="make_checkpoint --out-gain"
+    )
+    p.add_argument(
+        "--attn-out-gain",
+        type=float,
+        default=1.0,
+        help="make_checkpoint --attn-out-gain",
     )
     p.add_argument("--num-requests", type=int, default=64, help="seq requests")
     p.add_argument(
@@ -565,11 +584,13 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     config = load_config(args.model)
 
-    def checkpoint(qk: float, out: float) -> str:
-        path = f"{args.ckpt or '/tmp/ckpt'}_{args.model}_s{args.seed}_q{qk:g}_o{out:g}"
+    def checkpoint(qk: float, out: float, attn: float) -> str:
+        path = f"{args.ckpt or '/tmp/ckpt'}_{args.model}_s{args.seed}_q{qk:g}_o{out:g}_a{attn:g}"
         if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
             device = "cuda" if args.model == "rank" else "cpu"
-            meta = write_checkpoint(config, path, args.seed, qk, out, device)
+            meta = write_checkpoint(
+                config, path, args.seed, qk, out, device, attn_out_gain=attn
+            )
             print(f"[exactness] checkpoint {path}: {json.dumps(meta)}", flush=True)
         return path
 
@@ -653,29 +674,26 @@ def main(argv=None) -> int:
             for th in threads:
                 th.join()
 
-    sweep_specs = [g.split(":") for g in args.sweep.split(",") if g]
-    gains = [
-        (float(g[0]), float(g[1]), int(g[2]) if len(g) > 2 else 0) for g in sweep_specs
-    ]
-    qk, out = args.qk_gain, args.out_gain
+    gains = parse_sweep(args.sweep)
+    qk, out, attn = args.qk_gain, args.out_gain, args.attn_out_gain
     if gains:
         # The negative control alone on each candidate checkpoint (and
         # corrupted layer); the run takes the first (in the given order)
         # whose control flips enough.
         plan = [
             (
-                f"nc_q{q:g}_o{o:g}_l{layer}",
+                f"nc_q{q:g}_o{o:g}_a{a:g}_l{layer}",
                 dict(nc=True, nc_only=True, env={ENV_CORRUPT_LAYER: str(layer)}),
-                checkpoint(q, o),
+                checkpoint(q, o, a),
             )
-            for q, o, layer in gains
+            for q, o, a, layer in gains
         ]
         all_nc = nc_prompts
         nc_prompts = nc_prompts[: args.sweep_requests]
         run_stage(plan)
         nc_prompts = all_nc
         sweep = []
-        for (q, o, layer), (name, _, _) in zip(gains, plan):
+        for (q, o, a, layer), (name, _, _) in zip(gains, plan):
             res = result["servers"][name]
             frac = (
                 negative_control(res, nc_lens, "step")["flip_fraction"]
@@ -683,15 +701,21 @@ def main(argv=None) -> int:
                 else None
             )
             sweep.append(
-                {"qk_gain": q, "out_gain": o, "layer": layer, "flip_fraction": frac}
+                {
+                    "qk_gain": q,
+                    "out_gain": o,
+                    "attn_out_gain": a,
+                    "layer": layer,
+                    "flip_fraction": frac,
+                }
             )
         result["sweep"] = sweep
         print(f"[exactness] sweep: {json.dumps(sweep)}", flush=True)
         good = [g for g in sweep if (g["flip_fraction"] or 0) >= args.flip_target]
         best = good[0] if good else max(sweep, key=lambda g: g["flip_fraction"] or 0)
-        qk, out = best["qk_gain"], best["out_gain"]
+        qk, out, attn = best["qk_gain"], best["out_gain"], best["attn_out_gain"]
         args.nc_layer = result["nc_layer"] = best["layer"]
-    ckpt = checkpoint(qk, out)
+    ckpt = checkpoint(qk, out, attn)
     with open(os.path.join(ckpt, "checkpoint_meta.json")) as f:
         result["ckpt_meta"] = json.load(f)
     run_stage([(n, SERVERS[n], ckpt) for n in names])

@@ -16,6 +16,11 @@ writes random weights at a trained-like scale instead:
   ``qk_gain**2`` times yarn's softmax scale, i.e. sharper attention;
 * ``--out-gain`` scales every projection that writes the residual
   (``o_proj``, ``down_proj``), making the blocks dominate the residual;
+* ``--attn-out-gain`` scales ``o_proj`` alone: random keys give near-uniform
+  attention, whose output over n rows is ~n**-0.5 of a value row, so over a
+  2048-row top-k the attention writes ~2% of the residual at gain 1 and one
+  KV row ~1/2048 of that; this gain restores attention's share of the
+  residual (a trained model's attention is peaked, not an average);
 * MoE routers are N(0, 1/hidden) with zero score-correction bias (noaux_tc).
 
 Every tensor is drawn from its own generator seeded by ``(seed, name)``, so the
@@ -51,7 +56,7 @@ SHARD_BYTES = 4 << 30
 
 # (name suffix, shape as a function of the config, init kind)
 # kinds: "norm" (ones), "zeros", "embed" (N(0, 1)), "linear" (N(0, 1/in)),
-# "qb" / "kvb" / "out" (linear with the gains applied).
+# "qb" / "kvb" / "out" / "attn_out" (linear with the gains applied).
 
 
 def _attention_tensors(c: dict) -> List[Tuple[str, Tuple[int, ...], str]]:
@@ -67,7 +72,7 @@ def _attention_tensors(c: dict) -> List[Tuple[str, Tuple[int, ...], str]]:
         ("self_attn.kv_a_proj_with_mqa.weight", (kv_lora + rope, h), "linear"),
         ("self_attn.kv_a_layernorm.weight", (kv_lora,), "norm"),
         ("self_attn.kv_b_proj.weight", (heads * (nope + v), kv_lora), "kvb"),
-        ("self_attn.o_proj.weight", (h, heads * v), "out"),
+        ("self_attn.o_proj.weight", (h, heads * v), "attn_out"),
         ("self_attn.indexer.wq_b.weight", (ih * idim, q_lora), "linear"),
         ("self_attn.indexer.wk.weight", (idim, h), "linear"),
         ("self_attn.indexer.k_norm.weight", (idim,), "norm"),
@@ -135,7 +140,9 @@ def tensor_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 63)
 
 
-def make_tensor(name, shape, kind, c, seed, qk_gain, out_gain, device):
+def make_tensor(
+    name, shape, kind, c, seed, qk_gain, out_gain, device, attn_out_gain=1.0
+):
     import torch
 
     if kind == "norm":
@@ -155,6 +162,8 @@ def make_tensor(name, shape, kind, c, seed, qk_gain, out_gain, device):
         w.view(c["num_attention_heads"], nope + v, -1)[:, :nope] *= qk_gain
     elif kind == "out":
         w *= out_gain
+    elif kind == "attn_out":
+        w *= out_gain * attn_out_gain
     return w.to(torch.bfloat16).cpu()
 
 
@@ -166,6 +175,7 @@ def write_checkpoint(
     out_gain: float = 1.0,
     device: str = "cpu",
     progress=print,
+    attn_out_gain: float = 1.0,
 ) -> dict:
     """Write ``config.json``, the safetensors shards and their index into
     ``out_dir``; returns the metadata also written to ``checkpoint_meta.json``."""
@@ -191,7 +201,15 @@ def write_checkpoint(
         data = {}
         for name, shape, kind in shard:
             data[name] = make_tensor(
-                name, shape, kind, config, seed, qk_gain, out_gain, device
+                name,
+                shape,
+                kind,
+                config,
+                seed,
+                qk_gain,
+                out_gain,
+                device,
+                attn_out_gain,
             )
             weight_map[name] = fname
             done += data[name].numel() * data[name].element_size()
@@ -209,6 +227,7 @@ def write_checkpoint(
         "seed": seed,
         "qk_gain": qk_gain,
         "out_gain": out_gain,
+        "attn_out_gain": attn_out_gain,
         "num_tensors": len(tensors),
         "total_bytes": total,
         "num_hidden_layers": config["num_hidden_layers"],
@@ -261,6 +280,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="gain on the projections that write the residual",
     )
     p.add_argument(
+        "--attn-out-gain",
+        type=float,
+        default=1.0,
+        help="further gain on the attention output projection (o_proj) alone",
+    )
+    p.add_argument(
         "--device", default="cpu", help="where to draw the weights (cpu or cuda)"
     )
     return p.parse_args(argv)
@@ -270,7 +295,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     config = load_config(args.config)
     meta = write_checkpoint(
-        config, args.out, args.seed, args.qk_gain, args.out_gain, args.device
+        config,
+        args.out,
+        args.seed,
+        args.qk_gain,
+        args.out_gain,
+        args.device,
+        attn_out_gain=args.attn_out_gain,
     )
     print(json.dumps(meta))
     return 0
