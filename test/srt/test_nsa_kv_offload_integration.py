@@ -144,10 +144,10 @@ def tearDownModule():
         _alloc_extend_patch.stop()
 
 
-def _make_pool(num_locs, num_gpu_rows, layer_num, kv_fp8=False):
+def _make_pool(sizes, layer_num, kv_fp8=False):
     return NSAKVOffloadTokenToKVPool(
-        num_locs,
-        num_gpu_rows=num_gpu_rows,
+        sizes.num_locs,
+        sizes=sizes,
         page_size=PAGE,
         kv_lora_rank=KV_LORA_RANK,
         dtype=torch.float8_e4m3fn if kv_fp8 else torch.bfloat16,
@@ -454,6 +454,7 @@ class TestServerArgsToPools(unittest.TestCase):
         available = 256 << 20
         mr = self._model_runner(args, available)
         config = mr._resolve_memory_pool_config(0)
+        mr.memory_pool_config = config
         mr.max_total_num_tokens = config.max_total_num_tokens
         mr.max_running_requests = config.max_running_requests
         self.assertEqual(config.max_running_requests, 2)
@@ -461,10 +462,17 @@ class TestServerArgsToPools(unittest.TestCase):
         host_locs = int(0.01 * (1 << 30)) // (3 * 656)
         self.assertEqual(config.max_total_num_tokens, host_locs // PAGE * PAGE)
 
-        # What the patched model_runner_kv_cache_mixin builds.
-        kwargs = nsa_kv_offload_pool_kwargs(mr)
-        sizes = mr.nsa_kv_offload_sizes
-        self.assertEqual(kwargs, {"num_gpu_rows": sizes.kv_pool_size})
+        # What the patched model_runner_kv_cache_mixin builds: the layout from
+        # the configurator that sized the pools (no second configurator).
+        configurator = config.nsa_kv_offload_configurator
+        self.assertIsInstance(configurator, NSAKVOffloadPoolConfigurator)
+        with mock.patch.object(
+            NSAKVOffloadPoolConfigurator, "__init__", side_effect=AssertionError
+        ):
+            kwargs = nsa_kv_offload_pool_kwargs(mr)
+        sizes = kwargs["sizes"]
+        self.assertEqual(kwargs, {"sizes": sizes})
+        self.assertIs(sizes.geometry, configurator.geometry)
         self.assertEqual(sizes.num_locs, mr.max_total_num_tokens)
         self.assertEqual(sizes.num_regions, 2)
         self.assertEqual(sizes.region_rows, 4096 + 64)
@@ -484,6 +492,7 @@ class TestServerArgsToPools(unittest.TestCase):
             **kwargs,
         )
         pool = mr.token_to_kv_pool
+        self.assertIs(pool.sizes, sizes)
         self.assertEqual(pool.kv_buffer[0].shape, (sizes.kv_pool_size + PAGE, 1, 656))
         self.assertEqual(pool.num_locs, sizes.num_locs)
         self.assertEqual(pool.loc_to_row.numel(), sizes.num_locs + PAGE + 1)
@@ -511,7 +520,8 @@ class TestServerArgsToPools(unittest.TestCase):
         held = sizes.describe_capacity(mr.model_config.context_len)
         self.assertTrue(any(held in line for line in logs.output), logs.output)
         self.assertIs(get_nsa_kv_offload(allocator), coordinator)
-        self.assertIs(pool.nsa_kv_offload, coordinator)
+        self.assertFalse(hasattr(pool, "nsa_kv_offload"))  # no link back
+        self.assertIs(coordinator.sizes, sizes)
         self.assertEqual(coordinator.top_k, 2048)
         self.assertEqual(coordinator.host_pool.size, sizes.num_locs)
         self.assertEqual(coordinator.host_pool.row_bytes, 656)
@@ -535,7 +545,7 @@ class TestHooksAndLookup(unittest.TestCase):
             page_size=PAGE,
             host_capacity_locs=8 * PAGE,
         )
-        self.pool = _make_pool(8 * PAGE, sizes.kv_pool_size, layer_num=2)
+        self.pool = _make_pool(sizes, layer_num=2)
         self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
             8 * PAGE,
             page_size=PAGE,
@@ -552,7 +562,7 @@ class TestHooksAndLookup(unittest.TestCase):
         self.sizes = sizes
 
     def _coordinator(self):
-        return NSAKVOffloadCoordinator(
+        coordinator = NSAKVOffloadCoordinator(
             self.pool,
             self.allocator,
             self.req_to_token_pool.req_to_token,
@@ -562,6 +572,9 @@ class TestHooksAndLookup(unittest.TestCase):
             recent_window=8,
             max_batch_size=2,
         )
+        # What create_nsa_kv_offload_coordinator wires.
+        self.allocator.nsa_kv_offload = coordinator
+        return coordinator
 
     def test_get_nsa_kv_offload(self):
         plain_pool = NSATokenToKVPool(
@@ -585,37 +598,33 @@ class TestHooksAndLookup(unittest.TestCase):
         coordinator = self._coordinator()
         self.assertIs(get_nsa_kv_offload(self.allocator), coordinator)
 
-        # The backend reaches it through forward_batch.token_to_kv_pool.
-        decode = SimpleNamespace(
-            token_to_kv_pool=self.pool, forward_mode=ForwardMode.DECODE
-        )
-        extend = SimpleNamespace(
-            token_to_kv_pool=self.pool, forward_mode=ForwardMode.EXTEND
-        )
-        idle = SimpleNamespace(
-            token_to_kv_pool=self.pool, forward_mode=ForwardMode.IDLE
-        )
-        plain_decode = SimpleNamespace(
-            token_to_kv_pool=plain_pool, forward_mode=ForwardMode.DECODE
-        )
-        self.assertIs(nsa_offload_hooks.get_nsa_kv_offload(decode), coordinator)
-        self.assertIsNone(nsa_offload_hooks.get_nsa_kv_offload(plain_decode))
-        self.assertTrue(nsa_offload_hooks.use_positional_decode_topk(decode))
-        self.assertTrue(nsa_offload_hooks.use_positional_decode_topk(idle))
-        self.assertFalse(nsa_offload_hooks.use_positional_decode_topk(extend))
-        self.assertFalse(nsa_offload_hooks.use_positional_decode_topk(plain_decode))
+        # The backend is handed it at construction (model_runner.nsa_kv_offload,
+        # None without the offload), so the model runner builds it first.
+        decode = SimpleNamespace(forward_mode=ForwardMode.DECODE)
+        extend = SimpleNamespace(forward_mode=ForwardMode.EXTEND)
+        idle = SimpleNamespace(forward_mode=ForwardMode.IDLE)
+        use_positional = nsa_offload_hooks.use_positional_decode_topk
+        self.assertTrue(use_positional(coordinator, decode))
+        self.assertTrue(use_positional(coordinator, idle))
+        self.assertFalse(use_positional(coordinator, extend))
+        self.assertFalse(use_positional(None, decode))
+        backend = importlib.util.find_spec("sglang.srt.layers.attention.nsa_backend")
+        backend_src = Path(backend.origin).read_text()
+        self.assertIn("self.nsa_kv_offload = model_runner.nsa_kv_offload", backend_src)
+        runner = importlib.util.find_spec("sglang.srt.model_executor.model_runner")
+        runner_src = Path(runner.origin).read_text()
+        built = runner_src.index("create_nsa_kv_offload_coordinator(self)")
+        self.assertLess(built, runner_src.index("self.init_attention_backend()"))
         # The decode top-k reaches the offload untouched: a production install
         # has no top-k trace hook (apply_patch.py --with-bench-hooks adds it;
         # unset, it returns its input itself: test_nsa_topk_trace.py).
-        backend = importlib.util.find_spec("sglang.srt.layers.attention.nsa_backend")
         trace = importlib.util.find_spec("sglang.srt.layers.attention.nsa_topk_trace")
         if trace is None:  # not the GPU host's benchmark install
-            self.assertNotIn("nsa_topk_trace", Path(backend.origin).read_text())
+            self.assertNotIn("nsa_topk_trace", backend_src)
         self.assertFalse(hasattr(nsa_offload_hooks, "maybe_override_decode_topk"))
 
     def test_translate_locs_to_rows(self):
-        self._coordinator()
-        fb = SimpleNamespace(token_to_kv_pool=self.pool)
+        coordinator = self._coordinator()
         # Locs of a 70-token prompt: two pages, each with its staging page.
         req = SimpleNamespace(req_pool_idx=None, is_chunked=0, kv_committed_len=0)
         self.req_to_token_pool.alloc([req])
@@ -633,7 +642,7 @@ class TestHooksAndLookup(unittest.TestCase):
         page_table = torch.full((2, 96), -1, dtype=torch.int32, device=DEVICE)
         page_table[0, :70] = self.req_to_token_pool.req_to_token[req.req_pool_idx, :70]
         page_table[1, :5] = page_table[0, 65:70]
-        rows = nsa_offload_hooks.translate_locs_to_rows(fb, page_table)
+        rows = nsa_offload_hooks.translate_locs_to_rows(coordinator, page_table)
         self.assertEqual(rows.dtype, torch.int32)
         self.assertEqual(rows.shape, page_table.shape)
         pad = page_table < 0
@@ -648,15 +657,14 @@ class TestHooksAndLookup(unittest.TestCase):
         self.assertEqual(torch.unique(rows[0, :70]).numel(), 70)
         # int64 (flattened page table) keeps its dtype too; None passes.
         flat = nsa_offload_hooks.translate_locs_to_rows(
-            fb, page_table.reshape(-1).long()
+            coordinator, page_table.reshape(-1).long()
         )
         self.assertEqual(flat.dtype, torch.int64)
         self.assertTrue(torch.equal(flat, rows.reshape(-1).long()))
-        self.assertIsNone(nsa_offload_hooks.translate_locs_to_rows(fb, None))
+        self.assertIsNone(nsa_offload_hooks.translate_locs_to_rows(coordinator, None))
         # Without the offload the locs are returned as they are.
-        plain_fb = SimpleNamespace(token_to_kv_pool=SimpleNamespace())
         self.assertIs(
-            nsa_offload_hooks.translate_locs_to_rows(plain_fb, page_table), page_table
+            nsa_offload_hooks.translate_locs_to_rows(None, page_table), page_table
         )
 
 
@@ -693,7 +701,15 @@ class TestStagingAllocator(unittest.TestCase):
         self.assertEqual(lender.take(), PAGE + 4 * PAGE)
 
     def setUp(self):
-        self.pool = _make_pool(self.NUM_LOCS, (self.STAGING_PAGES + 1) * PAGE, 1)
+        sizes = NSAKVOffloadPoolSizes(
+            num_locs=self.NUM_LOCS,
+            num_regions=1,
+            region_rows=PAGE,
+            staging_rows=self.STAGING_PAGES * PAGE,
+            page_size=PAGE,
+            host_capacity_locs=self.NUM_LOCS,
+        )
+        self.pool = _make_pool(sizes, 1)
         self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
             self.NUM_LOCS,
             page_size=PAGE,
@@ -867,7 +883,7 @@ class _Harness:
             page_size=PAGE,
             host_capacity_locs=num_locs,
         )
-        self.pool = _make_pool(num_locs, self.sizes.kv_pool_size, layers, kv_fp8)
+        self.pool = _make_pool(self.sizes, layers, kv_fp8)
         self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
             num_locs,
             page_size=PAGE,
@@ -899,6 +915,8 @@ class _Harness:
             max_units=max_units,
             staging_reserve_pages=staging_pages - lend_staging_pages,
         )
+        # What create_nsa_kv_offload_coordinator wires.
+        self.allocator.nsa_kv_offload = self.co
         self.controller = self.co.controller
         self.row_bytes = self.pool.kv_buffer[0][0].nbytes
         # Full KV of every loc and layer as stored bytes (the reference).
@@ -1047,10 +1065,9 @@ class _Harness:
         self.co.before_forward(fb)
         self.write_kv(out)
         # Prefill attention reads every prompt token through loc -> row.
-        fb = SimpleNamespace(token_to_kv_pool=self.pool)
         for req, _ in chunks:
             locs = self.req_to_token[req.req_pool_idx, : req.seq_len]
-            rows = nsa_offload_hooks.translate_locs_to_rows(fb, locs)
+            rows = nsa_offload_hooks.translate_locs_to_rows(self.co, locs)
             for layer in range(self.L):
                 self.t.assertTrue(
                     torch.equal(
@@ -1181,7 +1198,6 @@ class _Harness:
             out_cache_loc=torch.cat([out, pad_loc]),
             req_pool_indices=torch.cat([idx, pad_idx]),
             seq_lens=torch.cat([batch.seq_lens, pad_seq]),
-            token_to_kv_pool=self.pool,
         )
         self.co.before_forward(fb)
         self.co.num_real_reqs.fill_(-1)  # left over from another batch
@@ -1194,7 +1210,7 @@ class _Harness:
                     [self.pick_topk(r.seq_len, r in first_step_of) for r in reqs]
                     + [self.pick_topk(8) for _ in range(pad_rows)]
                 ).to(DEVICE, torch.int32)
-            page_table = nsa_offload_hooks.decode_page_table(fb, layer, topk)
+            page_table = nsa_offload_hooks.decode_page_table(self.co, fb, layer, topk)
             # The first layer counted the real rows (out_cache_loc != 0).
             self.t.assertEqual(int(self.co.num_real_reqs[0]), bs)
             self.check_page_table(layer, reqs, topk, page_table, pad_rows)

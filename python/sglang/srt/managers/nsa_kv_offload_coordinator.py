@@ -1,8 +1,10 @@
 """Request lifecycle and forward hooks of the decode NSA KV offload.
 
-One ``NSAKVOffloadCoordinator`` per rank, built by ModelRunner after its pools.
-It owns the ``SparseCacheController`` (host pool, LRU state, regions, copies)
-and connects it to sglang's scheduling:
+One ``NSAKVOffloadCoordinator`` per rank, built by ModelRunner after its pools
+and before its attention backends, which are handed it (the scheduler takes it
+from the model runner; code that holds only the token allocator reaches it
+through ``get_nsa_kv_offload``). It owns the ``SparseCacheController`` (host
+pool, LRU state, regions, copies) and connects it to sglang's scheduling:
 
 * admission (right after the forward that completes a prompt is enqueued;
   the first decode preparation admits anything missed): back the prompt up
@@ -119,7 +121,6 @@ class NSAKVOffloadCoordinator:
             max_units=max_units,
         )
         self.lru = self.controller.lru
-        kv_pool.nsa_kv_offload = self
         self._lends_staging = max_units > 1 and allocator.staging.num_pages > 0
         if self._lends_staging:
             # Between prefills the staging rows idle: lend them as units.
@@ -415,21 +416,21 @@ class NSAKVOffloadCoordinator:
 
 
 def nsa_kv_offload_pool_kwargs(model_runner) -> dict:
-    """Extra kwargs of the NSA KV pool with the offload on; records the layout."""
-    from sglang.srt.mem_cache.nsa_kv_offload_pool import NSAKVOffloadPoolConfigurator
-
-    configurator = NSAKVOffloadPoolConfigurator(model_runner)
+    """Extra kwargs of the NSA KV pool with the offload on: its layout for the
+    resolved token and request counts, computed once by the configurator that
+    sized the pools (carried by ``memory_pool_config``). The allocator and the
+    coordinator read it from the pool (``sizes``)."""
+    configurator = model_runner.memory_pool_config.nsa_kv_offload_configurator
     sizes = configurator.final_sizes(
         num_locs=model_runner.max_total_num_tokens,
         num_regions=model_runner.max_running_requests,
         page_size=model_runner.page_size,
     )
-    model_runner.nsa_kv_offload_sizes = sizes
-    return {"num_gpu_rows": sizes.kv_pool_size}
+    return {"sizes": sizes}
 
 
 def create_nsa_kv_offload_allocator(model_runner, need_sort: bool):
-    sizes = model_runner.nsa_kv_offload_sizes
+    sizes = model_runner.token_to_kv_pool.sizes
     return NSAKVOffloadTokenToKVPoolAllocator(
         model_runner.max_total_num_tokens,
         page_size=model_runner.page_size,
@@ -459,11 +460,16 @@ def cuda_graph_coverage_warning(server_args, num_regions: int) -> Optional[str]:
 
 
 def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
+    """The coordinator of the model runner's pools. ModelRunner keeps it
+    (``nsa_kv_offload``) and builds it before its attention backends, which
+    are handed it at construction; the scheduler takes it from there."""
     from sglang.srt.utils import get_bool_env_var
 
     sa = model_runner.server_args
     max_batch_size = max(model_runner.max_running_requests, sa.cuda_graph_max_bs or 0)
-    sizes = model_runner.nsa_kv_offload_sizes
+    kv_pool = model_runner.token_to_kv_pool
+    allocator = model_runner.token_to_kv_pool_allocator
+    sizes = kv_pool.sizes
     geometry = sizes.geometry
     logger.info(
         "NSA KV offload: requests held at once by length (prompt + output): %s; "
@@ -473,9 +479,9 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     warning = cuda_graph_coverage_warning(sa, model_runner.max_running_requests)
     if warning:
         logger.warning(warning)
-    return NSAKVOffloadCoordinator(
-        kv_pool=model_runner.token_to_kv_pool,
-        allocator=model_runner.token_to_kv_pool_allocator,
+    coordinator = NSAKVOffloadCoordinator(
+        kv_pool=kv_pool,
+        allocator=allocator,
         req_to_token=model_runner.req_to_token_pool.req_to_token,
         sizes=sizes,
         top_k=geometry.top_k,
@@ -493,3 +499,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         )
         // model_runner.page_size,
     )
+    # The pools' one link back (see NSAKVOffloadTokenToKVPoolAllocator), for
+    # sglang code that holds only the allocator (get_nsa_kv_offload).
+    allocator.nsa_kv_offload = coordinator
+    return coordinator

@@ -27,9 +27,13 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.managers.nsa_kv_offload_coordinator import (
+        NSAKVOffloadCoordinator,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +42,17 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
     """``NSATokenToKVPool`` whose KV rows are addressed through ``loc_to_row``.
 
     ``size`` is the number of logical token locs (indexer keys, host slots);
-    ``num_gpu_rows`` the number of MLA KV rows on the GPU.
+    ``sizes`` the layout of its GPU rows (padding page, staging, decode
+    regions: ``sizes.kv_pool_size`` MLA KV rows), computed once when the pools
+    are sized. The allocator and the coordinator built on this pool take their
+    parts of the layout from ``self.sizes``.
     """
 
-    def __init__(self, size: int, num_gpu_rows: int, **kwargs):
+    def __init__(self, size: int, sizes: NSAKVOffloadPoolSizes, **kwargs):
         page_size = kwargs["page_size"]
+        num_gpu_rows = sizes.kv_pool_size
         super().__init__(size=num_gpu_rows, index_buf_size=size, **kwargs)
+        self.sizes = sizes
         self.num_locs = size
         self.num_gpu_rows = num_gpu_rows
         # Unmapped locs write into the padding rows, like loc 0 does upstream;
@@ -52,8 +61,6 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
             size + page_size + 1, dtype=torch.int64, device=self.device
         )
         self.loc_to_row[-1] = -1
-        # Set by the coordinator once the controller exists.
-        self.nsa_kv_offload = None
 
     def translate_loc_to_row(self, loc: torch.Tensor) -> torch.Tensor:
         return self.loc_to_row[loc]
@@ -69,45 +76,16 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
     def get_mla_kv_buffer(self, layer: RadixAttention, loc, dst_dtype=None):
         return super().get_mla_kv_buffer(layer, self.loc_to_row[loc], dst_dtype)
 
-    def _index_k_pages(self, indices: torch.Tensor) -> torch.Tensor:
-        # A request's locs are whole pages from its first token on.
-        return indices[:: self.page_size].to(self.device, torch.int64) // self.page_size
 
-    def _retraction_copy_targets(self, indices):
-        """(host pool, locs, layers, indexer-key pages) of a request's locs,
-        once every GPU copy issued so far is done: its last step's new tokens
-        are on the host, and nothing still reads host slots about to be
-        rewritten."""
-        offload = self.nsa_kv_offload
-        offload.synchronize()
-        layers = range(self.start_layer, self.start_layer + self.layer_num)
-        locs = indices.to("cpu", torch.int64)
-        return offload.host_pool, locs, layers, self._index_k_pages(indices)
+def get_nsa_kv_offload(
+    token_to_kv_pool_allocator,
+) -> Optional[NSAKVOffloadCoordinator]:
+    """The offload coordinator behind an allocator, or None when it is off.
 
-    def get_cpu_copy(self, indices, mamba_indices=None):
-        """Retraction on a PD decode server (sglang keeps the KV of a retracted
-        request in CPU memory): the KV rows from their host slots and the
-        indexer-key pages, copied before the locs are freed."""
-        host, locs, layers, pages = self._retraction_copy_targets(indices)
-        return {
-            "kv_rows": [host.get_kv_buffer(layer)[locs] for layer in layers],
-            "index_k": [buf[pages].cpu() for buf in self.index_k_with_scale_buffer],
-        }
-
-    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
-        """Resume a retracted request into its new locs (see ``get_cpu_copy``);
-        the decode step that follows admits it and warms its region."""
-        host, locs, layers, pages = self._retraction_copy_targets(indices)
-        for layer, rows in zip(layers, kv_cache_cpu["kv_rows"]):
-            host.get_kv_buffer(layer)[locs] = rows
-        for buf, saved in zip(self.index_k_with_scale_buffer, kv_cache_cpu["index_k"]):
-            buf[pages] = saved.to(self.device)
-
-
-def get_nsa_kv_offload(token_to_kv_pool_allocator):
-    """The offload coordinator behind an allocator, or None when it is off."""
-    kvcache = getattr(token_to_kv_pool_allocator, "_kvcache", None)
-    return getattr(kvcache, "nsa_kv_offload", None)
+    For sglang code that holds only the allocator (``prepare_for_decode``,
+    ``release_kv_cache``); everything else is handed the coordinator
+    (``ModelRunner.nsa_kv_offload``)."""
+    return getattr(token_to_kv_pool_allocator, "nsa_kv_offload", None)
 
 
 class StagingRowAllocator:
@@ -166,6 +144,12 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.page_to_staging_row = torch.full(
             (size // page_size + 2,), -1, dtype=torch.int64, device=device
         )
+        # The coordinator, set by create_nsa_kv_offload_coordinator: ModelRunner
+        # builds it after its pools, on this allocator. The pools' one link
+        # back to it, because sglang code that holds only the allocator must
+        # reach it (prepare_for_decode, release_kv_cache, retraction's
+        # get/load_cpu_copy), and so must a prefill short of staging pages.
+        self.nsa_kv_offload: Optional[NSAKVOffloadCoordinator] = None
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
     def clear(self):
@@ -186,7 +170,7 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         # off the decode hot path, so the host sync of the mask is fine here.
         new_pages = out[out % self.page_size == 0] // self.page_size
         staging_pages = self.staging.alloc(new_pages.numel())
-        offload = self._kvcache.nsa_kv_offload
+        offload = self.nsa_kv_offload
         if staging_pages is None and offload is not None:
             # Idle staging pages lent to running requests as extra units.
             if offload.reclaim_staging(new_pages.numel()):
@@ -222,6 +206,41 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         if free_index.numel() and self.is_not_in_free_group:
             self.release_staging(free_index)
         super().free(free_index)
+
+    def _retraction_copy_targets(self, indices):
+        """(host pool, locs, layers, indexer-key pages) of a request's locs,
+        once every GPU copy issued so far is done: its last step's new tokens
+        are on the host, and nothing still reads host slots about to be
+        rewritten."""
+        offload = self.nsa_kv_offload
+        offload.synchronize()
+        kvcache = self._kvcache
+        layers = range(kvcache.start_layer, kvcache.start_layer + kvcache.layer_num)
+        locs = indices.to("cpu", torch.int64)
+        # A request's locs are whole pages from its first token on.
+        pages = indices[:: self.page_size].to(self.device, torch.int64)
+        return offload.host_pool, locs, layers, pages // self.page_size
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        """Retraction on a PD decode server (sglang keeps the KV of a retracted
+        request in CPU memory): the KV rows from their host slots and the
+        indexer-key pages, copied before the locs are freed."""
+        host, locs, layers, pages = self._retraction_copy_targets(indices)
+        index_k = self._kvcache.index_k_with_scale_buffer
+        return {
+            "kv_rows": [host.get_kv_buffer(layer)[locs] for layer in layers],
+            "index_k": [buf[pages].cpu() for buf in index_k],
+        }
+
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+        """Resume a retracted request into its new locs (see ``get_cpu_copy``);
+        the decode step that follows admits it and warms its region."""
+        host, locs, layers, pages = self._retraction_copy_targets(indices)
+        for layer, rows in zip(layers, kv_cache_cpu["kv_rows"]):
+            host.get_kv_buffer(layer)[locs] = rows
+        index_k = self._kvcache.index_k_with_scale_buffer
+        for buf, saved in zip(index_k, kv_cache_cpu["index_k"]):
+            buf[pages] = saved.to(self.device)
 
 
 @dataclass(frozen=True)
@@ -466,24 +485,24 @@ class NSAKVOffloadPoolConfigurator:
         sizes.geometry = self.geometry
         return sizes
 
-    def calculate_pool_sizes(self, available_bytes: int, page_size: int):
-        from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
-
+    def calculate_pool_sizes(
+        self, available_bytes: int, page_size: int
+    ) -> NSAKVOffloadMemoryPoolConfig:
         sizes = self.compute_sizes(available_bytes, page_size)
         self._num_regions_resolved = sizes.num_regions
-        return MemoryPoolConfig(
+        return NSAKVOffloadMemoryPoolConfig(
             max_total_num_tokens=sizes.num_locs,
             max_running_requests=sizes.num_regions,
+            nsa_kv_offload_configurator=self,
         )
 
     def calculate_pool_sizes_from_max_tokens(
         self, max_total_num_tokens: int, page_size: int
-    ):
-        from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
-
-        return MemoryPoolConfig(
+    ) -> NSAKVOffloadMemoryPoolConfig:
+        return NSAKVOffloadMemoryPoolConfig(
             max_total_num_tokens=max_total_num_tokens // page_size * page_size,
             max_running_requests=getattr(self, "_num_regions_resolved", None),
+            nsa_kv_offload_configurator=self,
         )
 
     def final_sizes(
@@ -502,3 +521,15 @@ class NSAKVOffloadPoolConfigurator:
             // (self.num_layers * self.row_bytes),
             geometry=self.geometry,
         )
+
+
+@dataclass
+class NSAKVOffloadMemoryPoolConfig(MemoryPoolConfig):
+    """Upstream's resolved pool sizes plus the configurator that computed them.
+
+    ModelRunner keeps it (``memory_pool_config``) until it builds the pools;
+    the pool layout for the final token and request counts is then computed
+    from the same configurator, once (``nsa_kv_offload_pool_kwargs``).
+    """
+
+    nsa_kv_offload_configurator: Optional[NSAKVOffloadPoolConfigurator] = None

@@ -1,8 +1,9 @@
 """What the NSA attention backend calls when the decode KV offload is on.
 
-The offload is reached through the KV pool (``token_to_kv_pool.nsa_kv_offload``),
-so the backend needs no new ForwardBatch field and CUDA-graph capture sees the
-same object as eager runs.
+The backend is handed the coordinator at construction
+(``model_runner.nsa_kv_offload``, None when the offload is off: ModelRunner
+builds it before its attention backends), so the backend needs no new
+ForwardBatch field and CUDA-graph capture sees the same object as eager runs.
 """
 
 from __future__ import annotations
@@ -18,35 +19,29 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
-def get_nsa_kv_offload(
-    forward_batch: ForwardBatch,
-) -> Optional[NSAKVOffloadCoordinator]:
-    return getattr(forward_batch.token_to_kv_pool, "nsa_kv_offload", None)
-
-
-def use_positional_decode_topk(forward_batch: ForwardBatch) -> bool:
+def use_positional_decode_topk(
+    offload: Optional[NSAKVOffloadCoordinator], forward_batch: ForwardBatch
+) -> bool:
     """Decode needs the indexer's top-k as sequence positions (not token locs):
     the offload maps positions to GPU rows itself."""
-    return (
-        get_nsa_kv_offload(forward_batch) is not None
-        and forward_batch.forward_mode.is_decode_or_idle()
-    )
+    return offload is not None and forward_batch.forward_mode.is_decode_or_idle()
 
 
 def decode_page_table(
-    forward_batch: ForwardBatch, layer_id: int, topk_positions: torch.Tensor
+    offload: NSAKVOffloadCoordinator,
+    forward_batch: ForwardBatch,
+    layer_id: int,
+    topk_positions: torch.Tensor,
 ) -> torch.Tensor:
     """Top-k positions -> GPU KV rows in top-k order, misses loaded."""
-    offload = get_nsa_kv_offload(forward_batch)
     return offload.swap_decode_layer(layer_id, topk_positions, forward_batch)
 
 
 def translate_locs_to_rows(
-    forward_batch: ForwardBatch, locs: Optional[torch.Tensor]
+    offload: Optional[NSAKVOffloadCoordinator], locs: Optional[torch.Tensor]
 ) -> Optional[torch.Tensor]:
     """Prefill reads KV by token loc; with the offload the KV of a prompt lives
     in staging rows (``-1`` stays ``-1``)."""
-    offload = get_nsa_kv_offload(forward_batch)
     if offload is None or locs is None:
         return locs
     return offload.kv_pool.translate_loc_to_row(locs).to(locs.dtype)
