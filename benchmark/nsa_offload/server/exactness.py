@@ -276,7 +276,10 @@ def scrape_offload_metrics(url: str) -> Dict[str, float]:
 
 
 def scan_log(path: str) -> dict:
+    """Retractions, errors and the offload's decode-log counters (summed over
+    the run: misses are KV rows copied from host, all layers)."""
     out = {"retractions": 0, "retracted_reqs": 0, "errors": 0, "offload_line": None}
+    misses, prefetched, min_hit = 0, 0, None
     with open(path, errors="replace") as f:
         for line in f:
             if "#retracted_reqs:" in line:
@@ -290,6 +293,13 @@ def scan_log(path: str) -> dict:
                 out["errors"] += 1
             if "nsa-offload hit rate" in line:
                 out["offload_line"] = line.strip()[-200:]
+                hit = float(line.split("nsa-offload hit rate: ")[1].split(",")[0])
+                min_hit = hit if min_hit is None else min(min_hit, hit)
+                misses += int(line.split(" misses: ")[1].split(",")[0])
+                if " prefetched: " in line:
+                    prefetched += int(line.split(" prefetched: ")[1].split(",")[0])
+    if min_hit is not None:
+        out.update(misses=misses, prefetched=prefetched, min_hit_rate=min_hit)
     return out
 
 
@@ -304,7 +314,7 @@ def negative_control(res: dict, nc_lens: List[int], mode: str = "step") -> dict:
     """Flips of one control mode: the output differs within the 64 tokens
     from the first corrupted decode step; it must not differ before it."""
     period, residue = NC_MODES[mode]
-    flips, early = 0, 0
+    flips, early, later = 0, 0, 0
     for clean, armed, plen in zip(res["nc_clean"], res[f"nc_armed_{mode}"], nc_lens):
         # Output token i is decoded at sequence length plen + i (i >= 1).
         ic = (residue - plen) % period or period
@@ -313,11 +323,15 @@ def negative_control(res: dict, nc_lens: List[int], mode: str = "step") -> dict:
             early += 1
         if d is not None and ic <= d < ic + NC_PERIOD:
             flips += 1
+        if d is not None and d >= ic + NC_PERIOD:
+            later += 1
     n = len(nc_lens)
     return {
         "requests": n,
         "flipped": flips,
         "flip_fraction": round(flips / max(n, 1), 4),
+        # differs only after the 64 tokens (reported, not counted)
+        "flipped_later": later,
         "changed_before_corruption": early,
         "rows_corrupted": (res.get("nc_hits") or {}).get(mode),
     }
@@ -445,12 +459,17 @@ def summary_markdown(summary: dict) -> str:
             f"{frac(rows.get('abort'))} | {frac(rows.get('concurrent'))} | "
             f"{frac(own.get(name))} |"
         )
-    lines += ["", "| negative control | mode | flipped | changed before it | rows |"]
-    lines += ["|---|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "| negative control | mode | flipped within 64 tokens | only later | "
+        "changed before it | rows |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for name, modes in nc.items():
         for mode, r in modes.items():
             lines.append(
                 f"| {name} | {mode} | {r['flipped']}/{r['requests']} | "
+                f"{r.get('flipped_later', '-')} | "
                 f"{r['changed_before_corruption']} | {r['rows_corrupted']} |"
             )
     lines += ["", "Self-agreement (the same requests twice, batch 1):"]
@@ -578,7 +597,8 @@ def main(argv=None) -> int:
             result = json.load(f)
         if args.code_commit:
             result["code_commit"] = args.code_commit
-        result.setdefault("specs", {n: SERVERS[n] for n in result["servers"]})
+        if "specs" not in result:  # runs before the specs were saved
+            result["specs"] = {n: SERVERS[n] for n in result["servers"]}
         print(summary_markdown(write_summary(result, args.model, args.out)))
         return 0
     os.makedirs(args.out, exist_ok=True)
