@@ -1904,9 +1904,35 @@ class TestMetrics(unittest.TestCase):
         )
         self.assertGreater(lookups, 0)
         h.finish(a)
-        h.co.get_stats()
+        # No decode log at idle: the idle check refreshes the gauges and adds
+        # the counts of the decode steps no log line read.
+        b = h.new_req()
+        h.prefill([(b, 200)])
+        h.decode_step([b], first_step_of=(b,))
+        logged = h.co.get_stats()
+        self.assertGreater(logged["regions_used"], 0)
+        self.assertEqual(value("decode_regions_used"), logged["regions_used"])
+        h.decode_step([b])
+        tail = h.co.controller.get_stats()  # read, not reset
+        unlogged = tail["lru_hits"] + tail["window_hits"] + tail["misses"]
+        self.assertGreater(unlogged, 0)
+        h.finish(b)
+
+        def lookups():
+            names = ("lru_hits_total", "window_hits_total", "misses_total")
+            return sum(value(n) or 0 for n in names)
+
+        before = lookups()
+        self.assertEqual(h.co.check_idle(), "")
         self.assertEqual(value("decode_regions_used"), 0)
+        self.assertEqual(value("extra_units_used"), 0)
         self.assertEqual(value("staging_rows_used"), 0)
+        self.assertEqual(lookups() - before, unlogged)
+        # While idle, at most once a second (sglang checks every iteration).
+        reads = []
+        h.co.get_stats = lambda: reads.append(1)
+        self.assertEqual(h.co.check_idle(), "")
+        self.assertEqual(reads, [])
         h.check_no_leaks()
 
 

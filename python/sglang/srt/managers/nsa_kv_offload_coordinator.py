@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
+# While idle, the metrics are refreshed at most this often (sglang checks
+# its pools at every idle scheduler iteration).
+IDLE_METRICS_INTERVAL_S = 1.0
 
 
 class NSAKVOffloadCoordinator:
@@ -155,6 +158,7 @@ class NSAKVOffloadCoordinator:
         self.producer_stream = None
         self._last_log_tic = time.perf_counter()
         self.metrics = None  # NSAKVOffloadMetricsCollector with --enable-metrics
+        self._last_idle_metrics_tic = float("-inf")
 
         logger.info(
             "NSA KV offload: %d logical token locs (host capacity %d), %d decode "
@@ -355,7 +359,21 @@ class NSAKVOffloadCoordinator:
             leaks.append(
                 f"staging pages free: {staging.available_pages()} of {staging.num_pages}"
             )
+        self._refresh_idle_metrics()
         return "; ".join(leaks)
+
+    def _refresh_idle_metrics(self) -> None:
+        """Without decode there is no decode log to feed the metrics: at idle,
+        the gauges would keep the last busy interval's state and the counters
+        miss its tail. Read them once the scheduler goes idle (at most once a
+        second while it stays so)."""
+        if self.metrics is None:
+            return
+        now = time.perf_counter()
+        if now - self._last_idle_metrics_tic < IDLE_METRICS_INTERVAL_S:
+            return
+        self._last_idle_metrics_tic = now
+        self.get_stats()
 
     # ---------------------------------------------------------------- stats
 

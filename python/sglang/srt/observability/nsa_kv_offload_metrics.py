@@ -2,9 +2,9 @@
 
 The scheduler hands the offload its metric labels; the offload then feeds
 these collectors where it reads its device counters for the decode log line
-(one host sync per log interval, none on the decode path). Counters
-accumulate what each log interval moved; gauges hold the state at the last
-log.
+(one host sync per log interval, none on the decode path), and once more
+when the scheduler goes idle. Counters accumulate what each interval moved;
+gauges hold the state at the last log or idle check.
 """
 
 from typing import Dict, Optional
