@@ -99,6 +99,10 @@ for step in "$@"; do
       if [ -n "${EXACT_ARGS_2:-}" ]; then
         wait; echo "=== second run"; tail -40 /tmp/exact_2.log
       fi
+      # Kept for a later call on this (warm) machine: EXACT_ARGS="--resume-from
+      # /tmp/exact_keep/exact_rank/exactness.json --servers ..." runs more servers
+      # against the same outputs.
+      mkdir -p /tmp/exact_keep && cp -r $OUT/exact_${EXACT_MODEL:-tiny}* /tmp/exact_keep/
       ;;
     e2e)
       (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1

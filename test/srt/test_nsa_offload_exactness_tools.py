@@ -159,6 +159,37 @@ class TestExactnessAccounting(unittest.TestCase):
         self.assertIn(4096 - 32, lengths)  # decode crosses the buffer
         self.assertGreaterEqual(max(lengths), 30000)
         self.assertEqual(lengths, sorted(set(lengths)))
+        # fewer new tokens: the crossing prompt moves closer to the buffer
+        self.assertIn(4096 - 8, exactness.case_lengths(4096, 64, 33000, 17))
+
+    def test_resume_keeps_earlier_servers(self):
+        with tempfile.TemporaryDirectory() as d:
+            first = os.path.join(d, "first")
+            # No server to run: the prompts, an empty summary, no checkpoint.
+            exactness.main(["--out", first, "--servers="])
+            with open(os.path.join(first, "exactness.json")) as f:
+                earlier = json.load(f)
+            out = [[1, 2, 3]] * len(earlier["prompt_lens"])
+            earlier["servers"] = {
+                "base_fp8": {"seq": out},
+                "ours_fp8": {"seq": out[:-1] + [[1, 2, 4]]},
+            }
+            earlier["specs"] = {
+                n: exactness.SERVERS[n] for n in ("base_fp8", "ours_fp8")
+            }
+            with open(os.path.join(first, "exactness.json"), "w") as f:
+                json.dump(earlier, f)
+            second = os.path.join(d, "second")
+            resume = ["--resume-from", os.path.join(first, "exactness.json")]
+            exactness.main(["--out", second, "--servers="] + resume)
+            with open(os.path.join(second, "summary.json")) as f:
+                summary = json.load(f)
+            n = len(out)
+            self.assertEqual(summary["comparisons"]["ours_fp8"]["seq"]["total"], n)
+            self.assertEqual(summary["identical"], n - 1)
+            # other prompts (another seed) cannot be resumed
+            with self.assertRaises(SystemExit):
+                exactness.main(["--out", second, "--servers=", "--seed", "5"] + resume)
 
     def test_flip_window(self):
         period = exactness.NC_PERIOD

@@ -97,10 +97,14 @@ TINY_SERVERS = ",".join(SERVERS)
 RANK_SERVERS = "base_fp8,ours_fp8"
 
 
-def case_lengths(buffer: int, window: int, longest: int) -> List[int]:
+def case_lengths(
+    buffer: int, window: int, longest: int, max_new_tokens: int = 65
+) -> List[int]:
+    # c - cross: decode crosses the buffer size halfway through the output.
+    cross = max(1, max_new_tokens // 2)
     edges = [1, 63, 64, 65, 2047, 2048, 2049]
     for c, w in ((buffer, window), (2048, 8)):
-        edges += [c - 1, c, c + 1, c + w - 1, c + w, c + w + 1, c - 32]
+        edges += [c - 1, c, c + 1, c + w - 1, c + w, c + w + 1, c - cross]
     edges += [4 * buffer - 1, 4 * buffer + 1, 30000, longest]
     return sorted(set(edges))
 
@@ -584,6 +588,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0,
         help="layer the negative control corrupts (a --sweep picks its own)",
     )
+    p.add_argument(
+        "--resume-from",
+        help="an earlier run's exactness.json: keep its servers' outputs (same "
+        "prompts) and run only --servers, e.g. one rank server per device call",
+    )
     p.add_argument("--port", type=int, default=32000, help="first server's port")
     p.add_argument("--timeout", type=float, default=900.0, help="server start timeout")
     return p.parse_args(argv)
@@ -617,7 +626,7 @@ def main(argv=None) -> int:
     if args.servers is None:
         args.servers = TINY_SERVERS if args.model == "tiny" else RANK_SERVERS
     names = [n for n in args.servers.split(",") if n]  # "--servers=": sweep only
-    lengths = case_lengths(4096, 64, args.longest)
+    lengths = case_lengths(4096, 64, args.longest, args.max_new_tokens)
     rng = random.Random(args.seed + 1)
     while len(lengths) < args.num_requests:
         lengths.append(rng.randrange(100, 12000))
@@ -634,6 +643,23 @@ def main(argv=None) -> int:
         "specs": {},
         "logs": {},
     }
+    if args.resume_from:
+        # Servers run by an earlier call (same prompts: same seed and flags);
+        # the servers named again are run anew.
+        with open(args.resume_from) as f:
+            earlier = json.load(f)
+        if earlier["prompt_lens"] != lengths or earlier["nc_lens"] != nc_lens:
+            raise SystemExit("--resume-from: that run sent other prompts")
+        for key in ("servers", "specs", "logs"):
+            result[key].update(
+                {n: v for n, v in earlier[key].items() if n not in names}
+            )
+        result["resumed"] = {
+            "from": args.resume_from,
+            "code_commit": earlier["code_commit"],
+            "servers": sorted(n for n in earlier["servers"] if n not in names),
+        }
+        result["ckpt_meta"] = earlier.get("ckpt_meta")
     lock = threading.Lock()
 
     def save():
@@ -735,10 +761,12 @@ def main(argv=None) -> int:
         best = good[0] if good else max(sweep, key=lambda g: g["flip_fraction"] or 0)
         qk, out, attn = best["qk_gain"], best["out_gain"], best["attn_out_gain"]
         args.nc_layer = result["nc_layer"] = best["layer"]
-    ckpt = checkpoint(qk, out, attn)
-    with open(os.path.join(ckpt, "checkpoint_meta.json")) as f:
-        result["ckpt_meta"] = json.load(f)
-    run_stage([(n, SERVERS[n], ckpt) for n in names])
+    if names:
+        ckpt = checkpoint(qk, out, attn)
+        with open(os.path.join(ckpt, "checkpoint_meta.json")) as f:
+            result["ckpt_meta"] = json.load(f)
+        run_stage([(n, SERVERS[n], ckpt) for n in names])
+    save()
     summary = write_summary(result, args.model, args.out)
     print(
         json.dumps(
