@@ -764,7 +764,12 @@ def main(argv=None) -> int:
     if names:
         ckpt = checkpoint(qk, out, attn)
         with open(os.path.join(ckpt, "checkpoint_meta.json")) as f:
-            result["ckpt_meta"] = json.load(f)
+            meta = json.load(f)
+        earlier = result.get("ckpt_meta") or {}
+        weights = ("seed", "qk_gain", "out_gain", "attn_out_gain", "num_tensors")
+        if earlier and any(earlier.get(k) != meta.get(k) for k in weights):
+            raise SystemExit(f"--resume-from: that run had other weights: {earlier}")
+        result["ckpt_meta"] = meta
         run_stage([(n, SERVERS[n], ckpt) for n in names])
     save()
     summary = write_summary(result, args.model, args.out)
