@@ -1,6 +1,8 @@
 """What ``benchmark/nsa_offload/server/bench_server.py`` reads from server logs and how
 it combines repeated runs (CPU; the servers themselves need a GPU)."""
 
+import os
+import shutil
 import sys
 import tempfile
 import unittest
@@ -11,6 +13,7 @@ sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import bench_server  # noqa: E402
 import numpy as np  # noqa: E402
+import server_utils  # noqa: E402
 
 
 def decode_line(running, throughput, queue=0, misses=None, prefetched=None):
@@ -26,6 +29,51 @@ def decode_line(running, throughput, queue=0, misses=None, prefetched=None):
             "H2D: 3.00 GB/s, regions: 4/8"
         )
     return line
+
+
+class TestModelSelection(unittest.TestCase):
+    """``--model`` / ``--checkpoint``: what every server loads, and the
+    weights the GPU budget leaves room for."""
+
+    def tearDown(self):
+        server_utils.use_model("tiny")
+
+    def server_cmd(self):
+        srv = server_utils.Server("x", ["--port-extra"], 0, tempfile.gettempdir())
+        try:
+            return srv.cmd
+        finally:
+            if srv.model_dir:
+                shutil.rmtree(srv.model_dir, ignore_errors=True)
+
+    def test_dummy_rank_and_checkpoint(self):
+        args = bench_server.parse_args(["--out", "/tmp/x", "--model", "rank"])
+        self.assertIsNone(bench_server.select_model(args))
+        self.assertEqual(server_utils.num_model_layers(), 61)
+        cmd = self.server_cmd()
+        self.assertEqual(cmd[cmd.index("--load-format") + 1], "dummy")
+        rank_weights = server_utils.model_weights_gib()
+        self.assertGreater(rank_weights, 30)  # 61 layers at full attention width
+        with tempfile.TemporaryDirectory() as d:
+            ckpt = os.path.join(d, "ckpt")
+            os.makedirs(ckpt)
+            shutil.copy(
+                server_utils.HERE / "tiny_dsv32_config.json", ckpt + "/config.json"
+            )
+            for name in ("model.safetensors.index.json", "checkpoint_meta.json"):
+                with open(os.path.join(ckpt, name), "w") as f:
+                    f.write('{"seed": 0}')
+            args = bench_server.parse_args(["--out", d, "--checkpoint", ckpt])
+            self.assertEqual(bench_server.select_model(args), {"seed": 0})
+            self.assertEqual(server_utils.num_model_layers(), 3)
+            cmd = self.server_cmd()
+            # sglang's argparse: the later --load-format wins
+            formats = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--load-format"]
+            self.assertEqual(formats[-1], "auto")
+            self.assertEqual(cmd[cmd.index("--model-path") + 1], ckpt)
+            self.assertLess(server_utils.model_weights_gib(), rank_weights / 50)
+        with self.assertRaises(FileNotFoundError):
+            server_utils.use_model("nope")
 
 
 class TestOverrideTraceLayers(unittest.TestCase):

@@ -70,8 +70,10 @@ from server_utils import (  # noqa: E402
     HISPARSE_CONFIG,
     VOCAB_SIZE,
     Server,
+    model_weights_gib,
     num_model_layers,
     offload_max_units,
+    use_model,
 )
 
 TRACE_FORMAT_PY = TRACES_DIR / "trace_format.py"
@@ -109,7 +111,9 @@ ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
 # rows: results/h200_engine/bench_copy.md, results/h200_bench_server_s6/).
 MISS_COPY_BYTES_PER_S = 48e9
 INDEXER_BYTES = 132  # fp8 indexer key + fp32 scale
-WEIGHTS_GIB = 0.51  # tiny model, dummy weights (seen on the H200)
+# sglang's weight memory beyond the bf16 tensors: 0.51 GiB seen on the H200
+# for the tiny model, whose tensors are 0.30 GiB.
+WEIGHTS_OVERHEAD_GIB = 0.21
 CUDA_CONTEXT_GIB = 0.9  # free memory before start minus sglang's "avail mem"
 CAPACITY_CONTEXTS = (16384, 32768, 65536, 131072)
 SINKS = 64
@@ -204,6 +208,26 @@ def gpu_memory_mib() -> Optional[Tuple[float, float]]:
         return None
 
 
+def select_model(args) -> Optional[dict]:
+    """Make the servers load ``--model``: dummy weights, or with
+    ``--checkpoint`` a generated checkpoint (written first where absent; on
+    the GPU for ``rank``). Returns the checkpoint's metadata."""
+    if args.checkpoint in (None, "none"):
+        use_model(args.model)
+        return None
+    path = args.checkpoint
+    if path == "auto":
+        path = f"/tmp/ckpt_{args.model}_s0_q1_o1_a1"
+    if not os.path.exists(os.path.join(path, "model.safetensors.index.json")):
+        from make_checkpoint import load_config, write_checkpoint
+
+        device = "cuda" if args.model == "rank" else "cpu"
+        write_checkpoint(load_config(args.model), path, device=device, progress=log)
+    use_model(args.model, checkpoint=path)
+    with open(os.path.join(path, "checkpoint_meta.json")) as f:
+        return json.load(f)
+
+
 def mem_fraction_for_budget(budget_gib: float) -> Tuple[float, str]:
     """``--mem-fraction-static`` giving about ``budget_gib`` to the KV pools.
 
@@ -216,7 +240,8 @@ def mem_fraction_for_budget(budget_gib: float) -> Tuple[float, str]:
     else:
         before = (mem[0] - mem[1]) / 1024 - CUDA_CONTEXT_GIB
         how = f"{before:.1f} GiB available at start (nvidia-smi)"
-    return round((budget_gib + WEIGHTS_GIB) / before, 5), how
+    weights = model_weights_gib() + WEIGHTS_OVERHEAD_GIB
+    return round((budget_gib + weights) / before, 5), how
 
 
 def wait_gpu_released(used_before_mib: Optional[float], timeout: float = 60.0):
@@ -1778,6 +1803,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "what the cross-layer prefetch needs)",
     )
     p.add_argument(
+        "--model",
+        default="tiny",
+        choices=["tiny", "rank"],
+        help="tiny (3 layers, 1024 wide) or rank (61 layers, DeepSeek-V3.2 "
+        "attention width, MoE and vocab shrunk)",
+    )
+    p.add_argument(
+        "--checkpoint",
+        help="none (dummy weights, the default), auto (the seed-0 checkpoint "
+        "of --model, generated into /tmp if absent) or a checkpoint directory "
+        "written by make_checkpoint.py",
+    )
+    p.add_argument(
         "--kv-budget-gib",
         type=float,
         default=4.0,
@@ -1909,6 +1947,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     deadline = started + args.time_budget_s
     os.makedirs(args.out, exist_ok=True)
     args.out = os.path.abspath(args.out)
+    args.checkpoint_meta = select_model(args)
     asked = [k for k in args.servers.split(",") if k]
     unknown = sorted(set(asked) - set(SERVER_KINDS))
     if unknown:
@@ -1975,6 +2014,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # ours' LRU units per request (ours_fixed: 1).
             "ours_max_units": offload_max_units(args.max_units, args.buffer_size),
             "decode_log_interval": args.decode_log_interval,
+            "model": args.model,
+            "checkpoint": args.checkpoint_meta,
             "layers": layers,
             "sinks": SINKS,
             "recent": RECENT,

@@ -183,7 +183,7 @@ def write_checkpoint(
 
     os.makedirs(out_dir, exist_ok=True)
     tensors = checkpoint_tensors(config)
-    total = sum(_numel(s) * (4 if k == "zeros32" else 2) for _, s, k in tensors)
+    total = checkpoint_bytes(config)
     shards: List[List[Tuple[str, Tuple[int, ...], str]]] = [[]]
     size = 0
     for t in tensors:
@@ -237,6 +237,12 @@ def write_checkpoint(
     with open(os.path.join(out_dir, "checkpoint_meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     return meta
+
+
+def checkpoint_bytes(config: dict) -> int:
+    """Bytes of the checkpoint of ``config`` (bf16 tensors, fp32 biases)."""
+    tensors = checkpoint_tensors(config)
+    return sum(_numel(s) * (4 if k == "zeros32" else 2) for _, s, k in tensors)
 
 
 def _numel(shape) -> int:

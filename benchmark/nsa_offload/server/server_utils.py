@@ -1,5 +1,9 @@
-"""Launch a real sglang server with the tiny DeepSeek-V3.2-shaped model and talk
-to it with token ids only (stdlib HTTP, no tokenizer)."""
+"""Launch a real sglang server with a DeepSeek-V3.2-shaped model and talk to it
+with token ids only (stdlib HTTP, no tokenizer).
+
+The model is the tiny config with dummy weights unless ``use_model`` names
+another config (``rank``) or a generated checkpoint (``make_checkpoint.py``),
+which every ``Server`` then loads with sglang's own loader."""
 
 import json
 import os
@@ -92,15 +96,43 @@ BASE_ENV = {
 }
 
 
+# What every Server loads: a config with dummy weights, or a checkpoint.
+_MODEL = {"config": TINY_CONFIG, "checkpoint": None}
+
+
+def use_model(config: str = "tiny", checkpoint: Optional[str] = None) -> None:
+    """Make every later ``Server`` load ``config`` (``tiny``, ``rank`` or a
+    config.json path) with dummy weights, or, with ``checkpoint``, that
+    generated checkpoint directory (its own config.json) by sglang's loader."""
+    if checkpoint is not None:
+        config = os.path.join(checkpoint, "config.json")
+    elif config in ("tiny", "rank"):
+        config = HERE / f"{config}_dsv32_config.json"
+    if not os.path.exists(config):
+        raise FileNotFoundError(f"model config {config} does not exist")
+    _MODEL.update(config=Path(config), checkpoint=checkpoint)
+
+
+def model_config() -> dict:
+    with open(_MODEL["config"]) as f:
+        return json.load(f)
+
+
 def num_model_layers() -> int:
-    """Layers of the tiny model the servers load."""
-    with open(TINY_CONFIG) as f:
-        return int(json.load(f)["num_hidden_layers"])
+    """Layers of the model the servers load."""
+    return int(model_config()["num_hidden_layers"])
+
+
+def model_weights_gib() -> float:
+    """GPU memory of the model's weights (bf16, as sglang loads them here)."""
+    from make_checkpoint import checkpoint_bytes
+
+    return checkpoint_bytes(model_config()) / 2**30
 
 
 def make_model_dir() -> str:
-    d = tempfile.mkdtemp(prefix="tiny_dsv32_")
-    shutil.copy(TINY_CONFIG, os.path.join(d, "config.json"))
+    d = tempfile.mkdtemp(prefix="dsv32_")
+    shutil.copy(_MODEL["config"], os.path.join(d, "config.json"))
     return d
 
 
@@ -120,16 +152,19 @@ class Server:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = os.path.join(log_dir, f"server_{name}.log")
-        self.model_dir = make_model_dir()
+        checkpoint = _MODEL["checkpoint"]
+        # A checkpoint is shared by the servers and outlives them.
+        self.model_dir = None if checkpoint else make_model_dir()
         self.cmd = [
             sys.executable,
             "-m",
             "sglang.launch_server",
             "--model-path",
-            self.model_dir,
+            checkpoint or self.model_dir,
             "--port",
             str(port),
             *BASE_ARGS,
+            *(["--load-format", "auto"] if checkpoint else []),
             *extra_args,
         ]
         self.env = {**os.environ, **BASE_ENV, **(env or {})}
@@ -193,7 +228,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
-        shutil.rmtree(self.model_dir, ignore_errors=True)
+        if self.model_dir is not None:
+            shutil.rmtree(self.model_dir, ignore_errors=True)
 
     def tail(self, n: int = 60) -> str:
         try:
