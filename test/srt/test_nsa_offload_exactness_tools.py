@@ -248,8 +248,24 @@ class TestSortedTopk(unittest.TestCase):
         self.assertEqual(out.tolist(), [[2, 5, 9, -1, -1], [0, 1, 2, 3, 4]])
         self.assertEqual(out.dtype, x.dtype)
 
+    @staticmethod
+    def tie_blind_topk(logits, topk, lengths, starts, gen):
+        """An exact top-k whose choice among equal scores is random, as the
+        radix select's atomics make it: positions relative to each row's
+        start, -1 padding, in a random order."""
+        out = torch.full((logits.shape[0], topk), -1, dtype=torch.int32)
+        for r in range(logits.shape[0]):
+            s, n = int(starts[r]), int(lengths[r])
+            row = logits[r, s : s + n]
+            noise = torch.rand(n, generator=gen) * 1e-3  # below every score gap
+            order = sorted(range(n), key=lambda c: (-row[c].item(), noise[c].item()))
+            pick = order[:topk]
+            pick = [pick[i] for i in torch.randperm(len(pick), generator=gen)]
+            out[r, : len(pick)] = torch.tensor(pick, dtype=torch.int32)
+        return out
+
     def test_patch_only_unfused(self):
-        rows = torch.tensor([[4, 1, -1, 3]])
+        gen = torch.Generator().manual_seed(1)
         seen = []
 
         class Metadata:
@@ -260,7 +276,9 @@ class TestSortedTopk(unittest.TestCase):
 
             def topk_transform(self, logits, topk, ks=None, ke_offset=None):
                 seen.append(logits.clone())
-                return rows
+                lengths = ke_offset if ke_offset is not None else torch.tensor([4])
+                starts = ks if ks is not None else torch.zeros_like(lengths)
+                return TestSortedTopk.tie_blind_topk(logits, topk, lengths, starts, gen)
 
         fused = [True]
         module = types.SimpleNamespace(
@@ -271,28 +289,37 @@ class TestSortedTopk(unittest.TestCase):
         )
         sorted_topk._patch(module)
         logits = torch.tensor([[0.5, 2.0, 2.0, -1.0]])
-        self.assertIs(Metadata().topk_transform(logits.clone(), 2), rows)  # fused
-        self.assertEqual(seen[-1].tolist(), logits.tolist())  # as is
+        Metadata().topk_transform(logits.clone(), 2)  # fused: as is, once
+        self.assertEqual(len(seen), 1)
+        self.assertEqual(seen[-1].tolist(), logits.tolist())
         fused[0] = False
-        self.assertEqual(
-            Metadata().topk_transform(logits.clone(), 2).tolist(), [[1, 3, 4, -1]]
+        for _ in range(5):  # ties at the cut: 0.5 vs nothing, 2.0 = 2.0 kept
+            out = Metadata().topk_transform(logits.clone(), 2).tolist()
+            self.assertEqual(out, [[1, 2]])
+            # the second call got the picked columns as 1, the rest as 0
+            self.assertEqual(seen[-1].tolist(), [[0.0, 1.0, 1.0, 0.0]])
+        tie = torch.tensor([[0.5, 2.0, 2.0, 2.0]])
+        for _ in range(5):  # three equal at the cut of two: the lower columns
+            self.assertEqual(
+                Metadata().topk_transform(tie.clone(), 2).tolist(), [[1, 2]]
+            )
+        out = Metadata().topk_transform(
+            tie.clone(), 2, ks=torch.tensor([1]), ke_offset=torch.tensor([3])
         )
-        # the kernel got the picked columns as 1, the rest as 0
+        self.assertEqual(out.tolist(), [[0, 1]])  # relative to the row start
         self.assertEqual(seen[-1].tolist(), [[0.0, 1.0, 1.0, 0.0]])
-        Metadata().topk_transform(logits.clone(), 2, ks=torch.tensor([1]))
-        self.assertEqual(seen[-1].tolist(), [[0.0, 1.0, 1.0, 0.0]])
-        Metadata().topk_transform(
-            logits.clone(), 1, ks=torch.tensor([2]), ke_offset=torch.tensor([2])
+        out = Metadata().topk_transform(
+            tie.clone(), 1, ks=torch.tensor([2]), ke_offset=torch.tensor([2])
         )
+        self.assertEqual(out.tolist(), [[0]])
         self.assertEqual(seen[-1].tolist(), [[0.0, 0.0, 1.0, 0.0]])
 
     @staticmethod
     def reference_pick(row, topk, start, length):
         """Columns of the topk largest scores in [start, start + length),
-        -0.0 below +0.0 (as their bits order), ties to the lower column."""
+        ties to the lower column."""
         cols = range(start, min(start + length, len(row)))
-        key = lambda c: (-row[c], -math.copysign(1.0, row[c]), c)
-        return set(sorted(cols, key=key)[:topk])
+        return set(sorted(cols, key=lambda c: (-row[c], c))[:topk])
 
     def test_pick_matches_reference_with_ties(self):
         gen = torch.Generator().manual_seed(0)
@@ -300,19 +327,20 @@ class TestSortedTopk(unittest.TestCase):
             rows = int(torch.randint(1, 6, (1,), generator=gen))
             cols = int(torch.randint(1, 80, (1,), generator=gen))
             topk = int(torch.randint(1, 40, (1,), generator=gen))
-            # few distinct values (many ties), both signs, +-0 and -inf
-            vals = torch.tensor([-3.0, -0.5, -0.0, 0.0, 0.25, 1.5, float("-inf")])
+            # few distinct values (many ties), both signs and -inf
+            vals = torch.tensor([-3.0, -0.5, 0.0, 0.25, 1.5, float("-inf")])
             logits = vals[torch.randint(0, len(vals), (rows, cols), generator=gen)]
             starts = torch.randint(0, cols, (rows,), generator=gen)
             lengths = torch.randint(0, cols + 1, (rows,), generator=gen)
             lengths = torch.minimum(lengths, cols - starts)
+            picked = self.tie_blind_topk(logits, topk, lengths, starts, gen)
             out = logits.clone()
-            old = sorted_topk._KEY_ELEMS
-            sorted_topk._KEY_ELEMS = 2 * cols if trial % 2 else old  # row chunks
+            old = sorted_topk._CHUNK_ELEMS
+            sorted_topk._CHUNK_ELEMS = 2 * cols if trial % 2 else old  # row chunks
             try:
-                sorted_topk._pick_topk_inplace(out, topk, lengths, starts)
+                sorted_topk._pick_topk_inplace(out, topk, lengths, starts, picked)
             finally:
-                sorted_topk._KEY_ELEMS = old
+                sorted_topk._CHUNK_ELEMS = old
             for r in range(rows):
                 want = self.reference_pick(
                     logits[r].tolist(), topk, int(starts[r]), int(lengths[r])

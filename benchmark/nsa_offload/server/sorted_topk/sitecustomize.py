@@ -13,13 +13,15 @@ and it would hide what an exactness check is for.
 
 With ``SGLANG_NSA_TOPK_SORTED=1`` and this directory first on ``PYTHONPATH``
 (Python imports ``sitecustomize`` at every interpreter start, sglang's
-spawned scheduler included), ``NSAIndexerMetadata.topk_transform`` first
-picks each row's top-k itself, on a total order (score, then the lower
-column), so that the set no longer depends on the kernel's tie handling;
-then hands sglang's kernel the logits rewritten as 1 for the picked columns
-and 0 for the others (the kernel keeps exactly the picked ones and keeps its
-own output format); then sorts each returned row (``-1`` padding last), so
-that the same set always comes in the same order, in prefill and in decode.
+spawned scheduler included), ``NSAIndexerMetadata.topk_transform`` runs
+sglang's kernel, takes the smallest score it picked (the row's k-th largest:
+the selection is exact, only its tie handling varies), keeps every score
+above it and, of those equal to it, the lower columns, so that the set is
+the top-k on a total order (score, then the lower column); then hands the
+kernel the logits rewritten as 1 for those columns and 0 for the others (it
+keeps exactly them, in its own output format) and sorts each returned row
+(``-1`` padding last), so that the same set always comes in the same order,
+in prefill and in decode.
 The offload keeps whatever positions and order it is given, so the check
 still compares the offload's page tables with the no-offload server's.
 """
@@ -40,39 +42,40 @@ def _sorted_rows(out):
     return torch.where(key == big, torch.full_like(key, -1), key)
 
 
-# Rows of logits keyed at once: bounds the int64 work tensors (~256 MB).
-_KEY_ELEMS = 1 << 25
+# Rows of logits handled at once: bounds the work tensors (~512 MB).
+_CHUNK_ELEMS = 1 << 26
 
 
-def _pick_topk_inplace(logits, topk, lengths, starts):
+def _pick_topk_inplace(logits, topk, lengths, starts, picked):
     """Rewrite ``logits`` [rows, cols] (fp32) in place as 1 at each row's
-    ``topk`` largest scores among columns ``[start, start + length)`` and 0
-    elsewhere. Ties go to the lower column: each key is (the score's bits in
-    an order-preserving int32, then the inverted column), all distinct. Only
+    deterministic top-k among columns ``[start, start + length)`` and 0
+    elsewhere, given ``picked`` [rows, topk], the positions (relative to the
+    row's start, -1 padding) an exact but tie-blind top-k returned: its
+    smallest picked score is the row's k-th largest; every valid score above
+    it is in any top-k, and of the scores equal to it the lower columns fill
+    the rest. A few elementwise passes instead of a second selection; only
     shape-static torch ops: it runs inside sglang's CUDA graph captures."""
     import torch
 
     rows, cols = logits.shape
     if rows == 0 or cols == 0:
         return logits
-    low = torch.iinfo(torch.int64).min
     col = torch.arange(cols, device=logits.device, dtype=torch.int64)
-    inv_col = 0xFFFFFFFF - col
-    k = min(topk, cols)
-    step = max(1, _KEY_ELEMS // cols)
+    step = max(1, _CHUNK_ELEMS // cols)
     for r0 in range(0, rows, step):
         part = logits[r0 : r0 + step]
-        bits = part.contiguous().view(torch.int32).to(torch.int64)
-        # IEEE floats order like their bits for >= 0; negative ones flip.
-        key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        key = (key << 32) | inv_col
         start = starts[r0 : r0 + step].to(torch.int64).unsqueeze(1)
         end = start + lengths[r0 : r0 + step].to(torch.int64).unsqueeze(1)
-        key = torch.where((col >= start) & (col < end), key, low)
-        vals, idx = key.topk(k, dim=1)
-        mask = torch.zeros_like(part)
-        mask.scatter_(1, idx, (vals != low).to(part.dtype))
-        part.copy_(mask)
+        pos = picked[r0 : r0 + step].to(torch.int64)
+        at = (start + pos.clamp(min=0)).clamp(max=cols - 1)
+        vals = torch.where(pos >= 0, part.gather(1, at), float("inf"))
+        kth = vals.amin(dim=1, keepdim=True)
+        valid = (col >= start) & (col < end)
+        above = valid & (part > kth)
+        tied = valid & (part == kth)
+        need = topk - above.sum(dim=1, keepdim=True)
+        keep = above | (tied & (tied.cumsum(dim=1, dtype=torch.int32) <= need))
+        part.copy_(keep.to(part.dtype))
     return logits
 
 
@@ -89,6 +92,8 @@ def _patch(module) -> None:
         if module.envs.SGLANG_NSA_FUSE_TOPK.get() and not self.force_unfused_topk:
             # fused: a page table comes back, not ours to touch
             return original(self, logits, *args, **kwargs)
+        if logits.dtype != torch.float32:
+            return _sorted_rows(original(self, logits, *args, **kwargs))
         bound = signature.bind(self, logits, *args, **kwargs).arguments
         lengths = bound.get("ke_offset")
         if lengths is None:
@@ -96,8 +101,10 @@ def _patch(module) -> None:
         starts = bound.get("ks")
         if starts is None:
             starts = torch.zeros_like(lengths)
-        if logits.dtype == torch.float32:
-            _pick_topk_inplace(logits, bound["topk"], lengths, starts)
+        picked = original(self, logits, *args, **kwargs)
+        _pick_topk_inplace(logits, bound["topk"], lengths, starts, picked)
+        # The kernel keeps exactly the columns set to 1; sorted, in the same
+        # order in every run.
         return _sorted_rows(original(self, logits, *args, **kwargs))
 
     cls.topk_transform = topk_transform
