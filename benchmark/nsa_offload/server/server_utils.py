@@ -1,6 +1,7 @@
 """Launch a real sglang server with the tiny DeepSeek-V3.2-shaped model and talk
 to it with token ids only (stdlib HTTP, no tokenizer)."""
 
+import importlib.util
 import json
 import os
 import random
@@ -90,6 +91,28 @@ BASE_ENV = {
     "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
     "HF_HUB_OFFLINE": "1",
 }
+
+
+# The benchmark-only top-k tools (trace override, recorder, negative control)
+# that scripts/apply_patch.py --with-bench-hooks installs into sglang.
+BENCH_HOOKS_MODULE = "sglang.srt.layers.attention.nsa_topk_trace"
+
+
+def bench_hooks_missing() -> Optional[str]:
+    """Why the installed sglang lacks the benchmark hooks, or None. Looks for
+    the module's file without importing sglang (servers started from this
+    interpreter import the same one)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return "sglang is not installed"
+    rel = Path(*BENCH_HOOKS_MODULE.split(".")[1:]).with_suffix(".py")
+    for root in spec.submodule_search_locations:
+        if (Path(root) / rel).is_file():
+            return None
+    return (
+        f"the installed sglang has no {BENCH_HOOKS_MODULE} (install the "
+        "benchmark hooks: scripts/apply_patch.py --with-bench-hooks)"
+    )
 
 
 def num_model_layers() -> int:
