@@ -2,7 +2,9 @@
 # The main job. On a GPU host where sglang 0.5.12.post1 (+ sgl-kernel) is
 # installed and patched (python scripts/apply_patch.py --sglang-dir ...), it
 # runs real servers without and with --enable-decode-nsa-kv-offload and
-# prints exactness, capacity and idle checks. Anywhere else it builds the CPU
+# prints exactness (a generated tiny checkpoint, one request at a time,
+# deterministic top-k, the negative control where the benchmark hooks are
+# installed), capacity and idle checks. Anywhere else it builds the CPU
 # venv (as the tests do) and replays the embedded DeepSeek-V3.2 top-k trace
 # through our policy and HiSparse's, with the reference engine's exactness.
 #

@@ -18,9 +18,19 @@ go to ``--out-dir`` (default ``/tmp/nsa_offload_demo``, printed).
 
 On a GPU host with sglang 0.5.12.post1 installed and patched it runs real
 servers without and with ``--enable-decode-nsa-kv-offload`` instead
-(:func:`run_gpu_comparison`). Good: identical greedy outputs, more peak
-running requests at the same GPU memory, no leak after idle; then (not with
-``--quick``) PD decode servers at 128K, no offload vs ours vs HiSparse.
+(:func:`run_gpu_comparison`). First exactness (``server/exactness.py``): both
+servers load a generated checkpoint of the tiny model whose weights make the
+tokens depend on the KV rows attention reads, sglang's top-k is made
+deterministic on both, and the same prompts go one at a time (batch 1: with
+fp8 KV the batch composition changes sglang's own outputs). Good: identical
+greedy outputs on every prompt; the no-offload server repeats itself; and,
+where the benchmark hooks are installed (``scripts/apply_patch.py
+--with-bench-hooks``), the negative control (one wrong KV row read at every
+decode step) changes >= 75% of the outputs, i.e. the comparison can fail.
+Then capacity (``server/e2e_server.py``, dummy weights: no outputs compared):
+more peak running requests at the same GPU memory, no leak after idle; then
+(not with ``--quick``) PD decode servers at 128K, no offload vs ours vs
+HiSparse.
 
 Usage (repository root)::
 
@@ -31,12 +41,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
+import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 # The replay tools (numpy, torch) are imported when needed: --help and bad
@@ -77,11 +87,26 @@ def detect_gpu_stack() -> GpuStack:
     return GpuStack(True, f"CUDA device {torch.cuda.get_device_name(0)}")
 
 
-# The server comparison the H200 results were made with (results/h200_e2e).
-# Colocated servers: exactness of 32 requests + capacity at 32K.
+# Exactness on the tiny checkpoint, batch 1, deterministic top-k: the run of
+# results/exactness/tiny_gain1/ (no offload vs the default offload server,
+# the negative control in persistent mode on the no-offload server).
+GPU_EXACTNESS_ARGS = [
+    "--model", "tiny", "--servers", "base_fp8,ours_fp8",
+    "--nc-modes", "persistent", "--nc-requests", "16",
+]  # fmt: skip
+# --quick: no second pass on the no-offload server, fewer aborted streams and
+# control requests (later flags win).
+GPU_EXACTNESS_QUICK_ARGS = [
+    "--skip-repeat", "--abort-requests", "2", "--nc-requests", "8",
+]  # fmt: skip
+# The offload and the server it is compared with (exactness.SERVERS).
+EXACTNESS_OFFLOAD, EXACTNESS_BASE = "ours_fp8", "base_fp8"
+NC_MODE = "persistent"
+NC_MIN_FLIP_FRACTION = 0.75
+# Colocated servers (dummy weights, so no output comparison): capacity at 32K,
+# as in results/h200_e2e.
 GPU_E2E_ARGS = [
-    "--num-requests", "32", "--min-len", "3000", "--max-len", "30000",
-    "--max-new-tokens", "256", "--concurrency", "16",
+    "--num-requests", "0",
     "--mem-fraction-static", "0.018", "--context-length", "36000",
     "--max-running-baseline", "256", "--max-running-offload", "88",
     "--host-pool-gb", "8", "--capacity-length", "32768",
@@ -98,25 +123,152 @@ GPU_PD_CAPACITY_ARGS = [
 ]  # fmt: skip
 
 
+def _import_server_tools():
+    if str(SERVER_DIR) not in sys.path:
+        sys.path.insert(0, str(SERVER_DIR))
+    import exactness
+    import server_utils
+
+    return exactness, server_utils
+
+
+def exactness_verdict(
+    result: dict, nc_skip_reason: Optional[str] = None
+) -> Tuple[bool, List[str]]:
+    """Judge an ``exactness.py`` run (its ``exactness.json``): every batch-1
+    output of the offload server identical to the no-offload one's, the
+    no-offload server's second pass (if run) identical to its first, both
+    servers alive after idle with no error in their logs, and the negative
+    control (unless ``nc_skip_reason``) flipping enough outputs."""
+    exactness, _ = _import_server_tools()
+    lines: List[str] = []
+    ok = True
+
+    def check(good: bool, text: str) -> None:
+        nonlocal ok
+        ok = ok and good
+        lines.append(f"{text} -> {'good' if good else 'BAD'}")
+
+    servers = result["servers"]
+    summary = exactness.summarize(result, "tiny")
+    for name, res in servers.items():
+        log = summary["logs"].get(name, {})
+        check(
+            "error" not in res and res.get("alive", False) and not log.get("errors"),
+            f"{name}: ran every phase, alive after idle, {log.get('errors', '?')} "
+            f"errors logged{': ' + res['error'] if 'error' in res else ''}",
+        )
+    n = len(result["prompt_lens"])
+    rows = summary["comparisons"].get(EXACTNESS_OFFLOAD, {})
+    seq = rows.get("seq", {"identical": 0, "total": 0})
+    diffs = seq.get("first_diff")
+    check(
+        seq["total"] == n and seq["identical"] == n,
+        f"offload vs no offload, one request at a time: {seq['identical']}/{n} "
+        "prompts identical" + (f" (first differing tokens {diffs})" if diffs else ""),
+    )
+    abort = rows.get("abort")
+    if abort is not None:
+        check(
+            abort["identical"] == abort["total"]
+            and abort["partial_prefixes"] == abort["total"],
+            f"aborted streams: {abort['identical']}/{abort['total']} identical "
+            f"afterwards, {abort['partial_prefixes']} partial outputs prefixes",
+        )
+    base, ours = servers.get(EXACTNESS_BASE, {}), servers.get(EXACTNESS_OFFLOAD, {})
+    if "after_idle" in base or "after_idle" in ours:
+        check(
+            base.get("after_idle") == ours.get("after_idle"),
+            "after idle: the same output",
+        )
+    again = summary["self_agreement"].get(EXACTNESS_BASE)
+    if again is not None:
+        check(
+            again["identical"] == again["total"],
+            f"no-offload server, the same prompts again: {again['identical']}/"
+            f"{again['total']} identical",
+        )
+    if "concurrent" in rows:
+        c = rows["concurrent"]
+        lines.append(
+            f"concurrent (reported only: with fp8 KV the batch composition changes "
+            f"sglang's own outputs): {c['identical']}/{c['total']} identical"
+        )
+    if nc_skip_reason is not None:
+        lines.append(f"negative control skipped: {nc_skip_reason}")
+    else:
+        nc = summary["negative_control"].get(EXACTNESS_BASE, {}).get(NC_MODE)
+        if nc is None or not nc["requests"]:
+            check(False, "negative control: not run")
+        else:
+            need = math.ceil(NC_MIN_FLIP_FRACTION * nc["requests"])
+            check(
+                nc["flipped"] >= need
+                and nc["changed_before_corruption"] == 0
+                and bool(nc["rows_corrupted"]),
+                f"negative control (one wrong KV row read at every decode step): "
+                f"{nc['flipped']}/{nc['requests']} outputs changed (need {need}: "
+                f"the comparison can fail), {nc['changed_before_corruption']} "
+                f"before the first corrupted step, {nc['rows_corrupted']} rows "
+                "corrupted",
+            )
+    return ok, lines
+
+
+def report_exactness(out_dir: Path, nc_skip_reason: Optional[str]) -> int:
+    """Print the verdict of the exactness run in ``out_dir``; 0 if good."""
+    import json
+
+    try:
+        with open(out_dir / "exactness.json") as f:
+            result = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"exactness: no results ({e}) -> BAD")
+        return 1
+    ok, lines = exactness_verdict(result, nc_skip_reason)
+    print("\n== Exactness on the tiny checkpoint (batch 1, deterministic top-k)\n")
+    for line in lines:
+        print(line)
+    print(f"details: {out_dir / 'summary.md'}")
+    return 0 if ok else 1
+
+
+def exactness_args(quick: bool, nc_skip_reason: Optional[str]) -> List[str]:
+    args = list(GPU_EXACTNESS_ARGS)
+    if quick:
+        args += GPU_EXACTNESS_QUICK_ARGS
+    if nc_skip_reason is not None:
+        args += ["--nc-requests", "0"]  # the control would change nothing
+    return args
+
+
 def run_gpu_comparison(args: argparse.Namespace) -> int:
-    """Real servers without and with the offload (e2e_server.py): identical
-    outputs, peak running requests at the same memory budget, idle check."""
+    """Real servers without and with the offload: exactness on the tiny
+    checkpoint (exactness.py), then capacity and the idle check (e2e_server.py)."""
     import subprocess
 
+    _, server_utils = _import_server_tools()
     out = Path(args.out_dir or DEFAULT_OUT_DIR)
-    runs = [("colocated", GPU_E2E_ARGS)]
+    nc_skip_reason = server_utils.bench_hooks_missing()
+    runs = [
+        ("exactness", "exactness.py", exactness_args(args.quick, nc_skip_reason)),
+        ("colocated", "e2e_server.py", GPU_E2E_ARGS),
+    ]
     if not args.quick:
-        runs.append(("pd_decode_128k", GPU_PD_CAPACITY_ARGS))
+        runs.append(("pd_decode_128k", "e2e_server.py", GPU_PD_CAPACITY_ARGS))
     rc = 0
-    for name, run_args in runs:
+    for name, script, run_args in runs:
         cmd = [
             sys.executable,
-            str(SERVER_DIR / "e2e_server.py"),
+            str(SERVER_DIR / script),
             "--out",
             str(out / name),
         ]
         print(f"\n== {name}\n$", " ".join(cmd + run_args), flush=True)
-        rc = subprocess.call(cmd + run_args, cwd=str(SERVER_DIR)) or rc
+        code = subprocess.call(cmd + run_args, cwd=str(SERVER_DIR))
+        if name == "exactness" and code == 0:
+            code = report_exactness(out / name, nc_skip_reason)
+        rc = code or rc
     return rc
 
 

@@ -1,47 +1,77 @@
 """End-to-end exactness of --enable-decode-nsa-kv-offload on a real server (GPU).
 
-Launches the tiny DeepSeek-V3.2-shaped model (dummy weights, 3 layers,
-``benchmark/nsa_offload/server/tiny_dsv32_config.json``) twice, one server after the
-other: without and with ``--enable-decode-nsa-kv-offload``. Both take the same
-decode top-k path (positional top-k + page-table transform:
-``SGLANG_NSA_FUSE_TOPK=0``), so greedy decoding must give the same tokens.
-Each server gets the same workload:
+The servers load a generated checkpoint of the tiny DeepSeek-V3.2-shaped
+model (3 layers, ``benchmark/nsa_offload/server/make_checkpoint.py``, seed 0,
+unit gains; ~0.3 GB written once per module into a temp dir in ~5 s) with
+sglang's own loader (``--load-format auto``): unlike ``--load-format dummy``,
+whose weights leave the tokens blind to attention, these make the greedy
+tokens depend on the KV rows attention reads, so a wrong read changes the
+outputs. Every server of a class starts at once (all on the one GPU) with the
+flags of ``benchmark/nsa_offload/server/exactness.py`` (``server_args``):
+fp8 KV + FlashMLA sparse prefill + FlashMLA fp8 decode, CUDA graphs and the
+overlap scheduler on, and sglang's top-k made deterministic on every server
+(positional top-k ``SGLANG_NSA_FUSE_TOPK=0``, ``SGLANG_NSA_TOPK_SORTED=1``
+with ``server/sorted_topk`` first on ``PYTHONPATH``,
+``CUBLAS_WORKSPACE_CONFIG=:4096:8``). Each server gets the same workload:
 
-1. ``main``: prompts of 3K-12K tokens, 64 new tokens, ``ignore_eos``,
-   8 concurrent clients;
-2. ``short``: ``2 x --max-running-requests`` requests, one after the other, that
+1. ``seq``: prompts of the boundary lengths (1, 63-65, 2047-2049, the GPU
+   buffer's edges 4095-4097 and 4159-4161, 4064 so that decode crosses the
+   buffer, 16K, 30000) and a few random ones, one request at a time, 64 new
+   tokens, ``ignore_eos``;
+2. ``load``: prompts of 3K-12K tokens, 8 concurrent clients (load only: with
+   fp8 KV the batch composition, which follows timing, changes sglang's own
+   outputs, so only "all finished" is checked);
+3. ``short``: ``2 x --max-running-requests`` requests, one after the other, that
    finish at their prefill (``max_new_tokens=1``: what ``/health_generate``
    sends). Under the overlap scheduler each of them is already in the next
    decode batch when its prefill result says it finished; each must give its
    decode region back (a leaked region is reused stale by the next request
    with the same request slot, or runs the server out of regions);
-3. ``after_short``: concurrent long requests again; they reuse every request
-   slot (and region) the short ones had;
-4. idle: the scheduler goes idle (its own leak checks run), then the server
+4. ``after_short``: long requests one after the other; they reuse request
+   slots (and regions) the short ones had;
+5. the negative control (no-offload server, only where the benchmark hooks
+   are installed: ``scripts/apply_patch.py --with-bench-hooks``): the ``seq``
+   prompts of >= 3000 tokens again with ``nsa_topk_trace.TopkCorruption``
+   armed in persistent mode (``SGLANG_NSA_TOPK_CORRUPT``, arm file "1 0": at
+   every decode step layer 0 reads one wrong KV row), then disarmed again;
+6. idle: the scheduler goes idle (its own leak checks run), then the server
    must still answer ``/health_generate`` and a generation request.
 
-The test checks identical ``output_ids`` for every phase and a healthy server
-(the offload server runs with its default LRU units: idle regions and prefill
-staging lent as extra buffers), also for a server with one fixed buffer per
-request (``--nsa-kv-offload-max-units 1``) and one with the experimental
-cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``). A
-subclass repeats the no-offload / offload comparison with a bf16 KV cache
-(FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``). Another
-class starts a PD decode server (``--disaggregation-mode decode``, sglang's
-fake KV transfer: no prefill server, KV unwritten, so no output comparison)
-with the offload and checks that it admits, decodes, idles and still serves.
-It needs a Hopper GPU with the DSA stack (``sgl_kernel.flash_mla``) and is
-skipped elsewhere (e.g. in the CPU test suite).
+Every comparison is batch 1 (phases 1, 3, 4, 6): identical ``output_ids``
+with and without the offload, for the default offload server (LRU units:
+idle regions and prefill staging lent as extra buffers), one with one fixed
+buffer per request (``--nsa-kv-offload-max-units 1``) and one with the
+experimental cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``).
+The negative control shows that these comparisons can fail: the corrupted
+read must change at least 75% of the outputs (never the first token, which
+comes from the prefill), while the disarmed server repeats its clean outputs,
+which match the offload servers'. Without the hooks only that test is
+skipped. A subclass repeats the no-offload / offload comparison with a bf16
+KV cache (FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``).
+Another class starts a PD decode server (``--disaggregation-mode decode``,
+sglang's fake KV transfer: no prefill server, KV unwritten, so dummy weights
+and no output comparison) with the offload and checks that it admits,
+decodes, idles and still serves. It needs a Hopper GPU with the DSA stack
+(``sgl_kernel.flash_mla``) and is skipped elsewhere (e.g. in the CPU test
+suite).
+
+Expected wall time on one H200 with the JIT cache warm (a cold machine adds
+~2-3 min of kernel compilation at the first server start): about 5-7 min for
+``TestDecodeNSAKVOffload`` (4 servers side by side: ~2-4 min to start, mostly
+JIT and CUDA-graph capture, ~2-3 min of requests), 4-5 min for
+``TestDecodeNSAKVOffloadBF16`` (2 servers), ~1.5 min for
+``TestDecodeNSAKVOffloadPDDecode``; run the classes one per call where a call
+is limited to 500 s (``benchmark/nsa_offload/device_run.sh pytest``).
 
     python -m pytest test/srt/test_decode_nsa_kv_offload.py -s
+    python -m pytest test/srt/test_decode_nsa_kv_offload.py::TestDecodeNSAKVOffload -s
 """
 
 import importlib
-import json
+import importlib.util
+import math
 import os
-import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,15 +80,31 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY_DSV32_CONFIG = (
-    REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
+sys.path.insert(0, str(REPO_ROOT / "benchmark" / "nsa_offload" / "server"))
+
+import exactness  # noqa: E402
+from exactness import (  # noqa: E402
+    ENV_CORRUPT_LAYER,
+    NC_MODES,
+    ExactServer,
+    case_lengths,
+    first_diff,
+    negative_control,
+    parse_args,
+    scan_log,
+    server_args,
 )
-VOCAB_SIZE = 4096  # of the tiny config
+from make_checkpoint import load_config, write_checkpoint  # noqa: E402
+from server_utils import (  # noqa: E402
+    PD_DECODE_FAKE_ARGS,
+    bench_hooks_missing,
+    random_prompts,
+)
 
 
 def _gpu_stack_missing() -> Optional[str]:
@@ -77,88 +123,59 @@ def _gpu_stack_missing() -> Optional[str]:
 SKIP_REASON = _gpu_stack_missing()
 
 # sglang.test.test_utils pulls packages the CPU venv (and trimmed GPU stacks)
-# lack (datasets, aiohttp, ...): import it only where the test can run, and
-# fall back to a minimal launcher when it is not importable.
+# lack (datasets, aiohttp, ...): import it only where the test can run.
 CustomTestCase = unittest.TestCase
-DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH = 600
-DEFAULT_URL_FOR_TEST = "http://127.0.0.1:21000"
-popen_launch_server = None
 if SKIP_REASON is None:
     try:
-        from sglang.test.test_utils import (
-            DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
-            DEFAULT_URL_FOR_TEST,
-            CustomTestCase,
-            popen_launch_server,
-        )
+        from sglang.test.test_utils import CustomTestCase
     except Exception as e:  # pragma: no cover - depends on the GPU stack
-        print(f"sglang.test.test_utils not importable ({e}); using a local launcher")
+        print(f"sglang.test.test_utils not importable ({e}); using unittest")
 
-# Server flags of benchmark/nsa_offload/server/server_utils.py: fp8 KV with FlashMLA
-# sparse prefill + FlashMLA fp8 decode, token ids only.
-BASE_ARGS = [
-    "--load-format",
-    "dummy",
-    "--kv-cache-dtype",
-    "fp8_e4m3",
-    "--nsa-prefill-backend",
-    "flashmla_sparse",
-    "--nsa-decode-backend",
-    "flashmla_kv",
-    "--sampling-backend",
-    "pytorch",
-    "--grammar-backend",
-    "none",
-    "--skip-tokenizer-init",
-    "--disable-radix-cache",
-    "--mem-fraction-static",
-    "0.7",
-]
-BASE_ENV = {
-    "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
-    "HF_HUB_OFFLINE": "1",
-    # Both servers on the positional top-k path (see module docstring).
-    "SGLANG_NSA_FUSE_TOPK": "0",
-}
-# Request slots = decode regions; more than the main phase's concurrency, so
-# the main phase never reuses a slot of a request that finished at prefill.
-MAX_RUNNING_REQUESTS = 32
-OFFLOAD_ARGS = [
-    "--enable-decode-nsa-kv-offload",
-    "--nsa-kv-offload-host-pool-gb",
-    "8",
-]
+TINY_CONFIG = load_config("tiny")
+VOCAB_SIZE = TINY_CONFIG["vocab_size"]
+CHECKPOINT_SEED = 0
 
+# Request slots = decode regions (and --cuda-graph-max-bs, server_args).
+MAX_RUNNING_REQUESTS = 16
 MAX_NEW_TOKENS = 64
 CONCURRENCY = 8
-MAIN_PROMPT_LENS = [3000 + i * 600 for i in range(16)]  # 3000 .. 12000
+# The offload's default GPU buffer (C) and recent window (W): case_lengths
+# puts prompts at their edges.
+SEQ_PROMPT_LENS = case_lengths(4096, 64, 30000) + [3500, 7000, 11000]
+LOAD_PROMPT_LENS = [3000 + i * 600 for i in range(16)]  # 3000 .. 12000
 SHORT_PROMPT_LENS = [100 + 37 * i for i in range(2 * MAX_RUNNING_REQUESTS)]
 AFTER_SHORT_PROMPT_LENS = [3000 + i * 400 for i in range(CONCURRENCY)]
 IDLE_WAIT_S = 12
+AFTER_IDLE_NEW_TOKENS = 16
+# Batch-1 phases: compared token for token between servers.
+COMPARED_PHASES = ("seq", "short", "after_short", "after_idle")
+
+# The negative control (benchmark/nsa_offload/traces/nsa_topk_trace.py).
+ENV_CORRUPT = "SGLANG_NSA_TOPK_CORRUPT"
+NC_LOG_LINE = "NSA top-k negative control on layer"
+NC_MODE = "persistent"  # every decode step: the arm file holds "1 0"
+NC_MIN_PROMPT_LEN = 3000  # > the top-k (2048): the indexer selects
+NC_MIN_FLIP_FRACTION = 0.75
+ARM_POLL_WAIT_S = 1.0  # the server's poll thread reads the arm file every 0.2 s
+
+# One checkpoint for every class of the module (tearDownModule removes it).
+_CHECKPOINT_DIR: Optional[str] = None
 
 
-def _random_prompts(lengths: List[int], seed: int) -> List[List[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+def _tiny_checkpoint() -> str:
+    global _CHECKPOINT_DIR
+    if _CHECKPOINT_DIR is None:
+        path = tempfile.mkdtemp(prefix="test_decode_nsa_kv_offload_ckpt_")
+        tic = time.perf_counter()
+        write_checkpoint(TINY_CONFIG, path, CHECKPOINT_SEED, progress=lambda m: None)
+        print(f"tiny checkpoint {path} in {time.perf_counter() - tic:.1f} s")
+        _CHECKPOINT_DIR = path
+    return _CHECKPOINT_DIR
 
 
-def _post_json(url: str, payload: dict, timeout: float = 1800) -> dict:
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(payload).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
-# Known harmless traceback: sglang logs one at startup when the optional
-# openai_harmony package is missing (OpenAIServingResponses is then off).
-_HARMLESS_TRACEBACK = "Can not initialize OpenAIServingResponses, error: Traceback"
-
-
-def _unexpected_tracebacks(log: str) -> int:
-    return log.count("Traceback") - log.count(_HARMLESS_TRACEBACK)
+def tearDownModule():
+    if _CHECKPOINT_DIR is not None:
+        shutil.rmtree(_CHECKPOINT_DIR, ignore_errors=True)
 
 
 def _get_status(url: str, timeout: float = 60) -> int:
@@ -171,99 +188,55 @@ def _get_status(url: str, timeout: float = 60) -> int:
         return -1
 
 
-def _generate(base_url: str, input_ids: List[int], max_new_tokens: int) -> List[int]:
-    out = _post_json(
-        base_url + "/generate",
-        {
-            "input_ids": input_ids,
-            "sampling_params": {
-                "max_new_tokens": max_new_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-            },
-        },
-    )
-    return out["output_ids"]
+def _phase(run):
+    """The phase's result, or the error text (reported with the server log)."""
+    try:
+        return run()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
 
 
-def _generate_many(
-    base_url: str, prompts: List[List[int]], max_new_tokens: int, concurrency: int
-) -> List[List[int]]:
-    with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda p: _generate(base_url, p, max_new_tokens), prompts))
+def _outputs(srv: ExactServer, prompts: List[List[int]], max_new: int):
+    """One request at a time (batch 1)."""
+    return [srv.generate(p, max_new)["output_ids"] for p in prompts]
 
 
-def _local_popen_launch_server(
-    model, base_url, timeout, other_args=(), env=None, return_stdout_stderr=None
-):
-    """Minimal stand-in for sglang.test.test_utils.popen_launch_server."""
-    host, port = base_url.split("//")[1].split(":")
-    command = [
-        sys.executable,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model,
-        *[str(x) for x in other_args],
-        "--host",
-        host,
-        "--port",
-        port,
-    ]
-    stdout, stderr = return_stdout_stderr or (None, None)
-    process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env)
-    tic = time.perf_counter()
-    while time.perf_counter() - tic < timeout:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with code {process.returncode}")
-        if _get_status(base_url + "/health_generate", timeout=5) == 200:
-            return process
-        time.sleep(5)
-    _kill(process)
-    raise TimeoutError("server failed to start within the timeout period")
-
-
-def _launch_env(tmp_dir: str, extra_env: Optional[Dict[str, str]] = None) -> dict:
-    env = {**os.environ, **BASE_ENV, **(extra_env or {})}
-    if popen_launch_server is not None and shutil.which("sglang") is None:
-        # popen_launch_server runs the `sglang` console script; provide it
-        # when sglang is installed without scripts (e.g. pip --target).
-        bin_dir = os.path.join(tmp_dir, "bin")
-        os.makedirs(bin_dir, exist_ok=True)
-        script = os.path.join(bin_dir, "sglang")
-        with open(script, "w") as f:
-            f.write(
-                f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; '
-                'from sglang.cli.main import main; sys.exit(main())" "$@"\n'
-            )
-        os.chmod(script, 0o755)
-        env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-    return env
-
-
-def _kill(process) -> None:
-    if process is None or process.poll() is not None:
+def _stop(srv: ExactServer) -> None:
+    if srv.proc is None:
+        shutil.rmtree(srv.model_dir, ignore_errors=True)
         return
-    try:
-        from sglang.srt.utils import kill_process_tree
+    if srv.proc.poll() is None:
+        try:
+            from sglang.srt.utils import kill_process_tree
 
-        kill_process_tree(process.pid)
-    except Exception:
-        process.kill()
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        pass
+            kill_process_tree(srv.proc.pid)
+        except Exception:
+            pass  # Server.stop terminates, then kills, the launcher
+    srv.stop()
+
+
+def _read_log(srv: ExactServer) -> str:
+    with open(srv.log_path, errors="replace") as f:
+        return f.read()
+
+
+def _port_base(offset: int) -> int:
+    return int(os.environ.get("SGLANG_TEST_NSA_OFFLOAD_PORT", "21000")) + offset
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
 class TestDecodeNSAKVOffload(CustomTestCase):
-    """Same greedy outputs with and without the decode NSA KV offload."""
+    """Same greedy outputs with and without the decode NSA KV offload, batch
+    1 on the tiny checkpoint; the negative control shows the check can fail."""
 
-    # KV dtype and NSA backends of every server of the class (fp8 + FlashMLA
-    # fp8 decode; the bf16 subclass swaps them) and its servers.
-    KV_ARGS: List[str] = []
-    SERVERS = ("baseline", "offload", "offload_fixed", "offload_prefetch")
+    # role -> the server of exactness.py (its flags, env and KV dtype).
+    SERVERS = {
+        "baseline": "base_fp8",
+        "offload": "ours_fp8",
+        "offload_fixed": "ours_fp8_1unit",
+        "offload_prefetch": "ours_fp8_prefetch",
+    }
+    PORT_OFFSET = 0
 
     @classmethod
     def setUpClass(cls):
@@ -277,152 +250,158 @@ class TestDecodeNSAKVOffload(CustomTestCase):
     @classmethod
     def _set_up_class(cls):
         cls.tmp_dir = tempfile.mkdtemp(prefix="test_decode_nsa_kv_offload_")
-        cls.model_dir = os.path.join(cls.tmp_dir, "tiny_dsv32")
-        os.makedirs(cls.model_dir)
-        shutil.copy(TINY_DSV32_CONFIG, os.path.join(cls.model_dir, "config.json"))
-        cls.base_url = DEFAULT_URL_FOR_TEST
-        cls.process = None
-        cls.log_files = []
+        cls.servers = {}
+        ckpt = _tiny_checkpoint()
+        cls.nc_skip_reason = bench_hooks_missing()
+        cls.arm_path = os.path.join(cls.tmp_dir, "nc_arm")
+        args = parse_args(
+            ["--out", cls.tmp_dir, "--concurrency", str(MAX_RUNNING_REQUESTS)]
+        )
         cls.workload = {
-            "main": (_random_prompts(MAIN_PROMPT_LENS, seed=0), MAX_NEW_TOKENS),
-            "short": (_random_prompts(SHORT_PROMPT_LENS, seed=1), 1),
+            "seq": (random_prompts(SEQ_PROMPT_LENS, 0, VOCAB_SIZE), MAX_NEW_TOKENS),
+            "load": (random_prompts(LOAD_PROMPT_LENS, 1, VOCAB_SIZE), MAX_NEW_TOKENS),
+            "short": (random_prompts(SHORT_PROMPT_LENS, 2, VOCAB_SIZE), 1),
             "after_short": (
-                _random_prompts(AFTER_SHORT_PROMPT_LENS, seed=2),
+                random_prompts(AFTER_SHORT_PROMPT_LENS, 3, VOCAB_SIZE),
                 MAX_NEW_TOKENS,
             ),
+            "after_idle": (random_prompts([500], 4, VOCAB_SIZE), AFTER_IDLE_NEW_TOKENS),
         }
-        common = ["--max-running-requests", str(MAX_RUNNING_REQUESTS)]
-        cls.results = {}
-        servers = {
-            "baseline": (common, None),
-            "offload": (common + OFFLOAD_ARGS, None),
-            "offload_fixed": (
-                common + OFFLOAD_ARGS + ["--nsa-kv-offload-max-units", "1"],
-                None,
-            ),
-            "offload_prefetch": (
-                common + OFFLOAD_ARGS,
-                {"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
-            ),
-        }
-        for name in cls.SERVERS:
-            args, env = servers[name]
-            cls.results[name] = cls._run_server(name, cls.KV_ARGS + args, env)
+        cls.nc_indices = [
+            i for i, n in enumerate(SEQ_PROMPT_LENS) if n >= NC_MIN_PROMPT_LEN
+        ]
+        for i, (role, name) in enumerate(cls.SERVERS.items()):
+            extra, env = server_args(exactness.SERVERS[name], args, ckpt)
+            if role == "baseline" and cls.nc_skip_reason is None:
+                # Disarmed while the arm file does not exist.
+                env[ENV_CORRUPT] = cls.arm_path
+                env[ENV_CORRUPT_LAYER] = "0"
+            port = _port_base(cls.PORT_OFFSET) + 10 * i
+            cls.servers[role] = ExactServer(role, extra, port, cls.tmp_dir, env, 900)
+        for srv in cls.servers.values():
+            srv.start()
+        with ThreadPoolExecutor(len(cls.servers)) as pool:
+            cls.results = dict(
+                zip(cls.servers, pool.map(cls._run_server, cls.servers.values()))
+            )
 
     @classmethod
     def tearDownClass(cls):
-        _kill(getattr(cls, "process", None))
-        for f in getattr(cls, "log_files", []):
-            f.close()
+        for srv in getattr(cls, "servers", {}).values():
+            _stop(srv)
         shutil.rmtree(getattr(cls, "tmp_dir", ""), ignore_errors=True)
 
     @classmethod
-    def _run_server(
-        cls, name: str, extra_args: List[str], extra_env: Optional[Dict] = None
-    ) -> dict:
-        log_out = os.path.join(cls.tmp_dir, f"{name}.stdout.log")
-        log_err = os.path.join(cls.tmp_dir, f"{name}.stderr.log")
-        # Closed in tearDownClass: popen_launch_server's reader threads may
-        # still write to them after the server is killed.
-        out, err = open(log_out, "w"), open(log_err, "w")
-        cls.log_files += [out, err]
-        launch = popen_launch_server or _local_popen_launch_server
-        cls.process = launch(
-            cls.model_dir,
-            cls.base_url,
-            timeout=DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
-            # later flags win: KV_ARGS may override BASE_ARGS' dtype/backends
-            other_args=BASE_ARGS + extra_args,
-            env=_launch_env(cls.tmp_dir, extra_env),
-            return_stdout_stderr=(out, err),
-        )
+    def _run_server(cls, srv: ExactServer) -> dict:
+        result = {}
         try:
-            result = cls._run_workload(name)
+            srv.wait_ready()
+            cls._run_workload(srv, result)
+        except Exception as e:
+            result["error"] = f"{type(e).__name__}: {e}"
         finally:
-            _kill(cls.process)
-            cls.process = None
-        out.flush()
-        err.flush()
-        result["log_tail"] = cls._tail(log_err) + cls._tail(log_out)
+            _stop(srv)
+        result["log"] = scan_log(srv.log_path)
+        log = _read_log(srv)
+        result["nc_log_line"] = NC_LOG_LINE in log
+        result["log_tail"] = "".join(log.splitlines(True)[-60:])
         return result
 
     @classmethod
-    def _run_workload(cls, name: str) -> dict:
-        """Outputs per phase (a list of output_ids lists, or the error text
-        when the phase failed: the tests report it with the server log)."""
-        url = cls.base_url
-
-        def phase(run):
-            try:
-                return run()
-            except Exception as e:
-                return f"{type(e).__name__}: {e}"
-
-        result = {}
+    def _run_workload(cls, srv: ExactServer, result: dict) -> None:
         tic = time.perf_counter()
-        prompts, max_new = cls.workload["main"]
-        result["main"] = phase(
-            lambda: _generate_many(url, prompts, max_new, CONCURRENCY)
+        w = cls.workload
+        result["seq"] = _phase(lambda: _outputs(srv, *w["seq"]))
+        prompts, max_new = w["load"]
+        result["load"] = _phase(
+            lambda: [
+                r["output_ids"]
+                for r in srv.generate_many(prompts, max_new, CONCURRENCY)
+            ]
         )
         # One after the other: each is the only request when its prefill runs.
-        short, short_max_new = cls.workload["short"]
-        result["short"] = phase(
-            lambda: [_generate(url, p, short_max_new) for p in short]
-        )
-        after, after_max_new = cls.workload["after_short"]
-        result["after_short"] = phase(
-            lambda: _generate_many(url, after, after_max_new, CONCURRENCY)
-        )
-        print(f"[{name}] workload done in {time.perf_counter() - tic:.1f} s")
+        result["short"] = _phase(lambda: _outputs(srv, *w["short"]))
+        result["after_short"] = _phase(lambda: _outputs(srv, *w["after_short"]))
+        if srv.name == "baseline" and cls.nc_skip_reason is None:
+            result["nc"] = _phase(lambda: cls._negative_control(srv))
+        print(f"[{srv.name}] requests done in {time.perf_counter() - tic:.1f} s")
 
         # Idle: the scheduler runs its self-checks; the server must still serve.
         time.sleep(IDLE_WAIT_S)
-        result["alive_after_idle"] = cls.process.poll() is None
+        result["alive_after_idle"] = srv.proc.poll() is None
         result["health_generate_after_idle"] = _get_status(
-            url + "/health_generate", timeout=120
+            srv.url + "/health_generate", timeout=120
         )
-        prompt = _random_prompts([500], seed=3)[0]
-        result["after_idle"] = phase(lambda: _generate(url, prompt, 16))
-        result["alive_at_end"] = cls.process.poll() is None
+        result["after_idle"] = _phase(lambda: _outputs(srv, *w["after_idle"]))
+        result["alive_at_end"] = srv.proc.poll() is None
+
+    @classmethod
+    def _negative_control(cls, srv: ExactServer) -> dict:
+        """The control prompts armed, then disarmed again (batch 1)."""
+        prompts = [cls.workload["seq"][0][i] for i in cls.nc_indices]
+        with open(cls.arm_path, "w") as f:
+            f.write("%d %d" % NC_MODES[NC_MODE])
+        time.sleep(ARM_POLL_WAIT_S)
+        try:
+            armed = _outputs(srv, prompts, MAX_NEW_TOKENS)
+        finally:
+            os.remove(cls.arm_path)
+            time.sleep(ARM_POLL_WAIT_S)
+        try:
+            with open(cls.arm_path + ".hits") as f:
+                hits = int(f.read())
+        except (OSError, ValueError):
+            hits = 0
+        return {
+            "armed": armed,
+            "hits": hits,
+            "again": _outputs(srv, prompts, MAX_NEW_TOKENS),
+        }
+
+    def _result(self, role: str) -> dict:
+        result = self.results[role]
+        self.assertNotIn(
+            "error", result, f"{role} server failed; log tail:\n{result['log_tail']}"
+        )
         return result
 
-    @staticmethod
-    def _tail(path: str, lines: int = 40) -> str:
-        try:
-            with open(path) as f:
-                return "".join(f.readlines()[-lines:])
-        except OSError:
-            return ""
+    def _phase_outputs(self, role: str, phase: str) -> list:
+        result = self._result(role)
+        outputs = result[phase]
+        self.assertIsInstance(
+            outputs,
+            list,
+            f"{phase} failed on the {role} server: {outputs}; log tail:\n"
+            f"{result['log_tail']}",
+        )
+        return outputs
 
     def _assert_phase_identical(self, phase: str, offload: str = "offload"):
-        base = self.results["baseline"][phase]
-        ours = self.results[offload][phase]
-        for name, outputs in (("baseline", base), (offload, ours)):
-            self.assertIsInstance(
-                outputs,
-                list,
-                f"{phase} failed on the {name} server: {outputs}; log tail:\n"
-                f"{self.results[name]['log_tail']}",
-            )
+        base = self._phase_outputs("baseline", phase)
+        ours = self._phase_outputs(offload, phase)
+        max_new = self.workload[phase][1]
         self.assertEqual(len(base), len(ours))
         mismatched = []
         for i, (a, b) in enumerate(zip(base, ours)):
-            self.assertEqual(len(a), self.workload[phase][1])
+            self.assertEqual(len(a), max_new)
             if a != b:
-                first = next(
-                    (j for j, (x, y) in enumerate(zip(a, b)) if x != y),
-                    min(len(a), len(b)),
-                )
-                mismatched.append((i, first))
+                mismatched.append((len(self.workload[phase][0][i]), first_diff(a, b)))
         self.assertEqual(
             mismatched,
             [],
-            f"{phase}: (request, first differing token) with the offload; "
+            f"{phase}: (prompt length, first differing token) with the offload; "
             f"{offload} server log tail:\n{self.results[offload]['log_tail']}",
         )
 
+    def _assert_offload_identical(self, offload: str):
+        if offload not in self.SERVERS:
+            self.skipTest(f"no {offload} server in this class")
+        for phase in COMPARED_PHASES:
+            with self.subTest(phase=phase):
+                self._assert_phase_identical(phase, offload)
+
     def test_decode_outputs_identical(self):
-        self._assert_phase_identical("main")
+        self._assert_phase_identical("seq")
 
     def test_requests_finishing_at_prefill(self):
         # The short requests' outputs come from their prefill; the requests
@@ -432,32 +411,94 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         self._assert_phase_identical("after_short")
 
     def test_fixed_buffer_outputs_identical(self):
-        if "offload_fixed" not in self.SERVERS:
-            self.skipTest("no fixed-buffer server in this class")
-        for phase in ("main", "short", "after_short"):
-            self._assert_phase_identical(phase, offload="offload_fixed")
+        self._assert_offload_identical("offload_fixed")
 
     def test_cross_layer_prefetch_outputs_identical(self):
-        if "offload_prefetch" not in self.SERVERS:
-            self.skipTest("no prefetch server in this class")
-        for phase in ("main", "short", "after_short"):
-            self._assert_phase_identical(phase, offload="offload_prefetch")
-        log = self.results["offload_prefetch"]["log_tail"]
-        self.assertEqual(_unexpected_tracebacks(log), 0, log)
+        self._assert_offload_identical("offload_prefetch")
+        # The prefetch ran: its decode log counts rows loaded ahead of time.
+        log = self.results["offload_prefetch"]["log"]
+        self.assertGreater(log.get("prefetched", 0), 0, log)
+
+    def test_concurrent_load_finishes(self):
+        # Batch composition follows timing here: no output comparison (with
+        # fp8 KV it changes sglang's own outputs), every request must finish.
+        for role in self.SERVERS:
+            with self.subTest(server=role):
+                outputs = self._phase_outputs(role, "load")
+                self.assertEqual(
+                    [len(o) for o in outputs], [MAX_NEW_TOKENS] * len(LOAD_PROMPT_LENS)
+                )
+        base = self.results["baseline"]["load"]
+        for role in self.SERVERS:
+            ours = self.results[role]["load"]
+            if role != "baseline" and isinstance(ours, list):
+                same = sum(a == b for a, b in zip(base, ours))
+                print(f"load phase, {role} vs baseline: {same}/{len(base)} identical")
 
     def test_server_healthy_after_idle(self):
-        for name in self.SERVERS:
-            result = self.results[name]
-            msg = f"{name} server log tail:\n{result['log_tail']}"
-            self.assertTrue(result["alive_after_idle"], msg)
-            self.assertEqual(result["health_generate_after_idle"], 200, msg)
-            self.assertIsInstance(result["after_idle"], list, msg)
-            self.assertEqual(len(result["after_idle"]), 16, msg)
-            self.assertTrue(result["alive_at_end"], msg)
-        self.assertEqual(
-            self.results["baseline"]["after_idle"],
-            self.results["offload"]["after_idle"],
+        for role in self.SERVERS:
+            with self.subTest(server=role):
+                result = self._result(role)
+                msg = f"{role} server log tail:\n{result['log_tail']}"
+                self.assertTrue(result["alive_after_idle"], msg)
+                self.assertEqual(result["health_generate_after_idle"], 200, msg)
+                self._phase_outputs(role, "after_idle")
+                self.assertTrue(result["alive_at_end"], msg)
+                # Tracebacks (but sglang's harmless openai_harmony one) and
+                # leak reports in the whole log.
+                self.assertEqual(result["log"]["errors"], 0, msg)
+                if role != "baseline":
+                    # The comparisons went through host reads.
+                    self.assertGreater(result["log"].get("misses", 0), 0, msg)
+        self._assert_phase_identical("after_idle")
+
+    def test_negative_control_flips_outputs(self):
+        if self.nc_skip_reason is not None:
+            self.skipTest(f"negative control unavailable: {self.nc_skip_reason}")
+        result = self._result("baseline")
+        msg = f"baseline server log tail:\n{result['log_tail']}"
+        self.assertTrue(
+            result["nc_log_line"],
+            f"{ENV_CORRUPT} took no effect (no '{NC_LOG_LINE}' in the server "
+            "log): nsa_topk_trace.py is installed but the NSA backend does not "
+            f"call it (benchmark/nsa_offload/traces/bench_hooks/); {msg}",
         )
+        nc = result["nc"]
+        self.assertIsInstance(nc, dict, f"negative control failed: {nc}; {msg}")
+        clean = [self._phase_outputs("baseline", "seq")[i] for i in self.nc_indices]
+        lens = [SEQ_PROMPT_LENS[i] for i in self.nc_indices]
+        report = negative_control(
+            {
+                "nc_clean": clean,
+                f"nc_armed_{NC_MODE}": nc["armed"],
+                "nc_hits": {NC_MODE: nc["hits"]},
+            },
+            lens,
+            NC_MODE,
+        )
+        print(f"negative control ({NC_MODE}): {report}")
+        self.assertGreater(nc["hits"], 0, "no top-k row was corrupted")
+        # The first token comes from the prefill, which the control leaves alone.
+        self.assertEqual(report["changed_before_corruption"], 0, report)
+        self.assertGreaterEqual(
+            report["flipped"], math.ceil(NC_MIN_FLIP_FRACTION * len(lens)), report
+        )
+        # Disarmed, the server repeats its clean outputs: the flips are the
+        # corruption's, not run-to-run noise ...
+        self.assertEqual(
+            [first_diff(a, b) for a, b in zip(clean, nc["again"])],
+            [None] * len(lens),
+            "disarmed vs clean: first differing tokens",
+        )
+        # ... and those are the outputs every offload server gave.
+        for role in self.SERVERS:
+            if role != "baseline":
+                ours = self._phase_outputs(role, "seq")
+                self.assertEqual(
+                    [first_diff(ours[i], c) for i, c in zip(self.nc_indices, clean)],
+                    [None] * len(lens),
+                    f"{role} vs baseline: first differing tokens",
+                )
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
@@ -465,24 +506,16 @@ class TestDecodeNSAKVOffloadBF16(TestDecodeNSAKVOffload):
     """The same with a bf16 KV cache: FlashMLA sparse prefill and decode
     (``flashmla_sparse``), the offload's other supported pair."""
 
-    # = BF16_KV_ARGS of benchmark/nsa_offload/server/server_utils.py (this upstream-
-    # style test stays self-contained, as with BASE_ARGS).
-    KV_ARGS = [
-        "--kv-cache-dtype",
-        "bfloat16",
-        "--nsa-prefill-backend",
-        "flashmla_sparse",
-        "--nsa-decode-backend",
-        "flashmla_sparse",
-    ]
-    SERVERS = ("baseline", "offload")
+    SERVERS = {"baseline": "base_bf16", "offload": "ours_bf16"}
+    PORT_OFFSET = 100
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
 class TestDecodeNSAKVOffloadPDDecode(CustomTestCase):
     """A PD decode server with the offload: requests arrive through sglang's
-    fake KV transfer (KV unwritten), are admitted into host slots, decode and
-    finish; the server idles and still serves."""
+    fake KV transfer (KV unwritten, so dummy weights: no output comparison),
+    are admitted into host slots, decode and finish; the server idles and
+    still serves."""
 
     PROMPT_LENS = [20000 + 1000 * i for i in range(8)]
     MAX_NEW_TOKENS = 32
@@ -490,76 +523,52 @@ class TestDecodeNSAKVOffloadPDDecode(CustomTestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp_dir = tempfile.mkdtemp(prefix="test_decode_nsa_kv_offload_pd_")
-        model_dir = os.path.join(cls.tmp_dir, "tiny_dsv32")
-        os.makedirs(model_dir)
-        shutil.copy(TINY_DSV32_CONFIG, os.path.join(model_dir, "config.json"))
-        cls.log = open(os.path.join(cls.tmp_dir, "server.log"), "w")
-        launch = popen_launch_server or _local_popen_launch_server
-        cls.process = None
+        cls.server = ExactServer(
+            "pd_decode",
+            PD_DECODE_FAKE_ARGS
+            + [
+                "--enable-decode-nsa-kv-offload",
+                "--nsa-kv-offload-host-pool-gb",
+                "8",
+                "--max-running-requests",
+                "16",
+                "--mem-fraction-static",
+                "0.7",
+            ],
+            _port_base(200),
+            cls.tmp_dir,
+            {"SGLANG_NSA_FUSE_TOPK": "0"},
+            900,
+        )
         try:
-            cls.process = launch(
-                model_dir,
-                DEFAULT_URL_FOR_TEST,
-                timeout=DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
-                other_args=BASE_ARGS
-                + OFFLOAD_ARGS
-                + [
-                    "--max-running-requests",
-                    "16",
-                    "--disaggregation-mode",
-                    "decode",
-                    "--disaggregation-transfer-backend",
-                    "fake",
-                ],
-                env=_launch_env(cls.tmp_dir),
-                return_stdout_stderr=(cls.log, cls.log),
-            )
+            cls.server.start().wait_ready()
         except BaseException:
             cls.tearDownClass()
             raise
 
     @classmethod
     def tearDownClass(cls):
-        _kill(getattr(cls, "process", None))
-        log = getattr(cls, "log", None)
-        if log is not None:
-            log.close()
+        server = getattr(cls, "server", None)
+        if server is not None:
+            _stop(server)
         shutil.rmtree(getattr(cls, "tmp_dir", ""), ignore_errors=True)
 
-    def _generate(self, input_ids, room):
-        out = _post_json(
-            DEFAULT_URL_FOR_TEST + "/generate",
-            {
-                "input_ids": input_ids,
-                "sampling_params": {
-                    "max_new_tokens": self.MAX_NEW_TOKENS,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                },
-                # sglang's fake transfer: this bootstrap host marks the request
-                "bootstrap_host": "2.2.2.2",
-                "bootstrap_port": 8998,
-                "bootstrap_room": room,
-            },
-        )
-        return out["output_ids"]
-
     def test_admit_decode_idle(self):
-        prompts = _random_prompts(self.PROMPT_LENS, seed=5)
-        with ThreadPoolExecutor(4) as pool:
-            outputs = list(pool.map(self._generate, prompts, range(1, 9)))
-        self.assertEqual([len(o) for o in outputs], [self.MAX_NEW_TOKENS] * 8)
-        time.sleep(IDLE_WAIT_S)
-        self.assertIsNone(self.process.poll())
+        prompts = random_prompts(self.PROMPT_LENS, 5, VOCAB_SIZE)
+        # Server.generate gives each request its fake bootstrap room.
+        outputs = self.server.generate_many(prompts, self.MAX_NEW_TOKENS, 4)
         self.assertEqual(
-            _get_status(DEFAULT_URL_FOR_TEST + "/health_generate", timeout=120), 200
+            [len(o["output_ids"]) for o in outputs], [self.MAX_NEW_TOKENS] * 8
         )
-        self.log.flush()
-        with open(self.log.name) as f:
-            text = f.read()
+        time.sleep(IDLE_WAIT_S)
+        self.assertIsNone(self.server.proc.poll())
+        self.assertEqual(
+            _get_status(self.server.url + "/health_generate", timeout=120), 200
+        )
+        text = _read_log(self.server)
         self.assertIn("0 staging rows", text)
         self.assertIn("nsa-offload hit rate", text)
-        self.assertEqual(_unexpected_tracebacks(text), 0, text[-8000:])
+        self.assertEqual(scan_log(self.server.log_path)["errors"], 0, text[-8000:])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import tempfile
 import types
 import unittest
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import exactness  # noqa: E402
 import make_checkpoint as mc  # noqa: E402
+import server_utils  # noqa: E402
 
 # By path: another sitecustomize may already be imported.
 _spec = importlib.util.spec_from_file_location(
@@ -348,6 +350,35 @@ class TestSortedTopk(unittest.TestCase):
                 got = set(torch.nonzero(out[r]).flatten().tolist())
                 self.assertEqual(got, want, (trial, r))
                 self.assertTrue(set(out[r].unique().tolist()) <= {0.0, 1.0})
+
+
+class TestBenchHooksMissing(unittest.TestCase):
+    """Whether the installed sglang has the benchmark-only top-k hooks (the GPU
+    test skips its negative control, the demo its judgement, without them)."""
+
+    def _missing(self, locations):
+        spec = types.SimpleNamespace(submodule_search_locations=locations)
+        with mock.patch.object(
+            server_utils.importlib.util, "find_spec", return_value=spec
+        ):
+            return server_utils.bench_hooks_missing()
+
+    def test_found_by_file(self):
+        with tempfile.TemporaryDirectory() as root:
+            attention = Path(root, "srt", "layers", "attention")
+            attention.mkdir(parents=True)
+            reason = self._missing([root])
+            self.assertIn("--with-bench-hooks", reason)
+            (attention / "nsa_topk_trace.py").write_text("")
+            self.assertIsNone(self._missing(["/nonexistent", root]))
+
+    def test_no_sglang(self):
+        with mock.patch.object(
+            server_utils.importlib.util, "find_spec", return_value=None
+        ):
+            self.assertEqual(
+                server_utils.bench_hooks_missing(), "sglang is not installed"
+            )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ The model is the tiny config with dummy weights unless ``use_model`` names
 another config (``rank``) or a generated checkpoint (``make_checkpoint.py``),
 which every ``Server`` then loads with sglang's own loader."""
 
+import importlib.util
 import json
 import os
 import random
@@ -134,6 +135,28 @@ def make_model_dir() -> str:
     d = tempfile.mkdtemp(prefix="dsv32_")
     shutil.copy(_MODEL["config"], os.path.join(d, "config.json"))
     return d
+
+
+# The benchmark-only top-k tools (trace override, recorder, negative control)
+# that scripts/apply_patch.py --with-bench-hooks installs into sglang.
+BENCH_HOOKS_MODULE = "sglang.srt.layers.attention.nsa_topk_trace"
+
+
+def bench_hooks_missing() -> Optional[str]:
+    """Why the installed sglang lacks the benchmark hooks, or None. Looks for
+    the module's file without importing sglang (servers started from this
+    interpreter import the same one)."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return "sglang is not installed"
+    rel = Path(*BENCH_HOOKS_MODULE.split(".")[1:]).with_suffix(".py")
+    for root in spec.submodule_search_locations:
+        if (Path(root) / rel).is_file():
+            return None
+    return (
+        f"the installed sglang has no {BENCH_HOOKS_MODULE} (install the "
+        "benchmark hooks: scripts/apply_patch.py --with-bench-hooks)"
+    )
 
 
 class Server:
