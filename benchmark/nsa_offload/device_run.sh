@@ -8,7 +8,8 @@
 # units: split vs fused kernels), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
 # offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), exact
-# (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), savejit
+# (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), soak (the GPU
+# soak; $SOAK_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
@@ -103,6 +104,11 @@ for step in "$@"; do
       # /tmp/exact_keep/exact_rank/exactness.json --servers ..." runs more servers
       # against the same outputs.
       mkdir -p /tmp/exact_keep && cp -r $OUT/exact_${EXACT_MODEL:-tiny}* /tmp/exact_keep/
+      ;;
+    soak)
+      # The GPU soak (issue 21): soak.py, more flags in $SOAK_ARGS.
+      (cd benchmark/nsa_offload/server && timeout ${SOAK_TIMEOUT:-570} python3 soak.py \
+        --out $OUT/soak --port $((34000 + 100 * GPU0)) ${SOAK_ARGS:-}) 2>&1 | tail -40 || rc=1
       ;;
     e2e)
       (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
