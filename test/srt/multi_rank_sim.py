@@ -6,7 +6,9 @@ builds the real pools and ``NSAKVOffloadCoordinator`` of one attention-TP rank
 share (``nsa_kv_offload_shared_host``) and plays the same schedule with the
 same seed, as TP ranks do: the same requests, token locs and top-k, and the
 same KV bytes (the latent is replicated). Rank 0 writes the host pool; the
-others only read it.
+others only read it. On a GPU host each rank takes a GPU (round robin) and
+page-locks its mapping, so the same test checks ``cudaHostRegister`` of one
+shared mapping in several processes.
 
 Every forward of an attention-TP group starts with a collective of the group
 (the embedding's all-reduce), which orders rank 0's host writes of earlier
@@ -84,6 +86,9 @@ def make_tp_harness(group, **kwargs):
                 self._pending_host_checks.append(locs.clone())
 
         def forward_barrier(self):
+            # On a GPU host the collective orders GPU work: finish this rank's
+            # first (a CPU barrier alone would not wait for its kernels).
+            integ._sync()
             self.group.barrier()
             pending, self._pending_host_checks = self._pending_host_checks, []
             for locs in pending:
@@ -179,6 +184,7 @@ def scenario_naive_warm(group):
     if h.rank != 0:
         h.co.shares_host_pool = False  # warm from host slots
         h.co.admit_prefilled_batch(batch, None)
+    _harness_module()._sync()  # the readers' warm is done before rank 0 writes
     group.barrier()
     if h.rank == 0:
         h.co.admit_prefilled_batch(batch, None)
@@ -198,6 +204,9 @@ SCENARIOS = {
 
 def _rank_main(rank, world, init_file, names, queue):
     torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        # One GPU per rank where there are enough (each pins its mapping).
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
