@@ -11,7 +11,15 @@ import shutil
 import tempfile
 import unittest
 from pathlib import Path
+from types import SimpleNamespace
+from unittest import mock
 
+from sglang.srt.arg_groups import nsa_kv_offload_args
+from sglang.srt.arg_groups.nsa_kv_offload_args import (
+    ENV_UNPROVEN_PARALLEL,
+    GB,
+    NSAKVOffloadRankLayout,
+)
 from sglang.srt.server_args import ServerArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -181,13 +189,173 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
     def test_reject_pipeline_parallelism(self):
         self._assert_rejected("pipeline parallelism (--pp-size 2)", pp_size=2)
 
+    # Multi-GPU layouts (docs/MULTI_GPU.md). What is only unproven on GPUs is
+    # refused unless SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL=1; what the design
+    # cannot run is refused either way.
+
+    def _with_unproven_parallel(self, on: bool):
+        return mock.patch.dict(os.environ, {ENV_UNPROVEN_PARALLEL: "1" if on else "0"})
+
     def test_reject_tensor_parallelism(self):
-        self._assert_rejected("tensor parallelism (--tp-size 8)", tp_size=8)
+        with self._with_unproven_parallel(False):
+            self._assert_rejected(
+                "tensor parallelism (--tp-size 8) has not run on GPUs yet: the host "
+                "pool its attention-TP ranks share (rank 0 writes, every rank reads) "
+                f"is simulated on CPU only ({ENV_UNPROVEN_PARALLEL}=1",
+                tp_size=8,
+            )
 
     def test_reject_dp_attention(self):
-        self._assert_rejected(
-            "--enable-dp-attention is not supported", enable_dp_attention=True
-        )
+        with self._with_unproven_parallel(False):
+            self._assert_rejected(
+                "DP attention (--enable-dp-attention --dp-size 8) has not run on GPUs "
+                "yet: its IDLE batches, the DP-attention padding of decode batches "
+                "(eager and CUDA graphs) and admission per rank are tested on CPU only",
+                tp_size=8,
+                dp_size=8,
+                enable_dp_attention=True,
+            )
+
+    def test_unproven_layouts_start_with_the_env(self):
+        # For the GPU runs that prove them: attention TP and DP attention
+        # (dp = tp) start, with a warning.
+        for overrides in (
+            dict(tp_size=2),
+            dict(tp_size=8, dp_size=8, enable_dp_attention=True),
+        ):
+            with self.subTest(**overrides), self._with_unproven_parallel(True):
+                args = self._server_args(**overrides)
+                with self.assertLogs(nsa_kv_offload_args.logger, "WARNING") as logs:
+                    args._handle_decode_nsa_kv_offload()
+                self.assertIn(ENV_UNPROVEN_PARALLEL, "".join(logs.output))
+
+    def test_reject_what_the_design_cannot_run(self):
+        # Refused with or without the env: the message names the flags.
+        cases = [
+            (
+                "--enable-dp-attention with --dp-size 2 smaller than --tp-size 8 "
+                "(attention TP of 4 GPUs inside each DP group) is not supported; use "
+                "--dp-size 8",
+                dict(tp_size=8, dp_size=2, enable_dp_attention=True),
+            ),
+            (
+                "tensor parallelism across nodes (--tp-size 16 over --nnodes 2) is not "
+                "supported",
+                dict(tp_size=16, nnodes=2),
+            ),
+            (
+                "tensor parallelism (--tp-size 2) on a PD decode server is not "
+                "supported",
+                dict(tp_size=2, disaggregation_mode="decode"),
+            ),
+            (
+                "attention context parallelism (--attn-cp-size 2, "
+                "--enable-nsa-prefill-context-parallel) is not supported",
+                dict(tp_size=2, dp_size=1, attn_cp_size=2),
+            ),
+            (
+                "attention context parallelism (--attn-cp-size 1, "
+                "--enable-nsa-prefill-context-parallel) is not supported",
+                dict(enable_nsa_prefill_context_parallel=True),
+            ),
+        ]
+        for message, overrides in cases:
+            for env in (False, True):
+                with self.subTest(env=env, **overrides):
+                    with self._with_unproven_parallel(env):
+                        self._assert_rejected(message, **overrides)
+
+    def test_multi_node_dp_attention_is_only_unproven(self):
+        # DP attention over 2 nodes: every rank its own pool, nothing shared
+        # across nodes; refused only as not run on GPUs yet.
+        overrides = dict(tp_size=16, dp_size=16, enable_dp_attention=True, nnodes=2)
+        with self._with_unproven_parallel(False):
+            self._assert_rejected("DP attention (--enable-dp-attention", **overrides)
+        with self._with_unproven_parallel(True):
+            self._server_args(**overrides)._handle_decode_nsa_kv_offload()
+
+    def test_plain_data_parallelism_accepted(self):
+        # --dp-size without DP attention: replicas of a one-GPU server, each
+        # with its own host pool.
+        args = self._server_args(dp_size=2)
+        args._handle_decode_nsa_kv_offload()
+        self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
+
+    def test_rank_layout(self):
+        # (tp, dp, dp attention, nnodes, pp) -> local ranks, attention TP,
+        # ranks per host pool, host pools per node.
+        cases = {
+            (1, 1, False, 1, 1): (1, 1, 1, 1),
+            (8, 1, False, 1, 1): (8, 8, 8, 1),  # attention TP: one shared pool
+            (8, 8, True, 1, 1): (8, 1, 1, 8),  # DP attention: a pool per rank
+            (16, 16, True, 2, 1): (8, 1, 1, 8),
+            (8, 2, True, 1, 1): (8, 4, 4, 2),  # (refused: dp < tp)
+            (1, 2, False, 1, 1): (2, 1, 1, 2),  # plain DP: a pool per replica
+            (2, 2, False, 1, 1): (4, 2, 2, 2),
+            (16, 1, False, 2, 1): (8, 16, 8, 1),  # (refused: TP across nodes)
+            (4, 1, False, 1, 2): (8, 4, 4, 2),  # (refused: pp) one per stage
+        }
+        for (tp, dp, dpa, nnodes, pp), expect in cases.items():
+            sa = SimpleNamespace(
+                tp_size=tp,
+                dp_size=dp,
+                enable_dp_attention=dpa,
+                nnodes=nnodes,
+                pp_size=pp,
+            )
+            layout = NSAKVOffloadRankLayout.from_server_args(sa)
+            got = (
+                layout.local_ranks,
+                layout.attn_tp_size,
+                layout.ranks_per_pool,
+                layout.host_pools_per_node,
+            )
+            with self.subTest(tp=tp, dp=dp, dp_attention=dpa, nnodes=nnodes, pp=pp):
+                self.assertEqual(got, expect)
+                self.assertEqual(
+                    layout.attn_tp_spans_nodes, (tp, dp, nnodes) == (16, 1, 2)
+                )
+
+    def test_default_host_pool_per_node(self):
+        # 1 TiB node, 900 GiB available: the reserve is max(8 GB, 10%) = 102.4
+        # GB; the rest is split over the host pools this node pins.
+        ram = SimpleNamespace(total=1024 * GB, available=900 * GB)
+        usable = 900 - 102.4
+        cases = [
+            (dict(), usable),
+            (dict(tp_size=8), usable),  # one pool the 8 ranks share
+            (dict(tp_size=8, dp_size=8, enable_dp_attention=True), usable / 8),
+            (dict(dp_size=2), usable / 2),
+        ]
+        for overrides, expect_gb in cases:
+            with self.subTest(**overrides), self._with_unproven_parallel(True):
+                args = self._server_args(nsa_kv_offload_host_pool_gb=None, **overrides)
+                with mock.patch.object(
+                    nsa_kv_offload_args.psutil, "virtual_memory", return_value=ram
+                ):
+                    args._handle_decode_nsa_kv_offload()
+                self.assertAlmostEqual(
+                    args.nsa_kv_offload_host_pool_gb, round(expect_gb, 2), places=6
+                )
+
+    def test_reject_host_pool_larger_than_the_node_share(self):
+        ram = SimpleNamespace(total=1024 * GB, available=900 * GB)
+        with self._with_unproven_parallel(True), mock.patch.object(
+            nsa_kv_offload_args.psutil, "virtual_memory", return_value=ram
+        ):
+            # 8 DP-attention ranks: 99.7 GB each.
+            self._assert_rejected(
+                "--nsa-kv-offload-host-pool-gb (200.0) is larger than the host memory "
+                "one host pool can pin (99.70 GB: available RAM minus a reserve, split "
+                "over the 8 host pool(s) of this node)",
+                tp_size=8,
+                dp_size=8,
+                enable_dp_attention=True,
+                nsa_kv_offload_host_pool_gb=200.0,
+            )
+            # The same 200 GB for 8 attention-TP ranks: one pool, accepted.
+            args = self._server_args(tp_size=8, nsa_kv_offload_host_pool_gb=200.0)
+            args._handle_decode_nsa_kv_offload()
 
     def test_reject_radix_cache(self):
         self._assert_rejected(
@@ -264,7 +432,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
     def test_reject_host_pool_larger_than_pinnable(self):
         self._assert_rejected(
             "--nsa-kv-offload-host-pool-gb (1000000.0) is larger than the host "
-            "memory this rank can pin",
+            "memory one host pool can pin",
             nsa_kv_offload_host_pool_gb=1e6,
         )
 

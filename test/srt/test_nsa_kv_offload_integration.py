@@ -869,6 +869,7 @@ class _Harness:
         cross_layer_prefetch=False,
         max_units=1,
         lend_staging_pages=0,
+        coordinator_kwargs=None,
     ):
         self.t = test
         if kv_arrives_in_host:
@@ -914,6 +915,7 @@ class _Harness:
             cross_layer_prefetch=cross_layer_prefetch,
             max_units=max_units,
             staging_reserve_pages=staging_pages - lend_staging_pages,
+            **(coordinator_kwargs or {}),
         )
         # What create_nsa_kv_offload_coordinator wires.
         self.allocator.nsa_kv_offload = self.co

@@ -7,6 +7,7 @@ not handle, naming the offending flags, before any GPU memory is touched.
 """
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psutil
@@ -45,21 +46,59 @@ _HOST_RESERVE_MIN_GB = 8.0
 _HOST_RESERVE_FRACTION = 0.1
 
 
+# Lets --tp-size > 1 and --enable-dp-attention start, for the GPU runs that
+# prove them (docs/MULTI_GPU.md); refused without it.
+ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
+
+
 def host_memory_reserve_gb(total_bytes: int) -> float:
     return max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * total_bytes / GB)
 
 
-def pinnable_host_memory_gb(num_local_ranks: int) -> float:
-    """Host memory one rank may pin: available RAM minus the reserve, split over
-    the ranks of this node (each rank keeps its own full-KV host pool)."""
+def pinnable_host_memory_gb(num_host_pools: int) -> float:
+    """Host memory one host pool may pin: the node's available RAM minus the
+    reserve, split over the host pools pinned on this node."""
     mem = psutil.virtual_memory()
     usable = mem.available / GB - host_memory_reserve_gb(mem.total)
-    return max(usable, 0.0) / max(num_local_ranks, 1)
+    return max(usable, 0.0) / max(num_host_pools, 1)
 
 
-def _num_local_ranks(server_args: "ServerArgs") -> int:
-    world = server_args.tp_size * server_args.pp_size
-    return max(world // max(server_args.nnodes, 1), 1)
+@dataclass(frozen=True)
+class NSAKVOffloadRankLayout:
+    """How the GPU processes of one server on one node hold the host KV.
+
+    Ranks of one attention-TP group hold the same MLA KV (the latent is
+    replicated, only the heads are split), so on a node they share one host
+    pool; every other rank (a DP-attention rank, a plain DP replica) keeps its
+    own requests in its own pool.
+    """
+
+    local_ranks: int  # GPU processes of this server on one node
+    attn_tp_size: int  # ranks of one attention-TP group
+    ranks_per_pool: int  # local ranks that share one host pool
+
+    @property
+    def host_pools_per_node(self) -> int:
+        return max(self.local_ranks // self.ranks_per_pool, 1)
+
+    @property
+    def attn_tp_spans_nodes(self) -> bool:
+        return self.attn_tp_size > self.ranks_per_pool
+
+    @classmethod
+    def from_server_args(cls, server_args: "ServerArgs") -> "NSAKVOffloadRankLayout":
+        tp, dp = server_args.tp_size, max(server_args.dp_size, 1)
+        if server_args.enable_dp_attention:
+            replicas, attn_tp = 1, max(tp // dp, 1)
+        else:
+            replicas, attn_tp = dp, tp  # plain DP: dp replicas of tp ranks
+        world = tp * server_args.pp_size * replicas
+        local = max(world // max(server_args.nnodes, 1), 1)
+        return cls(
+            local_ranks=local,
+            attn_tp_size=attn_tp,
+            ranks_per_pool=min(attn_tp, local),
+        )
 
 
 def _fail(message: str) -> None:
@@ -130,20 +169,8 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             "speculative decoding (--speculative-algorithm "
             f"{server_args.speculative_algorithm}) is not supported."
         )
-    if server_args.pp_size > 1:
-        _fail(
-            f"pipeline parallelism (--pp-size {server_args.pp_size}) is not supported."
-        )
-    # Not run on more than one GPU yet: with attention TP every rank would pin
-    # its own copy of the same host KV, and DP attention's IDLE batches and
-    # per-rank admission are untested.
-    if server_args.tp_size > 1:
-        _fail(
-            f"tensor parallelism (--tp-size {server_args.tp_size}) is not supported "
-            "yet."
-        )
-    if server_args.enable_dp_attention:
-        _fail("--enable-dp-attention is not supported yet.")
+    layout = NSAKVOffloadRankLayout.from_server_args(server_args)
+    _check_parallelism(server_args, layout)
     if not server_args.disable_radix_cache:
         _fail("it requires --disable-radix-cache.")
     if server_args.enable_mixed_chunk:
@@ -213,7 +240,7 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             f"{_MAX_LRU_SLOTS} (LRU slot ids are int16): use at most {units_fit}."
         )
 
-    pinnable_gb = pinnable_host_memory_gb(_num_local_ranks(server_args))
+    pinnable_gb = pinnable_host_memory_gb(layout.host_pools_per_node)
     host_pool_gb = server_args.nsa_kv_offload_host_pool_gb
     if host_pool_gb is None:
         if pinnable_gb <= 0:
@@ -227,18 +254,93 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
     elif host_pool_gb > pinnable_gb:
         _fail(
             f"--nsa-kv-offload-host-pool-gb ({host_pool_gb}) is larger than the host "
-            f"memory this rank can pin ({pinnable_gb:.2f} GB: available RAM minus a "
-            "reserve, split over the local ranks)."
+            f"memory one host pool can pin ({pinnable_gb:.2f} GB: available RAM minus "
+            f"a reserve, split over the {layout.host_pools_per_node} host pool(s) of "
+            "this node)."
         )
 
+    if layout.ranks_per_pool > 1:
+        scope = f"shared by {layout.ranks_per_pool} attention-TP ranks"
+    else:
+        scope = "per rank"
     logger.info(
         "Decode NSA KV offload: %d LRU rows + %d recent-window rows per request "
         "per layer (index_topk=%d), up to %d x %d LRU rows while GPU memory is "
-        "idle, host pool %.2f GB per rank.",
+        "idle, host pool %.2f GB %s.",
         buffer_size,
         window,
         index_topk,
         server_args.nsa_kv_offload_max_units,
         buffer_size,
         server_args.nsa_kv_offload_host_pool_gb,
+        scope,
     )
+
+
+def _check_parallelism(
+    server_args: "ServerArgs", layout: NSAKVOffloadRankLayout
+) -> None:
+    """Refuse the parallel layouts the offload cannot run, then those it has
+    not run on GPUs yet (docs/MULTI_GPU.md)."""
+    from sglang.srt.utils import get_bool_env_var
+
+    tp, dp = server_args.tp_size, server_args.dp_size
+    if server_args.pp_size > 1:
+        _fail(
+            f"pipeline parallelism (--pp-size {server_args.pp_size}) is not supported."
+        )
+    if server_args.attn_cp_size > 1 or server_args.enable_nsa_prefill_context_parallel:
+        _fail(
+            "attention context parallelism (--attn-cp-size "
+            f"{server_args.attn_cp_size}, --enable-nsa-prefill-context-parallel) is "
+            "not supported."
+        )
+    if server_args.enable_dp_attention and dp != tp:
+        # Attention TP inside each DP group: the shared host pool of an
+        # attention-TP group and DP attention at once, never built.
+        _fail(
+            f"--enable-dp-attention with --dp-size {dp} smaller than --tp-size {tp} "
+            f"(attention TP of {tp // max(dp, 1)} GPUs inside each DP group) is not "
+            f"supported; use --dp-size {tp}."
+        )
+    if layout.attn_tp_size > 1:
+        if layout.attn_tp_spans_nodes:
+            _fail(
+                f"tensor parallelism across nodes (--tp-size {tp} over --nnodes "
+                f"{server_args.nnodes}) is not supported: the ranks of an "
+                "attention-TP group share one host pool, so they must be on one "
+                "node."
+            )
+        if server_args.disaggregation_mode == "decode":
+            _fail(
+                f"tensor parallelism (--tp-size {tp}) on a PD decode server is not "
+                "supported: the KV transfer writes every rank's copy of a prompt, "
+                "while the ranks of an attention-TP group share one host pool with "
+                "one writer."
+            )
+    if get_bool_env_var(ENV_UNPROVEN_PARALLEL):
+        if layout.attn_tp_size > 1 or server_args.enable_dp_attention:
+            logger.warning(
+                "Decode NSA KV offload: %s=1, starting a layout not yet run on GPUs "
+                "(--tp-size %d, --dp-size %d, --enable-dp-attention %s).",
+                ENV_UNPROVEN_PARALLEL,
+                tp,
+                dp,
+                server_args.enable_dp_attention,
+            )
+        return
+    if server_args.enable_dp_attention:
+        _fail(
+            f"DP attention (--enable-dp-attention --dp-size {dp}) has not run on GPUs "
+            "yet: its IDLE batches, the DP-attention padding of decode batches "
+            "(eager and CUDA graphs) and admission per rank are tested on CPU only "
+            f"({ENV_UNPROVEN_PARALLEL}=1 lets it start, for the GPU runs that prove "
+            "it)."
+        )
+    if layout.attn_tp_size > 1:
+        _fail(
+            f"tensor parallelism (--tp-size {tp}) has not run on GPUs yet: the host "
+            "pool its attention-TP ranks share (rank 0 writes, every rank reads) is "
+            f"simulated on CPU only ({ENV_UNPROVEN_PARALLEL}=1 lets it start, for "
+            "the GPU runs that prove it)."
+        )

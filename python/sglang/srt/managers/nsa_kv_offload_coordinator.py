@@ -29,6 +29,10 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
 * finish / abort / retract: release the region and LRU state after the GPU work
   that may still touch them.
 
+With attention TP the ranks of the group hold the same KV and share one host
+pool (``host_pool_group``): the first rank writes it, the others only read it
+and warm new requests from their own prefill staging rows (docs/MULTI_GPU.md).
+
 See docs/ENGINE.md (swap semantics) and docs/INTEGRATION.md (hook points).
 """
 
@@ -45,6 +49,11 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
     staging_reserve_rows,
+)
+from sglang.srt.mem_cache.nsa_kv_offload_shared_host import (
+    HostPoolGroup,
+    SharedHostLayout,
+    open_shared_host_segment,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_units import (
     STAGING_UNIT_SOURCE,
@@ -80,9 +89,19 @@ class NSAKVOffloadCoordinator:
         cross_layer_prefetch: bool = False,
         max_units: int = 1,
         staging_reserve_pages: int = 0,
+        host_pool_group: Optional[HostPoolGroup] = None,
     ):
         self.kv_pool = kv_pool
         self.kv_arrives_in_host = kv_arrives_in_host
+        # The ranks of an attention-TP group share one host pool; its first
+        # rank writes it, every rank warms admissions from its staging rows.
+        self.shares_host_pool = host_pool_group is not None
+        if self.shares_host_pool and kv_arrives_in_host:
+            raise ValueError(
+                "NSA KV offload: a shared host pool needs colocated prefill (the "
+                "PD transfer would write every rank's copy)"
+            )
+        host_writer = not self.shares_host_pool or host_pool_group.rank_in_group == 0
         self.allocator = allocator
         self.req_to_token = req_to_token
         self.sizes = sizes
@@ -95,21 +114,36 @@ class NSAKVOffloadCoordinator:
             kv_pool.kv_cache_dim, kv_pool.store_dtype
         )
         tic = time.perf_counter()
+        shared_segment = None
+        if self.shares_host_pool:
+            shape = NSAKVOnlyTokenToKVPoolHost.buffer_shape(
+                sizes.num_locs, kv_pool.page_size, kv_pool.layer_num, row_bytes
+            )
+            shared_segment = open_shared_host_segment(
+                SharedHostLayout(*shape), host_pool_group
+            )
         self.host_pool = NSAKVOnlyTokenToKVPoolHost(
             size=sizes.num_locs,
             page_size=kv_pool.page_size,
             layer_num=kv_pool.layer_num,
             row_bytes=row_bytes,
             start_layer=kv_pool.start_layer,
+            shared_segment=shared_segment,
         )
         logger.info(
             "NSA KV offload: pinned %.2f GB of host memory for %d token locs x %d "
-            "layers x %d B in %.1f s.",
+            "layers x %d B in %.1f s%s.",
             self.host_pool.nbytes / (1 << 30),
             sizes.num_locs,
             kv_pool.layer_num,
             row_bytes,
             time.perf_counter() - tic,
+            (
+                f" (shared by {host_pool_group.world_size} attention-TP ranks, "
+                f"{'the writer' if host_writer else 'a reader'})"
+                if self.shares_host_pool
+                else ""
+            ),
         )
         self.controller = SparseCacheController(
             device_kv_buffers=kv_pool.kv_buffer,
@@ -122,6 +156,7 @@ class NSAKVOffloadCoordinator:
             num_regions=sizes.num_regions,
             max_batch_size=max_batch_size,
             max_units=max_units,
+            host_writer=host_writer,
         )
         self.lru = self.controller.lru
         self._lends_staging = max_units > 1 and allocator.staging.num_pages > 0
@@ -207,10 +242,14 @@ class NSAKVOffloadCoordinator:
             return
         self._wait_producer()
         locs = self.req_to_token[r, :num_tokens].to(torch.int64)
+        rows = None
         if not self.kv_arrives_in_host:
             rows = self.kv_pool.loc_to_row[locs]
+            # The host writer only, when the host pool is shared.
             self.controller.backup_prefilled_request(rows, locs)
-        base = self.controller.admit_request(r, prefix_locs=locs)
+        base = self.controller.admit_request(
+            r, prefix_locs=locs, prefix_rows=rows if self.shares_host_pool else None
+        )
         if base is None:
             raise RuntimeError(
                 "NSA KV offload: no free decode region for request "
@@ -481,10 +520,17 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     """The coordinator of the model runner's pools. ModelRunner keeps it
     (``nsa_kv_offload``) and builds it before its attention backends, which
     are handed it at construction; the scheduler takes it from there."""
+    from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadRankLayout
     from sglang.srt.utils import get_bool_env_var
 
     sa = model_runner.server_args
     max_batch_size = max(model_runner.max_running_requests, sa.cuda_graph_max_bs or 0)
+    host_pool_group = None
+    if NSAKVOffloadRankLayout.from_server_args(sa).attn_tp_size > 1:
+        # Same KV on every rank of the group: one host pool per node.
+        from sglang.srt.layers.dp_attention import get_attention_tp_group
+
+        host_pool_group = get_attention_tp_group()
     kv_pool = model_runner.token_to_kv_pool
     allocator = model_runner.token_to_kv_pool_allocator
     sizes = kv_pool.sizes
@@ -516,6 +562,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
             model_runner.page_size,
         )
         // model_runner.page_size,
+        host_pool_group=host_pool_group,
     )
     # The pools' one link back (see NSAKVOffloadTokenToKVPoolAllocator), for
     # sglang code that holds only the allocator (get_nsa_kv_offload).

@@ -436,7 +436,13 @@ class NSAKVOffloadPoolConfigurator:
         self.buffer_size = self.geometry.buffer_size
         self.recent_window = self.geometry.recent_window
         self.host_pool_bytes = int(sa.nsa_kv_offload_host_pool_gb * (1 << 30))
-        self.user_max_running_requests = sa.max_running_requests
+        # Per rank: with DP attention --max-running-requests counts all DP
+        # ranks, as in ModelRunner._resolve_max_num_reqs.
+        self.user_max_running_requests = (
+            None
+            if sa.max_running_requests is None
+            else sa.max_running_requests // max(mr.dp_size, 1)
+        )
         self.context_len = mr.model_config.context_len
         self.prefill_budget = max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens)
         self.max_total_tokens = sa.max_total_tokens

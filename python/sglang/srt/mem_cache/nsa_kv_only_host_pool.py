@@ -14,7 +14,9 @@ the GPU and a PD transfer can land pages straight here
 
 The memory is page-locked (``cudaHostRegister`` by default, or torch's pinned
 allocator) so GPU kernels read it directly through unified virtual addressing.
-Without CUDA it falls back to ordinary memory (CPU tests).
+Without CUDA it falls back to ordinary memory (CPU tests). The ranks of an
+attention-TP group hold the same KV: they give the pool one shared segment
+(``nsa_kv_offload_shared_host``), which each rank page-locks in its process.
 
 This class holds memory and describes it; it has no policy (what to keep,
 when to copy: see ``SparseCacheController``).
@@ -23,9 +25,12 @@ when to copy: see ``SparseCacheController``).
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.nsa_kv_offload_shared_host import SharedHostSegment
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,11 @@ class NSAKVOnlyTokenToKVPoolHost:
             allocation; no rounding of the size), ``"torch"`` (torch's pinned
             host allocator, which may round large sizes up to a power of two)
             or ``"none"``.
+        shared_segment: memory shared with the other ranks of an attention-TP
+            group (``layout.shape`` must be this pool's buffer shape, see
+            :meth:`buffer_shape`), used instead of a private allocation and
+            registered in this process (``pin_method="register"`` or
+            ``"none"``).
     """
 
     def __init__(
@@ -60,6 +70,7 @@ class NSAKVOnlyTokenToKVPoolHost:
         start_layer: int = 0,
         pin_memory: bool = True,
         pin_method: str = "register",
+        shared_segment: Optional[SharedHostSegment] = None,
     ):
         if size <= 0 or page_size <= 0 or layer_num <= 0 or row_bytes <= 0:
             raise ValueError(
@@ -70,6 +81,15 @@ class NSAKVOnlyTokenToKVPoolHost:
             raise ValueError(f"row_bytes={row_bytes} must be a multiple of 16")
         if pin_method not in PIN_METHODS:
             raise ValueError(f"pin_method must be one of {PIN_METHODS}")
+        if shared_segment is not None:
+            if pin_method == "torch":
+                raise ValueError("a shared segment is pinned with pin_method=register")
+            shape = self.buffer_shape(size, page_size, layer_num, row_bytes)
+            if tuple(shared_segment.layout.shape) != shape:
+                raise ValueError(
+                    f"shared segment rows {shared_segment.layout.shape} != {shape}"
+                )
+        self.shared_segment = shared_segment
 
         self.page_size = page_size
         self.page_num = (size + page_size - 1) // page_size
@@ -100,12 +120,13 @@ class NSAKVOnlyTokenToKVPoolHost:
         self._layer_ptrs_on = {}
 
         logger.info(
-            "NSA KV-only host pool: %d tokens x %d layers x %d B = %.2f GB (%s)",
+            "NSA KV-only host pool: %d tokens x %d layers x %d B = %.2f GB (%s%s)",
             self.size,
             self.layer_num,
             self.row_bytes,
             self.kv_buffer.nbytes / 1e9,
             "pinned via " + pin_method if self.pin_memory else "not pinned",
+            ", shared" if shared_segment is not None else "",
         )
 
     # ---- construction helpers -------------------------------------------------
@@ -118,6 +139,14 @@ class NSAKVOnlyTokenToKVPoolHost:
         ``store_dtype`` (fp8: 656 x uint8; bf16: 576 x bfloat16 = 1152 B).
         """
         return kv_cache_dim * torch.empty((), dtype=dtype).element_size()
+
+    @staticmethod
+    def buffer_shape(
+        size: int, page_size: int, layer_num: int, row_bytes: int
+    ) -> Tuple[int, int, int]:
+        """``kv_buffer`` shape of a pool of ``size`` token locs."""
+        num_rows = (size + page_size - 1) // page_size * page_size + page_size
+        return (layer_num, num_rows, row_bytes)
 
     @staticmethod
     def bytes_per_token(layer_num: int, row_bytes: int) -> int:
@@ -167,9 +196,12 @@ class NSAKVOnlyTokenToKVPoolHost:
 
     def _alloc_buffer(self) -> torch.Tensor:
         dims = (self.layer_num, self.num_rows, self.row_bytes)
-        if self.pin_method == "torch":
+        if self.shared_segment is not None:
+            buffer = self.shared_segment.tensor()
+        elif self.pin_method == "torch":
             return torch.empty(dims, dtype=torch.uint8, pin_memory=True)
-        buffer = torch.empty(dims, dtype=torch.uint8)
+        else:
+            buffer = torch.empty(dims, dtype=torch.uint8)
         if self.pin_method == "register":
             err = torch.cuda.cudart().cudaHostRegister(
                 buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0

@@ -146,6 +146,10 @@ class SparseCacheController:
             installed into the LRU slots at admission (clipped to ``C``).
         copy_block_rows / copy_num_warps / copy_word_bytes: tile of the miss copy.
         max_units: regions a request may hold (1: exactly one).
+        host_writer: whether this rank writes host rows (backups, new tokens).
+            False on the ranks of an attention-TP group but its first: they
+            share one host pool, which only the first writes (the others hold
+            the same KV on their GPUs and only read it).
     """
 
     def __init__(
@@ -165,8 +169,10 @@ class SparseCacheController:
         copy_num_warps: int = DEFAULT_NUM_WARPS,
         copy_word_bytes: Optional[int] = None,
         max_units: int = 1,
+        host_writer: bool = True,
     ):
         self.host_pool = host_pool
+        self.host_writer = host_writer
         self.row_bytes = host_pool.row_bytes
         self.layer_num = host_pool.layer_num
         self.start_layer = host_pool.start_layer
@@ -290,8 +296,9 @@ class SparseCacheController:
         src_idx: torch.Tensor,
         dst_idx: torch.Tensor,
         count: Optional[torch.Tensor],
-        counter_idx: int,
+        counter_idx: Optional[int],
     ) -> None:
+        counters = None if counter_idx is None else self.counters
         if self.use_triton_copy:
             copy_rows_all_layers(
                 src_ptrs,
@@ -300,8 +307,8 @@ class SparseCacheController:
                 dst_idx,
                 self.row_bytes,
                 count=count,
-                counters=self.counters,
-                counter_idx=counter_idx,
+                counters=counters,
+                counter_idx=counter_idx or 0,
                 word_bytes=self.copy_word_bytes,
                 block_rows=DEFAULT_ALL_LAYER_BLOCK_ROWS,
             )
@@ -313,8 +320,8 @@ class SparseCacheController:
                 dst_idx,
                 self.row_bytes,
                 count,
-                counters=self.counters,
-                counter_idx=counter_idx,
+                counters=counters,
+                counter_idx=counter_idx or 0,
             )
 
     def _d2h_all_layers(self, gpu_rows, locs, count) -> None:
@@ -339,6 +346,18 @@ class SparseCacheController:
             gpu_rows,
             count,
             COUNTER_H2D_ROWS,
+        )
+
+    def _d2d_all_layers(self, src_rows, dst_rows) -> None:
+        self._copy_all_layers(
+            self.device_layer_ptrs,
+            self.device_layer_ptrs,
+            self._device_rows,
+            self._device_rows,
+            src_rows,
+            dst_rows,
+            None,
+            None,
         )
 
     def _as_device_index(self, t, dtype) -> torch.Tensor:
@@ -420,8 +439,10 @@ class SparseCacheController:
         token locs (int64 device tensors); with ``count`` (1-element device
         tensor, e.g. the number of real requests) only the first ``count``
         entries are read. Call it before any of these requests is released
-        (their locs must still be theirs when the copy runs)."""
-        self._d2h_all_layers(gpu_rows, locs, count)
+        (their locs must still be theirs when the copy runs). A rank that is
+        not the host writer copies nothing."""
+        if self.host_writer:
+            self._d2h_all_layers(gpu_rows, locs, count)
 
     def backup_prefilled_request(
         self,
@@ -433,8 +454,11 @@ class SparseCacheController:
         after the work enqueued so far on the caller's stream.
 
         The staging rows must not be reused before :meth:`wait_backup` (or the
-        returned event) says the copy is done.
+        returned event) says the copy is done. A rank that is not the host
+        writer copies nothing (returns None).
         """
+        if not self.host_writer:
+            return None
         gpu_rows = self._as_device_index(gpu_rows, torch.int64)
         locs = self._as_device_index(locs, torch.int64)
         return self._launch_side(
@@ -481,6 +505,7 @@ class SparseCacheController:
         req_pool_idx: int,
         prefix_locs: Optional[torch.Tensor] = None,
         warm_tokens: Optional[int] = None,
+        prefix_rows: Optional[torch.Tensor] = None,
     ) -> Optional[int]:
         """Give a request a GPU region and admit it into the LRU state.
 
@@ -490,7 +515,10 @@ class SparseCacheController:
         inside the first decode step's window) are loaded, and the newest
         ``warm_tokens`` positions below the window are installed into the LRU
         slots. The loads run on the side stream, after the backups issued
-        before (see :meth:`wait_backup`).
+        before (see :meth:`wait_backup`). With ``prefix_rows`` (the GPU rows
+        of the same positions, e.g. prefill staging rows) they are copied from
+        those rows instead of host memory: a rank that shares its host pool
+        reads no host row another rank may still be writing.
 
         Returns the region's first row, or ``None`` when no region is free.
         """
@@ -506,19 +534,32 @@ class SparseCacheController:
         self._req_units[r] = []
         self.lru.admit_request(r, base)
         if prefix_locs is not None and prefix_locs.numel() > 0:
-            self._warm_request(r, base, prefix_locs, warm_tokens)
+            self._warm_request(r, base, prefix_locs, warm_tokens, prefix_rows)
         return base
 
     def _warm_request(
-        self, r: int, base: int, prefix_locs: torch.Tensor, warm_tokens
+        self,
+        r: int,
+        base: int,
+        prefix_locs: torch.Tensor,
+        warm_tokens,
+        prefix_rows: Optional[torch.Tensor] = None,
     ) -> None:
         C, W = self.buffer_size, self.recent_window
         prefix_locs = prefix_locs.reshape(-1).to(self.device, torch.int64)
+        # Where the copies read: host slots (= locs) or the given GPU rows.
+        source = prefix_locs
+        if prefix_rows is not None:
+            source = prefix_rows.reshape(-1).to(self.device, torch.int64)
+            if source.numel() != prefix_locs.numel():
+                raise ValueError(
+                    f"{source.numel()} prefix rows for {prefix_locs.numel()} locs"
+                )
         n = prefix_locs.numel()
         # The first decode step has seq_len n + 1: its window is [n + 1 - W, n].
         win_start = max(0, n + 1 - W)
         pos = torch.arange(win_start, n, dtype=torch.int64, device=self.device)
-        locs = [prefix_locs[win_start:n]]
+        locs = [source[win_start:n]]
         rows = [base + C + pos % W]
 
         if warm_tokens is None:
@@ -528,7 +569,8 @@ class SparseCacheController:
             # Oldest first: the newest token ends up most recently used.
             warm_locs = prefix_locs[win_start - num_warm : win_start]
             warm_rows = self.lru.warm_request(range(self.layer_num), r, warm_locs)
-            locs.append(warm_locs.unsqueeze(0).expand(self.layer_num, -1))
+            warm_src = source[win_start - num_warm : win_start]
+            locs.append(warm_src.unsqueeze(0).expand(self.layer_num, -1))
             rows.append(warm_rows.to(torch.int64))
             rows[0] = rows[0].unsqueeze(0).expand(self.layer_num, -1)
             locs[0] = locs[0].unsqueeze(0).expand(self.layer_num, -1)
@@ -538,7 +580,8 @@ class SparseCacheController:
             src, dst = locs[0].contiguous(), rows[0].contiguous()
         if src.shape[-1] == 0:
             return
-        self._launch_side(lambda: self._h2d_all_layers(src, dst), [src, dst])
+        copy = self._h2d_all_layers if prefix_rows is None else self._d2d_all_layers
+        self._launch_side(lambda: copy(src, dst), [src, dst])
         # The first decode step reads these rows: order the caller's stream.
         if self.side_stream is not None:
             self.wait_backup()
