@@ -10,7 +10,7 @@ With ``max_units > 1`` a request's slots span up to that many units of
 ever victims.
 """
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 
 class LRUModel:
@@ -20,10 +20,13 @@ class LRUModel:
         buffer_size: int,
         recent_window: int,
         max_units: int = 1,
+        read_window: Optional[int] = None,
     ):
         self.L = num_layers
         self.C = buffer_size
         self.W = recent_window
+        # Newest positions read from the window ring (rows base + C + p % W).
+        self.WR = recent_window if read_window is None else read_window
         self.max_units = max_units
         self.num_slots = buffer_size * max_units
         # Per (layer, request pool index).
@@ -125,7 +128,7 @@ class LRUModel:
         num_real: int,
     ):
         """One layer's swap. Returns per row (page-table row, [(src loc, dst row)])."""
-        C, W = self.C, self.W
+        C, W, WR = self.C, self.W, self.WR
         out = []
         for b, row in enumerate(topk):
             if b >= num_real:
@@ -138,7 +141,7 @@ class LRUModel:
             for i, p in enumerate(row):
                 if p < 0 or p >= n:
                     continue
-                if p >= n - W:
+                if p >= n - WR:
                     page[i] = base + C + p % W
                     self.counters[layer][1] += 1
                 else:
@@ -160,3 +163,61 @@ class LRUModel:
             slots, _, _ = self._take_slots(layer, r, locs)
             rows.append([-1 if s is None else self.row(r, s) for s in slots])
         return rows
+
+    def swap_multi(
+        self,
+        layer: int,
+        topk: Sequence[Sequence[int]],
+        req_pool_indices: Sequence[int],
+        seq_lens: Sequence[int],
+        req_to_token: Sequence[Sequence[int]],
+        num_real: int,
+        num_query_tokens: int,
+    ):
+        """One layer's swap with ``q = num_query_tokens`` query tokens per
+        request (docs/MTP.md): ``topk`` has ``q`` rows per request, query token
+        ``j`` at position ``seq_lens[b] - q + j`` sees the positions before it
+        and itself. The request's looked-up locs, in order of first appearance
+        (query token by query token, each in top-k order), go through one
+        swap; every entry maps to its loc's slot. Only the newest ``WR``
+        positions are read from the window ring.
+
+        Returns (page-table rows, one per query token; copies per request)."""
+        C, W, WR, q = self.C, self.W, self.WR, num_query_tokens
+        pages, copies = [], []
+        for b, r in enumerate(req_pool_indices):
+            rows = topk[b * q : (b + 1) * q]
+            if b >= num_real:
+                pages += [[-1] * len(row) for row in rows]
+                copies.append([])
+                continue
+            n = seq_lens[b]
+            base = self.region_base[r]
+            entries = []  # (query token, top-k index, loc)
+            unique, seen = [], set()  # looked-up locs, first appearance first
+            page_rows = [[-1] * len(row) for row in rows]
+            for j, row in enumerate(rows):
+                kv_len = n - q + j + 1
+                for i, p in enumerate(row):
+                    if p < 0 or p >= kv_len:
+                        continue
+                    if p >= n - WR:
+                        page_rows[j][i] = base + C + p % W
+                        self.counters[layer][1] += 1
+                        continue
+                    loc = req_to_token[r][p]
+                    entries.append((j, i, loc))
+                    if loc not in seen:
+                        seen.add(loc)
+                        unique.append(loc)
+            slots, missed, victims = self._take_slots(layer, r, unique)
+            slot_of = dict(zip(unique, slots))
+            for j, i, loc in entries:
+                page_rows[j][i] = self.row(r, slot_of[loc])
+            self.counters[layer][0] += len(entries) - len(missed)
+            self.counters[layer][2] += len(missed)
+            pages += page_rows
+            copies.append(
+                [(unique[i], self.row(r, v)) for i, v in zip(missed, victims)]
+            )
+        return pages, copies

@@ -57,6 +57,41 @@ class TestSwapKernelResources(unittest.TestCase):
             self.assertLessEqual(rows[key]["registers"], 128, rows[key])
         self.assertGreater(rows[(4, "fused")]["stack_bytes"], 0)
 
+    def _resources(self, *args):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        code = RUN.format(here=str(HERE), script=str(SCRIPT), args=list(args))
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        self.assertEqual(out.returncode, 0, out.stderr[-3000:])
+        return [json.loads(line) for line in out.stdout.splitlines()]
+
+    def test_multi_token_kernels_without_spills(self):
+        # MTP target verify (docs/MTP.md) at DeepSeek-V3.2's top-k: 2 query
+        # tokens fit C = 4096 (the fused kernel), 4 need C = 8192 (split
+        # kernels: the fused walk of 8192 slots spills).
+        fused = self._resources("--units", "1", "--query-tokens", "2")
+        split = self._resources(
+            "--units", "1,3", "--query-tokens", "4", "--buffer-size", "8192"
+        )
+        self.assertEqual([r["kernel"] for r in fused], ["multi_fused"])
+        kernels = {(r["units"], r["kernel"]) for r in split}
+        self.assertEqual(
+            kernels,
+            {
+                (u, k)
+                for u in (1, 3)
+                for k in ("multi_classify", "count", "rank", "multi_assign")
+            },
+        )
+        for row in fused + split:
+            self.assertEqual(row["stack_bytes"], 0, row)
+            self.assertLessEqual(row["registers"], 128, row)
+
 
 if __name__ == "__main__":
     unittest.main()

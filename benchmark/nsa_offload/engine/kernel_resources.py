@@ -7,6 +7,9 @@ costs every decode layer. Prints one JSON line per kernel and unit count:
 
     python benchmark/nsa_offload/engine/kernel_resources.py --units 1,2,4
 
+``--query-tokens 2,4 --buffer-size 8192`` compiles the multi-token swap (MTP
+target verify, docs/MTP.md) instead.
+
 Run it without TRITON_INTERPRET (the kernels must be JIT functions).
 """
 
@@ -85,7 +88,9 @@ def resources(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> dict:
     }
 
 
-def swap_kernels(units: int, buffer_size: int, top_k: int, window: int):
+def swap_kernels(
+    units: int, buffer_size: int, top_k: int, window: int, query_tokens: int = 1
+):
     """(name, kernel, constexprs, num_warps) as LRUCacheState launches them."""
     from sglang.srt.mem_cache import nsa_kv_offload_lru_kernels as lru
 
@@ -94,6 +99,10 @@ def swap_kernels(units: int, buffer_size: int, top_k: int, window: int):
     block_k = triton.next_power_of_2(top_k)
     shape = dict(C=C, C0=C0, U=units)
     chunk = dict(shape, BLOCK_C0=triton.next_power_of_2(C0))
+    if query_tokens > 1:
+        return multi_token_swap_kernels(
+            units, buffer_size, top_k, window, query_tokens, num_warps
+        )
     out = [
         (
             "fused",
@@ -129,6 +138,56 @@ def swap_kernels(units: int, buffer_size: int, top_k: int, window: int):
     return [(name, k, c, num_warps) for name, k, c in out]
 
 
+def multi_token_swap_kernels(units, buffer_size, top_k, window, q, num_warps):
+    """The kernels of a swap with ``q`` query tokens per request, as
+    ``TritonLRUSwap`` picks them (split with units or above
+    ``FUSED_MAX_SLOTS`` slots)."""
+    from sglang.srt.mem_cache import nsa_kv_offload_lru_kernels as lru
+    from sglang.srt.mem_cache import nsa_kv_offload_lru_multi_kernels as multi
+    from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+
+    C0, C = buffer_size, buffer_size * units
+    entries = dict(
+        K=top_k,
+        Q=q,
+        W=window,
+        WR=window - q + 1,
+        BLOCK_K=triton.next_power_of_2(top_k),
+        C=C,
+        C0=C0,
+    )
+    chunk = dict(C=C, C0=C0, U=units, BLOCK_C0=triton.next_power_of_2(C0))
+    split = units > 1 or triton.next_power_of_2(C) > TritonLRUSwap.FUSED_MAX_SLOTS
+    if not split:
+        out = [
+            (
+                "multi_fused",
+                multi._swap_multi_layer_kernel,
+                dict(entries, U=units, BLOCK_C=triton.next_power_of_2(C)),
+            )
+        ]
+    else:
+        out = [
+            (
+                "multi_classify",
+                multi._swap_multi_classify_kernel,
+                dict(entries, U=units, BLOCK_C0=chunk["BLOCK_C0"]),
+            ),
+            ("count", lru._swap_count_kernel, chunk),
+            (
+                "rank",
+                lru._swap_rank_kernel,
+                dict(chunk, K=q * top_k, BLOCK_U=triton.next_power_of_2(units)),
+            ),
+            (
+                "multi_assign",
+                multi._swap_multi_assign_kernel,
+                dict(entries, U=units, BLOCK_C0=chunk["BLOCK_C0"]),
+            ),
+        ]
+    return [(name, k, c, num_warps) for name, k, c in out]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -145,6 +204,11 @@ def main(argv=None) -> None:
         "--window", type=int, default=64, help="recent-window rows per request (W)"
     )
     p.add_argument(
+        "--query-tokens",
+        default="1",
+        help="comma-separated query tokens per request (> 1: MTP target verify)",
+    )
+    p.add_argument(
         "--arch",
         type=int,
         default=90,
@@ -153,13 +217,16 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_resources.py: unset TRITON_INTERPRET (needs JIT kernels)")
-    for units in (int(u) for u in args.units.split(",")):
-        for name, kernel, constexprs, num_warps in swap_kernels(
-            units, args.buffer_size, args.top_k, args.window
-        ):
-            row = {"kernel": name, "units": units}
-            row.update(resources(kernel, constexprs, num_warps, args.arch))
-            print(json.dumps(row), flush=True)
+    for q in (int(x) for x in args.query_tokens.split(",")):
+        for units in (int(u) for u in args.units.split(",")):
+            for name, kernel, constexprs, num_warps in swap_kernels(
+                units, args.buffer_size, args.top_k, args.window, q
+            ):
+                row = {"kernel": name, "units": units}
+                if q > 1:
+                    row["query_tokens"] = q
+                row.update(resources(kernel, constexprs, num_warps, args.arch))
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,12 @@ _HOST_RESERVE_FRACTION = 0.1
 # Lets --tp-size > 1 and --enable-dp-attention start, for the GPU runs that
 # prove them (docs/MULTI_GPU.md); refused without it.
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
+# Speculative decoding the offload's multi-token swap serves (docs/MTP.md):
+# EAGLE / NextN MTP with one draft chain, target verify with the drafts and
+# the bonus token as query tokens. NEXTN is EAGLE after sglang's alias step.
+_OFFLOAD_SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
+# Steps the multi-token swap is tested with (query tokens = steps + 1).
+_OFFLOAD_MAX_SPECULATIVE_STEPS = 3
 
 
 def host_memory_reserve_gb(total_bytes: int) -> float:
@@ -103,6 +109,68 @@ class NSAKVOffloadRankLayout:
 
 def _fail(message: str) -> None:
     raise ValueError(f"--enable-decode-nsa-kv-offload: {message}")
+
+
+def nsa_kv_offload_default_buffer_size(index_topk: int, query_tokens: int) -> int:
+    """Default LRU rows per request and layer: one top-k more than the union
+    of a step's query tokens' top-k can need (``2 x index_topk`` for decode)."""
+    return (query_tokens + 1) * index_topk
+
+
+def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int) -> int:
+    """The refusals that stay once MTP target verify runs with the offload;
+    returns the query tokens per request of a target-model forward (1 without
+    speculative decoding). Call it after sglang's speculative-decoding step
+    (NEXTN resolved to EAGLE, the draft-token count adjusted) and after the
+    buffer size default is resolved. Not called yet: the server refuses
+    ``--speculative-algorithm`` with the offload until the verify path is
+    wired (docs/MTP.md, "What lifting the refusal takes")."""
+    algorithm = server_args.speculative_algorithm
+    if algorithm is None:
+        return 1
+    if algorithm.upper() not in _OFFLOAD_SPECULATIVE_ALGORITHMS:
+        _fail(
+            f"--speculative-algorithm {algorithm} is not supported; only EAGLE / "
+            "NEXTN MTP is."
+        )
+    topk = server_args.speculative_eagle_topk
+    if topk != 1:
+        # A draft tree's query tokens see different prefixes: positions stop
+        # being one chain, and a branch's KV is not the committed token's.
+        _fail(
+            f"--speculative-eagle-topk {topk} is not supported; only 1 (one "
+            "draft chain) is."
+        )
+    steps = server_args.speculative_num_steps
+    if steps is None or not 1 <= steps <= _OFFLOAD_MAX_SPECULATIVE_STEPS:
+        _fail(
+            f"--speculative-num-steps {steps} is not supported; 1 to "
+            f"{_OFFLOAD_MAX_SPECULATIVE_STEPS} are."
+        )
+    query_tokens = server_args.speculative_num_draft_tokens
+    if query_tokens != steps + 1:
+        _fail(
+            f"--speculative-num-draft-tokens ({query_tokens}) must be "
+            f"--speculative-num-steps + 1 ({steps + 1}) with "
+            "--speculative-eagle-topk 1."
+        )
+    buffer_size = server_args.nsa_kv_offload_gpu_buffer_size
+    if buffer_size is not None and buffer_size < query_tokens * index_topk:
+        # A verify step keeps the union of its query tokens' top-k resident.
+        _fail(
+            f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at least "
+            f"--speculative-num-draft-tokens ({query_tokens}) x the model's "
+            f"index_topk ({index_topk}) = {query_tokens * index_topk}."
+        )
+    window = server_args.nsa_kv_offload_recent_window
+    if window < 2 * query_tokens - 1:
+        # Swaps read the newest window - (query tokens - 1) positions from the
+        # ring, the drafts among them.
+        _fail(
+            f"--nsa-kv-offload-recent-window ({window}) must be at least 2 x "
+            f"--speculative-num-draft-tokens - 1 ({2 * query_tokens - 1})."
+        )
+    return query_tokens
 
 
 def apply_nsa_kv_offload_backend_defaults(
@@ -165,6 +233,8 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
     if server_args.enable_hisparse:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
     if server_args.speculative_algorithm is not None:
+        # Until MTP target verify is wired (docs/MTP.md); then
+        # check_nsa_kv_offload_speculative keeps refusing the rest.
         _fail(
             "speculative decoding (--speculative-algorithm "
             f"{server_args.speculative_algorithm}) is not supported."

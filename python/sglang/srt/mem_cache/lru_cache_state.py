@@ -14,6 +14,14 @@ add and drop units at other bases): slot ``s`` lives at row
 ``unit_base[r, s // C] + s % C`` and only the request's first ``capacity[r]``
 slots are ever evicted into. ``U = 1`` is the fixed-region case above.
 
+With ``max_query_tokens = Q > 1`` a swap may serve up to ``Q`` query tokens
+per request (MTP target verify, ``docs/MTP.md``): their top-k rows are looked
+up as one list, each missing loc is copied once, and each query token gets its
+own page-table row in its own top-k order. Swaps then read only the newest
+``W - Q + 1`` positions from the ring (``read_window``; the older ones through
+the LRU): rejected drafts may have overwritten the ring rows of the others.
+``Q = 1`` is the decode swap.
+
 Everything is fixed-shape and sync-free so the swap can be captured in a CUDA
 graph. The swap backend is chosen once, at construction: on CUDA (or under
 ``TRITON_INTERPRET=1``) ``nsa_kv_offload_lru_triton.TritonLRUSwap`` runs one
@@ -80,12 +88,29 @@ class LRUCacheState:
         max_batch_size: Optional[int] = None,
         num_warps: Optional[int] = None,
         max_units: int = 1,
+        max_query_tokens: int = 1,
     ):
-        if buffer_size < top_k:
-            raise ValueError(f"buffer_size ({buffer_size}) must be >= top_k ({top_k})")
+        if max_query_tokens < 1:
+            raise ValueError(f"max_query_tokens ({max_query_tokens}) must be >= 1")
+        # One swap keeps the union of its query tokens' top-k resident at once.
+        if buffer_size < max_query_tokens * top_k:
+            raise ValueError(
+                f"buffer_size ({buffer_size}) must be >= max_query_tokens "
+                f"({max_query_tokens}) x top_k ({top_k})"
+            )
         if not 1 <= recent_window < buffer_size:
             raise ValueError(
                 f"recent_window ({recent_window}) must be in [1, buffer_size)"
+            )
+        # Swaps read the newest read_window positions from the ring: the ring
+        # rows of the W - read_window older ones may hold drafts rejected by
+        # an earlier step (docs/MTP.md, "Rollback"). A step's query tokens
+        # (its newest positions) must be among them.
+        read_window = recent_window - (max_query_tokens - 1)
+        if read_window < max_query_tokens:
+            raise ValueError(
+                f"recent_window ({recent_window}) must be >= 2 x max_query_tokens "
+                f"- 1 ({2 * max_query_tokens - 1})"
             )
         if max_units < 1:
             raise ValueError(f"max_units ({max_units}) must be >= 1")
@@ -98,10 +123,13 @@ class LRUCacheState:
         self.num_locs = num_locs
         self.buffer_size = buffer_size
         self.max_units = max_units
+        self.max_query_tokens = max_query_tokens
         # LRU slots per (layer, request) across all units; a request uses
         # its first capacity[r] of them.
         self.num_slots = buffer_size * max_units
         self.recent_window = recent_window
+        # Window positions a swap reads from the ring (W with one query token).
+        self.read_window = read_window
         self.top_k = top_k
         self.region_size = buffer_size + recent_window
         self.device = torch.device(device)
@@ -281,6 +309,22 @@ class LRUCacheState:
         pos = seq_lens.long() - 1
         return base + self.buffer_size + pos % self.recent_window
 
+    def expand_query_tokens(
+        self,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_query_tokens: int,
+    ):
+        """Per query token (``bs * q`` entries, request-major): its request's
+        pool index and its own length (position + 1), for :meth:`window_rows`
+        and :meth:`map_new_tokens` (``seq_lens`` as in :meth:`swap_layer`)."""
+        q = num_query_tokens
+        if q == 1:
+            return req_pool_indices, seq_lens
+        j = torch.arange(q, dtype=seq_lens.dtype, device=seq_lens.device)
+        lens = (seq_lens[:, None] - q + 1 + j[None, :]).reshape(-1)
+        return req_pool_indices.repeat_interleave(q), lens
+
     def map_new_tokens(
         self,
         req_pool_indices: torch.Tensor,
@@ -313,6 +357,7 @@ class LRUCacheState:
         num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
         out: Optional[LayerSwapPlan] = None,
         counters: Optional[torch.Tensor] = None,
+        num_query_tokens: int = 1,
     ) -> LayerSwapPlan:
         """Swap one layer for a batch: page table in top-k order + copy plan.
 
@@ -322,7 +367,25 @@ class LRUCacheState:
         the returned plan views their first ``bs`` rows. ``counters`` (3,)
         int64 receives the hit / window / miss counts instead of the layer's
         own (a prefetch counts apart from the demand swaps).
+
+        ``num_query_tokens = q > 1`` (at most ``max_query_tokens``): each of
+        the ``bs`` requests has ``q`` query tokens; ``topk_pos`` is
+        ``(bs * q, K)``, request-major, and ``seq_lens[b]`` counts them all
+        (query token ``j`` sits at position ``seq_lens[b] - q + j``). The plan
+        has a page-table row per query token (``(bs * q, K)``) and one copy
+        list per request (``(bs, q * K)``, each missing loc once); rows of
+        ``out`` count as above (page table: ``bs * q``). See ``docs/MTP.md``.
         """
+        q = num_query_tokens
+        if not 1 <= q <= self.max_query_tokens:
+            raise ValueError(
+                f"num_query_tokens ({q}) must be in [1, {self.max_query_tokens}]"
+            )
+        if topk_pos.shape[0] != req_pool_indices.shape[0] * q:
+            raise ValueError(
+                f"topk_pos has {topk_pos.shape[0]} rows for "
+                f"{req_pool_indices.shape[0]} requests x {q} query tokens"
+            )
         return self.swap_backend.swap_layer(
             self,
             layer,
@@ -333,16 +396,21 @@ class LRUCacheState:
             num_real_reqs,
             out,
             counters,
+            q,
         )
 
-    def plan_view(self, bs: int, out: Optional[LayerSwapPlan]) -> LayerSwapPlan:
-        """The first ``bs`` rows of ``out`` (checked), or new buffers."""
+    def plan_view(
+        self, bs: int, out: Optional[LayerSwapPlan], num_query_tokens: int = 1
+    ) -> LayerSwapPlan:
+        """The rows of ``out`` for ``bs`` requests with ``num_query_tokens``
+        each (checked), or new buffers."""
+        q = num_query_tokens
         if out is None:
             k, dev = self.top_k, self.device
             return LayerSwapPlan(
-                torch.empty((bs, k), dtype=torch.int32, device=dev),
-                torch.empty((bs, k), dtype=torch.int64, device=dev),
-                torch.empty((bs, k), dtype=torch.int32, device=dev),
+                torch.empty((bs * q, k), dtype=torch.int32, device=dev),
+                torch.empty((bs, q * k), dtype=torch.int64, device=dev),
+                torch.empty((bs, q * k), dtype=torch.int32, device=dev),
                 torch.empty((bs,), dtype=torch.int32, device=dev),
             )
         assert out.page_table.dtype == torch.int32
@@ -351,7 +419,16 @@ class LRUCacheState:
         assert out.miss_count.dtype == torch.int32
         for t in out:
             assert t.shape[0] >= bs and t.stride(-1) == 1
-        return LayerSwapPlan(*(t[:bs] for t in out))
+        width = q * out.page_table.shape[1]
+        assert out.page_table.shape[0] >= bs * q
+        assert out.miss_src_loc.shape[1] >= width
+        assert out.miss_dst_row.shape[1] >= width
+        return LayerSwapPlan(
+            out.page_table[: bs * q],
+            out.miss_src_loc[:bs, :width],
+            out.miss_dst_row[:bs, :width],
+            out.miss_count[:bs],
+        )
 
     def num_real_tensor(
         self, num_real_reqs: Optional[Union[torch.Tensor, int]], bs: int

@@ -7,6 +7,11 @@ order) and :func:`post_process_layer_swap` (compacts the copy list, applies the
 recency rule, counts). ``LRUCacheState.warm_request`` uses :func:`assign_slots`
 and :func:`reorder_lru` on every backend. See ``docs/ENGINE.md`` ("Per-layer
 swap semantics").
+
+With ``q = num_query_tokens > 1`` (MTP target verify, ``docs/MTP.md``) a
+request's ``q`` top-k rows are swapped as one list of ``q x K`` entries: the
+misses are deduplicated (a loc missed by several query tokens is copied once,
+at its first occurrence), the page table keeps one row per query token.
 """
 
 from __future__ import annotations
@@ -21,15 +26,16 @@ if TYPE_CHECKING:
 
 
 class LayerSwapPlan(NamedTuple):
-    """Result of one layer's swap for a batch of ``bs`` rows.
+    """Result of one layer's swap for a batch of ``bs`` requests with ``q``
+    query tokens each (``q = 1``: decode).
 
     Only the first ``miss_count[b]`` entries of ``miss_src_loc[b]`` and
     ``miss_dst_row[b]`` are meaningful; the rest are garbage.
     """
 
-    page_table: torch.Tensor  # (bs, K) int32, GPU rows in top-k order, -1 = skip
-    miss_src_loc: torch.Tensor  # (bs, K) int64, host slot (= token loc) to load
-    miss_dst_row: torch.Tensor  # (bs, K) int32, GPU row to load it into
+    page_table: torch.Tensor  # (bs * q, K) int32, GPU rows in top-k order, -1 = skip
+    miss_src_loc: torch.Tensor  # (bs, q * K) int64, host slot (= token loc) to load
+    miss_dst_row: torch.Tensor  # (bs, q * K) int32, GPU row to load it into
     miss_count: torch.Tensor  # (bs,) int32
 
 
@@ -41,19 +47,22 @@ class LayerSwapWork:
     real: torch.Tensor  # (bs,) bool, row is not CUDA-graph padding
     req: torch.Tensor  # (bs,) int64, request pool index (padding -> sink row)
     base: torch.Tensor  # (bs,) int64, region base row (unit 0)
-    pos: torch.Tensor  # (bs, K) int64, top-k positions
-    in_window: torch.Tensor  # (bs, K) bool
-    hit: torch.Tensor  # (bs, K) bool
-    miss: torch.Tensor  # (bs, K) bool
-    loc: torch.Tensor  # (bs, K) int64, token loc of looked-up entries
-    slot: torch.Tensor  # (bs, K) int64, LRU slot of hits and misses, else -1
-    row: torch.Tensor  # (bs, K) int64, GPU row of ``slot``, else -1
-    miss_rank: torch.Tensor  # (bs, K) int64, index among the row's misses
+    # Entries: the request's q top-k rows side by side (M = q x K; q = 1: K).
+    pos: torch.Tensor  # (bs, M) int64, top-k positions
+    in_window: torch.Tensor  # (bs, M) bool
+    hit: torch.Tensor  # (bs, M) bool
+    miss: torch.Tensor  # (bs, M) bool
+    first_miss: torch.Tensor  # (bs, M) bool, first entry of each missed loc
+    loc: torch.Tensor  # (bs, M) int64, token loc of looked-up entries
+    slot: torch.Tensor  # (bs, M) int64, LRU slot of hits and misses, else -1
+    row: torch.Tensor  # (bs, M) int64, GPU row of ``slot``, else -1
+    miss_rank: torch.Tensor  # (bs, M) int64, index of the loc among the misses
     num_misses: torch.Tensor  # (bs,) int64
     num_hits: torch.Tensor  # (bs,) int64
     order: torch.Tensor  # (bs, C) int64, lru_order before the step
     order_evictable: torch.Tensor  # (bs, C) bool, slot at that position not hit
     evict_rank: torch.Tensor  # (bs, C) int64, rank among evictable positions
+    num_query_tokens: int = 1
 
 
 class ReferenceLRUSwap:
@@ -70,6 +79,7 @@ class ReferenceLRUSwap:
         num_real_reqs: Optional[Union[torch.Tensor, int]],
         out: Optional[LayerSwapPlan],
         counters: Optional[torch.Tensor],
+        num_query_tokens: int = 1,
     ) -> LayerSwapPlan:
         work = prepare_layer_swap(
             state,
@@ -79,6 +89,7 @@ class ReferenceLRUSwap:
             seq_lens,
             req_to_token,
             num_real_reqs,
+            num_query_tokens,
         )
         page_table = build_gpu_page_table(
             state, work, out=None if out is None else out.page_table
@@ -106,33 +117,54 @@ def prepare_layer_swap(
     seq_lens: torch.Tensor,
     req_to_token: torch.Tensor,
     num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
+    num_query_tokens: int = 1,
 ) -> LayerSwapWork:
-    """Classify the top-k entries, pick victims and update residency."""
-    bs = topk_pos.shape[0]
-    W = state.recent_window
+    """Classify the top-k entries, pick victims and update residency.
+
+    ``topk_pos`` is ``(bs * q, K)``: rows ``b * q .. b * q + q - 1`` are the
+    query tokens of request ``b``, at positions ``seq_lens[b] - q + j``; query
+    token ``j`` sees positions ``< seq_lens[b] - q + j + 1`` (later ones are
+    padding); the request's newest ``state.read_window`` positions are read
+    from the window ring.
+    """
+    q = num_query_tokens
+    bs, k = topk_pos.shape[0] // q, topk_pos.shape[1]
+    W = state.read_window
     num_real = state.num_real_tensor(num_real_reqs, bs)
     real = torch.arange(bs, device=state.device) < num_real
     req_in = req_pool_indices.long()
     req = torch.where(real, req_in, state._sink_req)
     base = state._region_base_buf[req].long()
     n = seq_lens.long()[:, None]
-    pos = topk_pos.long()
-    valid = real[:, None] & (pos >= 0) & (pos < n)
+    pos = topk_pos.long().reshape(bs, q * k)
+    if q == 1:
+        kv_len = n
+    else:
+        query = torch.arange(q * k, device=state.device) // k
+        kv_len = n - q + 1 + query[None, :]
+    valid = real[:, None] & (pos >= 0) & (pos < kv_len)
     in_window = valid & (pos >= n - W)
     lookup = valid & ~in_window
     tok_req = torch.where(real, req_in, 0)[:, None]
     loc = req_to_token[tok_req, torch.where(lookup, pos, 0)].long()
     loc = torch.where(lookup, loc, -1)
-    return assign_slots(state, layer, req, base, lookup, loc, real, pos, in_window)
+    work = assign_slots(
+        state, layer, req, base, lookup, loc, real, pos, in_window, dedup=q > 1
+    )
+    work.num_query_tokens = q
+    return work
 
 
 def build_gpu_page_table(
     state: LRUCacheState, work: LayerSwapWork, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """GPU rows of the top-k entries, in top-k order (-1 for padding)."""
+    """GPU rows of the top-k entries, in top-k order (-1 for padding): one
+    row per query token."""
     base = work.base[:, None]
     window_row = base + state.buffer_size + work.pos.remainder(state.recent_window)
     rows = torch.where(work.in_window, window_row, work.row).to(torch.int32)
+    q = work.num_query_tokens
+    rows = rows.reshape(rows.shape[0] * q, -1)
     if out is None:
         return rows
     out[: rows.shape[0]].copy_(rows)
@@ -148,23 +180,24 @@ def post_process_layer_swap(
 ) -> LayerSwapPlan:
     """Compact the misses into the copy list and apply the recency rule."""
     bs, k = work.miss.shape
-    sink = torch.where(work.miss, work.miss_rank, k)
+    sink = torch.where(work.first_miss, work.miss_rank, k)
     src = torch.zeros((bs, k + 1), dtype=torch.int64, device=state.device)
     src.scatter_(1, sink, work.loc)
     dst = torch.zeros((bs, k + 1), dtype=torch.int64, device=state.device)
     dst.scatter_(1, sink, work.row)
     count = work.num_misses.to(torch.int32)
     reorder_lru(state, work)
-    stats = torch.stack([work.hit.sum(), work.in_window.sum(), work.miss.sum()]).to(
-        torch.int64
-    )
+    # LRU hits: looked-up entries served without a copy of their own (with
+    # several query tokens, repeats of this step's misses count as hits).
+    hits = work.hit.sum() + (work.miss & ~work.first_miss).sum()
+    stats = torch.stack([hits, work.in_window.sum(), work.first_miss.sum()])
     if counters is None:
         counters = state.counters[work.layer]
-    counters += stats
+    counters += stats.to(torch.int64)
     plan = LayerSwapPlan(page_table, src[:, :k], dst[:, :k].to(torch.int32), count)
     if out is None:
         return plan
-    result = state.plan_view(bs, out)
+    result = state.plan_view(bs, out, work.num_query_tokens)
     for dst_t, src_t in zip(result, plan):
         if dst_t.data_ptr() != src_t.data_ptr():
             dst_t.copy_(src_t)
@@ -181,8 +214,13 @@ def assign_slots(
     real: Optional[torch.Tensor] = None,
     pos: Optional[torch.Tensor] = None,
     in_window: Optional[torch.Tensor] = None,
+    dedup: bool = False,
 ) -> LayerSwapWork:
-    """Hits, misses and victims of looked-up locs; updates residency."""
+    """Hits, misses and victims of looked-up locs; updates residency.
+
+    ``dedup``: a row may look up a loc more than once (several query tokens);
+    its misses are then counted, ranked and loaded at the loc's first entry,
+    and every entry of the loc gets that entry's victim."""
     bs, k = loc.shape
     C, N = state.num_slots, state.num_locs
     l2s = state._loc_to_slot_buf[layer]
@@ -191,6 +229,7 @@ def assign_slots(
     cur = l2s[torch.where(lookup, loc, N)].long()
     hit = lookup & (cur >= 0)
     miss = lookup & (cur < 0)
+    first, leader = first_misses(loc, miss, N) if dedup else (miss, None)
     hit_flags = torch.zeros((bs, C + 1), dtype=torch.bool, device=state.device)
     hit_flags.scatter_(1, torch.where(hit, cur, C), True)
     order = state._lru_buf[layer][req].long()
@@ -199,8 +238,10 @@ def assign_slots(
     evictable = ~hit_flags.gather(1, order) & in_capacity
     ev = evictable.long()
     evict_rank = ev.cumsum(1) - ev
-    mi = miss.long()
+    mi = first.long()
     miss_rank = mi.cumsum(1) - mi
+    if leader is not None:
+        miss_rank = miss_rank.gather(1, leader)
     num_misses = mi.sum(1)
     # The j-th miss (top-k order) takes the j-th evictable slot (LRU first).
     taken = evictable & (evict_rank < num_misses[:, None])
@@ -214,11 +255,11 @@ def assign_slots(
     row = torch.where(slot >= 0, unit_base + slot % C0, -1)
 
     # Residency: victims' old locs leave, the missed locs enter.
-    req2 = torch.where(miss, req[:, None], state._sink_req)
-    vslot = torch.where(miss, victim, 0)
-    old = torch.where(miss, slot_loc[req2, vslot].long(), -1)
+    req2 = torch.where(first, req[:, None], state._sink_req)
+    vslot = torch.where(first, victim, 0)
+    old = torch.where(first, slot_loc[req2, vslot].long(), -1)
     l2s.index_put_((torch.where(old >= 0, old, N),), l2s.new_full((), -1))
-    l2s.index_put_((torch.where(miss, loc, N),), slot.to(l2s.dtype))
+    l2s.index_put_((torch.where(first, loc, N),), slot.to(l2s.dtype))
     slot_loc.index_put_((req2, vslot), loc.to(slot_loc.dtype))
 
     return LayerSwapWork(
@@ -230,6 +271,7 @@ def assign_slots(
         in_window=torch.zeros_like(lookup) if in_window is None else in_window,
         hit=hit,
         miss=miss,
+        first_miss=first,
         loc=loc,
         slot=slot,
         row=row,
@@ -240,6 +282,23 @@ def assign_slots(
         order_evictable=evictable,
         evict_rank=evict_rank,
     )
+
+
+def first_misses(loc: torch.Tensor, miss: torch.Tensor, num_locs: int):
+    """``(first, leader)``: ``first[b, i]`` marks the first entry of row ``b``
+    missing its loc, ``leader[b, i]`` the index of the first entry of row ``b``
+    with the same missed loc as entry ``i`` (``i`` itself for the others)."""
+    bs, m = loc.shape
+    idx = torch.arange(m, device=loc.device).expand(bs, m)
+    # Entries that are not misses get keys of their own (locs are < num_locs).
+    key = torch.where(miss, loc, num_locs + idx)
+    sorted_key, perm = torch.sort(key, dim=1, stable=True)
+    starts = torch.ones_like(sorted_key, dtype=torch.bool)
+    starts[:, 1:] = sorted_key[:, 1:] != sorted_key[:, :-1]
+    # Stable sort: each run of one loc starts at its lowest entry index.
+    run_start = torch.where(starts, idx, 0).cummax(1).values
+    leader = torch.empty_like(perm).scatter_(1, perm, perm.gather(1, run_start))
+    return miss & (leader == idx), leader
 
 
 def reorder_lru(state: LRUCacheState, work: LayerSwapWork) -> None:

@@ -4,8 +4,10 @@ under ``TRITON_INTERPRET=1``).
 :class:`TritonLRUSwap` launches the kernels of ``nsa_kv_offload_lru_kernels``: one fused
 kernel per layer (``_swap_layer_kernel``), or, with units (``max_units > 1``),
 the same swap split by unit into four kernels (``_swap_classify_kernel``
-...), plus the per-step new-token mapping. Semantics: ``docs/ENGINE.md``; the
-pure-torch reference in ``nsa_kv_offload_lru_reference`` is bit-exact with it.
+...), plus the per-step new-token mapping. Several query tokens per request
+(MTP target verify) run the kernels of ``nsa_kv_offload_lru_multi_kernels``.
+Semantics: ``docs/ENGINE.md``, ``docs/MTP.md``; the pure-torch reference in
+``nsa_kv_offload_lru_reference`` is bit-exact with it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ if _HAS_TRITON:
         _swap_count_kernel,
         _swap_layer_kernel,
         _swap_rank_kernel,
+    )
+    from sglang.srt.mem_cache.nsa_kv_offload_lru_multi_kernels import (
+        _swap_multi_assign_kernel,
+        _swap_multi_classify_kernel,
+        _swap_multi_layer_kernel,
     )
 
 if TYPE_CHECKING:
@@ -60,8 +67,18 @@ class TritonLRUSwap:
 
     ``split_by_unit`` (default: with units) runs the swap as the four kernels
     split by unit; ``False`` runs the one-program fused kernel even with units
-    (benchmarks and tests compare the two).
+    (benchmarks and tests compare the two). ``multi_split`` is the same choice
+    for swaps of several query tokens per request (default: split with units,
+    or when one program would walk more than ``FUSED_MAX_SLOTS`` slots).
+    Multi-token kernels run every swap of a state with ``max_query_tokens > 1``
+    (its read window is shorter); ``always_multi_token`` runs them for one
+    query token of a one-token state too (tests: the two must agree).
     """
+
+    # The fused walk holds 8 lru entries per thread at 16 warps without
+    # spills; at 8192 slots (16 per thread) it spills (kernel_resources.py,
+    # sm_90), the split kernels do not.
+    FUSED_MAX_SLOTS = 4096
 
     def __init__(
         self,
@@ -69,6 +86,8 @@ class TritonLRUSwap:
         max_batch_size: Optional[int] = None,
         num_warps: Optional[int] = None,
         split_by_unit: Optional[bool] = None,
+        multi_split: Optional[bool] = None,
+        always_multi_token: bool = False,
     ):
         check_triton_usable(state.device)
         self.device = state.device
@@ -77,6 +96,7 @@ class TritonLRUSwap:
         self.buffer_size = state.buffer_size
         self.recent_window = state.recent_window
         self.max_units = state.max_units
+        self.max_query_tokens = state.max_query_tokens
         self.block_c = _next_pow2(self.num_slots)
         self.block_k = _next_pow2(self.top_k)
         if num_warps is None:
@@ -87,6 +107,14 @@ class TritonLRUSwap:
         # Units: the fused kernel walks all U x C slots in one program.
         self.split_by_unit = (
             self.max_units > 1 if split_by_unit is None else split_by_unit
+        )
+        if multi_split is None:
+            multi_split = self.split_by_unit or self.block_c > self.FUSED_MAX_SLOTS
+        self.multi_split = multi_split
+        self.always_multi_token = always_multi_token
+        # Whether the split kernels' hand-over scratch is needed.
+        self._split_scratch = self.max_units > 1 or (
+            multi_split and (self.max_query_tokens > 1 or always_multi_token)
         )
         self._scratch_rows = 0
         self._retired_scratch = []
@@ -125,11 +153,13 @@ class TritonLRUSwap:
         num_real_reqs: Optional[Union[torch.Tensor, int]],
         out: Optional[LayerSwapPlan],
         counters: Optional[torch.Tensor],
+        num_query_tokens: int = 1,
     ) -> LayerSwapPlan:
-        bs, k = topk_pos.shape
+        q = num_query_tokens
+        bs, k = topk_pos.shape[0] // q, topk_pos.shape[1]
         assert k == self.top_k, f"top-k width {k} != {self.top_k}"
         assert req_to_token.dtype == torch.int32
-        plan = state.plan_view(bs, out)
+        plan = state.plan_view(bs, out, q)
         num_real = state.num_real_tensor(num_real_reqs, bs)
         if bs > self._scratch_rows:
             if _is_capturing(self.device):
@@ -165,6 +195,13 @@ class TritonLRUSwap:
             plan.miss_dst_row,
             plan.miss_dst_row.stride(0),
         )
+        # With several query tokens per swap allowed, every swap (one query
+        # token too) reads the shorter window (read_window): multi kernels.
+        if q > 1 or self.always_multi_token or self.max_query_tokens > 1:
+            self.multi_token_swap(
+                state, q, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
+            )
+            return plan
         if self.split_by_unit:
             self._split_swap(
                 state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
@@ -275,6 +312,112 @@ class TritonLRUSwap:
             **shape,
         )
 
+    def multi_token_swap(
+        self,
+        state: LRUCacheState,
+        q: int,
+        batch: tuple,
+        plan_rows: tuple,
+        loc_to_slot: torch.Tensor,
+        slot_loc: torch.Tensor,
+        lru: torch.Tensor,
+        counters: torch.Tensor,
+        plan: LayerSwapPlan,
+    ) -> None:
+        """The swap with ``q`` query tokens per request (batch and plan_rows
+        as swap_layer builds them); ``q = 1`` gives the one-token results (the
+        tests compare the two)."""
+        bs, req_pool_indices, num_real = plan.miss_count.shape[0], batch[2], batch[6]
+        U, C0 = self.max_units, self.buffer_size
+        shape = dict(
+            K=self.top_k,
+            Q=q,
+            C=self.num_slots,
+            C0=C0,
+            U=U,
+            W=self.recent_window,
+            WR=state.read_window,
+            BLOCK_K=self.block_k,
+            num_warps=self.num_warps,
+        )
+        if not self.multi_split:
+            _swap_multi_layer_kernel[(bs,)](
+                *batch,
+                loc_to_slot,
+                slot_loc,
+                lru,
+                state._unit_base_buf,
+                state._capacity_buf,
+                counters,
+                *plan_rows,
+                plan.miss_count,
+                self._hit_flags,
+                self._victims,
+                state._sink_req,
+                BLOCK_C=self.block_c,
+                **shape,
+            )
+            return
+        chunk = dict(
+            C=self.num_slots,
+            C0=C0,
+            U=U,
+            BLOCK_C0=_next_pow2(C0),
+            num_warps=self.num_warps,
+        )
+        _swap_multi_classify_kernel[(bs,)](
+            *batch,
+            loc_to_slot,
+            counters,
+            plan.page_table,
+            plan.page_table.stride(0),
+            plan.miss_count,
+            self._hit_flags,
+            state._sink_req,
+            BLOCK_C0=chunk["BLOCK_C0"],
+            **shape,
+        )
+        _swap_count_kernel[(bs, U)](
+            req_pool_indices,
+            num_real,
+            lru,
+            state._capacity_buf,
+            self._hit_flags,
+            self._evictable_counts,
+            state._sink_req,
+            **chunk,
+        )
+        _swap_rank_kernel[(bs, U)](
+            req_pool_indices,
+            num_real,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            state._capacity_buf,
+            plan.miss_count,
+            self._hit_flags,
+            self._evictable_counts,
+            self._victims,
+            self._new_lru,
+            state._sink_req,
+            K=q * self.top_k,  # the victims row
+            BLOCK_U=_next_pow2(U),
+            **chunk,
+        )
+        _swap_multi_assign_kernel[(bs, U)](
+            *batch,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            state._unit_base_buf,
+            *plan_rows,
+            self._victims,
+            self._new_lru,
+            state._sink_req,
+            BLOCK_C0=chunk["BLOCK_C0"],
+            **shape,
+        )
+
     def _alloc_scratch(self, rows: int) -> None:
         # Per-batch-row scratch of the kernels, shared by all layers: swaps of
         # one state must run on one stream. Old buffers stay alive because
@@ -283,9 +426,13 @@ class TritonLRUSwap:
             self._retired_scratch.append(self._scratch)
         dev, K, C = self.device, self.top_k, self.num_slots
         self._hit_flags = torch.zeros((rows, C), dtype=torch.int8, device=dev)
-        self._victims = torch.zeros((rows, K), dtype=torch.int32, device=dev)
+        # Victims by rank: up to Q x K misses per request with Q query tokens
+        # (the one-token kernels use rows of K).
+        self._victims = torch.zeros(
+            (rows, self.max_query_tokens * K), dtype=torch.int32, device=dev
+        )
         self._scratch = [self._hit_flags, self._victims]
-        if self.max_units > 1:
+        if self._split_scratch:
             # The split swap's hand-over between its kernels.
             self._entry_slots = torch.zeros((rows, K), dtype=torch.int32, device=dev)
             self._evictable_counts = torch.zeros(

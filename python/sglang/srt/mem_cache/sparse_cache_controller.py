@@ -150,6 +150,8 @@ class SparseCacheController:
             False on the ranks of an attention-TP group but its first: they
             share one host pool, which only the first writes (the others hold
             the same KV on their GPUs and only read it).
+        max_query_tokens: query tokens per request a swap may serve (MTP
+            target verify: ``--speculative-num-draft-tokens``; 1: decode).
     """
 
     def __init__(
@@ -170,6 +172,7 @@ class SparseCacheController:
         copy_word_bytes: Optional[int] = None,
         max_units: int = 1,
         host_writer: bool = True,
+        max_query_tokens: int = 1,
     ):
         self.host_pool = host_pool
         self.host_writer = host_writer
@@ -211,6 +214,7 @@ class SparseCacheController:
             use_triton=use_triton,
             max_batch_size=max_batch_size,
             max_units=max_units,
+            max_query_tokens=max_query_tokens,
         )
         self.max_units = max_units
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
@@ -395,15 +399,20 @@ class SparseCacheController:
         req_to_token: torch.Tensor,
         num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
         out: Optional[LayerSwapPlan] = None,
+        num_query_tokens: int = 1,
     ) -> torch.Tensor:
         """LRU swap of one layer + load of its misses; returns the page table.
 
         ``topk_pos (bs, K)`` are top-k positions (-1 = padding); the result is
         ``(bs, K)`` int32 GPU rows in top-k order (-1 = skip), ready for FlashMLA.
-        ``out`` passes preallocated plan buffers (CUDA-graph capture).
+        ``out`` passes preallocated plan buffers (CUDA-graph capture). With
+        ``num_query_tokens = q > 1`` (MTP target verify) ``topk_pos`` and the
+        page table have ``q`` rows per request (``LRUCacheState.swap_layer``).
         """
         swap_args = (topk_pos, req_pool_indices, seq_lens, req_to_token, num_real_reqs)
-        plan = self._swap_and_load(layer_id, swap_args, out, counters=None)
+        plan = self._swap_and_load(
+            layer_id, swap_args, out, counters=None, num_query_tokens=num_query_tokens
+        )
         return plan.page_table
 
     def prefetch_one_layer(
@@ -416,9 +425,15 @@ class SparseCacheController:
         counters = self.prefetch_counters[self._local_layer(layer_id)]
         self._swap_and_load(layer_id, swap_args, out, counters=counters)
 
-    def _swap_and_load(self, layer_id, swap_args, out, counters) -> LayerSwapPlan:
+    def _swap_and_load(
+        self, layer_id, swap_args, out, counters, num_query_tokens=1
+    ) -> LayerSwapPlan:
         plan = self.lru.swap_layer(
-            self._local_layer(layer_id), *swap_args, out=out, counters=counters
+            self._local_layer(layer_id),
+            *swap_args,
+            out=out,
+            counters=counters,
+            num_query_tokens=num_query_tokens,
         )
         self.load_tokens_h2d_one_layer(layer_id, plan)
         return plan
