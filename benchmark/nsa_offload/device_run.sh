@@ -3,7 +3,7 @@
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a, or
 #     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
-# STEP: engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests,
+# STEP: checks (GPU correctness, no servers), engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests,
 # exactness with/without, a server with units), swap-units (the swap with
 # units: split vs fused kernels), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
@@ -61,13 +61,29 @@ if [ "${1:-}" = pytest ]; then
   timeout 500 python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -40 || rc=1
   set --
 fi
-for step in "$@"; do
+# One step; "bg:STEP" runs it beside the following ones (its output in
+# $OUT/STEP.log, shown at the end), e.g. "bg:soak exact".
+run_step() {
+  local step=$1
   case $step in
     engine)
       timeout 100 python3 benchmark/nsa_offload/engine/gpu_check_lru.py --out $OUT/gpu_check_lru.json 2>&1 | tail -40 || rc=1
       timeout 60 python3 benchmark/nsa_offload/engine/gpu_check_exact.py --out $OUT/exact 2>&1 | tail -30 || rc=1
       timeout 70 python3 benchmark/nsa_offload/engine/bench_copy.py --quick --out $OUT/copy 2>&1 | tail -40 || rc=1
       timeout 80 python3 benchmark/nsa_offload/engine/bench_swap.py --out $OUT/swap 2>&1 | tail -40 || rc=1
+      ;;
+    checks)
+      # GPU correctness without servers or timing (fine beside other jobs):
+      # the CUDA paths of the CPU tests, FlashMLA through the offloaded page
+      # table, the single- and multi-token Triton swaps against the reference.
+      timeout 400 python3 -m pytest -q -p no:cacheprovider test/srt/test_lru_cache_state.py \
+        test/srt/test_sparse_cache_controller.py test/srt/test_nsa_kv_offload_integration.py \
+        test/srt/test_nsa_kv_offload_multi_token.py test/srt/test_nsa_kv_offload_verify_exactness.py \
+        2>&1 | tail -25 > $OUT/pytest_cuda.txt; cat $OUT/pytest_cuda.txt
+      grep -q " passed" $OUT/pytest_cuda.txt && ! grep -qE " (failed|errors?)\b" $OUT/pytest_cuda.txt || rc=1
+      timeout 90 python3 benchmark/nsa_offload/engine/gpu_check_exact.py --out $OUT/gpu_check_exact 2>&1 | tail -6 || rc=1
+      timeout 100 python3 benchmark/nsa_offload/engine/gpu_check_lru.py --out $OUT/gpu_check_lru.json 2>&1 | tail -12 || rc=1
+      timeout 150 python3 benchmark/nsa_offload/engine/gpu_check_lru_multi.py --out $OUT/gpu_check_lru_multi.json 2>&1 | tail -12 || rc=1
       ;;
     units)
       # Units (docs/ELASTIC_BUFFER.md): CUDA paths of the CPU tests, the
@@ -88,10 +104,11 @@ for step in "$@"; do
     exact)
       # End-to-end exactness on a generated checkpoint (exactness.py):
       # $EXACT_MODEL tiny|rank, more flags in $EXACT_ARGS; a second run side
-      # by side (its own ports and output) with $EXACT_ARGS_2.
+      # by side (its own ports and output) with $EXACT_ARGS_2 ($EXACT_MODEL_2, default
+# $EXACT_MODEL).
       if [ -n "${EXACT_ARGS_2:-}" ]; then
         (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
-          --out $OUT/exact_${EXACT_MODEL:-tiny}_2 --model ${EXACT_MODEL:-tiny} --port $((33000 + 100 * GPU0)) \
+          --out $OUT/exact_${EXACT_MODEL_2:-${EXACT_MODEL:-tiny}}_2 --model ${EXACT_MODEL_2:-${EXACT_MODEL:-tiny}} --port $((33000 + 100 * GPU0)) \
           $EXACT_ARGS_2 > /tmp/exact_2.log 2>&1) &
       fi
       (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
@@ -134,6 +151,20 @@ for step in "$@"; do
       ;;
     *) timeout 500 python3 "$step" 2>&1 | tail -60 || rc=1 ;;
   esac
+  return $rc
+}
+bg_steps=()
+for step in "$@"; do
+  if [ "${step#bg:}" != "$step" ]; then
+    step=${step#bg:}; run_step $step > $OUT/$step.log 2>&1 &
+    bg_steps+=("$!:$step")
+  else
+    run_step $step
+  fi
+done
+for job in "${bg_steps[@]}"; do
+  wait ${job%%:*} || rc=1
+  echo "=== bg ${job#*:}"; tail -40 $OUT/${job#*:}.log
 done
 # At most 8 files come back from $OUT: pack them (the JIT cache stays apart).
 # A returned file is at most 16 MiB: the JIT cache comes back in parts.
