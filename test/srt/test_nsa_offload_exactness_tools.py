@@ -351,6 +351,48 @@ class TestSortedTopk(unittest.TestCase):
                 self.assertEqual(got, want, (trial, r))
                 self.assertTrue(set(out[r].unique().tolist()) <= {0.0, 1.0})
 
+    @staticmethod
+    def inexact_topk(logits, topk, lengths, starts, gen):
+        """sglang's kernel on a long row: its refining passes keep only some
+        of the candidates at the cut (16384, in atomic order), so it can
+        return k positions that miss larger scores. Modelled as the top-k of
+        a random half of each row's columns."""
+        out = torch.full((logits.shape[0], topk), -1, dtype=torch.int32)
+        for r in range(logits.shape[0]):
+            s, n = int(starts[r]), int(lengths[r])
+            cols = torch.randperm(n, generator=gen)[: max(topk, n // 2)].tolist()
+            row = logits[r, s : s + n]
+            pick = sorted(cols, key=lambda c: -row[c].item())[:topk]
+            out[r, : len(pick)] = torch.tensor(pick, dtype=torch.int32)
+        return out
+
+    def test_pick_exact_when_the_kernel_is_not(self):
+        gen = torch.Generator().manual_seed(3)
+        wrong_seen = 0
+        for trial in range(40):
+            rows = int(torch.randint(1, 6, (1,), generator=gen))
+            cols = int(torch.randint(8, 120, (1,), generator=gen))
+            topk = int(torch.randint(1, 30, (1,), generator=gen))
+            logits = torch.randn(rows, cols, generator=gen).round(decimals=1)
+            starts = torch.randint(0, cols // 2, (rows,), generator=gen)
+            lengths = cols - starts - torch.randint(0, 3, (rows,), generator=gen)
+            picked = self.inexact_topk(logits, topk, lengths, starts, gen)
+            for capturing in (False, True):  # eager: wrong rows only; graph: all
+                out = logits.clone()
+                before = sorted_topk._stats["rows_refined"]
+                with mock.patch.object(
+                    sorted_topk, "_in_graph_capture", return_value=capturing
+                ):
+                    sorted_topk._pick_topk_inplace(out, topk, lengths, starts, picked)
+                wrong_seen += sorted_topk._stats["rows_refined"] - before
+                for r in range(rows):
+                    want = self.reference_pick(
+                        logits[r].tolist(), topk, int(starts[r]), int(lengths[r])
+                    )
+                    got = set(torch.nonzero(out[r]).flatten().tolist())
+                    self.assertEqual(got, want, (trial, r, capturing))
+        self.assertGreater(wrong_seen, 20)  # the fallback really ran
+
 
 class TestBenchHooksMissing(unittest.TestCase):
     """Whether the installed sglang has the benchmark-only top-k hooks (the GPU

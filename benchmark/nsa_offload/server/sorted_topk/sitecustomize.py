@@ -14,10 +14,11 @@ and it would hide what an exactness check is for.
 With ``SGLANG_NSA_TOPK_SORTED=1`` and this directory first on ``PYTHONPATH``
 (Python imports ``sitecustomize`` at every interpreter start, sglang's
 spawned scheduler included), ``NSAIndexerMetadata.topk_transform`` runs
-sglang's kernel, takes the smallest score it picked (the row's k-th largest:
-the selection is exact, only its tie handling varies), keeps every score
-above it and, of those equal to it, the lower columns, so that the set is
-the top-k on a total order (score, then the lower column); then hands the
+sglang's kernel, takes the smallest score it picked as the row's k-th
+largest (checked by counting; where the kernel was wrong, which it is on
+some long rows, from a full selection: ``_pick_topk_inplace``), keeps every
+score above it and, of those equal to it, the lower columns, so that the set
+is the top-k on a total order (score, then the lower column); then hands the
 kernel the logits rewritten as 1 for those columns and 0 for the others (it
 keeps exactly them, in its own output format) and sorts each returned row
 (``-1`` padding last), so that the same set always comes in the same order,
@@ -46,21 +47,45 @@ def _sorted_rows(out):
 _CHUNK_ELEMS = 1 << 26
 
 
+def _exact_kth(part, valid, topk):
+    """Each row's k-th largest valid score (-inf where fewer are valid), by
+    a full selection: the fallback for rows the kernel got wrong."""
+    import torch
+
+    k = min(topk, part.shape[1])
+    masked = torch.where(valid, part, float("-inf"))
+    return masked.topk(k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
+
+
+def _in_graph_capture(t) -> bool:
+    import torch
+
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _pick_topk_inplace(logits, topk, lengths, starts, picked):
     """Rewrite ``logits`` [rows, cols] (fp32) in place as 1 at each row's
     deterministic top-k among columns ``[start, start + length)`` and 0
     elsewhere, given ``picked`` [rows, topk], the positions (relative to the
-    row's start, -1 padding) an exact but tie-blind top-k returned: its
-    smallest picked score is the row's k-th largest; every valid score above
-    it is in any top-k, and of the scores equal to it the lower columns fill
-    the rest. A few elementwise passes instead of a second selection; only
-    shape-static torch ops: it runs inside sglang's CUDA graph captures."""
+    row's start, -1 padding) sglang's kernel returned.
+
+    Where the kernel is exact, its smallest picked score is the row's k-th
+    largest ``v`` (``#(> v) < k <= #(>= v)``): every valid score above it is
+    in any top-k, and of the scores equal to it the lower columns fill the
+    rest, a few elementwise passes. It is not always exact: its refining
+    passes keep at most 16384 candidates of the coarse (fp16, 8-bit) bin at
+    the cut and drop the rest in atomic order, so on long rows (seen from
+    ~30K columns) it can miss larger scores, run to run differently. Rows
+    failing the test above get ``v`` from a full selection instead: in
+    eager mode (prefill) only those rows, after one host sync; inside a CUDA
+    graph capture (decode, few rows) every row, unconditionally."""
     import torch
 
     rows, cols = logits.shape
     if rows == 0 or cols == 0:
         return logits
     col = torch.arange(cols, device=logits.device, dtype=torch.int64)
+    capturing = _in_graph_capture(logits)
     step = max(1, _CHUNK_ELEMS // cols)
     for r0 in range(0, rows, step):
         part = logits[r0 : r0 + step]
@@ -71,12 +96,40 @@ def _pick_topk_inplace(logits, topk, lengths, starts, picked):
         vals = torch.where(pos >= 0, part.gather(1, at), float("inf"))
         kth = vals.amin(dim=1, keepdim=True)
         valid = (col >= start) & (col < end)
+        k_row = (end - start).clamp(min=0, max=topk)
+        n_above = (valid & (part > kth)).sum(dim=1, keepdim=True)
+        n_at_least = (valid & (part >= kth)).sum(dim=1, keepdim=True)
+        exact = (n_above < k_row) & (n_at_least >= k_row) | (k_row == 0)
+        if capturing:
+            kth = torch.where(exact, kth, _exact_kth(part, valid, topk))
+        else:
+            wrong = torch.nonzero(~exact.squeeze(1)).squeeze(1)
+            if wrong.numel():
+                _count_refined(int(wrong.numel()))
+                kth[wrong] = _exact_kth(part[wrong], valid[wrong], topk)
         above = valid & (part > kth)
         tied = valid & (part == kth)
         need = topk - above.sum(dim=1, keepdim=True)
         keep = above | (tied & (tied.cumsum(dim=1, dtype=torch.int32) <= need))
         part.copy_(keep.to(part.dtype))
     return logits
+
+
+# Rows whose k-th score the kernel got wrong (eager calls only), for the log.
+_stats = {"rows_refined": 0, "logged_at": 0}
+
+
+def _count_refined(n: int) -> None:
+    _stats["rows_refined"] += n
+    total = _stats["rows_refined"]
+    if total >= 2 * _stats["logged_at"]:  # first time, then at each doubling
+        _stats["logged_at"] = total
+        print(
+            f"[sorted_topk] rows whose k-th score sglang's top-k got wrong, "
+            f"refined so far: {total}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _patch(module) -> None:
