@@ -46,7 +46,7 @@ SERVER_ABORT = 5002  # finish_reason abort
 
 
 class FakeSglang(BaseHTTPRequestHandler):
-    """/generate (one token per stream chunk), /v1/loads, /get_load, /metrics,
+    """/generate (one token per stream chunk), /get_load, /get_server_info, /metrics,
     /health; the pool is full while requests run, empty when none does."""
 
     protocol_version = "HTTP/1.0"
@@ -67,17 +67,25 @@ class FakeSglang(BaseHTTPRequestHandler):
     def do_GET(self):
         n = FakeSglang.in_flight
         if self.path.startswith("/v1/loads"):
-            used = 90 if n else 0
-            load = {
-                "num_running_reqs": min(n, 2),
-                "num_waiting_reqs": max(n - 2, 0),
-                "num_used_tokens": used,
-                "num_total_tokens": used + 20 * max(n - 2, 0),
-                "max_total_num_tokens": 100,
-            }
-            self._json({"loads": [load]})
+            # as on the GPU host with --enable-metrics: not to be relied on
+            self._json({"detail": "AttributeError"}, 500)
+        elif self.path == "/get_server_info":
+            self._json({"max_total_num_tokens": 100, "version": "x"})
         elif self.path == "/get_load":
-            self._json([{"num_reqs": n}])
+            used = 90 if n else 0
+            waiting = max(n - 2, 0)
+            self._json(
+                [
+                    {
+                        "dp_rank": 0,
+                        "num_reqs": min(n, 2) + waiting,
+                        "num_waiting_reqs": waiting,
+                        "num_tokens": used + 20 * waiting,
+                        "num_pending_tokens": 20 * waiting,
+                        "ts_tic": 0.0,
+                    }
+                ]
+            )
         elif self.path == "/metrics":
             body = (
                 "# HELP x\n"

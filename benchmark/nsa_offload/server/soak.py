@@ -43,7 +43,7 @@ over-commits and decode retracts.
 ``waited_on_host_pool``: no product counter says that admission refused a
 request because the host pool was full (the offload admits after sglang's
 ``PrefillAdder``, whose ``NO_TOKEN`` is neither logged nor counted per
-request). It is counted from what is observable: ``/v1/loads`` is sampled
+request). It is counted from what is observable: ``/get_load`` is sampled
 every ``--sample-interval`` seconds; a sample is *pool-bound* when requests
 wait and what they hold (``num_total_tokens - num_used_tokens``, sglang's
 waiting-queue tokens) exceeds the free locs (``max_total_num_tokens -
@@ -351,17 +351,29 @@ def _read_stream(resp, abort_after: int, rec: dict) -> None:
             return
 
 
+# max_total_num_tokens per server URL (fixed for a server's life).
+_MAX_TOTAL: Dict[str, int] = {}
+
+
 def fetch_load(url: str) -> Optional[dict]:
-    """``/v1/loads`` (core): one rank's load, or None if it did not answer."""
+    """One rank's load from ``/get_load`` (the legacy shape; sglang's own
+    ``/v1/loads`` fails with ``--enable-metrics`` under the GPU host's
+    fastapi: the metrics middleware reads ``.path`` of an included router)
+    plus ``max_total_num_tokens`` from ``/get_server_info``, read once; None
+    if the server did not answer."""
     try:
-        with urllib.request.urlopen(url + "/v1/loads?include=core", timeout=10) as r:
-            load = json.loads(r.read())["loads"][0]
+        if url not in _MAX_TOTAL:
+            with urllib.request.urlopen(url + "/get_server_info", timeout=30) as r:
+                _MAX_TOTAL[url] = int(json.loads(r.read())["max_total_num_tokens"])
+        with urllib.request.urlopen(url + "/get_load", timeout=10) as r:
+            load = json.loads(r.read())[0]
+        waiting = load["num_waiting_reqs"]
         return {
-            "running": load["num_running_reqs"],
-            "waiting": load["num_waiting_reqs"],
-            "used": load["num_used_tokens"],
-            "total": load["num_total_tokens"],
-            "max_total": load["max_total_num_tokens"],
+            "running": load["num_reqs"] - waiting,
+            "waiting": waiting,
+            "used": load["num_tokens"] - load["num_pending_tokens"],
+            "total": load["num_tokens"],
+            "max_total": _MAX_TOTAL[url],
         }
     except (OSError, ValueError, KeyError, IndexError, http.client.HTTPException):
         return None
@@ -939,7 +951,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sample-interval",
         type=float,
         default=0.5,
-        help="/v1/loads sampling period in s (default 0.5)",
+        help="/get_load sampling period in s (default 0.5)",
     )
     p.add_argument(
         "--metrics-interval",
