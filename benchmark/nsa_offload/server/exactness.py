@@ -253,10 +253,11 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
         srv.wait_idle()
     res["abort_again"] = [srv.generate(p, n)["output_ids"] for p in prompts[:k]]
     save()
-    t = time.time()
-    res["concurrent"] = srv.generate_many(prompts, n, args.concurrency)
-    res["concurrent"] = [r["output_ids"] for r in res["concurrent"]]
-    res["concurrent_s"] = round(time.time() - t, 1)
+    if not args.skip_concurrent:
+        t = time.time()
+        res["concurrent"] = srv.generate_many(prompts, n, args.concurrency)
+        res["concurrent"] = [r["output_ids"] for r in res["concurrent"]]
+        res["concurrent_s"] = round(time.time() - t, 1)
     # The scheduler goes idle: sglang's own leak check runs, the server must
     # still answer.
     time.sleep(args.idle_wait)
@@ -567,6 +568,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=65, help="per request")
     p.add_argument(
         "--concurrency", type=int, default=8, help="concurrent phase, max running"
+    )
+    p.add_argument(
+        "--skip-concurrent",
+        action="store_true",
+        help="no concurrent phase (reported only; saves ~90 s per rank server)",
     )
     p.add_argument("--abort-requests", type=int, default=6, help="aborted streams")
     p.add_argument("--longest", type=int, default=33000, help="longest prompt")
