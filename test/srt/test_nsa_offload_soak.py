@@ -224,7 +224,7 @@ class TestArgs(unittest.TestCase):
         a = soak.parse_args(["--out", "/tmp/x"])
         self.assertEqual((a.num_requests, a.concurrency), (5000, 64))
         self.assertEqual((a.max_len, a.max_total_tokens), (32768, 98304))
-        self.assertEqual(a.context_length, 32768 + 256 + 512)
+        self.assertEqual(a.context_length, 32768 + 128 + 512)
         # 98304 locs x 3 layers x 656 B = 0.180 GB
         self.assertEqual(a.host_pool_gb, 0.19)
         self.assertGreaterEqual(

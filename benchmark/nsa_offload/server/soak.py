@@ -849,7 +849,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--min-new-tokens", type=int, default=1, help="fewest new tokens (default 1)"
     )
     p.add_argument(
-        "--max-new-tokens", type=int, default=256, help="most new tokens (default 256)"
+        "--max-new-tokens", type=int, default=128, help="most new tokens (default 128)"
     )
     p.add_argument(
         "--abort-fraction",
