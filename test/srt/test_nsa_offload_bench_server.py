@@ -93,6 +93,31 @@ class TestOverrideTraceLayers(unittest.TestCase):
         default = bench_server.parse_args(["--out", "/tmp/x"])
         self.assertEqual(default.trace_layers, "0,30,60")
 
+    def test_reported_calibration_keeps_more_of_each_step(self):
+        import tempfile
+
+        import trace_format
+
+        def step_overlap(calibration):
+            with tempfile.TemporaryDirectory() as out:
+                argv = ["--out", out, "--topk", "override", "--contexts", "8192"]
+                argv += ["--trace-steps", "4", "--trace-layers", "30"]
+                argv += ["--trace-calibration", calibration]
+                args = bench_server.parse_args(argv)
+                bench_server.prepare_trace(args)
+                trace = trace_format.load_trace(args.trace)
+            kept = []
+            for r in range(trace.topk.shape[2]):
+                rows = [set(trace.topk[s, 0, r].tolist()) for s in range(4)]
+                kept += [len(a & b) / len(a) for a, b in zip(rows, rows[1:])]
+            return sum(kept) / len(kept)
+
+        pessimistic, reported = step_overlap("pessimistic"), step_overlap("reported")
+        self.assertGreater(reported, 0.7)  # ~0.75 plus the sinks' and recent picks
+        self.assertLess(pessimistic, 0.6)  # ~0.44 in layer 30
+        with self.assertRaises(SystemExit):
+            bench_server.parse_args(["--out", "/tmp/x", "--trace-calibration", "x"])
+
 
 class TestCrossLayerPrefetchOption(unittest.TestCase):
     def test_env_and_log(self):
