@@ -87,7 +87,8 @@ if _HAS_TRITON:
     def _zero_flags_by_unit(
         flags_row, C0: tl.constexpr, U: tl.constexpr, BLOCK_C0: tl.constexpr
     ):
-        # The split kernels' blocks are one unit wide (BLOCK_C0, not BLOCK_C).
+        # Zeroes the row's hit flags a unit at a time: the split kernels'
+        # blocks are one unit wide.
         offs_c0 = tl.arange(0, BLOCK_C0)
         for u in tl.static_range(U):
             tl.store(
@@ -155,19 +156,11 @@ if _HAS_TRITON:
         return victim
 
     @triton.jit
-    def _write_rows(
-        pt_row,
-        miss_src_row,
-        miss_dst_row,
-        offs_k,
-        mask_k,
+    def _entry_rows(
         slot,
-        miss,
-        rank,
         lookup,
         in_window,
         pos,
-        loc,
         base,
         unit_base_ptr,
         r,
@@ -175,8 +168,8 @@ if _HAS_TRITON:
         U: tl.constexpr,
         W: tl.constexpr,
     ):
-        # Page-table rows in top-k order (window ring, the slot's row in its
-        # unit, or -1) and the copy list of the misses, by miss rank.
+        # Page-table rows in top-k order: window ring, the slot's row in its
+        # unit, or -1; and the slot rows (the copy destinations of misses).
         if U == 1:
             slot_row = base + slot
         else:
@@ -185,9 +178,7 @@ if _HAS_TRITON:
             )
             slot_row = unit_base + slot % C0
         rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
-        tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(miss_src_row + rank, loc.to(tl.int64), mask=miss)
-        tl.store(miss_dst_row + rank, slot_row, mask=miss)
+        return slot_row, rows
 
     @triton.jit
     def _copy_back_order(
@@ -312,26 +303,15 @@ if _HAS_TRITON:
         victim = _take_victims(
             victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
         )
-        _write_rows(
-            pt_row,
-            miss_src_ptr + b * miss_src_stride,
-            miss_dst_ptr + b * miss_dst_stride,
-            offs_k,
-            mask_k,
-            tl.where(hit, cur, victim),
-            miss,
-            miss_rank,
-            lookup,
-            in_window,
-            pos,
-            loc,
-            base,
-            unit_base_ptr,
-            r,
-            C0,
-            U,
-            W,
+        slot = tl.where(hit, cur, victim)
+        slot_row, rows = _entry_rows(
+            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
         )
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(
+            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
+        )
+        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
         tl.store(miss_count_ptr + b, num_misses)
         _add_counters(
             counters_ptr,
@@ -608,25 +588,18 @@ if _HAS_TRITON:
                 r,
                 C,
             )
-            _write_rows(
-                page_table_ptr + b * page_table_stride,
-                miss_src_ptr + b * miss_src_stride,
-                miss_dst_ptr + b * miss_dst_stride,
-                offs_k,
-                mask_k,
-                tl.where(hit, cur, victim),
-                miss,
-                miss_rank,
-                lookup,
-                in_window,
-                pos,
-                loc,
-                base,
-                unit_base_ptr,
-                r,
-                C0,
-                U,
-                W,
+            slot = tl.where(hit, cur, victim)
+            slot_row, rows = _entry_rows(
+                slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
+            )
+            tl.store(page_table_ptr + b * page_table_stride + offs_k, rows, mask=mask_k)
+            tl.store(
+                miss_src_ptr + b * miss_src_stride + miss_rank,
+                loc.to(tl.int64),
+                mask=miss,
+            )
+            tl.store(
+                miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss
             )
 
     # One variant for every batch size and slice offset (see above).

@@ -37,11 +37,11 @@ if _HAS_TRITON:
         _add_counters,
         _classify_topk,
         _copy_back_order,
+        _entry_rows,
         _evict_victims,
         _request_row,
         _take_victims,
         _walk_lru,
-        _write_rows,
         _zero_flags_by_unit,
     )
 
@@ -71,6 +71,7 @@ if _HAS_TRITON:
         for j in tl.static_range(Q):
             row = topk_ptr + (b * Q + j).to(tl.int64) * topk_stride
             pos = tl.load(row + offs_k, mask=mask_k, other=-1).to(tl.int32)
+            # Query token j sees n - Q + 1 + j positions; the ring reads WR.
             in_window, lookup, loc = _classify_topk(
                 pos,
                 n - Q + 1 + j,
@@ -148,26 +149,15 @@ if _HAS_TRITON:
             victim = _take_victims(
                 victims_row, rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
             )
-            _write_rows(
-                page_table_ptr + qrow * page_table_stride,
-                miss_src_row,
-                miss_dst_row,
-                offs_k,
-                mask_k,
-                tl.where(miss, victim, code),
-                miss,
-                rank,
-                lookup,
-                in_window,
-                pos,
-                loc,
-                base,
-                unit_base_ptr,
-                r,
-                C0,
-                U,
-                W,
+            slot = tl.where(miss, victim, code)
+            slot_row, rows = _entry_rows(
+                slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
             )
+            tl.store(
+                page_table_ptr + qrow * page_table_stride + offs_k, rows, mask=mask_k
+            )
+            tl.store(miss_src_row + rank, loc.to(tl.int64), mask=miss)
+            tl.store(miss_dst_row + rank, slot_row, mask=miss)
 
     @triton.jit
     def _padding_rows(
