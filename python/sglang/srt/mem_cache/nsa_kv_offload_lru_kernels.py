@@ -34,7 +34,8 @@ def swap_kernel_is_interpreted() -> bool:
 # spills (ptxas, sm_90).
 if _HAS_TRITON:
 
-    # Steps shared by the fused swap kernel and the split one.
+    # Steps shared by the one-token kernels (fused and split) and the
+    # multi-token ones (nsa_kv_offload_lru_multi_kernels).
     @triton.jit
     def _request_row(req_pool_ptr, b, sink_req):
         # The batch row's request pool index, clamped into the state (padding
@@ -43,27 +44,58 @@ if _HAS_TRITON:
         return tl.minimum(tl.maximum(r, 0), sink_req)
 
     @triton.jit
-    def _add_counters(counters_ptr, num_hits, in_window, num_misses):
+    def _add_counters(counters_ptr, num_hits, num_window, num_misses):
         # The layer's (LRU hits, window hits, misses) counters.
         tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
-        tl.atomic_add(
-            counters_ptr + 1, tl.sum(in_window.to(tl.int32), axis=0).to(tl.int64)
-        )
+        tl.atomic_add(counters_ptr + 1, num_window.to(tl.int64))
         tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
 
     @triton.jit
     def _classify_topk(
-        pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W: tl.constexpr
+        pos,
+        kv_len,
+        n,
+        mask_k,
+        r,
+        req_to_token_ptr,
+        req_to_token_stride,
+        W: tl.constexpr,
     ):
         # Top-k entries in the recent window, to look up (with their token
-        # loc), or neither (padding / beyond the sequence).
-        valid = mask_k & (pos >= 0) & (pos < n)
+        # loc), or neither (padding / beyond the sequence). The query token
+        # sees positions < kv_len; the window is the newest W of n (kv_len = n
+        # with one query token).
+        valid = mask_k & (pos >= 0) & (pos < kv_len)
         in_window = valid & (pos >= n - W)
         lookup = valid & (pos < n - W)
         loc = tl.load(
             req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
         )
         return in_window, lookup, loc
+
+    @triton.jit
+    def _split_lookups(lookup, cur):
+        # Looked-up entries with a slot (hits) or none (misses); each miss's
+        # rank among the misses in top-k order.
+        hit = lookup & (cur >= 0)
+        miss = lookup & (cur < 0)
+        miss_i = miss.to(tl.int32)
+        miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
+        return hit, miss, miss_rank, tl.sum(miss_i, axis=0)
+
+    @triton.jit
+    def _zero_flags_by_unit(
+        flags_row, C0: tl.constexpr, U: tl.constexpr, BLOCK_C0: tl.constexpr
+    ):
+        # Zeroes the row's hit flags a unit at a time: the split kernels'
+        # blocks are one unit wide.
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        for u in tl.static_range(U):
+            tl.store(
+                flags_row + u * C0 + offs_c0,
+                tl.zeros([BLOCK_C0], tl.int8),
+                mask=offs_c0 < C0,
+            )
 
     @triton.jit
     def _lru_new_positions(evictable, ev_rank, p, num_misses, num_evictable):
@@ -79,6 +111,92 @@ if _HAS_TRITON:
             num_evictable + p - ev_rank,
         )
         return new_pos, evictable & (ev_rank < num_misses)
+
+    @triton.jit
+    def _walk_lru(flags_row, order, mask_c, capacity, offs_c, num_misses):
+        # Phase 2 of a fused kernel (the whole lru_order in one block): rank
+        # the evictable slots (owned, not hit); the first num_misses are taken.
+        hit = tl.load(flags_row + order, mask=mask_c, other=1)
+        evictable = mask_c & (hit == 0) & (order < capacity)
+        ev_i = evictable.to(tl.int32)
+        ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
+        new_pos, taken = _lru_new_positions(
+            evictable, ev_rank, offs_c, num_misses, tl.sum(ev_i, axis=0)
+        )
+        return ev_rank, new_pos, taken
+
+    @triton.jit
+    def _evict_victims(
+        loc_to_slot_ptr,
+        old_loc,
+        taken,
+        victims_row,
+        ev_rank,
+        order,
+        BLOCK: tl.constexpr,
+    ):
+        # Victims' old locs leave the map (phase 1 has read it already); the
+        # victims go to scratch by rank, for the misses of phase 3 (a scatter
+        # -> gather across threads).
+        tl.store(
+            loc_to_slot_ptr + old_loc,
+            tl.full([BLOCK], -1, tl.int16),
+            mask=taken & (old_loc >= 0),
+        )
+        tl.store(victims_row + ev_rank, order, mask=taken)
+
+    @triton.jit
+    def _take_victims(
+        victims_row, rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C: tl.constexpr
+    ):
+        # Phase 3: each miss takes the victim of its rank (both maps).
+        victim = tl.load(victims_row + rank, mask=miss, other=0)
+        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+        return victim
+
+    @triton.jit
+    def _entry_rows(
+        slot,
+        lookup,
+        in_window,
+        pos,
+        base,
+        unit_base_ptr,
+        r,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+    ):
+        # Page-table rows in top-k order: window ring, the slot's row in its
+        # unit, or -1; and the slot rows (the copy destinations of misses).
+        if U == 1:
+            slot_row = base + slot
+        else:
+            unit_base = tl.load(
+                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            )
+            slot_row = unit_base + slot % C0
+        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
+        return slot_row, rows
+
+    @triton.jit
+    def _copy_back_order(
+        new_lru_ptr,
+        lru_ptr,
+        b,
+        r,
+        u,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        # Split assign: chunk u of the permuted lru_order, from scratch.
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        mask = offs_c0 < C0
+        p = u * C0 + offs_c0
+        new_order = tl.load(new_lru_ptr + b.to(tl.int64) * C + p, mask=mask)
+        tl.store(lru_ptr + r * C + p, new_order, mask=mask)
 
     @triton.jit(
         do_not_specialize_on_alignment=[
@@ -155,14 +273,10 @@ if _HAS_TRITON:
 
         # Phase 1: classify entries (padding / window / hit / miss).
         in_window, lookup, loc = _classify_topk(
-            pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
         )
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
-        hit = lookup & (cur >= 0)
-        miss = lookup & (cur < 0)
-        miss_i = miss.to(tl.int32)
-        miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
-        num_misses = tl.sum(miss_i, axis=0)
+        hit, miss, miss_rank, num_misses = _split_lookups(lookup, cur)
         num_hits = tl.sum(hit.to(tl.int32), axis=0)
         # Scatter hit flags by slot: the recency pass needs them by lru position,
         # a different thread mapping, so they go through global scratch. The
@@ -174,49 +288,37 @@ if _HAS_TRITON:
         # Phase 2: walk lru_order, rank evictable (not hit) slots, reorder.
         # Slots beyond the request's units are never victims; they keep their
         # order at the end with the hits.
-        evictable = mask_c & (tl.load(flags_row + order, mask=mask_c, other=1) == 0)
-        evictable = evictable & (order < capacity)
-        ev_i = evictable.to(tl.int32)
-        ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
-        new_pos, taken = _lru_new_positions(
-            evictable, ev_rank, offs_c, num_misses, tl.sum(ev_i, axis=0)
+        ev_rank, new_pos, taken = _walk_lru(
+            flags_row, order, mask_c, capacity, offs_c, num_misses
         )
-        # Victims' old locs leave the map now (phase 1 has read it already).
-        tl.store(
-            loc_to_slot_ptr + old_loc,
-            tl.full([BLOCK_C], -1, tl.int16),
-            mask=taken & (old_loc >= 0),
+        _evict_victims(
+            loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C
         )
-        # Victim by rank, gathered by miss rank in phase 3 (another scatter ->
-        # gather across threads through scratch).
-        tl.store(victims_row + ev_rank, order, mask=taken)
         # Every thread has read lru_order (the scans above synchronize, the
         # barrier makes it explicit) before the in-place permutation.
         tl.debug_barrier()
         tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
 
         # Phase 3: misses take their victims; page table in top-k order.
-        # (Inline: as a shared helper it costs this kernel 16 registers and a
-        # spill, ptxas sm_90.)
-        victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
-        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
-        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+        victim = _take_victims(
+            victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
+        )
         slot = tl.where(hit, cur, victim)
-        if U == 1:
-            slot_row = base + slot
-        else:
-            unit_base = tl.load(
-                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
-            )
-            slot_row = unit_base + slot % C0
-        rows = tl.where(in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1))
+        slot_row, rows = _entry_rows(
+            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
+        )
         tl.store(pt_row + offs_k, rows, mask=mask_k)
         tl.store(
             miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
         )
         tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
         tl.store(miss_count_ptr + b, num_misses)
-        _add_counters(counters_ptr, num_hits, in_window, num_misses)
+        _add_counters(
+            counters_ptr,
+            num_hits,
+            tl.sum(in_window.to(tl.int32), axis=0),
+            num_misses,
+        )
 
     # Split swap for U > 1 units (C = U x C0 slots): the fused kernel walks
     # all C slots in one program, which costs U times the one-unit swap. Here
@@ -277,15 +379,9 @@ if _HAS_TRITON:
         pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
         pos = pos.to(tl.int32)
         flags_row = hit_flags_ptr + b.to(tl.int64) * C
-        offs_c0 = tl.arange(0, BLOCK_C0)
-        for u in tl.static_range(U):
-            tl.store(
-                flags_row + u * C0 + offs_c0,
-                tl.zeros([BLOCK_C0], tl.int8),
-                mask=offs_c0 < C0,
-            )
+        _zero_flags_by_unit(flags_row, C0, U, BLOCK_C0)
         in_window, lookup, loc = _classify_topk(
-            pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
         )
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
         cur = tl.where(lookup, cur, -1)
@@ -296,7 +392,10 @@ if _HAS_TRITON:
         tl.store(cur_ptr + b.to(tl.int64) * K + offs_k, cur, mask=mask_k)
         tl.store(miss_count_ptr + b, num_misses)
         _add_counters(
-            counters_ptr, tl.sum(hit.to(tl.int32), axis=0), in_window, num_misses
+            counters_ptr,
+            tl.sum(hit.to(tl.int32), axis=0),
+            tl.sum(in_window.to(tl.int32), axis=0),
+            num_misses,
         )
 
     @triton.jit
@@ -408,12 +507,15 @@ if _HAS_TRITON:
             evictable, ev_rank, p, num_misses, num_evictable
         )
         old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
-        tl.store(
-            loc_to_slot_ptr + old_loc,
-            tl.full([BLOCK_C0], -1, tl.int16),
-            mask=taken & (old_loc >= 0),
+        _evict_victims(
+            loc_to_slot_ptr,
+            old_loc,
+            taken,
+            victims_ptr + b.to(tl.int64) * K,
+            ev_rank,
+            order,
+            BLOCK_C0,
         )
-        tl.store(victims_ptr + b.to(tl.int64) * K + ev_rank, order, mask=taken)
         tl.store(
             new_lru_ptr + b.to(tl.int64) * C + new_pos, order.to(tl.int16), mask=mask
         )
@@ -462,12 +564,9 @@ if _HAS_TRITON:
         if b >= tl.load(num_real_ptr):
             return
         r = _request_row(req_pool_ptr, b, sink_req)
-        offs_c0 = tl.arange(0, BLOCK_C0)
-        mask = offs_c0 < C0
-        p = u * C0 + offs_c0
-        new_order = tl.load(new_lru_ptr + b.to(tl.int64) * C + p, mask=mask)
-        tl.store(lru_ptr + r * C + p, new_order, mask=mask)
+        _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
         if u == 0:
+            # Phase 3 as in the fused kernel.
             offs_k = tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             n = tl.load(seq_lens_ptr + b).to(tl.int32)
@@ -475,25 +574,23 @@ if _HAS_TRITON:
             pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
             pos = pos.to(tl.int32)
             in_window, lookup, loc = _classify_topk(
-                pos, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+                pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
             )
             cur = tl.load(cur_ptr + b.to(tl.int64) * K + offs_k, mask=mask_k, other=-1)
-            hit = lookup & (cur >= 0)
-            miss = lookup & (cur < 0)
-            miss_i = miss.to(tl.int32)
-            miss_rank = tl.cumsum(miss_i, axis=0) - miss_i
-            # Phase 3 as in the fused kernel (units: U > 1 here).
-            victims_row = victims_ptr + b.to(tl.int64) * K
-            victim = tl.load(victims_row + miss_rank, mask=miss, other=0)
-            tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
-            tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
-            slot = tl.where(hit, cur, victim)
-            unit_base = tl.load(
-                unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
+            hit, miss, miss_rank, _ = _split_lookups(lookup, cur)
+            victim = _take_victims(
+                victims_ptr + b.to(tl.int64) * K,
+                miss_rank,
+                miss,
+                loc,
+                loc_to_slot_ptr,
+                slot_loc_ptr,
+                r,
+                C,
             )
-            slot_row = unit_base + slot % C0
-            rows = tl.where(
-                in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1)
+            slot = tl.where(hit, cur, victim)
+            slot_row, rows = _entry_rows(
+                slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
             )
             tl.store(page_table_ptr + b * page_table_stride + offs_k, rows, mask=mask_k)
             tl.store(

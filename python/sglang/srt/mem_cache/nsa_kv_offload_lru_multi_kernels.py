@@ -34,31 +34,16 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build
 
 if _HAS_TRITON:
     from sglang.srt.mem_cache.nsa_kv_offload_lru_kernels import (
-        _lru_new_positions,
+        _add_counters,
+        _classify_topk,
+        _copy_back_order,
+        _entry_rows,
+        _evict_victims,
         _request_row,
+        _take_victims,
+        _walk_lru,
+        _zero_flags_by_unit,
     )
-
-    @triton.jit
-    def _classify_query(
-        pos,
-        kv_len,
-        n,
-        mask_k,
-        r,
-        req_to_token_ptr,
-        req_to_token_stride,
-        WR: tl.constexpr,
-    ):
-        # One query token's entries: it sees positions < kv_len; it reads the
-        # request's newest WR positions from the window ring (n: its length
-        # with all Q tokens).
-        valid = mask_k & (pos >= 0) & (pos < kv_len)
-        in_window = valid & (pos >= n - WR)
-        lookup = valid & (pos < n - WR)
-        loc = tl.load(
-            req_to_token_ptr + r * req_to_token_stride + pos, mask=lookup, other=0
-        )
-        return in_window, lookup, loc
 
     @triton.jit
     def _mark_query_misses(
@@ -86,7 +71,8 @@ if _HAS_TRITON:
         for j in tl.static_range(Q):
             row = topk_ptr + (b * Q + j).to(tl.int64) * topk_stride
             pos = tl.load(row + offs_k, mask=mask_k, other=-1).to(tl.int32)
-            in_window, lookup, loc = _classify_query(
+            # Query token j sees n - Q + 1 + j positions; the ring reads WR.
+            in_window, lookup, loc = _classify_topk(
                 pos,
                 n - Q + 1 + j,
                 n,
@@ -147,7 +133,7 @@ if _HAS_TRITON:
             qrow = (b * Q + j).to(tl.int64)
             pos = tl.load(topk_ptr + qrow * topk_stride + offs_k, mask=mask_k, other=-1)
             pos = pos.to(tl.int32)
-            in_window, lookup, loc = _classify_query(
+            in_window, lookup, loc = _classify_topk(
                 pos,
                 n - Q + 1 + j,
                 n,
@@ -160,19 +146,12 @@ if _HAS_TRITON:
             code = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
             miss = lookup & (code < -1)
             rank = -2 - code
-            victim = tl.load(victims_row + rank, mask=miss, other=0)
-            tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
-            tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+            victim = _take_victims(
+                victims_row, rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
+            )
             slot = tl.where(miss, victim, code)
-            if U == 1:
-                slot_row = base + slot
-            else:
-                unit_base = tl.load(
-                    unit_base_ptr + r * U + slot // C0, mask=lookup, other=0
-                )
-                slot_row = unit_base + slot % C0
-            rows = tl.where(
-                in_window, base + C0 + pos % W, tl.where(lookup, slot_row, -1)
+            slot_row, rows = _entry_rows(
+                slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
             )
             tl.store(
                 page_table_ptr + qrow * page_table_stride + offs_k, rows, mask=mask_k
@@ -203,11 +182,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _add_multi_counters(counters_ptr, num_misses, num_lookups, num_window):
-        # (LRU hits, window hits, misses): a looked-up entry that needs no copy
-        # of its own is a hit (repeats of this step's misses too).
-        tl.atomic_add(counters_ptr + 0, (num_lookups - num_misses).to(tl.int64))
-        tl.atomic_add(counters_ptr + 1, num_window.to(tl.int64))
-        tl.atomic_add(counters_ptr + 2, num_misses.to(tl.int64))
+        # A looked-up entry that needs no copy of its own is a hit (repeats of
+        # this step's misses too).
+        _add_counters(counters_ptr, num_lookups - num_misses, num_window, num_misses)
 
     @triton.jit(
         do_not_specialize_on_alignment=[
@@ -291,21 +268,14 @@ if _HAS_TRITON:
 
         # Phase 2 as in _swap_layer_kernel.
         order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
-        evictable = mask_c & (tl.load(flags_row + order, mask=mask_c, other=1) == 0)
-        evictable = evictable & (order < capacity)
-        ev_i = evictable.to(tl.int32)
-        ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
-        new_pos, taken = _lru_new_positions(
-            evictable, ev_rank, offs_c, num_misses, tl.sum(ev_i, axis=0)
+        ev_rank, new_pos, taken = _walk_lru(
+            flags_row, order, mask_c, capacity, offs_c, num_misses
         )
         # Loaded for the victims only (fewer live registers across the scan).
         old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
-        tl.store(
-            loc_to_slot_ptr + old_loc,
-            tl.full([BLOCK_C], -1, tl.int16),
-            mask=taken & (old_loc >= 0),
+        _evict_victims(
+            loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C
         )
-        tl.store(victims_row + ev_rank, order, mask=taken)
         tl.debug_barrier()
         tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
 
@@ -386,13 +356,7 @@ if _HAS_TRITON:
         r = _request_row(req_pool_ptr, b, sink_req)
         n = tl.load(seq_lens_ptr + b).to(tl.int32)
         flags_row = hit_flags_ptr + b.to(tl.int64) * C
-        offs_c0 = tl.arange(0, BLOCK_C0)
-        for u in tl.static_range(U):
-            tl.store(
-                flags_row + u * C0 + offs_c0,
-                tl.zeros([BLOCK_C0], tl.int8),
-                mask=offs_c0 < C0,
-            )
+        _zero_flags_by_unit(flags_row, C0, U, BLOCK_C0)
         tl.debug_barrier()
         num_misses, num_lookups, num_window = _mark_query_misses(
             topk_ptr,
@@ -457,11 +421,7 @@ if _HAS_TRITON:
         if b >= tl.load(num_real_ptr):
             return
         r = _request_row(req_pool_ptr, b, sink_req)
-        offs_c0 = tl.arange(0, BLOCK_C0)
-        mask = offs_c0 < C0
-        p = u * C0 + offs_c0
-        new_order = tl.load(new_lru_ptr + b.to(tl.int64) * C + p, mask=mask)
-        tl.store(lru_ptr + r * C + p, new_order, mask=mask)
+        _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
         if u == 0:
             _assign_query_rows(
                 topk_ptr,

@@ -244,15 +244,8 @@ class TritonLRUSwap:
     ) -> None:
         # The swap with units as four kernels (see _swap_classify_kernel);
         # batch and plan_rows as swap_layer builds them.
-        bs, req_pool_indices, num_real = batch[0].shape[0], batch[2], batch[6]
-        U, C0 = self.max_units, self.buffer_size
-        shape = dict(
-            C=self.num_slots,
-            C0=C0,
-            U=U,
-            BLOCK_C0=_next_pow2(C0),
-            num_warps=self.num_warps,
-        )
+        bs, U = batch[0].shape[0], self.max_units
+        shape = self._chunk_shape()
         _swap_classify_kernel[(bs,)](
             *batch,
             loc_to_slot,
@@ -268,32 +261,8 @@ class TritonLRUSwap:
             BLOCK_K=self.block_k,
             **shape,
         )
-        _swap_count_kernel[(bs, U)](
-            req_pool_indices,
-            num_real,
-            lru,
-            state._capacity_buf,
-            self._hit_flags,
-            self._evictable_counts,
-            state._sink_req,
-            **shape,
-        )
-        _swap_rank_kernel[(bs, U)](
-            req_pool_indices,
-            num_real,
-            loc_to_slot,
-            slot_loc,
-            lru,
-            state._capacity_buf,
-            plan.miss_count,
-            self._hit_flags,
-            self._evictable_counts,
-            self._victims,
-            self._new_lru,
-            state._sink_req,
-            K=self.top_k,
-            BLOCK_U=_next_pow2(U),
-            **shape,
+        self._count_and_rank(
+            state, batch, self.top_k, loc_to_slot, slot_loc, lru, plan, shape
         )
         _swap_assign_kernel[(bs, U)](
             *batch,
@@ -327,13 +296,12 @@ class TritonLRUSwap:
         """The swap with ``q`` query tokens per request (batch and plan_rows
         as swap_layer builds them); ``q = 1`` gives the one-token results (the
         tests compare the two)."""
-        bs, req_pool_indices, num_real = plan.miss_count.shape[0], batch[2], batch[6]
-        U, C0 = self.max_units, self.buffer_size
+        bs, U = plan.miss_count.shape[0], self.max_units
         shape = dict(
             K=self.top_k,
             Q=q,
             C=self.num_slots,
-            C0=C0,
+            C0=self.buffer_size,
             U=U,
             W=self.recent_window,
             WR=state.read_window,
@@ -358,13 +326,7 @@ class TritonLRUSwap:
                 **shape,
             )
             return
-        chunk = dict(
-            C=self.num_slots,
-            C0=C0,
-            U=U,
-            BLOCK_C0=_next_pow2(C0),
-            num_warps=self.num_warps,
-        )
+        chunk = self._chunk_shape()
         _swap_multi_classify_kernel[(bs,)](
             *batch,
             loc_to_slot,
@@ -377,6 +339,49 @@ class TritonLRUSwap:
             BLOCK_C0=chunk["BLOCK_C0"],
             **shape,
         )
+        self._count_and_rank(
+            state, batch, q * self.top_k, loc_to_slot, slot_loc, lru, plan, chunk
+        )
+        _swap_multi_assign_kernel[(bs, U)](
+            *batch,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            state._unit_base_buf,
+            *plan_rows,
+            self._victims,
+            self._new_lru,
+            state._sink_req,
+            BLOCK_C0=chunk["BLOCK_C0"],
+            **shape,
+        )
+
+    def _chunk_shape(self) -> dict:
+        # Launch constants of the split kernels (blocks of one unit).
+        return dict(
+            C=self.num_slots,
+            C0=self.buffer_size,
+            U=self.max_units,
+            BLOCK_C0=_next_pow2(self.buffer_size),
+            num_warps=self.num_warps,
+        )
+
+    def _count_and_rank(
+        self,
+        state: LRUCacheState,
+        batch: tuple,
+        victims_width: int,
+        loc_to_slot: torch.Tensor,
+        slot_loc: torch.Tensor,
+        lru: torch.Tensor,
+        plan: LayerSwapPlan,
+        chunk: dict,
+    ) -> None:
+        # Phase 2 of the split swap, one- and multi-token alike: per-chunk
+        # evictable counts, then ranks and victims (victims rows of
+        # victims_width: K, or Q x K with Q query tokens).
+        bs, req_pool_indices, num_real = plan.miss_count.shape[0], batch[2], batch[6]
+        U = self.max_units
         _swap_count_kernel[(bs, U)](
             req_pool_indices,
             num_real,
@@ -400,22 +405,9 @@ class TritonLRUSwap:
             self._victims,
             self._new_lru,
             state._sink_req,
-            K=q * self.top_k,  # the victims row
+            K=victims_width,
             BLOCK_U=_next_pow2(U),
             **chunk,
-        )
-        _swap_multi_assign_kernel[(bs, U)](
-            *batch,
-            loc_to_slot,
-            slot_loc,
-            lru,
-            state._unit_base_buf,
-            *plan_rows,
-            self._victims,
-            self._new_lru,
-            state._sink_req,
-            BLOCK_C0=chunk["BLOCK_C0"],
-            **shape,
         )
 
     def _alloc_scratch(self, rows: int) -> None:
