@@ -296,8 +296,8 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         query_tokens = 1
         if server_args.speculative_algorithm is not None:
             query_tokens = server_args.speculative_num_draft_tokens or 1
-        server_args.nsa_kv_offload_gpu_buffer_size = (
-            nsa_kv_offload_default_buffer_size(index_topk, query_tokens)
+        server_args.nsa_kv_offload_gpu_buffer_size = nsa_kv_offload_default_buffer_size(
+            index_topk, query_tokens
         )
     buffer_size = server_args.nsa_kv_offload_gpu_buffer_size
     window = server_args.nsa_kv_offload_recent_window

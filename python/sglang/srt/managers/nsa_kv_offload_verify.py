@@ -47,6 +47,14 @@ class NSAKVOffloadVerifyMixin:
     """Target-verify part of ``NSAKVOffloadCoordinator`` (uses its pools,
     controller, plan buffers and real-row counters)."""
 
+    def admit_running(self, batch: ScheduleBatch) -> None:
+        """Speculative ``prepare_for_decode`` (before the draft pass takes its
+        locs, which must continue admitted requests): admit anything the
+        prefill hook missed; ``seq_lens`` is the committed length."""
+        for i, req in enumerate(batch.reqs):
+            if not self.is_admitted(req):
+                self.admit(req, int(batch.seq_lens_cpu[i]))
+
     def prepare_verify(self, batch: ScheduleBatch, num_draft_tokens: int) -> None:
         """After ``prepare_for_verify`` allocated ``out_cache_loc`` (``q`` locs
         per request, request-major) and wrote them to ``req_to_token``;
@@ -57,10 +65,8 @@ class NSAKVOffloadVerifyMixin:
                 f"NSA KV offload: a verify of {q} query tokens per request, but "
                 f"the LRU state was built for {self.max_query_tokens}"
             )
-        for i, req in enumerate(batch.reqs):
-            if not self.is_admitted(req):
-                # Positions < n hold KV (the bonus token at n is a query).
-                self.admit(req, int(batch.seq_lens_cpu[i]))
+        # Positions < n hold KV (the bonus token at n is a query).
+        self.admit_running(batch)
         if self.controller.wants_rebalance():
             self._wait_producer()
             self.controller.rebalance()

@@ -216,12 +216,19 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return out
 
     def _extends_decoding_reqs(self, last_loc: torch.Tensor) -> bool:
-        """Whether every request of an extend continues admitted locs: its
+        """Whether the requests of an extend continue admitted locs: a request's
         last loc's page has no staging row (admission returned it; a prompt's
         pages keep theirs until then; ``-1``: a new prompt). Syncs once."""
         pages = last_loc.clamp(min=0) // self.page_size
         decoding = (last_loc >= 0) & (self.page_to_staging_row[pages] < 0)
-        return bool(decoding.all())
+        num_decoding = int(decoding.sum())
+        if 0 < num_decoding < last_loc.numel():
+            # sglang never mixes them (--enable-mixed-chunk is refused); a
+            # request not admitted before its draft pass would land here.
+            raise RuntimeError(
+                "NSA KV offload: an extend mixes prompts and decoding requests"
+            )
+        return num_decoding > 0
 
     def release_staging(self, locs: torch.Tensor) -> None:
         """Return the staging pages behind ``locs`` (any loc of a page frees it)."""
