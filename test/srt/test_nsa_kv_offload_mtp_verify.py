@@ -23,21 +23,33 @@ of a decode step with ``s`` draft steps (``q = s + 1``):
   freed; the next step verifies at the accepted length.
 """
 
+import importlib.util
+import os
 import random
+import shutil
+import tempfile
 import unittest
+from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
+from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_UNPROVEN_SPECULATIVE
 from sglang.srt.layers.attention import nsa_backend, nsa_offload_hooks
+from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+    NSA_KV_OFFLOAD_DRAFT_LAYERS,
+    compute_offload_pool_sizes,
+)
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from test_nsa_kv_offload_integration import (
     DEVICE,
     KV_LORA_RANK,
     PAGE,
     ROPE_DIM,
-    _alloc_extend_patch,
-    _Harness,
+    TINY_DSV32_CONFIG,
 )
+from test_nsa_kv_offload_integration import TestServerArgsToPools as _Pools
+from test_nsa_kv_offload_integration import _alloc_extend_patch, _Harness
 
 
 def setUpModule():
@@ -345,6 +357,88 @@ class TestMTPVerify(unittest.TestCase):
             self._harness(1, cross_layer_prefetch=True)
         self.assertIn("SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH", str(ctx.exception))
         self.assertIn("--speculative-algorithm", str(ctx.exception))
+
+
+class TestDraftWorkerPool(unittest.TestCase):
+    """The NextN layer's KV stays on the GPU in a plain NSA pool of the
+    draft worker, one row per token loc: its bytes are counted per loc."""
+
+    @classmethod
+    def setUpClass(cls):
+        from sglang.srt.server_args import ServerArgs
+
+        cls.tmp_dir = tempfile.mkdtemp()
+        shutil.copy(TINY_DSV32_CONFIG, os.path.join(cls.tmp_dir, "config.json"))
+        cls.ServerArgs = ServerArgs
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp_dir, ignore_errors=True)
+
+    def _configurator(self, **overrides):
+        from sglang.srt.model_executor.pool_configurator import (
+            create_memory_pool_configurator,
+        )
+
+        with mock.patch.dict(os.environ, {ENV_UNPROVEN_SPECULATIVE: "1"}):
+            args = _Pools._server_args(
+                self, nsa_kv_offload_host_pool_gb=32.0, **overrides
+            )
+        return create_memory_pool_configurator(_Pools._model_runner(self, args, 1))
+
+    def test_draft_bytes_per_loc(self):
+        mtp = dict(
+            speculative_algorithm="EAGLE",
+            speculative_num_steps=3,
+            speculative_eagle_topk=1,
+            speculative_num_draft_tokens=4,
+            disable_overlap_schedule=True,
+            max_running_requests=48,  # sglang's speculative default
+        )
+        plain, spec = self._configurator(), self._configurator(**mtp)
+        self.assertEqual(plain.draft_bytes_per_loc, 0)
+        self.assertEqual(NSA_KV_OFFLOAD_DRAFT_LAYERS, 1)
+        self.assertEqual(spec.draft_bytes_per_loc, 656 + 132)  # fp8 KV + keys
+        self.assertEqual(spec.buffer_size, 5 * 2048)  # (q + 1) x index_topk
+        self.assertEqual(spec._num_regions(1 << 40), 48)
+        avail = 4 << 30
+        sizes = spec.compute_sizes(avail, PAGE)
+        expect = compute_offload_pool_sizes(
+            available_bytes=avail,
+            num_layers=spec.num_layers,
+            row_bytes=spec.row_bytes,
+            indexer_bytes=spec.indexer_bytes,
+            page_size=PAGE,
+            buffer_size=spec.buffer_size,
+            recent_window=spec.recent_window,
+            num_regions=48,
+            staging_rows=spec.staging_rows(48, PAGE),
+            host_pool_bytes=spec.host_pool_bytes,
+            max_units=spec.max_units,
+        )
+        fewer = (expect.num_locs * spec.draft_bytes_per_loc) // (
+            3 * (132 + 2) + 8 + spec.draft_bytes_per_loc
+        )
+        self.assertLess(sizes.num_locs, expect.num_locs)
+        self.assertLessEqual(abs(expect.num_locs - sizes.num_locs - fewer), 2 * PAGE)
+
+    def test_draft_worker_builds_no_offload(self):
+        # The draft worker's model runner builds neither the coordinator nor
+        # the offload pool (its backend then reads its KV by token loc).
+        def source(module):
+            return Path(importlib.util.find_spec(module).origin).read_text()
+
+        runner = source("sglang.srt.model_executor.model_runner")
+        at = runner.index("create_nsa_kv_offload_coordinator(self)")
+        self.assertIn("and not self.is_draft_worker", runner[at - 400 : at])
+        mixin = source("sglang.srt.model_executor.model_runner_kv_cache_mixin")
+        at = mixin.index("nsa_kv_offload_pool_kwargs,")
+        self.assertIn("and not self.is_draft_worker", mixin[at - 300 : at])
+        verify = source("sglang.srt.speculative.eagle_info")
+        self.assertIn("offload.prepare_verify(batch, self.draft_token_num)", verify)
+        batch = source("sglang.srt.managers.schedule_batch")
+        admit = batch.index("offload.admit_running(self)")
+        self.assertLess(admit, batch.index("after running draft models."))
 
 
 if __name__ == "__main__":
