@@ -33,6 +33,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+# The module, not its TestCase: a TestCase in this namespace would run here too.
+import test_nsa_kv_offload_integration as integration
 import torch
 from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_UNPROVEN_SPECULATIVE
 from sglang.srt.layers.attention import nsa_backend, nsa_offload_hooks
@@ -47,9 +49,9 @@ from test_nsa_kv_offload_integration import (
     PAGE,
     ROPE_DIM,
     TINY_DSV32_CONFIG,
+    _alloc_extend_patch,
+    _Harness,
 )
-from test_nsa_kv_offload_integration import TestServerArgsToPools as _Pools
-from test_nsa_kv_offload_integration import _alloc_extend_patch, _Harness
 
 
 def setUpModule():
@@ -381,10 +383,12 @@ class TestDraftWorkerPool(unittest.TestCase):
         )
 
         with mock.patch.dict(os.environ, {ENV_UNPROVEN_SPECULATIVE: "1"}):
-            args = _Pools._server_args(
+            args = integration.TestServerArgsToPools._server_args(
                 self, nsa_kv_offload_host_pool_gb=32.0, **overrides
             )
-        return create_memory_pool_configurator(_Pools._model_runner(self, args, 1))
+        return create_memory_pool_configurator(
+            integration.TestServerArgsToPools._model_runner(self, args, 1)
+        )
 
     def test_draft_bytes_per_loc(self):
         mtp = dict(
