@@ -90,6 +90,8 @@ class _MTPHarness(_Harness):
         super().__init__(
             test, coordinator_kwargs=dict(max_query_tokens=steps + 1), **kw
         )
+        # create_nsa_kv_offload_allocator sets it when --speculative-algorithm is
+        self.allocator.speculative = True
 
     def draft_pass(self, reqs):
         """EAGLE v1 ``_draft_preprocess_decode`` (page size > 1, topk 1): ``s``
@@ -327,6 +329,19 @@ class TestMTPVerify(unittest.TestCase):
         h.spec_step([a, chunked], [1, 0], pad_reqs=1)
         for r in (a, chunked):
             h.finish(r)
+        self.assertEqual(h.snapshot(), h.initial)
+
+    def test_prefill_without_speculative_skips_the_check(self):
+        """Telling decoding requests from prompts syncs with the GPU: a server
+        without MTP never pays it (its prefills keep the overlap scheduler)."""
+        h = self._harness(1)
+        h.allocator.speculative = False
+        with mock.patch.object(
+            h.allocator, "_extends_decoding_reqs", side_effect=AssertionError
+        ):
+            a = h.new_req()
+            h.prefill([(a, PAGE + 5)])
+        h.finish(a)
         self.assertEqual(h.snapshot(), h.initial)
 
     def test_indexer_topk_positional_in_verify(self):

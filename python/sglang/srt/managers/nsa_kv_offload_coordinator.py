@@ -515,6 +515,7 @@ def create_nsa_kv_offload_allocator(model_runner, need_sort: bool):
         need_sort=need_sort,
         staging_start_row=sizes.staging_start_row,
         staging_rows=sizes.staging_rows,
+        speculative=model_runner.server_args.speculative_algorithm is not None,
     )
 
 

@@ -136,7 +136,11 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         need_sort: bool,
         staging_start_row: int,
         staging_rows: int,
+        speculative: bool = False,
     ):
+        # MTP: decoding requests extend too (draft pass, verify); telling them
+        # from prompts costs a host sync, so only speculative servers pay it.
+        self.speculative = speculative
         self.staging = StagingRowAllocator(
             staging_start_row, staging_rows // page_size, page_size, device
         )
@@ -180,7 +184,11 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         )
         if out is None or out.numel() == 0:
             return out
-        if self.staging.num_pages > 0 and self._extends_decoding_reqs(last_loc):
+        if (
+            self.speculative
+            and self.staging.num_pages > 0
+            and self._extends_decoding_reqs(last_loc)
+        ):
             # MTP draft / verify locs of decoding requests: the verify
             # preparation maps them to window ring rows (the draft pass only
             # writes the NextN layer's own pool), so no staging page.
