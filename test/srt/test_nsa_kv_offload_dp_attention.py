@@ -150,7 +150,7 @@ class TestIdleBatches(unittest.TestCase):
         )
         h.co.before_forward(idle)
         # The indexer's top-k stays positional on IDLE, as on DECODE.
-        self.assertTrue(nsa_offload_hooks.use_positional_decode_topk(h.co, idle))
+        self.assertTrue(nsa_offload_hooks.use_positional_topk(h.co, idle))
         _assert_same_state(self, before, _state(h))
         h.decode_step([a])
         h.finish(a)

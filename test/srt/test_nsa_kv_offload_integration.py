@@ -603,7 +603,7 @@ class TestHooksAndLookup(unittest.TestCase):
         decode = SimpleNamespace(forward_mode=ForwardMode.DECODE)
         extend = SimpleNamespace(forward_mode=ForwardMode.EXTEND)
         idle = SimpleNamespace(forward_mode=ForwardMode.IDLE)
-        use_positional = nsa_offload_hooks.use_positional_decode_topk
+        use_positional = nsa_offload_hooks.use_positional_topk
         self.assertTrue(use_positional(coordinator, decode))
         self.assertTrue(use_positional(coordinator, idle))
         self.assertFalse(use_positional(coordinator, extend))

@@ -49,6 +49,12 @@ _HOST_RESERVE_FRACTION = 0.1
 # Lets --tp-size > 1 and --enable-dp-attention start, for the GPU runs that
 # prove them (docs/MULTI_GPU.md); refused without it.
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
+# Lets --speculative-algorithm start (within check_nsa_kv_offload_speculative's
+# rules), for the GPU runs that prove MTP with the offload (docs/MTP.md);
+# refused without it.
+ENV_UNPROVEN_SPECULATIVE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
+# Experimental cross-layer prefetch (read by the coordinator).
+ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):
 # EAGLE / NextN MTP with one draft chain, target verify with the drafts and
 # the bonus token as query tokens. NEXTN is EAGLE after sglang's alias step.
@@ -121,10 +127,12 @@ def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int)
     """The refusals that stay once MTP target verify runs with the offload;
     returns the query tokens per request of a target-model forward (1 without
     speculative decoding). Call it after sglang's speculative-decoding step
-    (NEXTN resolved to EAGLE, the draft-token count adjusted) and after the
-    buffer size default is resolved. Not called yet: the server refuses
-    ``--speculative-algorithm`` with the offload until the verify path is
-    wired (docs/MTP.md, "What lifting the refusal takes")."""
+    (NEXTN resolved to EAGLE, the draft-token count adjusted, spec v1 or v2
+    chosen) and after the buffer size default is resolved. Until MTP has run
+    on a GPU, ``handle_decode_nsa_kv_offload`` calls it only with
+    ``SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE=1`` (docs/MTP.md)."""
+    from sglang.srt.utils import get_bool_env_var
+
     algorithm = server_args.speculative_algorithm
     if algorithm is None:
         return 1
@@ -153,6 +161,19 @@ def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int)
             f"--speculative-num-draft-tokens ({query_tokens}) must be "
             f"--speculative-num-steps + 1 ({steps + 1}) with "
             "--speculative-eagle-topk 1."
+        )
+    if not server_args.disable_overlap_schedule:
+        # Spec v2 assigns draft locs in its own preparation (overlapped with
+        # the previous forward), which does not map them to ring rows yet.
+        _fail(
+            "speculative decoding with the overlap scheduler (spec v2) is not "
+            "supported; pass --disable-overlap-schedule (spec v1)."
+        )
+    if get_bool_env_var(ENV_CROSS_LAYER_PREFETCH):
+        # The prefetch swaps one top-k row per request, verify has q.
+        _fail(
+            f"{ENV_CROSS_LAYER_PREFETCH}=1 is not supported with "
+            f"--speculative-algorithm {algorithm}."
         )
     buffer_size = server_args.nsa_kv_offload_gpu_buffer_size
     if buffer_size is not None and buffer_size < query_tokens * index_topk:
@@ -232,13 +253,7 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             )
     if server_args.enable_hisparse:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
-    if server_args.speculative_algorithm is not None:
-        # Until MTP target verify is wired (docs/MTP.md); then
-        # check_nsa_kv_offload_speculative keeps refusing the rest.
-        _fail(
-            "speculative decoding (--speculative-algorithm "
-            f"{server_args.speculative_algorithm}) is not supported."
-        )
+    _check_speculative_proven(server_args)
     layout = NSAKVOffloadRankLayout.from_server_args(server_args)
     _check_parallelism(server_args, layout)
     if not server_args.disable_radix_cache:
@@ -277,7 +292,13 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         )
 
     if server_args.nsa_kv_offload_gpu_buffer_size is None:
-        server_args.nsa_kv_offload_gpu_buffer_size = 2 * index_topk
+        # MTP: one top-k more than the union of a verify's query tokens.
+        query_tokens = 1
+        if server_args.speculative_algorithm is not None:
+            query_tokens = server_args.speculative_num_draft_tokens or 1
+        server_args.nsa_kv_offload_gpu_buffer_size = nsa_kv_offload_default_buffer_size(
+            index_topk, query_tokens
+        )
     buffer_size = server_args.nsa_kv_offload_gpu_buffer_size
     window = server_args.nsa_kv_offload_recent_window
     if buffer_size < index_topk:
@@ -292,6 +313,7 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             f"--nsa-kv-offload-recent-window ({window}) must be smaller than "
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size})."
         )
+    check_nsa_kv_offload_speculative(server_args, index_topk)
     units_fit = _MAX_LRU_SLOTS // buffer_size
     if units_fit < 1:
         _fail(
@@ -344,6 +366,30 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         buffer_size,
         server_args.nsa_kv_offload_host_pool_gb,
         scope,
+    )
+
+
+def _check_speculative_proven(server_args: "ServerArgs") -> None:
+    """Speculative decoding is wired (docs/MTP.md) but has not run on a GPU:
+    refused unless SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE=1."""
+    from sglang.srt.utils import get_bool_env_var
+
+    algorithm = server_args.speculative_algorithm
+    if algorithm is None:
+        return
+    if not get_bool_env_var(ENV_UNPROVEN_SPECULATIVE):
+        _fail(
+            f"speculative decoding (--speculative-algorithm {algorithm}) has not "
+            "run on GPUs yet: the MTP target verify path (multi-token swap, "
+            "verify preparation, draft worker pool) is tested on CPU only "
+            f"({ENV_UNPROVEN_SPECULATIVE}=1 lets it start, for the GPU runs that "
+            "prove it)."
+        )
+    logger.warning(
+        "Decode NSA KV offload: %s=1, starting speculative decoding not yet run "
+        "on GPUs (--speculative-algorithm %s).",
+        ENV_UNPROVEN_SPECULATIVE,
+        algorithm,
     )
 
 

@@ -43,6 +43,8 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
+from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_CROSS_LAYER_PREFETCH
+from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolSizes,
@@ -68,13 +70,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # While idle, the metrics are refreshed at most this often (sglang checks
 # its pools at every idle scheduler iteration).
 IDLE_METRICS_INTERVAL_S = 1.0
 
 
-class NSAKVOffloadCoordinator:
+class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     def __init__(
         self,
         kv_pool: NSAKVOffloadTokenToKVPool,
@@ -90,7 +91,14 @@ class NSAKVOffloadCoordinator:
         max_units: int = 1,
         staging_reserve_pages: int = 0,
         host_pool_group: Optional[HostPoolGroup] = None,
+        max_query_tokens: int = 1,
     ):
+        if cross_layer_prefetch and max_query_tokens > 1:
+            # The prefetch swaps one top-k row per request.
+            raise ValueError(
+                f"NSA KV offload: {ENV_CROSS_LAYER_PREFETCH}=1 does not support "
+                "MTP target verify (--speculative-algorithm)"
+            )
         self.kv_pool = kv_pool
         self.kv_arrives_in_host = kv_arrives_in_host
         # The ranks of an attention-TP group share one host pool; its first
@@ -157,7 +165,10 @@ class NSAKVOffloadCoordinator:
             max_batch_size=max_batch_size,
             max_units=max_units,
             host_writer=host_writer,
+            max_query_tokens=max_query_tokens,
         )
+        # Query tokens per request of a target-verify forward (1: no MTP).
+        self.max_query_tokens = max_query_tokens
         self.lru = self.controller.lru
         self._lends_staging = max_units > 1 and allocator.staging.num_pages > 0
         if self._lends_staging:
@@ -171,10 +182,14 @@ class NSAKVOffloadCoordinator:
 
         # Rows of the batch that are real (CUDA-graph padding rows are inert).
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # Target verify: its real query tokens (the write-back count).
+        self.num_real_tokens = torch.zeros(1, dtype=torch.int32, device=self.device)
         first = kv_pool.start_layer
         self._layer_range = (first, first + kv_pool.layer_num - 1)
         # Static swap outputs, sliced per batch size (CUDA-graph safe).
-        self._plan_buffers = self._new_plan_buffers(max_batch_size, top_k)
+        self._plan_buffers = self._new_plan_buffers(
+            max_batch_size, top_k, max_query_tokens
+        )
         self.cross_layer_prefetch = cross_layer_prefetch
         if cross_layer_prefetch:
             # Its own plan buffers and a copy of the top-k it loads: the
@@ -209,14 +224,17 @@ class NSAKVOffloadCoordinator:
             kv_pool.kv_buffer[0].shape[0],
         )
 
-    def _new_plan_buffers(self, rows: int, k: int) -> LayerSwapPlan:
+    def _new_plan_buffers(self, rows: int, k: int, q: int = 1) -> LayerSwapPlan:
+        """For ``rows`` requests of up to ``q`` query tokens: a page-table row
+        per query token, one copy list of ``q * k`` per request."""
+
         def buf(shape, dtype, fill=0):
             return torch.full(shape, fill, dtype=dtype, device=self.device)
 
         return LayerSwapPlan(
-            page_table=buf((rows, k), torch.int32, -1),
-            miss_src_loc=buf((rows, k), torch.int64),
-            miss_dst_row=buf((rows, k), torch.int32),
+            page_table=buf((rows * q, k), torch.int32, -1),
+            miss_src_loc=buf((rows, q * k), torch.int64),
+            miss_dst_row=buf((rows, q * k), torch.int32),
             miss_count=buf((rows,), torch.int32),
         )
 
@@ -497,6 +515,7 @@ def create_nsa_kv_offload_allocator(model_runner, need_sort: bool):
         need_sort=need_sort,
         staging_start_row=sizes.staging_start_row,
         staging_rows=sizes.staging_rows,
+        speculative=model_runner.server_args.speculative_algorithm is not None,
     )
 
 
@@ -563,6 +582,9 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         )
         // model_runner.page_size,
         host_pool_group=host_pool_group,
+        max_query_tokens=(
+            sa.speculative_num_draft_tokens if sa.speculative_algorithm else 1
+        ),
     )
     # The pools' one link back (see NSAKVOffloadTokenToKVPoolAllocator), for
     # sglang code that holds only the allocator (get_nsa_kv_offload).

@@ -136,7 +136,11 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         need_sort: bool,
         staging_start_row: int,
         staging_rows: int,
+        speculative: bool = False,
     ):
+        # MTP: decoding requests extend too (draft pass, verify); telling them
+        # from prompts costs a host sync, so only speculative servers pay it.
+        self.speculative = speculative
         self.staging = StagingRowAllocator(
             staging_start_row, staging_rows // page_size, page_size, device
         )
@@ -157,9 +161,37 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         self.staging.clear()
         self.page_to_staging_row.fill_(-1)
 
-    def alloc_extend(self, *args, **kwargs):
-        out = super().alloc_extend(*args, **kwargs)
+    def alloc_extend(
+        self,
+        prefix_lens,
+        prefix_lens_cpu,
+        seq_lens,
+        seq_lens_cpu,
+        last_loc,
+        extend_num_tokens,
+        *args,
+        **kwargs,
+    ):
+        out = super().alloc_extend(
+            prefix_lens,
+            prefix_lens_cpu,
+            seq_lens,
+            seq_lens_cpu,
+            last_loc,
+            extend_num_tokens,
+            *args,
+            **kwargs,
+        )
         if out is None or out.numel() == 0:
+            return out
+        if (
+            self.speculative
+            and self.staging.num_pages > 0
+            and self._extends_decoding_reqs(last_loc)
+        ):
+            # MTP draft / verify locs of decoding requests: the verify
+            # preparation maps them to window ring rows (the draft pass only
+            # writes the NextN layer's own pool), so no staging page.
             return out
         if self.staging.num_pages == 0:
             # KV arrives in host slots; a freed decode token's window row must
@@ -190,6 +222,21 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         rows = self.page_to_staging_row[out // self.page_size] + out % self.page_size
         self._kvcache.loc_to_row[out] = rows
         return out
+
+    def _extends_decoding_reqs(self, last_loc: torch.Tensor) -> bool:
+        """Whether the requests of an extend continue admitted locs: a request's
+        last loc's page has no staging row (admission returned it; a prompt's
+        pages keep theirs until then; ``-1``: a new prompt). Syncs once."""
+        pages = last_loc.clamp(min=0) // self.page_size
+        decoding = (last_loc >= 0) & (self.page_to_staging_row[pages] < 0)
+        num_decoding = int(decoding.sum())
+        if 0 < num_decoding < last_loc.numel():
+            # sglang never mixes them (--enable-mixed-chunk is refused); a
+            # request not admitted before its draft pass would land here.
+            raise RuntimeError(
+                "NSA KV offload: an extend mixes prompts and decoding requests"
+            )
+        return num_decoding > 0
 
     def release_staging(self, locs: torch.Tensor) -> None:
         """Return the staging pages behind ``locs`` (any loc of a page frees it)."""
@@ -370,16 +417,19 @@ def compute_offload_pool_sizes(
     host_pool_bytes: int,
     max_total_tokens: Optional[int] = None,
     max_units: int = 1,
+    draft_bytes_per_loc: int = 0,
 ) -> NSAKVOffloadPoolSizes:
     """Split ``available_bytes`` between fixed costs (regions, staging) and
-    logical token locs, and cap the locs by what the host pool holds."""
+    logical token locs, and cap the locs by what the host pool holds.
+    ``draft_bytes_per_loc``: the MTP draft worker's KV pool (its NextN layer
+    stays whole on the GPU, one row per token loc)."""
     staging_rows = _round_up(staging_rows, page_size)
     fixed = num_layers * (
         page_size + staging_rows
     ) * row_bytes + num_regions * offload_bytes_per_region(
         num_layers, row_bytes, buffer_size, recent_window, max_units
     )
-    per_loc = offload_bytes_per_loc(num_layers, indexer_bytes)
+    per_loc = offload_bytes_per_loc(num_layers, indexer_bytes) + draft_bytes_per_loc
     host_capacity = host_pool_bytes // (num_layers * row_bytes)
     num_locs = min((available_bytes - fixed) // per_loc, host_capacity)
     if max_total_tokens is not None:
@@ -403,6 +453,9 @@ def compute_offload_pool_sizes(
         host_capacity_locs=host_capacity,
     )
 
+
+# KV layers of the MTP draft worker (DeepSeek-V3.2's one NextN layer).
+NSA_KV_OFFLOAD_DRAFT_LAYERS = 1
 
 # Default decode regions when --max-running-requests is not set: at most this
 # share of the KV budget goes to regions, and at most this many regions.
@@ -448,6 +501,14 @@ class NSAKVOffloadPoolConfigurator:
         self.max_total_tokens = sa.max_total_tokens
         self.kv_arrives_in_host = sa.disaggregation_mode == "decode"
         self.max_units = self.geometry.max_units
+        # MTP: the draft worker's plain NSA pool (its NextN layer, KV and
+        # indexer keys per token loc) shares this budget, like sglang's
+        # configurators count a draft layer.
+        self.draft_bytes_per_loc = (
+            NSA_KV_OFFLOAD_DRAFT_LAYERS * (self.row_bytes + self.indexer_bytes)
+            if sa.speculative_algorithm is not None
+            else 0
+        )
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
         if self.kv_arrives_in_host:
@@ -487,6 +548,7 @@ class NSAKVOffloadPoolConfigurator:
             host_pool_bytes=self.host_pool_bytes,
             max_total_tokens=self.max_total_tokens,
             max_units=self.max_units,
+            draft_bytes_per_loc=self.draft_bytes_per_loc,
         )
         sizes.geometry = self.geometry
         return sizes

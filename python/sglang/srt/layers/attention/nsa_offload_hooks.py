@@ -19,12 +19,15 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
-def use_positional_decode_topk(
+def use_positional_topk(
     offload: Optional[NSAKVOffloadCoordinator], forward_batch: ForwardBatch
 ) -> bool:
-    """Decode needs the indexer's top-k as sequence positions (not token locs):
-    the offload maps positions to GPU rows itself."""
-    return offload is not None and forward_batch.forward_mode.is_decode_or_idle()
+    """Decode and MTP target verify need the indexer's top-k as sequence
+    positions (not token locs): the offload maps positions to GPU rows itself."""
+    if offload is None:
+        return False
+    mode = forward_batch.forward_mode
+    return mode.is_decode_or_idle() or mode.is_target_verify()
 
 
 def decode_page_table(
@@ -35,6 +38,17 @@ def decode_page_table(
 ) -> torch.Tensor:
     """Top-k positions -> GPU KV rows in top-k order, misses loaded."""
     return offload.swap_decode_layer(layer_id, topk_positions, forward_batch)
+
+
+def verify_page_table(
+    offload: NSAKVOffloadCoordinator,
+    forward_batch: ForwardBatch,
+    layer_id: int,
+    topk_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Target verify: ``q`` rows of top-k positions per request (request-major)
+    -> GPU KV rows, one row per query token, misses of all ``q`` loaded once."""
+    return offload.swap_verify_layer(layer_id, topk_positions, forward_batch)
 
 
 def translate_locs_to_rows(
