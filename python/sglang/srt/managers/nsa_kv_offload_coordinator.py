@@ -370,7 +370,9 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             self._write_back_new_tokens(forward_batch.out_cache_loc)
         return page_table
 
-    def _count_real_rows(self, out_cache_loc: torch.Tensor) -> None:
+    def _count_real_rows(
+        self, out_cache_loc: torch.Tensor, out: Optional[torch.Tensor] = None
+    ) -> None:
         # CUDA-graph padding rows have out_cache_loc 0 (sglang zeroes it; loc 0
         # is never a request's), so the real rows are counted on the GPU.
         torch.sum(
@@ -378,7 +380,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             dim=0,
             keepdim=True,
             dtype=torch.int32,
-            out=self.num_real_reqs,
+            out=self.num_real_reqs if out is None else out,
         )
 
     def _write_back_new_tokens(self, out_cache_loc: torch.Tensor) -> None:

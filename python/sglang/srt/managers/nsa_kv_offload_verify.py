@@ -107,11 +107,5 @@ class NSAKVOffloadVerifyMixin:
     def _count_real_tokens(self, out_cache_loc: torch.Tensor, q: int) -> None:
         # Padding requests of a CUDA graph have out_cache_loc 0 for all their
         # q tokens; real ones never (loc 0 is nobody's).
-        torch.sum(
-            out_cache_loc != 0,
-            dim=0,
-            keepdim=True,
-            dtype=torch.int32,
-            out=self.num_real_tokens,
-        )
+        self._count_real_rows(out_cache_loc, out=self.num_real_tokens)
         torch.floor_divide(self.num_real_tokens, q, out=self.num_real_reqs)
