@@ -21,7 +21,6 @@ Prints a table, writes JSON to --out, exits 1 on any mismatch.
 
 import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -29,6 +28,8 @@ from typing import Dict, List
 
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
+
+from offload_bench_utils import time_swap_graph
 
 FAILURES: List[str] = []
 # --device cpu (with TRITON_INTERPRET=1, tiny sizes) smoke-tests this script.
@@ -414,32 +415,7 @@ def time_graph(
                 0, topks[t], rpi, seqs[t], wl.req_to_token, num_real, out=outs[t % 2]
             )
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()  # JIT + reach a steady state on this trajectory
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    before = state.counters[0].clone()
-    times = []
-    for _ in range(reps):
-        a = torch.cuda.Event(enable_timing=True)
-        b = torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        times.append((a, b))
-    torch.cuda.synchronize()
-    c = (state.counters[0] - before).tolist()
-    per_call_us = [x.elapsed_time(y) * 1000.0 / T for x, y in times]
-    lookups = c[0] + c[2]
-    return statistics.median(per_call_us), (c[2] / lookups if lookups else 0.0)
+    return time_swap_graph(body, state.counters[0], T, reps)
 
 
 def run_timing(args, bs: int, keep: float, seed: int) -> Dict:

@@ -22,13 +22,14 @@ Prints JSON lines and a table, writes JSON to --out, exits 1 on any mismatch.
 
 import argparse
 import json
-import statistics
 import sys
 import traceback
 from typing import Dict, List
 
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
+
+from offload_bench_utils import time_swap_graph
 
 FAILURES: List[str] = []
 DEV = "cuda"
@@ -229,32 +230,7 @@ def time_swaps(state, wl, topks, seqs, rpi, num_real, q, reps):
             swap = (0, topk, rpi, seq, wl.req_to_token, num_real)
             state.swap_layer(*swap, out=outs[t % 2], num_query_tokens=q)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()  # JIT + reach a steady state on this trajectory
-        body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    before = state.counters[0].clone()
-    events = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-            enable_timing=True
-        )
-        a.record()
-        graph.replay()
-        b.record()
-        events.append((a, b))
-    torch.cuda.synchronize()
-    c = (state.counters[0] - before).tolist()
-    us = [a.elapsed_time(b) * 1000.0 / len(topks) for a, b in events]
-    return statistics.median(us), c[2] / max(c[0] + c[2], 1)
+    return time_swap_graph(body, state.counters[0], len(topks), reps)
 
 
 def run_timing(args, bs: int, q: int, C: int, seed: int) -> Dict:

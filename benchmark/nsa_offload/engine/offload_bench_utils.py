@@ -150,6 +150,40 @@ def time_gpu(
     return summarize(samples)
 
 
+def time_swap_graph(
+    body: Callable[[], None], counters: torch.Tensor, calls: int, reps: int
+) -> "tuple[float, float]":
+    """(median GPU microseconds per call, miss rate) of ``body`` (``calls``
+    consecutive LRU swaps) captured in a CUDA graph and replayed ``reps``
+    times; ``counters`` is the swapped layer's (hits, window hits, misses)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # JIT + reach a steady state on this trajectory
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    before = counters.clone()
+    events = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        events.append((a, b))
+    torch.cuda.synchronize()
+    c = (counters - before).tolist()
+    per_call_us = [a.elapsed_time(b) * 1000.0 / calls for a, b in events]
+    lookups = c[0] + c[2]
+    return statistics.median(per_call_us), (c[2] / lookups if lookups else 0.0)
+
+
 def summarize(samples_us: List[float]) -> Dict[str, float]:
     n = len(samples_us)
     s = sorted(samples_us)
