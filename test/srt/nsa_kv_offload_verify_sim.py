@@ -24,6 +24,7 @@ from sglang.srt.mem_cache import lru_cache_state as lru_mod
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from test_lru_cache_state import (
+    Sim,
     assert_state_matches_model,
     assert_states_equal,
     check_invariants,
@@ -152,22 +153,9 @@ class VerifySim:
         for state in self.states:
             state.release_request(r)
 
-    def grow_or_shrink(self) -> None:
-        cfg, rng = self.cfg, self.rng
-        for r in sorted(self.reqs):
-            units = self.reqs[r]["units"]
-            if units and rng.random() < cfg.p_shrink:
-                self.free_units.append(units.pop())
-                for state in self.states:
-                    state.shrink_request(r, len(units) + 1)
-                self.model.shrink(r)
-            elif len(units) + 1 < cfg.units and self.free_units:
-                if rng.random() < cfg.p_grow:
-                    base = self.free_units.pop()
-                    units.append(base)
-                    for state in self.states:
-                        state.grow_request(r, len(units), base)
-                    self.model.grow(r, base)
+    # Random unit changes of live requests between steps, as in the decode
+    # differential (same fields: cfg.units / p_shrink / p_grow, reqs, ...).
+    grow_or_shrink = Sim.grow_or_shrink
 
     # -- one verify step
 
