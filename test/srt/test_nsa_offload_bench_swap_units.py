@@ -16,6 +16,7 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
 sys.path.insert(0, str(BENCH_DIR / "engine"))
 
 import bench_swap_units  # noqa: E402
+import offload_bench_utils  # noqa: E402
 
 TRITON_OK = torch.cuda.is_available() or lru_mod._swap_kernel_is_interpreted()
 
@@ -48,6 +49,21 @@ class TestBenchSwapUnits(unittest.TestCase):
             md = (Path(out) / "bench_swap_units.md").read_text()
             self.assertIn("| 2 | 3 (72) |", md)
             self.assertIn("| yes |", md)
+
+
+class TestFinishCheck(unittest.TestCase):
+    def test_result_file_and_exit_code(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = str(Path(d) / "r.json")
+            self.assertEqual(offload_bench_utils.finish_check({"a": 1}, [], out), 0)
+            self.assertEqual(
+                json.loads(Path(out).read_text()),
+                {"a": 1, "failures": [], "ok": True},
+            )
+            self.assertEqual(offload_bench_utils.finish_check({}, ["bad"], out), 1)
+            self.assertEqual(
+                json.loads(Path(out).read_text()), {"failures": ["bad"], "ok": False}
+            )
 
 
 if __name__ == "__main__":

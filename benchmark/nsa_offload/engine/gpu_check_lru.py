@@ -29,7 +29,7 @@ from typing import Dict, List
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
 
-from offload_bench_utils import time_swap_graph
+from offload_bench_utils import finish_check, time_swap_graph
 
 FAILURES: List[str] = []
 # --device cpu (with TRITON_INTERPRET=1, tiny sizes) smoke-tests this script.
@@ -559,14 +559,7 @@ def main() -> int:
             f"{r['bs']:>4} {r['keep']:>5} {100 * r.get('miss_rate', 0):6.1f} {cells} "
             f"{r['default_num_warps']:>8} {ref if ref is not None else '-':>9}"
         )
-    result["failures"] = FAILURES
-    result["ok"] = not FAILURES
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(
-        f"\n{'OK' if not FAILURES else f'FAILED ({len(FAILURES)})'}; wrote {args.out}"
-    )
-    return 0 if not FAILURES else 1
+    return finish_check(result, FAILURES, args.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Dict, List
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
 
-from offload_bench_utils import time_swap_graph
+from offload_bench_utils import finish_check, time_swap_graph
 
 FAILURES: List[str] = []
 DEV = "cuda"
@@ -314,13 +314,7 @@ def main() -> int:
                 f"{r['q']:>2} {r['C']:>6} {r['bs']:>4} {100 * r['miss_rate']:6.1f} "
                 f"{r['multi_us']:9.2f} {r['single_us']:10.2f}"
             )
-    result["failures"], result["ok"] = FAILURES, not FAILURES
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(
-        f"\n{'OK' if not FAILURES else f'FAILED ({len(FAILURES)})'}; wrote {args.out}"
-    )
-    return 0 if not FAILURES else 1
+    return finish_check(result, FAILURES, args.out)
 
 
 if __name__ == "__main__":

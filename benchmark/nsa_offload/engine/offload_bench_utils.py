@@ -184,6 +184,16 @@ def time_swap_graph(
     return statistics.median(per_call_us), (c[2] / lookups if lookups else 0.0)
 
 
+def finish_check(result: Dict, failures: List[str], out: str) -> int:
+    """Write a GPU check's JSON (with its failures), say OK / FAILED; the
+    process exit code."""
+    result["failures"], result["ok"] = failures, not failures
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{'OK' if not failures else f'FAILED ({len(failures)})'}; wrote {out}")
+    return 0 if not failures else 1
+
+
 def summarize(samples_us: List[float]) -> Dict[str, float]:
     n = len(samples_us)
     s = sorted(samples_us)
