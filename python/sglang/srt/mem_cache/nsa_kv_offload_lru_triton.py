@@ -208,18 +208,9 @@ class TritonLRUSwap:
             )
             return plan
         _swap_layer_kernel[(bs,)](
-            *batch,
-            loc_to_slot,
-            slot_loc,
-            lru,
-            state._unit_base_buf,
-            state._capacity_buf,
-            counters,
-            *plan_rows,
-            plan.miss_count,
-            self._hit_flags,
-            self._victims,
-            state._sink_req,
+            *self._fused_args(
+                state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
+            ),
             K=self.top_k,
             C=self.num_slots,
             C0=self.buffer_size,
@@ -310,18 +301,9 @@ class TritonLRUSwap:
         )
         if not self.multi_split:
             _swap_multi_layer_kernel[(bs,)](
-                *batch,
-                loc_to_slot,
-                slot_loc,
-                lru,
-                state._unit_base_buf,
-                state._capacity_buf,
-                counters,
-                *plan_rows,
-                plan.miss_count,
-                self._hit_flags,
-                self._victims,
-                state._sink_req,
+                *self._fused_args(
+                    state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
+                ),
                 BLOCK_C=self.block_c,
                 **shape,
             )
@@ -408,6 +390,26 @@ class TritonLRUSwap:
             K=victims_width,
             BLOCK_U=_next_pow2(U),
             **chunk,
+        )
+
+    def _fused_args(
+        self, state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
+    ) -> tuple:
+        """Positional arguments of the one-program swap kernels (one- and
+        multi-token: the same list)."""
+        return (
+            *batch,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            state._unit_base_buf,
+            state._capacity_buf,
+            counters,
+            *plan_rows,
+            plan.miss_count,
+            self._hit_flags,
+            self._victims,
+            state._sink_req,
         )
 
     def _alloc_scratch(self, rows: int) -> None:
