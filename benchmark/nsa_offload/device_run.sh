@@ -82,7 +82,7 @@ run_step() {
         2>&1 | tail -25 > $OUT/pytest_cuda.txt; cat $OUT/pytest_cuda.txt
       grep -q " passed" $OUT/pytest_cuda.txt && ! grep -qE " (failed|errors?)\b" $OUT/pytest_cuda.txt || rc=1
       timeout 90 python3 benchmark/nsa_offload/engine/gpu_check_exact.py --out $OUT/gpu_check_exact 2>&1 | tail -6 || rc=1
-      timeout 100 python3 benchmark/nsa_offload/engine/gpu_check_lru.py --out $OUT/gpu_check_lru.json 2>&1 | tail -12 || rc=1
+      timeout 200 python3 benchmark/nsa_offload/engine/gpu_check_lru.py --out $OUT/gpu_check_lru.json 2>&1 | tail -12 || rc=1
       timeout 150 python3 benchmark/nsa_offload/engine/gpu_check_lru_multi.py --out $OUT/gpu_check_lru_multi.json 2>&1 | tail -12 || rc=1
       ;;
     units)
