@@ -19,8 +19,8 @@ sys.path.insert(0, str(BENCH_DIR))
 import demo  # noqa: E402
 
 # An exactness.py run of the demo's servers on the H200 (tiny checkpoint,
-# batch 1, persistent negative control on 16 prompts): 64/64, 16/16.
-GOOD_RUN = BENCH_DIR / "results" / "exactness" / "tiny_gain1" / "exactness.json"
+# batch 1, persistent negative control on 64 prompts): 64/64, 64/64.
+GOOD_RUN = BENCH_DIR / "results" / "exactness" / "tiny_run5" / "exactness.json"
 
 
 def _good_run() -> dict:
@@ -63,7 +63,7 @@ class TestGpuComparison(unittest.TestCase):
         self.assertEqual(exact[exact.index("--nc-modes") + 1], "persistent")
         self.assertNotIn("--skip-repeat", exact)
         self.assertIn("64/64 prompts identical -> good", self.printed)
-        self.assertIn("16/16 outputs changed", self.printed)
+        self.assertIn("64/64 outputs changed", self.printed)
         # Capacity only: dummy weights, no outputs compared.
         self.assertTrue(colocated[1].endswith("e2e_server.py"))
         self.assertEqual(colocated[2:4], ["--out", str(self.out / "colocated")])
@@ -124,7 +124,7 @@ class TestExactnessVerdict(unittest.TestCase):
         base["nc_armed_persistent"] = copy.deepcopy(base["nc_clean"])
         ok, text = self.verdict(run)
         self.assertFalse(ok)
-        self.assertIn("0/16 outputs changed (need 12", text)
+        self.assertIn("0/64 outputs changed (need 58", text)
         # Without the hooks the control is not judged.
         self.assertTrue(self.verdict(run, "no hooks")[0])
 

@@ -398,14 +398,14 @@ class TestRunOrchestration(FakeServerCase):
         self.assertEqual(
             files,
             [
-                "ckpt_tiny_s0_q1_o16_a1",
+                "ckpt_tiny_s0_q1.5_o16_a1",
                 "server_soak.log.gz",
                 "soak.json",
                 "summary.json",
                 "summary.md",
             ],
         )
-        self.assertEqual(calls["ckpt"][1][:3], (0, 1.0, 16.0))  # seed, qk, out gain
+        self.assertEqual(calls["ckpt"][1][:3], (0, 1.5, 16.0))  # seed, qk, out gain
         cmd = " ".join(calls["args"])
         for flag in (
             "--enable-decode-nsa-kv-offload --nsa-kv-offload-host-pool-gb 0.05",

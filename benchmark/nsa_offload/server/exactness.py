@@ -47,7 +47,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional
 
-from make_checkpoint import load_config, write_checkpoint
+from make_checkpoint import (
+    RECORD_OUT_GAIN,
+    RECORD_QK_GAIN,
+    load_config,
+    write_checkpoint,
+)
 from server_utils import BF16_KV_ARGS, Server, random_prompts
 
 NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
@@ -550,10 +555,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="no second seq pass on the no-offload server (its self-agreement)",
     )
     p.add_argument(
-        "--qk-gain", type=float, default=1.0, help="make_checkpoint --qk-gain"
+        "--qk-gain",
+        type=float,
+        default=RECORD_QK_GAIN,
+        help=f"make_checkpoint --qk-gain ({RECORD_QK_GAIN:g})",
     )
     p.add_argument(
-        "--out-gain", type=float, default=1.0, help="make_checkpoint --out-gain"
+        "--out-gain",
+        type=float,
+        default=RECORD_OUT_GAIN,
+        help=f"make_checkpoint --out-gain ({RECORD_OUT_GAIN:g})",
     )
     p.add_argument(
         "--attn-out-gain",

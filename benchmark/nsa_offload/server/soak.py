@@ -3,7 +3,7 @@ checkpoint (issue 21, item 4).
 
 One offload server (CUDA graphs and the overlap scheduler on, fp8 KV,
 ``--enable-metrics``) on the ``tiny`` checkpoint of ``make_checkpoint.py``
-(written like ``exactness.py`` does, default out-gain 16), with the
+(written like ``exactness.py`` does, the gains of record by default), with the
 deterministic top-k of ``exactness.py`` (``sorted_topk/``,
 ``SGLANG_NSA_FUSE_TOPK=0``, a fixed cuBLAS workspace), then:
 
@@ -102,7 +102,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from capacity import ROW_BYTES_FP8
 from exactness import ExactServer, git_commit, scan_log, scrape_offload_metrics
 from exactness import server_args as exactness_server_args
-from make_checkpoint import load_config, write_checkpoint
+from make_checkpoint import (
+    RECORD_OUT_GAIN,
+    RECORD_QK_GAIN,
+    load_config,
+    write_checkpoint,
+)
 from server_utils import num_model_layers, random_prompts
 
 # summary.json: the issue's keys, in its order, before the extras.
@@ -898,10 +903,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="server's --mem-fraction-static (default 0.5)",
     )
     p.add_argument(
-        "--qk-gain", type=float, default=1.0, help="make_checkpoint --qk-gain (1)"
+        "--qk-gain",
+        type=float,
+        default=RECORD_QK_GAIN,
+        help=f"make_checkpoint --qk-gain ({RECORD_QK_GAIN:g})",
     )
     p.add_argument(
-        "--out-gain", type=float, default=16.0, help="make_checkpoint --out-gain (16)"
+        "--out-gain",
+        type=float,
+        default=RECORD_OUT_GAIN,
+        help=f"make_checkpoint --out-gain ({RECORD_OUT_GAIN:g})",
     )
     p.add_argument(
         "--attn-out-gain",
