@@ -6,8 +6,9 @@ generator and the negative control's accounting.
   layer's own tensors), with the shapes the config gives; the written
   checkpoint holds exactly those, at the documented scales, and the same
   seed gives the same bytes whatever the order;
-* ``exactness``: the boundary prompt lengths, and when a control request
-  counts as flipped (one corrupted step, or every step);
+* ``exactness``: the boundary prompt lengths, when a control request
+  counts as flipped (one corrupted step, or every step), and the MTP
+  servers' flags and accept-count comparison;
 * ``sorted_topk``: the top-k set picked on a total order (score, then the
   lower column) against a brute-force reference on scores full of ties,
   handed to the kernel as 0/1 logits, rows sorted with ``-1`` padding last,
@@ -230,6 +231,113 @@ class TestExactnessAccounting(unittest.TestCase):
         out = exactness.negative_control(res, [100, 4096, 7], "persistent")
         self.assertEqual(out["flipped"], 2)  # from token 1 on, within 64 tokens
         self.assertEqual(out["changed_before_corruption"], 0)
+
+
+class TestMtpServers(unittest.TestCase):
+    def _args(self, spec_name, d):
+        args = exactness.parse_args(["--out", d])
+        return exactness.server_args(exactness.SERVERS[spec_name], args, "/ckpt")
+
+    def test_server_flags(self):
+        with tempfile.TemporaryDirectory() as d:
+            base, base_env = self._args("base_fp8_mtp", d)
+            ours, ours_env = self._args("ours_fp8_mtp", d)
+            heavy, _ = self._args("ours_fp8_mtp_heavy", d)
+            one, _ = self._args("ours_fp8_mtp1", d)
+
+        def flag(cmd, name):
+            return cmd[cmd.index(name) + 1]
+
+        for cmd in (base, ours):
+            self.assertEqual(flag(cmd, "--speculative-algorithm"), "NEXTN")
+            self.assertEqual(flag(cmd, "--speculative-num-steps"), "3")
+            self.assertEqual(flag(cmd, "--speculative-eagle-topk"), "1")
+            self.assertEqual(flag(cmd, "--speculative-num-draft-tokens"), "4")
+            self.assertIn("--disable-overlap-schedule", cmd)  # spec v1
+        self.assertEqual(flag(one, "--speculative-num-draft-tokens"), "2")
+        # Only the offload servers open the speculative gate.
+        self.assertNotIn(exactness.ENV_UNPROVEN_SPECULATIVE, base_env)
+        self.assertEqual(ours_env[exactness.ENV_UNPROVEN_SPECULATIVE], "1")
+        self.assertNotIn("--enable-decode-nsa-kv-offload", base)
+        # The heavy server sits at verify's limits: C = q x top-k, W >= 2q - 1.
+        q, topk = 4, 2048
+        self.assertEqual(int(flag(heavy, "--nsa-kv-offload-gpu-buffer-size")), q * topk)
+        self.assertGreaterEqual(
+            int(flag(heavy, "--nsa-kv-offload-recent-window")), 2 * q - 1
+        )
+        # Every MTP offload server is compared with a no-offload MTP server
+        # of the same steps and KV dtype.
+        for name in exactness.MTP_SERVERS.split(","):
+            spec = exactness.SERVERS[name]
+            if spec.get("offload") is not None:
+                base_spec = exactness.SERVERS[spec["base"]]
+                self.assertEqual(base_spec["mtp"], spec["mtp"])
+                self.assertEqual(base_spec.get("kv"), spec.get("kv"))
+                self.assertIsNone(base_spec.get("offload"))
+        self.assertNotIn("mtp", exactness.TINY_SERVERS)
+
+    def test_accept_counts_compared(self):
+        def meta(ct, correct, hist):
+            return {
+                "spec_verify_ct": ct,
+                "spec_num_correct_drafts": correct,
+                "spec_correct_drafts_histogram": hist,
+                "spec_accept_length": 65 / ct,
+            }
+
+        records = [
+            exactness.accept_record(meta(20, 45, [2, 3, 5, 10])),
+            exactness.accept_record(meta(30, 35, [10, 10, 5, 5])),
+        ]
+        self.assertIsNone(exactness.accept_record({}))  # no speculation reported
+        out = [[1, 2]] * 2
+
+        def summary(ours_accept):
+            result = {
+                "servers": {
+                    "base_fp8_mtp": {"seq": out, "seq_accept": records},
+                    "ours_fp8_mtp": {"seq": out, "seq_accept": ours_accept},
+                },
+                "specs": {
+                    n: exactness.SERVERS[n] for n in ("base_fp8_mtp", "ours_fp8_mtp")
+                },
+                "prompt_lens": [5, 6],
+                "nc_lens": [],
+                "code_commit": "abc",
+            }
+            return exactness.summarize(result, "tiny")
+
+        same = summary(list(records))
+        self.assertEqual(same["mtp"]["identical"], 2)
+        self.assertTrue(same["mtp"]["accept_length_equal"])
+        self.assertEqual(same["mtp"]["num_steps"], [3])
+        self.assertIn("MTP (steps [3])", exactness.summary_markdown(same))
+        # The same tokens, one request verified in other steps: not equal.
+        other = summary([records[0], exactness.accept_record(meta(31, 34, [11]))])
+        self.assertEqual(other["mtp"]["identical"], 2)
+        self.assertFalse(other["mtp"]["accept_length_equal"])
+        self.assertEqual(other["mtp"]["accept"]["ours_fp8_mtp"]["first_differing"], [1])
+        # A request with no record cannot count as equal.
+        missing = summary([records[0], None])
+        self.assertFalse(missing["mtp"]["accept_length_equal"])
+        # Without MTP servers there is no MTP part.
+        plain = exactness.summarize(
+            {
+                "servers": {"base_fp8": {"seq": out}, "ours_fp8": {"seq": out}},
+                "specs": {n: exactness.SERVERS[n] for n in ("base_fp8", "ours_fp8")},
+                "prompt_lens": [5, 6],
+                "nc_lens": [],
+                "code_commit": "abc",
+            },
+            "tiny",
+        )
+        self.assertNotIn("mtp", plain)
+
+    def test_unknown_server_is_one_line_error(self):
+        with tempfile.TemporaryDirectory() as d:
+            with self.assertRaises(SystemExit) as cm:
+                exactness.main(["--out", d, "--servers", "base_fp8,nope"])
+        self.assertIn("nope", str(cm.exception))
 
 
 class TestSweepSpec(unittest.TestCase):

@@ -30,6 +30,10 @@ Every offload server is compared with the no-offload server of its KV dtype
 no-offload one; ``*_retract`` servers force retraction
 (``SGLANG_TEST_RETRACT``: sglang retracts decode requests every
 ``SGLANG_TEST_RETRACT_INTERVAL`` forwards) and are compared with each other.
+The ``*_mtp*`` servers (``--servers mtp``) run MTP (NextN, eagle topk 1,
+1 or 3 steps, spec v1) with and without the offload; besides the outputs,
+each request's accept counts (verify forwards, accepted drafts, histogram)
+must match the no-offload MTP server's (``summary.json``'s ``mtp``).
 Writes ``exactness.json`` (every output) and ``summary.json``/``summary.md``.
 
     python benchmark/nsa_offload/server/exactness.py --model tiny --out /tmp/exact_tiny
@@ -97,9 +101,50 @@ SERVERS = {
     "ours_fp8_retract": dict(offload=[], retract=True, base="base_fp8_retract"),
     "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
     "dummy_fp8": dict(dummy=True, nc=True),
+    # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, spec v1):
+    # each offload server against the no-offload server with the same MTP
+    # settings, outputs and accept counts (docs/MTP.md).
+    "base_fp8_mtp": dict(mtp=3),
+    "ours_fp8_mtp": dict(mtp=3, offload=[], base="base_fp8_mtp"),
+    "ours_fp8_mtp_heavy": dict(
+        mtp=3,
+        # The smallest buffer verify allows (q x top-k) and window (2q - 1).
+        offload=[
+            "--nsa-kv-offload-max-units",
+            "1",
+            "--nsa-kv-offload-gpu-buffer-size",
+            "8192",
+            "--nsa-kv-offload-recent-window",
+            "8",
+        ],
+        base="base_fp8_mtp",
+    ),
+    "base_fp8_mtp1": dict(mtp=1),
+    "ours_fp8_mtp1": dict(mtp=1, offload=[], base="base_fp8_mtp1"),
+    "base_bf16_mtp": dict(mtp=3, kv="bf16"),
+    "ours_bf16_mtp": dict(mtp=3, kv="bf16", offload=[], base="base_bf16_mtp"),
 }
-TINY_SERVERS = ",".join(SERVERS)
+TINY_SERVERS = ",".join(n for n, spec in SERVERS.items() if "mtp" not in spec)
 RANK_SERVERS = "base_fp8,ours_fp8"
+MTP_SERVERS = ",".join(n for n, spec in SERVERS.items() if "mtp" in spec)
+# The offload refuses speculative decoding unless this is set (docs/MTP.md).
+ENV_UNPROVEN_SPECULATIVE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
+
+
+def mtp_args(steps: int) -> List[str]:
+    """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps; spec
+    v1 (``--disable-overlap-schedule``), the one the offload supports."""
+    return [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(steps + 1),
+        "--disable-overlap-schedule",
+    ]
 
 
 def case_lengths(
@@ -189,6 +234,10 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
         extra += ["--enable-metrics"]
     if spec.get("kv") == "bf16":
         extra += BF16_KV_ARGS
+    if spec.get("mtp"):
+        extra += mtp_args(spec["mtp"])
+        if spec.get("offload") is not None:
+            env[ENV_UNPROVEN_SPECULATIVE] = "1"
     if spec.get("offload") is not None:
         extra += [
             "--enable-decode-nsa-kv-offload",
@@ -219,8 +268,14 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
     n = args.max_new_tokens
     if not spec.get("nc_only"):
         t = time.time()
-        res["seq"] = [srv.generate(p, n)["output_ids"] for p in prompts]
+        outs = [srv.generate(p, n) for p in prompts]
         res["seq_s"] = round(time.time() - t, 1)
+        res["seq"] = [o["output_ids"] for o in outs]
+        if spec.get("mtp"):
+            # Verify forwards per request and how many drafts each accepted:
+            # the same outputs with other accept lengths would mean that the
+            # target's verify read other KV rows.
+            res["seq_accept"] = [accept_record(o["meta_info"]) for o in outs]
         save()
     if spec.get("repeat") and not args.skip_repeat:
         # The same requests again: the server's own run-to-run agreement.
@@ -313,6 +368,34 @@ def scan_log(path: str) -> dict:
     return out
 
 
+def accept_record(meta: dict) -> Optional[dict]:
+    """What sglang's ``meta_info`` says of a request's speculation (None
+    when it says nothing: then there is nothing to compare)."""
+    if not meta.get("spec_verify_ct"):
+        return None
+    return {
+        "verify_ct": meta["spec_verify_ct"],
+        "correct_drafts": meta.get("spec_num_correct_drafts"),
+        "histogram": meta.get("spec_correct_drafts_histogram"),
+        "accept_length": meta.get("spec_accept_length"),
+    }
+
+
+def compare_accept(a: List[Optional[dict]], b: List[Optional[dict]]) -> dict:
+    """Per request: the same verify count, accepted drafts and histogram on
+    both servers; a request without a record counts as differing."""
+    same = [x is not None and x == y for x, y in zip(a, b)]
+    lengths = [x["accept_length"] for x in a if x and x["accept_length"]]
+    return {
+        "identical": sum(same),
+        "total": len(same),
+        "first_differing": [i for i, ok in enumerate(same) if not ok][:8],
+        "mean_accept_length": (
+            round(sum(lengths) / len(lengths), 3) if lengths else None
+        ),
+    }
+
+
 def first_diff(a: List[int], b: List[int]) -> Optional[int]:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -385,6 +468,8 @@ def summarize(result: dict, model: str) -> dict:
             )
         if "concurrent" in res and "concurrent" in base:
             rows["concurrent"] = compare(res["concurrent"], base["concurrent"])
+        if "seq_accept" in res and "seq_accept" in base:
+            rows["accept"] = compare_accept(res["seq_accept"], base["seq_accept"])
         if "seq_again" in base:
             det = [
                 i
@@ -422,7 +507,7 @@ def summarize(result: dict, model: str) -> dict:
         if "concurrent" in r and "seq" in r
     }
     base_nc = nc.get("base_fp8", {})
-    return {
+    summary = {
         "weights": "checkpoint",
         "model": model,
         "checkpoint": result.get("ckpt_meta"),
@@ -444,6 +529,33 @@ def summarize(result: dict, model: str) -> dict:
         "logs": result.get("logs", {}),
         "prompt_lens": result["prompt_lens"],
         "code_commit": result["code_commit"],
+    }
+    mtp = mtp_summary(summary, specs)
+    if mtp:
+        summary["mtp"] = mtp
+    return summary
+
+
+def mtp_summary(summary: dict, specs: dict) -> Optional[dict]:
+    """The MTP servers' part (results/mtp/summary.json's exactness keys):
+    their batch-1 cases, and whether every request's accept counts match the
+    no-offload MTP server's."""
+    names = [n for n, rows in summary["comparisons"].items() if specs[n].get("mtp")]
+    if not names:
+        return None
+    rows = {n: summary["comparisons"][n] for n in names}
+    phases = [r[p] for r in rows.values() for p in ("seq", "abort") if p in r]
+    accept = {n: r.get("accept") for n, r in rows.items()}
+    return {
+        "identical": sum(p["identical"] for p in phases),
+        "total": sum(p["total"] for p in phases),
+        "accept_length_equal": all(
+            a is not None and a["total"] and a["identical"] == a["total"]
+            for a in accept.values()
+        ),
+        "num_steps": sorted({specs[n]["mtp"] for n in names}),
+        "accept": accept,
+        "code_commit": summary["code_commit"],
     }
 
 
@@ -481,6 +593,18 @@ def summary_markdown(summary: dict) -> str:
                 f"| {name} | {mode} | {r['flipped']}/{r['requests']} | "
                 f"{r.get('flipped_later', '-')} | "
                 f"{r['changed_before_corruption']} | {r['rows_corrupted']} |"
+            )
+    mtp = summary.get("mtp")
+    if mtp:
+        lines += [
+            "",
+            f"MTP (steps {mtp['num_steps']}): outputs {frac(mtp)}, accept counts "
+            f"equal on every request: {mtp['accept_length_equal']}",
+        ]
+        for name, a in mtp["accept"].items():
+            lines.append(
+                f"- {name}: accept counts {frac(a)}, mean accept length "
+                f"{a['mean_accept_length'] if a else '-'}"
             )
     lines += ["", "Self-agreement (the same requests twice, batch 1):"]
     for name, c in summary["self_agreement"].items():
@@ -547,7 +671,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=32,
         help="control requests per sweep server",
     )
-    p.add_argument("--servers", help="comma list of server names (default by model)")
+    p.add_argument(
+        "--servers",
+        help="comma list of server names (default by model; 'mtp': the MTP servers, "
+        f"{MTP_SERVERS})",
+    )
     p.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
     p.add_argument(
         "--skip-repeat",
@@ -642,7 +770,12 @@ def main(argv=None) -> int:
 
     if args.servers is None:
         args.servers = TINY_SERVERS if args.model == "tiny" else RANK_SERVERS
+    elif args.servers == "mtp":
+        args.servers = MTP_SERVERS
     names = [n for n in args.servers.split(",") if n]  # "--servers=": sweep only
+    unknown = [n for n in names if n not in SERVERS]
+    if unknown:
+        raise SystemExit(f"--servers: unknown {unknown}; known: {', '.join(SERVERS)}")
     lengths = case_lengths(4096, 64, args.longest, args.max_new_tokens)
     rng = random.Random(args.seed + 1)
     while len(lengths) < args.num_requests:
