@@ -47,8 +47,11 @@ read must change at least 90% of the outputs (never the first token, which
 comes from the prefill), while the disarmed server repeats its clean outputs,
 which match the offload servers'. Without the hooks only that test is
 skipped. A subclass repeats the no-offload / offload comparison with a bf16
-KV cache (FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``).
-Another class starts a PD decode server (``--disaggregation-mode decode``,
+KV cache (FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``),
+another with MTP on every server (NextN, 3 steps; accept counts compared
+too; the offload refuses MTP unless
+``SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE=1``, which its offload servers
+set: not yet run on a GPU). Another class starts a PD decode server (``--disaggregation-mode decode``,
 sglang's fake KV transfer: no prefill server, KV unwritten, so dummy weights
 and no output comparison) with the offload and checks that it admits,
 decodes, idles and still serves. It needs a Hopper GPU with the DSA stack
@@ -92,7 +95,9 @@ from exactness import (  # noqa: E402
     ENV_CORRUPT_LAYER,
     NC_MODES,
     ExactServer,
+    accept_record,
     case_lengths,
+    compare_accept,
     first_diff,
     negative_control,
     parse_args,
@@ -249,6 +254,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         "offload_prefetch": "ours_fp8_prefetch",
     }
     PORT_OFFSET = 0
+    MTP = False  # the seq phase also records each request's accept counts
 
     @classmethod
     def setUpClass(cls):
@@ -323,7 +329,14 @@ class TestDecodeNSAKVOffload(CustomTestCase):
     def _run_workload(cls, srv: ExactServer, result: dict) -> None:
         tic = time.perf_counter()
         w = cls.workload
-        result["seq"] = _phase(lambda: _outputs(srv, *w["seq"]))
+        if cls.MTP:
+            seq = _phase(lambda: [srv.generate(p, w["seq"][1]) for p in w["seq"][0]])
+            if isinstance(seq, list):
+                result["seq_accept"] = [accept_record(r["meta_info"]) for r in seq]
+                seq = [r["output_ids"] for r in seq]
+            result["seq"] = seq
+        else:
+            result["seq"] = _phase(lambda: _outputs(srv, *w["seq"]))
         prompts, max_new = w["load"]
         result["load"] = _phase(
             lambda: [
@@ -520,6 +533,38 @@ class TestDecodeNSAKVOffloadBF16(TestDecodeNSAKVOffload):
 
     SERVERS = {"baseline": "base_bf16", "offload": "ours_bf16"}
     PORT_OFFSET = 100
+
+
+@unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
+class TestDecodeNSAKVOffloadMTP(TestDecodeNSAKVOffload):
+    """The same with MTP on every server (NextN, 3 steps, eagle topk 1, spec
+    v1: ``exactness.mtp_args``): the target's verify forwards read 4 query
+    tokens' top-k per request through the offload. Besides the outputs, each
+    request's accept counts must match; the negative control corrupts the
+    verify rows (``bench_hooks/0002``). The offload servers: the default one
+    and one at verify's limits (buffer 4 x top-k, window 8, one unit)."""
+
+    SERVERS = {
+        "baseline": "base_fp8_mtp",
+        "offload": "ours_fp8_mtp",
+        "offload_fixed": "ours_fp8_mtp_heavy",
+    }
+    PORT_OFFSET = 300
+    MTP = True
+
+    def test_accept_counts_identical(self):
+        base = self._result("baseline").get("seq_accept")
+        self.assertIsNotNone(base, "no accept counts recorded")
+        self.assertTrue(all(base), "sglang reported no speculation for a request")
+        for role in self.SERVERS:
+            if role == "baseline":
+                continue
+            with self.subTest(server=role):
+                ours = self._result(role).get("seq_accept")
+                self.assertIsNotNone(ours, "no accept counts recorded")
+                report = compare_accept(ours, base)
+                print(f"accept counts, {role} vs baseline: {report}")
+                self.assertEqual(report["identical"], report["total"], report)
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")

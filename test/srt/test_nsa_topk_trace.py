@@ -468,6 +468,40 @@ class TestNegativeControl(HookEnvCase):
             changed.append((out != x).any(dim=1).cpu())
         self.assertEqual(torch.stack(changed).sum(dim=0).tolist(), [1, 1])
 
+    def test_verify_rows_by_query_position(self):
+        # MTP target verify: q = 3 rows per request; row j of a request with
+        # committed length n is the query at position n + j (n + j + 1 rows).
+        hooks = self.hooks(layer=1)
+        self.arm("64 0")
+        hooks.corruption.poll()
+        gen = torch.Generator().manual_seed(11)
+        n = torch.tensor([62, 127, 300])
+        q = 3
+        row_lens = (n[:, None] + torch.arange(q)[None, :] + 1).reshape(-1)
+        x = indexer_rows(row_lens, gen).to(DEVICE)
+
+        def verify_batch(mode):
+            fb = fake_forward_batch(n, torch.arange(len(n)))
+            fb.batch_size = len(n)
+            fb.forward_mode = SimpleNamespace(is_target_verify=lambda: mode == "verify")
+            return fb
+
+        # Prefill and draft extends pass through, armed or not.
+        out = nsa_topk_trace.apply_verify_topk_hooks(verify_batch("extend"), 1, x)
+        self.assertTrue(torch.equal(out, x))
+        out = nsa_topk_trace.apply_verify_topk_hooks(verify_batch("verify"), 1, x)
+        # 62 + 1 + 1 = 64 (request 0, query 1) and 127 + 0 + 1 = 128 (request 1,
+        # query 0): the rows whose length is a multiple of 64.
+        hit = torch.zeros(len(row_lens), dtype=torch.bool)
+        hit[[1, 3]] = True
+        self.assertTrue(torch.equal(out[~hit], x[~hit]))
+        expect = (x[hit, 0].cpu() + row_lens[hit] // 2) % row_lens[hit]
+        self.assertTrue(torch.equal(out[hit, 0].cpu(), expect.to(out.dtype)))
+        self.assertTrue(torch.equal(out[hit, 1:], x[hit, 1:]))
+        # Another layer: untouched.
+        out = nsa_topk_trace.apply_verify_topk_hooks(verify_batch("verify"), 0, x)
+        self.assertTrue(torch.equal(out, x))
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -1238,6 +1238,21 @@ class DecodeTopkHooks:
                 self.recorder = None
         return out
 
+    def verify(self, forward_batch, layer_id: int, topk: torch.Tensor):
+        """MTP target verify: ``q`` rows per request (request-major), row
+        ``j`` the query at position ``seq_len + j``, which sees ``seq_len +
+        j + 1`` positions. Only the negative control acts here: the
+        override and the recorder replay and record decode steps."""
+        if self.corruption is None or topk.dim() != 2 or topk.shape[0] == 0:
+            return topk
+        if not self._ready:
+            self._setup(forward_batch, topk)
+        bs = forward_batch.batch_size
+        q = topk.shape[0] // bs
+        j = torch.arange(q, device=topk.device, dtype=forward_batch.seq_lens.dtype)
+        row_lens = (forward_batch.seq_lens[:bs, None] + j[None, :] + 1).reshape(-1)
+        return self.corruption.apply(layer_id, topk, row_lens)
+
 
 _HOOKS: Optional[DecodeTopkHooks] = None
 _HOOKS_LOCK = threading.Lock()
@@ -1260,6 +1275,17 @@ def apply_decode_topk_hooks(forward_batch, layer_id: int, topk: torch.Tensor):
     if not hooks.active:
         return topk
     return hooks(forward_batch, layer_id, topk)
+
+
+def apply_verify_topk_hooks(forward_batch, layer_id: int, topk: torch.Tensor):
+    """The hooks for the NSA backend's extend path: target-verify forwards
+    only (bench_hooks/0002); prefill and draft extends pass through."""
+    if not forward_batch.forward_mode.is_target_verify():
+        return topk
+    hooks = _HOOKS if _HOOKS is not None else get_decode_topk_hooks()
+    if not hooks.active:
+        return topk
+    return hooks.verify(forward_batch, layer_id, topk)
 
 
 def reset_decode_topk_hooks() -> None:
