@@ -104,7 +104,8 @@ SERVERS = {
     # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, spec v1):
     # each offload server against the no-offload server with the same MTP
     # settings, outputs and accept counts (docs/MTP.md).
-    "base_fp8_mtp": dict(mtp=3),
+    # Its negative control corrupts verify rows (traces/bench_hooks/0002).
+    "base_fp8_mtp": dict(mtp=3, nc=True),
     "ours_fp8_mtp": dict(mtp=3, offload=[], base="base_fp8_mtp"),
     "ours_fp8_mtp_heavy": dict(
         mtp=3,
@@ -554,6 +555,11 @@ def mtp_summary(summary: dict, specs: dict) -> Optional[dict]:
             for a in accept.values()
         ),
         "num_steps": sorted({specs[n]["mtp"] for n in names}),
+        "negative_control": {
+            n: modes
+            for n, modes in summary["negative_control"].items()
+            if specs[n].get("mtp")
+        },
         "accept": accept,
         "code_commit": summary["code_commit"],
     }
