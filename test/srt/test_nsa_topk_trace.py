@@ -503,5 +503,27 @@ class TestNegativeControl(HookEnvCase):
         self.assertTrue(torch.equal(out, x))
 
 
+class TestVerifyOverride(unittest.TestCase):
+    def test_query_rows_are_the_decode_rows_at_their_lengths(self):
+        # Query j of a request with committed length n gets the override's
+        # row of the decode step at length n + j + 1 (the same request).
+        hooks = nsa_topk_trace.DecodeTopkHooks(make_override(), None)
+        gen = torch.Generator().manual_seed(4)
+        n = torch.tensor([900, 3000, 5000])
+        req = torch.tensor([2, 0, 5])
+        q = 4
+        row_lens = (n[:, None] + torch.arange(q)[None, :] + 1).reshape(-1)
+        x = indexer_rows(row_lens, gen).to(DEVICE)
+        fb = fake_forward_batch(n, req)
+        fb.batch_size = len(n)
+        fb.forward_mode = SimpleNamespace(is_target_verify=lambda: True)
+        out = nsa_topk_trace.DecodeTopkHooks.verify(hooks, fb, 1, x).cpu()
+        self.assertFalse(torch.equal(out, x.cpu()))  # the override acted
+        for j in range(q):
+            rows = torch.arange(len(n)) * q + j
+            decode = hooks(fake_forward_batch(n + j + 1, req), 1, x[rows])
+            self.assertTrue(torch.equal(out[rows], decode.cpu()), f"query {j}")
+
+
 if __name__ == "__main__":
     unittest.main()

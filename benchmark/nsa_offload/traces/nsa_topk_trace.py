@@ -1241,9 +1241,13 @@ class DecodeTopkHooks:
     def verify(self, forward_batch, layer_id: int, topk: torch.Tensor):
         """MTP target verify: ``q`` rows per request (request-major), row
         ``j`` the query at position ``seq_len + j``, which sees ``seq_len +
-        j + 1`` positions. Only the negative control acts here: the
-        override and the recorder replay and record decode steps."""
-        if self.corruption is None or topk.dim() != 2 or topk.shape[0] == 0:
+        j + 1`` positions. The override maps each row as the decode step at
+        that length (consecutive queries get consecutive steps' rows) and
+        the negative control corrupts rows by that length; the recorder
+        records decode steps only."""
+        if (self.override is None and self.corruption is None) or (
+            topk.dim() != 2 or topk.shape[0] == 0
+        ):
             return topk
         if not self._ready:
             self._setup(forward_batch, topk)
@@ -1251,7 +1255,13 @@ class DecodeTopkHooks:
         q = topk.shape[0] // bs
         j = torch.arange(q, device=topk.device, dtype=forward_batch.seq_lens.dtype)
         row_lens = (forward_batch.seq_lens[:bs, None] + j[None, :] + 1).reshape(-1)
-        return self.corruption.apply(layer_id, topk, row_lens)
+        out = topk
+        if self.override is not None:
+            rows_req = forward_batch.req_pool_indices[:bs].repeat_interleave(q)
+            out = self.override.apply(layer_id, out, row_lens, rows_req)
+        if self.corruption is not None:
+            out = self.corruption.apply(layer_id, out, row_lens)
+        return out
 
 
 _HOOKS: Optional[DecodeTopkHooks] = None
@@ -1279,7 +1289,8 @@ def apply_decode_topk_hooks(forward_batch, layer_id: int, topk: torch.Tensor):
 
 def apply_verify_topk_hooks(forward_batch, layer_id: int, topk: torch.Tensor):
     """The hooks for the NSA backend's extend path: target-verify forwards
-    only (bench_hooks/0002); prefill and draft extends pass through."""
+    only (bench_hooks/0002, ``DecodeTopkHooks.verify``); prefill and draft
+    extends pass through."""
     if not forward_batch.forward_mode.is_target_verify():
         return topk
     hooks = _HOOKS if _HOOKS is not None else get_decode_topk_hooks()
