@@ -158,6 +158,34 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
             "baseline,ours,hisparse",
         )
 
+    def test_mtp_servers_are_the_pair_with_the_mtp_flags(self):
+        argv = ["--out", "/tmp/x", "--servers", "baseline_mtp,ours_mtp,ours"]
+        args = bench_server.parse_args(argv + ["--mtp-steps", "2"])
+        args.record = False
+        args.host_pool_gb = 8
+        args.max_running_requests = 4
+        args.mem_fraction_static = 0.03
+        specs = bench_server.server_specs(args)
+        mtp = [
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-num-steps",
+            "2",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "3",
+            "--disable-overlap-schedule",
+        ]
+        self.assertEqual(specs["baseline_mtp"], specs["baseline"] + mtp)
+        self.assertEqual(specs["ours_mtp"], specs["ours"] + mtp)
+        gate = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
+        self.assertEqual(bench_server.server_env(args, "ours_mtp")[gate], "1")
+        for kind in ("baseline_mtp", "ours", "baseline"):
+            self.assertNotIn(gate, bench_server.server_env(args, kind))
+        with self.assertRaises(SystemExit):  # 1-3 steps (docs/MTP.md)
+            bench_server.parse_args(argv + ["--mtp-steps", "4"])
+
     def test_unknown_server_is_refused(self):
         import tempfile
 
@@ -346,6 +374,32 @@ class TestInterleave(unittest.TestCase):
         self.assertIn(
             "median of per-round ratios +5.0%, IQR +4%..+6%", "\n".join(lines)
         )
+
+    def test_mtp_has_its_own_p4_lines(self):
+        result = {
+            "config": {"cap_contexts": []},
+            "servers": {
+                "baseline": {"points": [self.point([1.0, 1.0, 1.0])]},
+                "ours": {"points": [self.point([1.05, 1.05, 1.05])]},
+                "baseline_mtp": {"points": [self.point([0.5, 0.5, 0.5])]},
+                "ours_mtp": {"points": [self.point([0.6, 0.6, 0.6])]},
+            },
+        }
+        t = bench_server.evaluate_targets(result)
+        # ours + MTP against no offload + MTP: +20%, over the +10% target.
+        self.assertAlmostEqual(t["P4_mtp"]["max_overhead"], 0.2)
+        self.assertFalse(t["P4_mtp"]["met"])
+        self.assertAlmostEqual(t["mtp_vs_no_mtp"]["max_overhead"], 0.6 / 1.05 - 1)
+        self.assertTrue(t["P4"]["met"])
+        text = "\n".join(bench_server._targets_md(t))
+        self.assertIn(
+            "- **P4** ITL overhead ours + MTP vs no offload + MTP at equal batch",
+            text,
+        )
+        self.assertIn("- **P4** ITL overhead ours + MTP vs ours at equal batch", text)
+        # Without the pair, no MTP line.
+        del result["servers"]["baseline_mtp"]
+        self.assertNotIn("P4_mtp", bench_server.evaluate_targets(result))
 
     def test_arguments(self):
         argv = ["--out", "/tmp/x", "--interleave", "--no-record"]

@@ -25,6 +25,12 @@ every server alike with a calibrated synthetic trace (``trace_gen.py``, at the
 benchmark's context lengths; ``SGLANG_NSA_TOPK_TRACE_OVERRIDE``); in that mode
 the recorded rows are also checked against a CPU recomputation of the override.
 
+With MTP (``--servers baseline_mtp,ours_mtp,ours``, ``--mtp-steps``: NextN,
+eagle topk 1, spec v1) the target's verify forwards get the same top-k
+(the override maps each query row as the decode step at its length); P4's
+MTP line is ours + MTP vs no offload + MTP (ITL per output token, from the
+decode log's throughput), another line ours + MTP vs ours.
+
     # ~6-9 min on an H200 each (warm JIT caches)
     python benchmark/nsa_offload/server/bench_server.py --quick --topk model --out OUT/model
     python benchmark/nsa_offload/server/bench_server.py --quick --topk override --out OUT/override
@@ -66,11 +72,13 @@ sys.path.insert(1, str(TRACES_DIR))
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
     DEFAULT_MAX_UNITS,
+    ENV_UNPROVEN_SPECULATIVE,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
     VOCAB_SIZE,
     Server,
     model_weights_gib,
+    mtp_args,
     num_model_layers,
     offload_max_units,
     use_model,
@@ -86,8 +94,15 @@ SERVER_KINDS = (
     "ours_prefetch",
     "ours_units",
     "hisparse",
+    "baseline_mtp",
+    "ours_mtp",
 )
 DEFAULT_SERVERS = "baseline,ours,hisparse"
+# With MTP (--mtp-steps): each pair compared as P4 is, its own line.
+MTP_COMPARISONS = {
+    "P4_mtp": ("ours_mtp", "baseline_mtp"),  # the offload's cost with MTP
+    "mtp_vs_no_mtp": ("ours_mtp", "ours"),  # what MTP buys the offload
+}
 # Variants of ours measured side by side with it, each with its own P4 line.
 # ours_units (session 9, before units became ours' default) is only read.
 OURS_VARIANTS = {
@@ -95,7 +110,7 @@ OURS_VARIANTS = {
     "ours_prefetch": "P4_prefetch",
     "ours_units": "P4_units",
 }
-OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS)
+OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
 RUNNABLE_KINDS = tuple(k for k in SERVER_KINDS if k != "ours_units")
 LABELS = {
     "baseline": "no offload",
@@ -104,6 +119,8 @@ LABELS = {
     "ours_fixed": "ours, fixed buffer",
     "ours_prefetch": "ours + prefetch",
     "ours_units": "ours + units",
+    "baseline_mtp": "no offload + MTP",
+    "ours_mtp": "ours + MTP",
 }
 PAGE_SIZE = 64
 ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
@@ -611,12 +628,15 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     fixed = ours + [units, "1"]
     if args.max_units is not None:
         ours += [units, str(args.max_units)]
+    mtp = mtp_args(args.mtp_steps)
     return {
         "baseline": common + slots,
         "hisparse": common + slots + HISPARSE_ARGS,
         "ours": ours,
         "ours_fixed": fixed,
         "ours_prefetch": ours,  # + the prefetch's env var (server_env)
+        "baseline_mtp": common + slots + mtp,
+        "ours_mtp": ours + mtp,  # + the speculative gate (server_env)
     }
 
 
@@ -631,6 +651,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
     if kind == "ours_prefetch" or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
+    if kind == "ours_mtp":
+        env[ENV_UNPROVEN_SPECULATIVE] = "1"
     if args.record:
         env.update(
             SGLANG_NSA_TOPK_TRACE_RECORD=record_path(args, kind),
@@ -1209,6 +1231,9 @@ def evaluate_targets(result: dict) -> dict:
     for kind, key in OURS_VARIANTS.items():
         if kind in srv:
             t[key] = _p4(base, srv[kind])
+    for key, (kind, versus) in MTP_COMPARISONS.items():
+        if kind in srv and versus in srv:
+            t[key] = _p4(srv[versus], srv[kind])
     # P5: throughput at fixed memory (each server at its own capacity)
     p5 = []
     for ctx in result["config"]["cap_contexts"]:
@@ -1579,7 +1604,7 @@ def _copy_note(row: dict) -> str:
     )
 
 
-def _p4_line(label: str, p4: dict) -> str:
+def _p4_line(label: str, p4: dict, versus: str = "no offload") -> str:
     def paired(r):
         if r["overhead_paired"] is None:
             return ""
@@ -1592,7 +1617,7 @@ def _p4_line(label: str, p4: dict) -> str:
         )
 
     return (
-        f"- **P4** ITL overhead {label} vs no offload at equal batch (server log): "
+        f"- **P4** ITL overhead {label} vs {versus} at equal batch (server log): "
         + ", ".join(
             f"{r['ctx'] // 1024}K x {r['conc']}: {_fmt(r['overhead_server'], '{:+.1%}')}"
             f" ({paired(r)}client p50 {_fmt(r['overhead_client_p50'], '{:+.1%}')}"
@@ -1618,6 +1643,9 @@ def _targets_md(t: dict) -> List[str]:
     for kind, key in OURS_VARIANTS.items():
         if key in t:
             lines.append(_p4_line(LABELS[kind], t[key]))
+    for key, (kind, versus) in MTP_COMPARISONS.items():
+        if key in t:
+            lines.append(_p4_line(LABELS[kind], t[key], LABELS[versus]))
     if p5["rows"]:
         lines.append(
             "- **P5** throughput at fixed memory (each server at its capacity): "
@@ -1653,6 +1681,8 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_prefetch": "tab:green",
         "ours_units": "tab:purple",
         "ours_fixed": "tab:cyan",
+        "baseline_mtp": "tab:brown",
+        "ours_mtp": "tab:red",
     }
     written = []
     for result in results:
@@ -1767,7 +1797,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help=f"some of {','.join(RUNNABLE_KINDS)} "
         "(ours_fixed: ours with --nsa-kv-offload-max-units 1, every request "
         "keeps exactly its own buffer; ours_prefetch: ours with the experimental "
-        "cross-layer prefetch; side by side with ours)",
+        "cross-layer prefetch; side by side with ours; baseline_mtp, ours_mtp: "
+        "with MTP, --mtp-steps)",
+    )
+    p.add_argument(
+        "--mtp-steps",
+        type=int,
+        default=3,
+        choices=(1, 2, 3),
+        help="draft steps of the *_mtp servers (NextN, eagle topk 1, draft "
+        "tokens = steps + 1, spec v1)",
     )
     p.add_argument(
         "--contexts",

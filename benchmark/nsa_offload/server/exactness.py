@@ -57,7 +57,13 @@ from make_checkpoint import (
     load_config,
     write_checkpoint,
 )
-from server_utils import BF16_KV_ARGS, Server, random_prompts
+from server_utils import (
+    BF16_KV_ARGS,
+    ENV_UNPROVEN_SPECULATIVE,
+    Server,
+    mtp_args,
+    random_prompts,
+)
 
 NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
 # Negative-control modes: the arm file's "M R" (corrupt where seq_len % M == R).
@@ -128,24 +134,6 @@ SERVERS = {
 TINY_SERVERS = ",".join(n for n, spec in SERVERS.items() if "mtp" not in spec)
 RANK_SERVERS = "base_fp8,ours_fp8"
 MTP_SERVERS = ",".join(n for n, spec in SERVERS.items() if "mtp" in spec)
-# The offload refuses speculative decoding unless this is set (docs/MTP.md).
-ENV_UNPROVEN_SPECULATIVE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
-
-
-def mtp_args(steps: int) -> List[str]:
-    """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps; spec
-    v1 (``--disable-overlap-schedule``), the one the offload supports."""
-    return [
-        "--speculative-algorithm",
-        "NEXTN",
-        "--speculative-num-steps",
-        str(steps),
-        "--speculative-eagle-topk",
-        "1",
-        "--speculative-num-draft-tokens",
-        str(steps + 1),
-        "--disable-overlap-schedule",
-    ]
 
 
 def case_lengths(

@@ -56,6 +56,25 @@ BF16_KV_ARGS = [
     "flashmla_sparse",
 ]
 KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
+# The offload refuses speculative decoding unless this is set (docs/MTP.md).
+ENV_UNPROVEN_SPECULATIVE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
+
+
+def mtp_args(steps: int) -> List[str]:
+    """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps; spec
+    v1 (``--disable-overlap-schedule``), the one the offload supports."""
+    return [
+        "--speculative-algorithm",
+        "NEXTN",
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(steps + 1),
+        "--disable-overlap-schedule",
+    ]
+
 
 # Upstream HiSparse, the peer (seen working on the H200, ../shared/DEVICE.md):
 # with fp8 KV it insists on FlashMLA fp8 for prefill as well.
