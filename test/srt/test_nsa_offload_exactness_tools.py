@@ -193,6 +193,16 @@ class TestExactnessAccounting(unittest.TestCase):
             # other prompts (another seed) cannot be resumed
             with self.assertRaises(SystemExit):
                 exactness.main(["--out", second, "--servers=", "--seed", "5"] + resume)
+            # --nc-only: the control alone, on a server that has one and
+            # earlier outputs to keep (refused before any server starts).
+            for argv, why in (
+                (["--servers", "base_fp8", "--nc-only"], "--resume-from"),
+                (["--servers", "ours_fp8", "--nc-only"] + resume, "ours_fp8"),
+                (["--servers", "dummy_fp8", "--nc-only"] + resume, "no earlier"),
+            ):
+                with self.assertRaises(SystemExit) as cm:
+                    exactness.main(["--out", second] + argv)
+                self.assertIn(why, str(cm.exception))
 
     def test_flip_window(self):
         period = exactness.NC_PERIOD

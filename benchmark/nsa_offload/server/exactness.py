@@ -732,6 +732,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="an earlier run's exactness.json: keep its servers' outputs (same "
         "prompts) and run only --servers, e.g. one rank server per device call",
     )
+    p.add_argument(
+        "--nc-only",
+        action="store_true",
+        help="with --resume-from: run only the negative control on --servers "
+        "(servers with one, e.g. base_fp8), keeping their earlier outputs",
+    )
     p.add_argument("--port", type=int, default=32000, help="first server's port")
     p.add_argument("--timeout", type=float, default=900.0, help="server start timeout")
     return p.parse_args(argv)
@@ -770,6 +776,13 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in SERVERS]
     if unknown:
         raise SystemExit(f"--servers: unknown {unknown}; known: {', '.join(SERVERS)}")
+    if args.nc_only:
+        without = [n for n in names if not SERVERS[n].get("nc")]
+        if not args.resume_from or without:
+            raise SystemExit(
+                "--nc-only needs --resume-from and servers with a negative "
+                f"control (not {without})"
+            )
     lengths = case_lengths(4096, 64, args.longest, args.max_new_tokens)
     rng = random.Random(args.seed + 1)
     while len(lengths) < args.num_requests:
@@ -795,13 +808,24 @@ def main(argv=None) -> int:
         if earlier["prompt_lens"] != lengths or earlier["nc_lens"] != nc_lens:
             raise SystemExit("--resume-from: that run sent other prompts")
         for key in ("servers", "specs", "logs"):
+            # --nc-only adds the control to the named servers' earlier results.
+            keep = args.nc_only and key == "servers"
             result[key].update(
-                {n: v for n, v in earlier[key].items() if n not in names}
+                {n: v for n, v in earlier[key].items() if keep or n not in names}
             )
+        missing = [
+            n
+            for n in names
+            if args.nc_only and "seq" not in result["servers"].get(n, {})
+        ]
+        if missing:
+            raise SystemExit(f"--nc-only: {missing} have no earlier outputs to keep")
         result["resumed"] = {
             "from": args.resume_from,
             "code_commit": earlier["code_commit"],
-            "servers": sorted(n for n in earlier["servers"] if n not in names),
+            "servers": sorted(
+                n for n in earlier["servers"] if args.nc_only or n not in names
+            ),
         }
         result["ckpt_meta"] = earlier.get("ckpt_meta")
     lock = threading.Lock()
@@ -914,7 +938,8 @@ def main(argv=None) -> int:
         if earlier and any(earlier.get(k) != meta.get(k) for k in weights):
             raise SystemExit(f"--resume-from: that run had other weights: {earlier}")
         result["ckpt_meta"] = meta
-        run_stage([(n, SERVERS[n], ckpt) for n in names])
+        only = {"nc_only": True} if args.nc_only else {}
+        run_stage([(n, {**SERVERS[n], **only}, ckpt) for n in names])
     save()
     summary = write_summary(result, args.model, args.out)
     print(
