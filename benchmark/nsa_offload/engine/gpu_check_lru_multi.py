@@ -268,7 +268,13 @@ def main() -> int:
     p.add_argument("--K", type=int, default=2048, help="top-k width")
     p.add_argument("--W", type=int, default=64, help="recent-window rows")
     p.add_argument("--layers", type=int, default=2, help="layers of the LRU state")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64],
+        help="requests per verify step, one check each",
+    )
     p.add_argument("--min-len", type=int, default=8192, help="shortest request")
     p.add_argument("--max-len", type=int, default=65536, help="longest request")
     p.add_argument("--steps", type=int, default=12, help="verify steps checked")
