@@ -58,7 +58,7 @@ DEFAULT_OUT_DIR = Path("/tmp/nsa_offload_demo")
 QUICK_BUDGETS = "2560,4160,8192"
 QUICK_WINDOWS = "1,64,256"
 # The trace the H200 benchmark fed the 3-layer model for the prefetch
-# (results/h200_bench_server_s5/): three adjacent DeepSeek-V3.2 layers.
+# (results/prefetch_live/): three adjacent DeepSeek-V3.2 layers.
 ADJACENT_TRACE_ARGS = (
     "--requests 2 --prompt-lens 16384,16384 --steps 128 --layers 29,30,31 --seed 0"
 )
@@ -104,8 +104,10 @@ GPU_EXACTNESS_QUICK_ARGS = [
 EXACTNESS_OFFLOAD, EXACTNESS_BASE = "ours_fp8", "base_fp8"
 NC_MODE = "persistent"
 NC_MIN_FLIP_FRACTION = 0.9
-# Colocated servers (dummy weights, so no output comparison): capacity at 32K,
-# as in results/h200_e2e.
+# Colocated servers (dummy weights, so no output comparison): capacity at 32K
+# on a ~2 GB KV budget, as in the first colocated H200 run (git history:
+# 5a9b9c1:benchmark/nsa_offload/results/h200_e2e/; at 16K-128K on a 4 GiB
+# budget: results/capacity_colocated/).
 GPU_E2E_ARGS = [
     "--num-requests", "0",
     "--mem-fraction-static", "0.018", "--context-length", "36000",
@@ -114,7 +116,7 @@ GPU_E2E_ARGS = [
     "--capacity-new-tokens", "512",
 ]  # fmt: skip
 # PD decode servers (fake transfer): capacity at 128K, as in
-# results/h200_pd_decode_s4/run_128k.
+# results/capacity_pd_decode/run_128k.
 GPU_PD_CAPACITY_ARGS = [
     "--pd-decode", "--servers", "baseline,offload,hisparse", "--num-requests", "0",
     "--mem-fraction-static", "0.0324", "--context-length", "135680",
@@ -409,7 +411,7 @@ def print_prefetch_replay(embedded, prefetch_study, trace_gen) -> None:
     print(
         f"\n**P6 with the prefetch on adjacent layers: demand misses / HiSparse = "
         f"{ratio:.3f} -> {verdict}** (target <= 0.8; the H200 run of this trace: "
-        "benchmark/nsa_offload/results/h200_bench_server_s5/)."
+        "benchmark/nsa_offload/results/prefetch_live/)."
     )
 
 

@@ -453,8 +453,10 @@ class TestInterleave(unittest.TestCase):
     def test_point_estimate_is_on_the_safe_side_of_the_h200_runs(self):
         import json
 
-        path = BENCH_DIR / "results" / "h200_bench_server_s7" / "solo_4servers"
-        with open(path / "bench_server_override.json") as f:
+        # An interleaved H200 run of four servers (16K/32K x 1/8/32, code
+        # 526dbfc; test/srt/fixtures/nsa_offload/README.md).
+        path = Path(__file__).resolve().parent / "fixtures" / "nsa_offload"
+        with open(path / "bench_server_solo_4servers.json") as f:
             result = json.load(f)
         args = bench_server.parse_args(["--out", "/tmp/x"])
         checked = 0

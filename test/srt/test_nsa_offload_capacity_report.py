@@ -16,7 +16,7 @@ from unittest import mock
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
-RESULTS = BENCH_DIR / "results" / "h200_e2e_capacity"
+RESULTS = BENCH_DIR / "results" / "capacity_colocated"
 sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import capacity  # noqa: E402
@@ -215,9 +215,9 @@ class TestThroughputAtCapacity(unittest.TestCase):
         self.assertEqual(m.group(1, 2, 3, 4), ("58", "7840000", "True", "19370.5"))
 
     def test_committed_pd_decode_run(self):
-        # The session-4 PD decode runs: measured peaks, HiSparse from the run
-        # that ran it alone, and the throughput table rebuilt from the logs.
-        pd = RESULTS.parent / "h200_pd_decode_s4"
+        # The measured PD decode runs: peaks, HiSparse from the run that ran
+        # it alone, and the throughput table rebuilt from the logs.
+        pd = RESULTS.parent / "capacity_pd_decode"
         with open(pd / "capacity.json") as f:
             committed = json.load(f)["rows"]
         with tempfile.TemporaryDirectory() as out:
@@ -245,10 +245,10 @@ class TestThroughputAtCapacity(unittest.TestCase):
         self.assertGreaterEqual(rows[-1]["ratio_equal_bytes"], 5.0)
 
     def test_committed_pd_decode_run_at_equal_bytes(self):
-        # Session 7: ours at the no-offload fraction, then at the fraction
+        # P5 at 128K: ours at the no-offload fraction, then at the fraction
         # that gives it the no-offload server's bytes (a --baseline-from run:
         # the no-offload figures and log come from the first run).
-        run = RESULTS.parent / "h200_pd_decode_s7" / "run2_solo"
+        run = RESULTS.parent / "throughput_pd_decode" / "run2_solo"
         with tempfile.TemporaryDirectory() as out:
             argv = ["capacity.py", "report", "--pd-decode", "--out", out]
             argv += ["--context-length", "135680", "--capacity-new-tokens", "4096"]
@@ -398,7 +398,7 @@ class TestPoolReport(unittest.TestCase):
         self.assertEqual(compared, 11)
 
     def test_pd_decode_servers(self):
-        pd = RESULTS.parent / "h200_pd_decode"
+        pd = RESULTS.parent / "capacity_pd_decode" / "from_pool_sizes"
         rows = self._rows(True, pd / "run_16k_64k", pd / "run_128k")
         by_len = {r["length"]: r for r in rows}
         r = by_len[131072]

@@ -12,10 +12,8 @@ sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import pool_rounds  # noqa: E402
 
-S8 = BENCH_DIR / "results" / "h200_bench_server_s8"
-S9 = BENCH_DIR / "results" / "h200_units_s9"
-S10 = BENCH_DIR / "results" / "h200_s10"
-S11 = BENCH_DIR / "results" / "h200_s11"
+# The P4 runs of record: three interleaved 32K x 8 runs and their pooled table.
+DECODE_LATENCY = BENCH_DIR / "results" / "decode_latency"
 
 
 def point(ctx, conc, itls, interleaved=True, misses=None):
@@ -117,7 +115,6 @@ class TestPoolRuns(unittest.TestCase):
         self.assertEqual(pool_rounds.ours_units({"max_units": 4}, "ours_units"), 4)
 
 
-@unittest.skipUnless(S8.is_dir(), "needs the committed session-8 results")
 def rebuild_committed(test, folder: Path, pattern: str):
     """Pool a committed results folder's runs; its pooled.md must be what
     they give. Returns the pooled rows."""
@@ -130,52 +127,14 @@ def rebuild_committed(test, folder: Path, pattern: str):
     return rows
 
 
-class TestCommittedSession8(unittest.TestCase):
-    """The pooled table in results/h200_bench_server_s8/README.md comes from
-    its runs' JSON files."""
+class TestCommittedDecodeLatency(unittest.TestCase):
+    """results/decode_latency/pooled.md comes from its three 32K x 8 runs
+    (the swap split by unit)."""
 
     def test_pooled_table_matches_the_committed_one(self):
-        rows = rebuild_committed(self, S8, "run*/bench_server_*.json")
-        wide = [r for r in rows if r["buffer_rows"] == 12288 and r["conc"] == 32]
-        self.assertEqual([r["rounds"] for r in wide], [28, 9])
-        default = [
-            r for r in rows if r["server"] == "ours" and r["buffer_rows"] == 4096
-        ]
-        self.assertTrue(all(r["overhead"] > 0.1 for r in default if r["conc"] == 32))
-
-
-@unittest.skipUnless(S9.is_dir(), "needs the committed session-9 results")
-class TestCommittedSession9(unittest.TestCase):
-    """results/h200_units_s9/pooled.md comes from its runs' JSON files: ours
-    (one unit then) and ours + units (up to 4 x 4096 rows) pool apart."""
-
-    def test_pooled_table_matches_the_committed_one(self):
-        rows = rebuild_committed(self, S9, "run*/bench_server_*.json")
-        units = {(r["ctx"], r["conc"]): r for r in rows if r["server"] == "ours_units"}
-        self.assertEqual({r["buffer_rows"] for r in units.values()}, {16384})
-        self.assertEqual(units[(16384, 32)]["rounds"], 21)
-
-
-@unittest.skipUnless(S10.is_dir(), "needs the committed session-10 results")
-class TestCommittedSession10(unittest.TestCase):
-    """results/h200_s10/pooled.md comes from its P4 runs' JSON files (batch
-    1 and 8, the default server with units)."""
-
-    def test_pooled_table_matches_the_committed_one(self):
-        rows = rebuild_committed(self, S10, "p4_run*/bench_server_*.json")
-        by_point = {(r["ctx"], r["conc"]): r for r in rows}
-        self.assertEqual(by_point[(32768, 1)]["rounds"], 40)
-        self.assertEqual(by_point[(32768, 8)]["rounds"], 15)
-        self.assertGreater(by_point[(32768, 8)]["overhead"], 0.1)
-
-
-@unittest.skipUnless(S11.is_dir(), "needs the committed session-11 results")
-class TestCommittedSession11(unittest.TestCase):
-    """results/h200_s11/pooled.md comes from its three 32K x 8 runs (the
-    swap split by unit)."""
-
-    def test_pooled_table_matches_the_committed_one(self):
-        (row,) = rebuild_committed(self, S11, "p4_32k8_run*/bench_server_*.json")
+        (row,) = rebuild_committed(
+            self, DECODE_LATENCY, "p4_32k8_run*/bench_server_*.json"
+        )
         self.assertEqual((row["ctx"], row["conc"], row["rounds"]), (32768, 8, 103))
         self.assertEqual([r["rounds"] for r in row["runs"]], [29, 14, 60])
         self.assertLess(row["overhead_ci95"][1], 0.1)

@@ -125,7 +125,8 @@ LABELS = {
 PAGE_SIZE = 64
 ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
 # H2D rate of the offload's miss copy on the H200 (pinned host -> GPU, 656 B
-# rows: results/h200_engine/bench_copy.md, results/h200_bench_server_s6/).
+# rows: results/copy_and_swap/bench_copy.md; 48-49 GB/s in a live server's
+# profile, git history 5a9b9c1:benchmark/nsa_offload/results/h200_bench_server_s6/).
 MISS_COPY_BYTES_PER_S = 48e9
 INDEXER_BYTES = 132  # fp8 indexer key + fp32 scale
 # sglang's weight memory beyond the bf16 tensors: 0.51 GiB seen on the H200
