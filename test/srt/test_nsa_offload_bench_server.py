@@ -137,6 +137,101 @@ class TestCrossLayerPrefetchOption(unittest.TestCase):
         self.assertEqual(m.group(2), "77")
 
 
+class TestRankSummaries(unittest.TestCase):
+    """The two committed summaries of the rank-model runs (issues 18, 20)."""
+
+    @staticmethod
+    def make_run(topk, calibration, itl, h2d, profile_swap=None, commit="abc"):
+        def point(kind, conc, at_cap=False):
+            p = {
+                "ctx": 32768,
+                "conc": conc,
+                "at_capacity": at_cap,
+                "server": {
+                    "itl_ms": itl[kind] * (1 + conc / 100),
+                    "throughput_tok_s": conc * 1000.0 / itl[kind],
+                    "h2d_gbps": h2d if kind == "ours" else None,
+                },
+                "client": {},
+            }
+            if profile_swap is not None and kind == "ours" and not at_cap:
+                p["profile"] = {"gpu_us_per_step": {"swap": profile_swap * conc}}
+            return p
+
+        servers = {
+            kind: {
+                "points": [point(kind, 1), point(kind, 8), point(kind, 16, True)],
+                "capacity": {"32768": cap, "131072": cap128},
+            }
+            for kind, cap, cap128 in (
+                ("baseline", 10, 2),
+                ("ours", 40, 11),
+                ("hisparse", 20, 5),
+            )
+        }
+        return {
+            "config": {
+                "model": "rank",
+                "topk": topk,
+                "trace_calibration": calibration,
+                "cap_contexts": [32768],
+                "layers": 61,
+                "command": f"bench_server.py --topk {topk}",
+                "code_commit": commit,
+            },
+            "servers": servers,
+        }
+
+    def test_keys_and_figures(self):
+        itl = {"baseline": 10.0, "ours": 10.4, "hisparse": 12.0}
+        runs = [
+            self.make_run("model", None, itl, 0.5, profile_swap=61 * 15.0),
+            self.make_run("override", "reported", dict(itl, ours=10.3), 8.0),
+            self.make_run("override", "pessimistic", dict(itl, ours=11.0), 20.0),
+        ]
+        out = bench_server.rank_summaries(runs)
+        model, speed = out["rank_model"], out["rank_speed"]
+        for key in (
+            "p3_capacity_ratio",
+            "p3_length",
+            "p4_itl_overhead",
+            "p5_vs_no_offload",
+            "p5_vs_hisparse",
+            "p5_h2d_gbps",
+            "code_commit",
+        ):
+            self.assertIn(key, model)
+        self.assertEqual(model["p3_length"], 131072)  # the longest with both
+        self.assertAlmostEqual(model["p3_capacity_ratio"], 5.5)
+        self.assertEqual(model["p4_itl_overhead"], {"32768x1": 0.04, "32768x8": 0.04})
+        # P5 from the run with the most PCIe traffic (the pessimistic trace).
+        self.assertEqual(model["p5_trace"], "pessimistic")
+        self.assertEqual(model["p5_h2d_gbps"], 20.0)
+        self.assertAlmostEqual(model["p5_vs_no_offload"], 10.0 / 11.0)
+        self.assertAlmostEqual(model["p5_vs_hisparse"], 12.0 / 11.0)
+        self.assertEqual(
+            set(speed["p4_itl_overhead"]),
+            {
+                f"{t}:32768x{b}"
+                for t in ("model", "reported", "pessimistic")
+                for b in (1, 8)
+            },
+        )
+        self.assertAlmostEqual(speed["p4_itl_overhead"]["reported:32768x8"], 0.03)
+        self.assertAlmostEqual(speed["hisparse_itl_overhead"]["model:32768x1"], 0.2)
+        self.assertEqual(speed["swap_us_per_layer"], {"1": 15.0, "8": 120.0})
+        self.assertEqual(speed["code_commit"], "abc")
+        # Runs of other code are named, not merged silently.
+        runs[1]["config"]["code_commit"] = "def"
+        self.assertEqual(
+            bench_server.rank_summaries(runs)["rank_speed"]["code_commit"],
+            ["abc", "def"],
+        )
+        # No rank run: nothing to summarise.
+        runs[0]["config"]["model"] = "tiny"
+        self.assertEqual(bench_server.rank_summaries(runs[:1]), {})
+
+
 class TestPrefetchServerSideBySide(unittest.TestCase):
     ENV_VAR = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 

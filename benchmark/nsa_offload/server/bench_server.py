@@ -77,6 +77,7 @@ from server_utils import (  # noqa: E402
     HISPARSE_CONFIG,
     VOCAB_SIZE,
     Server,
+    git_commit,
     model_weights_gib,
     mtp_args,
     num_model_layers,
@@ -1752,12 +1753,99 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
     return written
 
 
+def trace_name(config: dict) -> str:
+    """model (the servers' own top-k) or the override's calibration."""
+    if config.get("topk") != "override":
+        return "model"
+    return config.get("trace_calibration") or "pessimistic"
+
+
+def _overheads(p4: dict, prefix: str = "") -> Dict[str, float]:
+    """ "<prefix><context>x<batch>" -> ITL ratio - 1 (paired where run)."""
+    out = {}
+    for r in p4["rows"]:
+        v = r["overhead_paired"]
+        v = r["overhead_server"] if v is None else v
+        if v is not None:
+            out[f"{prefix}{r['ctx']}x{r['conc']}"] = round(v, 4)
+    return out
+
+
+def rank_summaries(results: List[dict]) -> Dict[str, dict]:
+    """The committed summaries of a session's rank-model runs (one run per
+    trace): ``rank_model`` (results/rank_model/summary.json: capacity, ITL at
+    the model's top-k, throughput at capacity where the misses cross PCIe)
+    and ``rank_speed`` (results/rank_speed/summary.json: ITL per trace, the
+    swap's GPU time per layer from the step profile, HiSparse's ITL)."""
+    runs = [r for r in results if r["config"].get("model") == "rank"]
+    if not runs:
+        return {}
+    commits = sorted({r["config"].get("code_commit", "unknown") for r in runs})
+    speed = {
+        "p4_itl_overhead": {},
+        "swap_us_per_layer": {},
+        "hisparse_itl_overhead": {},
+        "traces": {},
+        "code_commit": commits[0] if len(commits) == 1 else commits,
+    }
+    model = {"code_commit": speed["code_commit"]}
+    best_p5 = None
+    for run in runs:
+        cfg, srv = run["config"], run["servers"]
+        name = trace_name(cfg)
+        speed["traces"][name] = cfg.get("command")
+        targets = evaluate_targets(run)
+        speed["p4_itl_overhead"].update(_overheads(targets["P4"], name + ":"))
+        if "hisparse" in srv and "baseline" in srv:
+            his = _p4(srv["baseline"], srv["hisparse"])
+            speed["hisparse_itl_overhead"].update(_overheads(his, name + ":"))
+        if name == "model":
+            model["p4_itl_overhead"] = _overheads(targets["P4"])
+            for p in srv.get("ours", {}).get("points", []):
+                prof = p.get("profile") or {}
+                swap = prof.get("gpu_us_per_step", {}).get("swap")
+                if swap is not None:
+                    per_layer = round(swap / cfg["layers"], 2)
+                    speed["swap_us_per_layer"].setdefault(str(p["conc"]), per_layer)
+        cap = {k: srv.get(k, {}).get("capacity", {}) for k in ("baseline", "ours")}
+        both = [
+            c
+            for c, n in cap["ours"].items()
+            if n is not None and cap["baseline"].get(c)
+        ]
+        if both and "p3_capacity_ratio" not in model:
+            c = max(both, key=int)
+            model["p3_length"] = int(c)
+            model["p3_capacity_ratio"] = round(cap["ours"][c] / cap["baseline"][c], 3)
+        # P5 from the run whose ours moves the most over PCIe at capacity.
+        for row in targets["P5"]["rows"]:
+            p = _point(srv.get("ours", {}), row["ctx"], at_cap=True)
+            h2d = p["server"].get("h2d_gbps") if p else None
+            if h2d and (best_p5 is None or h2d > best_p5[0]):
+                best_p5 = (h2d, row, name)
+    if best_p5 is not None:
+        h2d, row, name = best_p5
+        model.update(
+            p5_vs_no_offload=row.get("vs_baseline"),
+            p5_vs_hisparse=row.get("vs_hisparse"),
+            p5_h2d_gbps=h2d,
+            p5_length=row["ctx"],
+            p5_trace=name,
+        )
+    return {"rank_model": model, "rank_speed": speed}
+
+
 def write_report(results: List[dict], out_dir: str) -> None:
     md = render_markdown(results)
     path = os.path.join(out_dir, "bench_server.md")
     with open(path, "w") as f:
         f.write(md)
     log(f"wrote {path}")
+    for name, summary in rank_summaries(results).items():
+        path = os.path.join(out_dir, f"summary_{name}.json")
+        with open(path, "w") as f:
+            json.dump(summary, f, indent=1)
+        log(f"wrote {path}")
     for p in render_plots(results, out_dir):
         log(f"wrote {p}")
     print(md, flush=True)
@@ -2086,6 +2174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "recent": RECENT,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": " ".join(shlex.quote(a) for a in sys.argv),
+            "code_commit": git_commit(),
         },
         "servers": {},
     }

@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -61,6 +60,7 @@ from server_utils import (
     BF16_KV_ARGS,
     ENV_UNPROVEN_SPECULATIVE,
     Server,
+    git_commit,
     mtp_args,
     random_prompts,
 )
@@ -626,19 +626,6 @@ def parse_sweep(text: str) -> List[tuple]:
         q, o, a, layer = (fields + ["1", "0"][len(fields) - 2 :])[:4]
         out.append((float(q), float(o), float(a), int(layer)))
     return out
-
-
-def git_commit() -> str:
-    # The device's copy of the tree may carry a stale .git: the caller's
-    # CODE_COMMIT wins.
-    if os.environ.get("CODE_COMMIT"):
-        return os.environ["CODE_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        return os.environ.get("CODE_COMMIT", "unknown")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

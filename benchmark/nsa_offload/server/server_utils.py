@@ -60,6 +60,19 @@ KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
 ENV_UNPROVEN_SPECULATIVE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
 
 
+def git_commit() -> str:
+    """The code a run ran on. The device's copy of the tree may carry a
+    stale .git: the caller's ``CODE_COMMIT`` wins."""
+    if os.environ.get("CODE_COMMIT"):
+        return os.environ["CODE_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
 def mtp_args(steps: int) -> List[str]:
     """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps; spec
     v1 (``--disable-overlap-schedule``), the one the offload supports."""

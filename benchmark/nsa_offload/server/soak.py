@@ -100,7 +100,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from capacity import ROW_BYTES_FP8
-from exactness import ExactServer, git_commit, scan_log, scrape_offload_metrics
+from exactness import ExactServer, scan_log, scrape_offload_metrics
 from exactness import server_args as exactness_server_args
 from make_checkpoint import (
     RECORD_OUT_GAIN,
@@ -108,7 +108,7 @@ from make_checkpoint import (
     load_config,
     write_checkpoint,
 )
-from server_utils import num_model_layers, random_prompts
+from server_utils import git_commit, num_model_layers, random_prompts
 
 # summary.json: the keys, in its order, before the extras.
 SUMMARY_KEYS = (
