@@ -37,6 +37,11 @@ decode log's throughput), another line ours + MTP vs ours.
     # tables + PNGs of both runs (any machine with matplotlib)
     python benchmark/nsa_offload/server/bench_server.py --plot-only OUT/model/bench_server_model.json \\
         OUT/override/bench_server_override.json --out OUT
+
+With ``--model rank`` runs among them, ``--plot-only`` over one session's runs
+(model top-k, ``reported`` and ``pessimistic`` overrides) also writes
+``summary_rank_model.json`` and ``summary_rank_speed.json``: the committed
+summaries of results/rank_model/ and results/rank_speed/ (``rank_summaries``).
 """
 
 from __future__ import annotations
