@@ -350,6 +350,84 @@ class TestMtpServers(unittest.TestCase):
         self.assertIn("nope", str(cm.exception))
 
 
+class TestMultiGpuServers(unittest.TestCase):
+    # The offload's startup lines, as its modules format them.
+    POOL = (
+        "[TP{rank}] NSA KV-only host pool: 98304 tokens x 3 layers x 656 B = "
+        "0.19 GB (pinned via cudaHostRegister{shared})\n"
+    )
+    SCOPE = (
+        "Decode NSA KV offload: 4096 LRU rows + 64 recent-window rows per request "
+        "per layer (index_topk=2048), up to 4 x 4096 LRU rows while GPU memory is "
+        "idle, host pool 4.00 GB {scope}.\n"
+    )
+
+    def _log(self, d, name, pools, scope):
+        path = os.path.join(d, name)
+        with open(path, "w") as f:
+            f.write(self.SCOPE.format(scope=scope))
+            for rank in range(pools):
+                f.write(
+                    self.POOL.format(rank=rank, shared=", shared" if pools > 1 else "")
+                )
+        return exactness.scan_log(path)
+
+    def test_flags_and_gates(self):
+        with tempfile.TemporaryDirectory() as d:
+            args = exactness.parse_args(["--out", d])
+            tp, tp_env = exactness.server_args(
+                exactness.SERVERS["ours_fp8_tp2"], args, "/c"
+            )
+            dp, _ = exactness.server_args(exactness.SERVERS["base_fp8_dp2"], args, "/c")
+        self.assertEqual(tp[tp.index("--tp-size") + 1], "2")
+        self.assertNotIn("--enable-dp-attention", tp)
+        self.assertEqual(tp_env[exactness.ENV_UNPROVEN_PARALLEL], "1")
+        self.assertIn("--enable-dp-attention", dp)
+        self.assertEqual(dp[dp.index("--dp-size") + 1], "2")
+        self.assertNotIn("tp2", exactness.TINY_SERVERS)
+        self.assertEqual(
+            exactness.MULTIGPU_SERVERS,
+            "base_fp8_tp2,ours_fp8_tp2,base_fp8_dp2,ours_fp8_dp2",
+        )
+
+    def test_host_bytes_from_the_logs(self):
+        out = [[1, 2]] * 3
+        with tempfile.TemporaryDirectory() as d:
+            logs = {
+                "ours_fp8": self._log(d, "one", 1, "per rank"),
+                "ours_fp8_tp2": self._log(d, "tp", 2, "shared by 2 attention-TP ranks"),
+                "ours_fp8_dp2": self._log(d, "dp", 2, "per rank"),
+            }
+            unshared = self._log(d, "tp_unshared", 2, "per rank")
+        self.assertEqual(logs["ours_fp8_tp2"]["host_pool_bytes_per_token"], [1968] * 2)
+        self.assertEqual(logs["ours_fp8_tp2"]["host_pool_ranks"], 2)
+        names = ("base_fp8_tp2", "ours_fp8_tp2", "base_fp8_dp2", "ours_fp8_dp2")
+
+        def summary(logs):
+            result = {
+                "servers": {n: {"seq": out} for n in names},
+                "specs": {n: exactness.SERVERS[n] for n in names},
+                "prompt_lens": [1, 2, 3],
+                "nc_lens": [],
+                "code_commit": "abc",
+                "logs": logs,
+            }
+            result["servers"]["ours_fp8_dp2"]["seq"] = out[:2] + [[1, 3]]
+            return exactness.summarize(result, "tiny")["multigpu"]
+
+        m = summary(logs)
+        self.assertEqual(
+            (m["tp2_identical"], m["dp2_identical"], m["total"]), (3, 2, 3)
+        )
+        # One shared pool under TP, one pool per request under DP: as one GPU.
+        self.assertEqual(
+            m["host_bytes_per_request_ratio_by_shape"], {"tp2": 1.0, "dp2": 1.0}
+        )
+        # A pool per TP rank holds every request twice.
+        m = summary(dict(logs, ours_fp8_tp2=unshared))
+        self.assertEqual(m["host_bytes_per_request_ratio"], 2.0)
+
+
 class TestSweepSpec(unittest.TestCase):
     def test_fields_and_defaults(self):
         self.assertEqual(

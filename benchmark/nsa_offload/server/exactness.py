@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
@@ -58,6 +59,7 @@ from make_checkpoint import (
 )
 from server_utils import (
     BF16_KV_ARGS,
+    ENV_UNPROVEN_PARALLEL,
     ENV_UNPROVEN_SPECULATIVE,
     Server,
     git_commit,
@@ -130,10 +132,25 @@ SERVERS = {
     "ours_fp8_mtp1": dict(mtp=1, offload=[], base="base_fp8_mtp1"),
     "base_bf16_mtp": dict(mtp=3, kv="bf16"),
     "ours_bf16_mtp": dict(mtp=3, kv="bf16", offload=[], base="base_bf16_mtp"),
+    # Two GPUs (docs/MULTI_GPU.md): attention TP (one host pool shared by the
+    # ranks) and DP attention (each rank its own requests), each against the
+    # no-offload server of the same shape.
+    "base_fp8_tp2": dict(shape="tp2"),
+    "ours_fp8_tp2": dict(shape="tp2", offload=[], base="base_fp8_tp2"),
+    "base_fp8_dp2": dict(shape="dp2"),
+    "ours_fp8_dp2": dict(shape="dp2", offload=[], base="base_fp8_dp2"),
 }
-TINY_SERVERS = ",".join(n for n, spec in SERVERS.items() if "mtp" not in spec)
+# The server flags of the multi-GPU shapes.
+SHAPES = {
+    "tp2": ["--tp-size", "2"],
+    "dp2": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
+}
+TINY_SERVERS = ",".join(
+    n for n, spec in SERVERS.items() if "mtp" not in spec and "shape" not in spec
+)
 RANK_SERVERS = "base_fp8,ours_fp8"
 MTP_SERVERS = ",".join(n for n, spec in SERVERS.items() if "mtp" in spec)
+MULTIGPU_SERVERS = ",".join(n for n, spec in SERVERS.items() if "shape" in spec)
 
 
 def case_lengths(
@@ -227,6 +244,10 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
         extra += mtp_args(spec["mtp"])
         if spec.get("offload") is not None:
             env[ENV_UNPROVEN_SPECULATIVE] = "1"
+    if spec.get("shape"):
+        extra += SHAPES[spec["shape"]]
+        if spec.get("offload") is not None:
+            env[ENV_UNPROVEN_PARALLEL] = "1"
     if spec.get("offload") is not None:
         extra += [
             "--enable-decode-nsa-kv-offload",
@@ -329,13 +350,31 @@ def scrape_offload_metrics(url: str) -> Dict[str, float]:
     return out
 
 
+# The offload's startup lines: each host pool a process maps, and the pool's
+# scope (nsa_kv_only_host_pool.py, arg_groups/nsa_kv_offload_args.py).
+HOST_POOL_LINE = re.compile(
+    r"NSA KV-only host pool: (\d+) tokens x (\d+) layers x (\d+) B = [0-9.]+ GB"
+)
+HOST_POOL_SCOPE = re.compile(
+    r"host pool [0-9.]+ GB (shared by (\d+) attention-TP ranks|per rank)"
+)
+
+
 def scan_log(path: str) -> dict:
     """Retractions, errors and the offload's decode-log counters (summed over
-    the run: misses are KV rows copied from host, all layers)."""
+    the run: misses are KV rows copied from host, all layers); the host pools
+    the server's processes mapped (bytes per token of each) and their scope."""
     out = {"retractions": 0, "retracted_reqs": 0, "errors": 0, "offload_line": None}
     misses, prefetched, min_hit = 0, 0, None
+    pools, ranks_per_pool = [], None
     with open(path, errors="replace") as f:
         for line in f:
+            m = HOST_POOL_LINE.search(line)
+            if m:
+                pools.append(int(m.group(2)) * int(m.group(3)))
+            m = HOST_POOL_SCOPE.search(line)
+            if m:
+                ranks_per_pool = int(m.group(2)) if m.group(2) else 1
             if "#retracted_reqs:" in line:
                 out["retractions"] += 1
                 out["retracted_reqs"] += int(
@@ -354,6 +393,8 @@ def scan_log(path: str) -> dict:
                     prefetched += int(line.split(" prefetched: ")[1].split(",")[0])
     if min_hit is not None:
         out.update(misses=misses, prefetched=prefetched, min_hit_rate=min_hit)
+    if pools:
+        out.update(host_pool_bytes_per_token=pools, host_pool_ranks=ranks_per_pool)
     return out
 
 
@@ -522,7 +563,42 @@ def summarize(result: dict, model: str) -> dict:
     mtp = mtp_summary(summary, specs)
     if mtp:
         summary["mtp"] = mtp
+    multigpu = multigpu_summary(summary, specs)
+    if multigpu:
+        summary["multigpu"] = multigpu
     return summary
+
+
+def multigpu_summary(summary: dict, specs: dict) -> Optional[dict]:
+    """The two-GPU servers' part (results/multigpu/summary.json's keys): each
+    shape's batch-1 cases, and the node's host bytes per request against one
+    GPU's, from the pools the offload servers' processes logged: a request's
+    KV lives in tp / (ranks per pool) pools under attention TP, in one under
+    DP attention (each rank holds its own requests)."""
+    logs = summary["logs"]
+    single = (logs.get("ours_fp8") or {}).get("host_pool_bytes_per_token")
+    out, ratios = {"total": None}, {}
+    for name, rows in summary["comparisons"].items():
+        shape = specs[name].get("shape")
+        if not shape or specs[name].get("offload") is None:
+            continue
+        phases = [rows[p] for p in ("seq", "abort") if p in rows]
+        out[f"{shape}_identical"] = sum(p["identical"] for p in phases)
+        out["total"] = sum(p["total"] for p in phases)
+        log = logs.get(name) or {}
+        pools, per_pool = log.get("host_pool_bytes_per_token"), log.get(
+            "host_pool_ranks"
+        )
+        if pools and per_pool:
+            copies = len(pools) // per_pool if shape == "tp2" else 1
+            ref = single[0] if single else pools[0]
+            ratios[shape] = round(copies * pools[0] / ref, 3)
+    if len(out) == 1:
+        return None
+    out["host_bytes_per_request_ratio"] = max(ratios.values()) if ratios else None
+    out["host_bytes_per_request_ratio_by_shape"] = ratios
+    out["code_commit"] = summary["code_commit"]
+    return out
 
 
 def mtp_summary(summary: dict, specs: dict) -> Optional[dict]:
@@ -655,7 +731,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         help="comma list of server names (default by model; 'mtp': the MTP servers, "
-        f"{MTP_SERVERS})",
+        f"{MTP_SERVERS}; 'multigpu': the two-GPU ones, {MULTIGPU_SERVERS})",
     )
     p.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
     p.add_argument(
@@ -759,6 +835,8 @@ def main(argv=None) -> int:
         args.servers = TINY_SERVERS if args.model == "tiny" else RANK_SERVERS
     elif args.servers == "mtp":
         args.servers = MTP_SERVERS
+    elif args.servers == "multigpu":
+        args.servers = MULTIGPU_SERVERS
     names = [n for n in args.servers.split(",") if n]  # "--servers=": sweep only
     unknown = [n for n in names if n not in SERVERS]
     if unknown:
