@@ -281,6 +281,25 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         with self.assertRaises(SystemExit):  # 1-3 steps (docs/MTP.md)
             bench_server.parse_args(argv + ["--mtp-steps", "4"])
 
+    def test_two_gpu_shape_on_every_server(self):
+        argv = ["--out", "/tmp/x", "--servers", "baseline,ours,hisparse"]
+        args = bench_server.parse_args(argv + ["--shape", "dp2"])
+        args.record = False
+        args.host_pool_gb = 8
+        args.max_running_requests = 4
+        args.mem_fraction_static = 0.03
+        dp = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
+        for kind, flags in bench_server.server_specs(args).items():
+            at = flags.index("--tp-size")
+            self.assertEqual(flags[at : at + len(dp)], dp, kind)
+        gate = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
+        self.assertEqual(bench_server.server_env(args, "ours")[gate], "1")
+        self.assertNotIn(gate, bench_server.server_env(args, "baseline"))
+        self.assertNotIn(gate, bench_server.server_env(args, "hisparse"))
+        args.shape = None
+        self.assertNotIn("--tp-size", bench_server.server_specs(args)["ours"])
+        self.assertNotIn(gate, bench_server.server_env(args, "ours"))
+
     def test_unknown_server_is_refused(self):
         import tempfile
 

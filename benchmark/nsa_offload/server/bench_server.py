@@ -77,9 +77,11 @@ sys.path.insert(1, str(TRACES_DIR))
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
     DEFAULT_MAX_UNITS,
+    ENV_UNPROVEN_PARALLEL,
     ENV_UNPROVEN_SPECULATIVE,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
+    SHAPES,
     VOCAB_SIZE,
     Server,
     git_commit,
@@ -623,6 +625,8 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         # Servers waiting for their turn block on their sockets instead of
         # spinning a core each (every server alike).
         common.append("--sleep-on-idle")
+    if args.shape:
+        common += SHAPES[args.shape]
     slots = ["--max-running-requests", str(args.max_running_requests)]
     ours = common + slots
     ours += ["--enable-decode-nsa-kv-offload"]
@@ -660,6 +664,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
     if kind == "ours_mtp":
         env[ENV_UNPROVEN_SPECULATIVE] = "1"
+    if args.shape and kind in OFFLOAD_KINDS:
+        env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:
         env.update(
             SGLANG_NSA_TOPK_TRACE_RECORD=record_path(args, kind),
@@ -1895,6 +1901,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "with MTP, --mtp-steps)",
     )
     p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="every server on two GPUs: tp2 (attention TP) or dp2 (DP attention); "
+        "the offload servers open the multi-GPU gate (docs/MULTI_GPU.md)",
+    )
+    p.add_argument(
         "--mtp-steps",
         type=int,
         default=3,
@@ -2173,6 +2185,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "ours_max_units": offload_max_units(args.max_units, args.buffer_size),
             "decode_log_interval": args.decode_log_interval,
             "model": args.model,
+            "shape": args.shape,
             "checkpoint": args.checkpoint_meta,
             "layers": layers,
             "sinks": SINKS,

@@ -61,6 +61,7 @@ from server_utils import (
     BF16_KV_ARGS,
     ENV_UNPROVEN_PARALLEL,
     ENV_UNPROVEN_SPECULATIVE,
+    SHAPES,
     Server,
     git_commit,
     mtp_args,
@@ -139,11 +140,6 @@ SERVERS = {
     "ours_fp8_tp2": dict(shape="tp2", offload=[], base="base_fp8_tp2"),
     "base_fp8_dp2": dict(shape="dp2"),
     "ours_fp8_dp2": dict(shape="dp2", offload=[], base="base_fp8_dp2"),
-}
-# The server flags of the multi-GPU shapes.
-SHAPES = {
-    "tp2": ["--tp-size", "2"],
-    "dp2": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
 }
 TINY_SERVERS = ",".join(
     n for n, spec in SERVERS.items() if "mtp" not in spec and "shape" not in spec

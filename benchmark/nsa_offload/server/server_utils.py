@@ -60,6 +60,11 @@ KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
 ENV_UNPROVEN_SPECULATIVE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
 # ... and attention TP / DP attention (docs/MULTI_GPU.md).
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
+# The server flags of the two-GPU shapes: attention TP, DP attention.
+SHAPES = {
+    "tp2": ["--tp-size", "2"],
+    "dp2": ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"],
+}
 
 
 def git_commit() -> str:
