@@ -51,7 +51,9 @@ KV cache (FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``),
 another with MTP on every server (NextN, 3 steps; accept counts compared
 too; the offload refuses MTP unless
 ``SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE=1``, which its offload servers
-set: not yet run on a GPU). Another class starts a PD decode server (``--disaggregation-mode decode``,
+set: not yet run on a GPU), and two on two GPUs (attention TP and DP
+attention, against the no-offload server of the same shape; skipped on one
+GPU). Another class starts a PD decode server (``--disaggregation-mode decode``,
 sglang's fake KV transfer: no prefill server, KV unwritten, so dummy weights
 and no output comparison) with the offload and checks that it admits,
 decodes, idles and still serves. It needs a Hopper GPU with the DSA stack
@@ -565,6 +567,32 @@ class TestDecodeNSAKVOffloadMTP(TestDecodeNSAKVOffload):
                 report = compare_accept(ours, base)
                 print(f"accept counts, {role} vs baseline: {report}")
                 self.assertEqual(report["identical"], report["total"], report)
+
+
+TWO_GPU_SKIP = SKIP_REASON or (
+    None if torch.cuda.device_count() >= 2 else "requires two GPUs"
+)
+
+
+@unittest.skipIf(TWO_GPU_SKIP is not None, TWO_GPU_SKIP or "")
+class TestDecodeNSAKVOffloadTP2(TestDecodeNSAKVOffload):
+    """The same on two GPUs with attention TP (``--tp-size 2``: both ranks
+    read one host pool, docs/MULTI_GPU.md), against the no-offload TP2
+    server. The offload refuses TP unless
+    ``SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL=1``, which its server sets: not
+    yet run on GPUs."""
+
+    SERVERS = {"baseline": "base_fp8_tp2", "offload": "ours_fp8_tp2"}
+    PORT_OFFSET = 400
+
+
+@unittest.skipIf(TWO_GPU_SKIP is not None, TWO_GPU_SKIP or "")
+class TestDecodeNSAKVOffloadDP2(TestDecodeNSAKVOffload):
+    """The same with DP attention on two GPUs (``--dp-size 2
+    --enable-dp-attention``: each rank offloads its own requests)."""
+
+    SERVERS = {"baseline": "base_fp8_dp2", "offload": "ours_fp8_dp2"}
+    PORT_OFFSET = 500
 
 
 @unittest.skipIf(SKIP_REASON is not None, SKIP_REASON or "")
