@@ -511,9 +511,15 @@ class TestInterleave(unittest.TestCase):
             text,
         )
         self.assertIn("- **P4** ITL overhead ours + MTP vs ours at equal batch", text)
+        # results/mtp/summary.json's speed key: the ratio, not the overhead.
+        result["config"].update(topk="model", mtp_steps=3, code_commit="abc")
+        speed = bench_server.mtp_speed_summary([result])
+        self.assertEqual(speed["itl_ratio_vs_no_offload_mtp"], {"model:16384x8": 1.2})
+        self.assertEqual((speed["num_steps"], speed["code_commit"]), ([3], "abc"))
         # Without the pair, no MTP line.
         del result["servers"]["baseline_mtp"]
         self.assertNotIn("P4_mtp", bench_server.evaluate_targets(result))
+        self.assertIsNone(bench_server.mtp_speed_summary([result]))
 
     def test_arguments(self):
         argv = ["--out", "/tmp/x", "--interleave", "--no-record"]

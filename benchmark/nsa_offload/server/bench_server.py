@@ -41,7 +41,9 @@ decode log's throughput), another line ours + MTP vs ours.
 With ``--model rank`` runs among them, ``--plot-only`` over one session's runs
 (model top-k, ``reported`` and ``pessimistic`` overrides) also writes
 ``summary_rank_model.json`` and ``summary_rank_speed.json``: the committed
-summaries of results/rank_model/ and results/rank_speed/ (``rank_summaries``).
+summaries of results/rank_model/ and results/rank_speed/ (``rank_summaries``);
+runs with the MTP pair write ``summary_mtp_speed.json`` (results/mtp/'s ITL
+ratios, beside exactness.py's ``mtp`` part).
 """
 
 from __future__ import annotations
@@ -1846,13 +1848,40 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     return {"rank_model": model, "rank_speed": speed}
 
 
+def mtp_speed_summary(results: List[dict]) -> Optional[dict]:
+    """results/mtp/summary.json's speed key from the runs with MTP servers:
+    ours + MTP's ITL / no offload + MTP's, "<trace>:<context>x<batch>" ->
+    ratio (the exactness keys come from exactness.py's ``mtp``)."""
+    ratios, steps, commits = {}, set(), set()
+    for run in results:
+        cfg = run["config"]
+        t = evaluate_targets(run)
+        if "P4_mtp" not in t:
+            continue
+        for key, v in _overheads(t["P4_mtp"], trace_name(cfg) + ":").items():
+            ratios[key] = round(1 + v, 4)
+        steps.add(cfg.get("mtp_steps"))
+        commits.add(cfg.get("code_commit", "unknown"))
+    if not ratios:
+        return None
+    return {
+        "itl_ratio_vs_no_offload_mtp": ratios,
+        "num_steps": sorted(s for s in steps if s is not None),
+        "code_commit": sorted(commits)[0] if len(commits) == 1 else sorted(commits),
+    }
+
+
 def write_report(results: List[dict], out_dir: str) -> None:
     md = render_markdown(results)
     path = os.path.join(out_dir, "bench_server.md")
     with open(path, "w") as f:
         f.write(md)
     log(f"wrote {path}")
-    for name, summary in rank_summaries(results).items():
+    summaries = dict(rank_summaries(results))
+    mtp = mtp_speed_summary(results)
+    if mtp:
+        summaries["mtp_speed"] = mtp
+    for name, summary in summaries.items():
         path = os.path.join(out_dir, f"summary_{name}.json")
         with open(path, "w") as f:
             json.dump(summary, f, indent=1)
@@ -2186,6 +2215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "decode_log_interval": args.decode_log_interval,
             "model": args.model,
             "shape": args.shape,
+            "mtp_steps": args.mtp_steps,
             "checkpoint": args.checkpoint_meta,
             "layers": layers,
             "sinks": SINKS,
