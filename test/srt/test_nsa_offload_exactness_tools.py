@@ -343,6 +343,16 @@ class TestMtpServers(unittest.TestCase):
         )
         self.assertNotIn("mtp", plain)
 
+    def test_server_groups_in_a_list(self):
+        names = exactness.server_names("base_fp8,mtp,stock_fp8,base_fp8_mtp")
+        self.assertEqual(names[0], "base_fp8")
+        self.assertEqual(names[1:-1], exactness.MTP_SERVERS.split(","))
+        self.assertEqual(names[-1], "stock_fp8")  # base_fp8_mtp once
+        self.assertEqual(exactness.server_names(""), [])
+        self.assertEqual(
+            exactness.server_names("multigpu"), exactness.MULTIGPU_SERVERS.split(",")
+        )
+
     def test_unknown_server_is_one_line_error(self):
         with tempfile.TemporaryDirectory() as d:
             with self.assertRaises(SystemExit) as cm:

@@ -687,6 +687,18 @@ def write_summary(result: dict, model: str, out: str) -> dict:
     return summary
 
 
+def server_names(text: str) -> List[str]:
+    """``--servers``: names in order, once each; "mtp" and "multigpu" stand
+    for their groups, alone or in a list."""
+    groups = {"mtp": MTP_SERVERS, "multigpu": MULTIGPU_SERVERS}
+    names: List[str] = []
+    for n in text.split(","):
+        for name in groups.get(n, n).split(","):
+            if name and name not in names:
+                names.append(name)
+    return names
+
+
 def parse_sweep(text: str) -> List[tuple]:
     """``qk:out[:attn_out[:layer]],...`` -> (qk, out, attn_out, layer) tuples,
     missing fields at 1.0 and layer 0."""
@@ -726,8 +738,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--servers",
-        help="comma list of server names (default by model; 'mtp': the MTP servers, "
-        f"{MTP_SERVERS}; 'multigpu': the two-GPU ones, {MULTIGPU_SERVERS})",
+        help="comma list of server names (default by model); in it 'mtp' stands "
+        f"for the MTP servers ({MTP_SERVERS}), 'multigpu' for the two-GPU ones "
+        f"({MULTIGPU_SERVERS})",
     )
     p.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
     p.add_argument(
@@ -829,11 +842,7 @@ def main(argv=None) -> int:
 
     if args.servers is None:
         args.servers = TINY_SERVERS if args.model == "tiny" else RANK_SERVERS
-    elif args.servers == "mtp":
-        args.servers = MTP_SERVERS
-    elif args.servers == "multigpu":
-        args.servers = MULTIGPU_SERVERS
-    names = [n for n in args.servers.split(",") if n]  # "--servers=": sweep only
+    names = server_names(args.servers)  # "--servers=": the sweep only
     unknown = [n for n in names if n not in SERVERS]
     if unknown:
         raise SystemExit(f"--servers: unknown {unknown}; known: {', '.join(SERVERS)}")
