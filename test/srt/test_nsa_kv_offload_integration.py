@@ -288,9 +288,8 @@ class TestOffloadPoolSizing(unittest.TestCase):
         self.assertEqual(sizes.num_locs, PAGE)
 
 
-class TestServerArgsToPools(unittest.TestCase):
-    """ServerArgs (tiny DeepSeek-V3.2 config) -> patched pool configurator ->
-    ModelRunner's pool resolution -> pool kwargs, allocator, coordinator."""
+class TinyConfigDirCase(unittest.TestCase):
+    """A model dir holding the tiny DeepSeek-V3.2 config, and ServerArgs."""
 
     @classmethod
     def setUpClass(cls):
@@ -303,6 +302,11 @@ class TestServerArgsToPools(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp_dir, ignore_errors=True)
+
+
+class TestServerArgsToPools(TinyConfigDirCase):
+    """ServerArgs (tiny DeepSeek-V3.2 config) -> patched pool configurator ->
+    ModelRunner's pool resolution -> pool kwargs, allocator, coordinator."""
 
     def _server_args(self, **overrides):
         # model_path="dummy" stops __post_init__ before the GPU-only steps; the

@@ -26,8 +26,6 @@ of a decode step with ``s`` draft steps (``q = s + 1``):
 import importlib.util
 import os
 import random
-import shutil
-import tempfile
 import unittest
 from pathlib import Path
 from types import SimpleNamespace
@@ -48,7 +46,6 @@ from test_nsa_kv_offload_integration import (
     KV_LORA_RANK,
     PAGE,
     ROPE_DIM,
-    TINY_DSV32_CONFIG,
     _alloc_extend_patch,
     _Harness,
 )
@@ -376,21 +373,9 @@ class TestMTPVerify(unittest.TestCase):
         self.assertIn("--speculative-algorithm", str(ctx.exception))
 
 
-class TestDraftWorkerPool(unittest.TestCase):
+class TestDraftWorkerPool(integration.TinyConfigDirCase):
     """The NextN layer's KV stays on the GPU in a plain NSA pool of the
     draft worker, one row per token loc: its bytes are counted per loc."""
-
-    @classmethod
-    def setUpClass(cls):
-        from sglang.srt.server_args import ServerArgs
-
-        cls.tmp_dir = tempfile.mkdtemp()
-        shutil.copy(TINY_DSV32_CONFIG, os.path.join(cls.tmp_dir, "config.json"))
-        cls.ServerArgs = ServerArgs
-
-    @classmethod
-    def tearDownClass(cls):
-        shutil.rmtree(cls.tmp_dir, ignore_errors=True)
 
     def _configurator(self, **overrides):
         from sglang.srt.model_executor.pool_configurator import (
