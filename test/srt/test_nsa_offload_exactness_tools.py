@@ -34,6 +34,7 @@ sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import exactness  # noqa: E402
 import make_checkpoint as mc  # noqa: E402
+import mtp_summary  # noqa: E402
 import server_utils  # noqa: E402
 
 # By path: another sitecustomize may already be imported.
@@ -342,6 +343,45 @@ class TestMtpServers(unittest.TestCase):
             "tiny",
         )
         self.assertNotIn("mtp", plain)
+
+    def test_committed_summary_merges_both_halves(self):
+        # results/mtp/summary.json: exactness.py's mtp part + bench_server's
+        # summary_mtp_speed.json, the keys the issue names.
+        out = [[1, 2]] * 2
+        accept = [exactness.accept_record({"spec_verify_ct": 2})] * 2
+        exact = exactness.summarize(
+            {
+                "servers": {
+                    "base_fp8_mtp1": {"seq": out, "seq_accept": accept},
+                    "ours_fp8_mtp1": {"seq": [[1, 2], [1, 3]], "seq_accept": accept},
+                },
+                "specs": {
+                    n: exactness.SERVERS[n] for n in ("base_fp8_mtp1", "ours_fp8_mtp1")
+                },
+                "prompt_lens": [5, 6],
+                "nc_lens": [],
+                "code_commit": "abc",
+            },
+            "tiny",
+        )
+        speed = {
+            "itl_ratio_vs_no_offload_mtp": {"model:32768x1": 1.05},
+            "num_steps": [3],
+            "code_commit": "def",
+        }
+        merged = mtp_summary.merge(exact, [speed])
+        self.assertEqual((merged["identical"], merged["total"]), (1, 2))
+        self.assertTrue(merged["accept_length_equal"])
+        self.assertEqual(merged["itl_ratio_vs_no_offload_mtp"], {"model:32768x1": 1.05})
+        self.assertEqual(merged["num_steps"], [1, 3])
+        self.assertEqual(merged["code_commit"], ["abc", "def"])
+        # Speed not run yet: the key says so instead of vanishing.
+        self.assertIsNone(mtp_summary.merge(exact, [])["itl_ratio_vs_no_offload_mtp"])
+        with self.assertRaises(SystemExit) as cm:  # one point from two runs
+            mtp_summary.merge(exact, [speed, speed])
+        self.assertIn("32768x1", str(cm.exception))
+        with self.assertRaises(SystemExit):  # an exactness run without MTP
+            mtp_summary.merge({"identical": 2}, [speed])
 
     def test_server_groups_in_a_list(self):
         names = exactness.server_names("base_fp8,mtp,stock_fp8,base_fp8_mtp")
