@@ -3,7 +3,8 @@
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a, or
 #     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
-# STEP: checks (GPU correctness, no servers), engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests,
+# STEP: checks (GPU correctness, no servers), phases (the swap's time by
+# kernel phase), engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests,
 # exactness with/without, a server with units), swap-units (the swap with
 # units: split vs fused kernels), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
@@ -96,6 +97,10 @@ run_step() {
         --max-units 3 --extra-regions 2 2>&1 | tail -4 || rc=1
       (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
         --port $((31000 + 100 * GPU0)) --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
+      ;;
+    phases)
+      # Where the one-token swap's time goes: the kernel cut after each phase.
+      timeout 150 python3 benchmark/nsa_offload/engine/bench_swap_phases.py --out $OUT/swap_phases.json 2>&1 | tail -12 || rc=1
       ;;
     swap-units)
       # The LRU swap with units: split kernels vs the fused one (time, equality).
