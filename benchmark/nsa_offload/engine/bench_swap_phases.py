@@ -130,23 +130,7 @@ def launch_stage(
     bs = topk.shape[0]
     plan = state.plan_view(bs, out, 1)
     loc_to_slot, slot_loc, lru, counters = state._layer_views[0]
-    batch = (
-        topk,
-        topk.stride(0),
-        rpi,
-        seq,
-        req_to_token,
-        req_to_token.stride(0),
-        num_real,
-    )
-    plan_rows = (
-        plan.page_table,
-        plan.page_table.stride(0),
-        plan.miss_src_loc,
-        plan.miss_src_loc.stride(0),
-        plan.miss_dst_row,
-        plan.miss_dst_row.stride(0),
-    )
+    batch, plan_rows = tri.launch_rows(topk, rpi, seq, req_to_token, num_real, plan)
     args = tri._fused_args(
         state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
     )
@@ -212,22 +196,7 @@ def run(args, bs: int, keep: float, seed: int) -> Dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON result path")
-    p.add_argument("--C", type=int, default=4096, help="LRU rows per request and layer")
-    p.add_argument("--K", type=int, default=2048, help="top-k width")
-    p.add_argument("--W", type=int, default=64, help="recent-window rows")
-    p.add_argument(
-        "--batch-sizes", type=int, nargs="+", default=[1, 16, 64], help="batch sizes"
-    )
-    p.add_argument(
-        "--min-len", type=int, default=8192, help="shortest request (tokens)"
-    )
-    p.add_argument(
-        "--max-len", type=int, default=131072, help="longest request (tokens)"
-    )
-    p.add_argument("--graph-steps", type=int, default=16, help="swaps per timed graph")
-    p.add_argument("--reps", type=int, default=50, help="timed graph replays")
-    p.add_argument("--seed", type=int, default=0, help="random seed")
+    check.add_workload_args(p, [1, 16, 64])
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")

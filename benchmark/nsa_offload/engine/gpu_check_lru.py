@@ -456,18 +456,17 @@ def run_timing(args, bs: int, keep: float, seed: int) -> Dict:
     return res
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(p: argparse.ArgumentParser, batch_sizes: List[int]) -> None:
+    """The workload's options (this script's and bench_swap_phases.py's)."""
     p.add_argument("--out", required=True, help="JSON result path")
     p.add_argument("--C", type=int, default=4096, help="LRU rows per request and layer")
     p.add_argument("--K", type=int, default=2048, help="top-k width")
     p.add_argument("--W", type=int, default=64, help="recent-window rows")
-    p.add_argument("--layers", type=int, default=2, help="layers of the LRU state")
     p.add_argument(
         "--batch-sizes",
         type=int,
         nargs="+",
-        default=[1, 16, 64, 128],
+        default=batch_sizes,
         help="decode batch sizes",
     )
     p.add_argument(
@@ -476,9 +475,16 @@ def main() -> int:
     p.add_argument(
         "--max-len", type=int, default=131072, help="longest request (tokens)"
     )
-    p.add_argument("--steps", type=int, default=24, help="correctness steps")
     p.add_argument("--graph-steps", type=int, default=16, help="swaps per timed graph")
     p.add_argument("--reps", type=int, default=50, help="timed graph replays")
+    p.add_argument("--seed", type=int, default=0, help="random seed")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(p, [1, 16, 64, 128])
+    p.add_argument("--layers", type=int, default=2, help="layers of the LRU state")
+    p.add_argument("--steps", type=int, default=24, help="correctness steps")
     p.add_argument(
         "--num-warps",
         type=int,
@@ -491,7 +497,6 @@ def main() -> int:
         action="store_true",
         help="do not time the torch reference",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed")
     p.add_argument("--device", default="cuda", help="cpu: smoke test of the script")
     args = p.parse_args()
     global DEV

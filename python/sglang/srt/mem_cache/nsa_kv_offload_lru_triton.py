@@ -177,23 +177,8 @@ class TritonLRUSwap:
         loc_to_slot, slot_loc, lru, layer_counters = state._layer_views[layer]
         if counters is None:
             counters = layer_counters
-        # Launch arguments shared by the fused and the split kernels.
-        batch = (
-            topk_pos,
-            topk_pos.stride(0),
-            req_pool_indices,
-            seq_lens,
-            req_to_token,
-            req_to_token.stride(0),
-            num_real,
-        )
-        plan_rows = (
-            plan.page_table,
-            plan.page_table.stride(0),
-            plan.miss_src_loc,
-            plan.miss_src_loc.stride(0),
-            plan.miss_dst_row,
-            plan.miss_dst_row.stride(0),
+        batch, plan_rows = self.launch_rows(
+            topk_pos, req_pool_indices, seq_lens, req_to_token, num_real, plan
         )
         # With several query tokens per swap allowed, every swap (one query
         # token too) reads the shorter window (read_window): multi kernels.
@@ -391,6 +376,31 @@ class TritonLRUSwap:
             BLOCK_U=_next_pow2(U),
             **chunk,
         )
+
+    @staticmethod
+    def launch_rows(
+        topk_pos, req_pool_indices, seq_lens, req_to_token, num_real, plan
+    ) -> tuple:
+        """Launch arguments shared by the fused and the split kernels: the
+        batch's inputs and the plan's outputs, each tensor with its row stride."""
+        batch = (
+            topk_pos,
+            topk_pos.stride(0),
+            req_pool_indices,
+            seq_lens,
+            req_to_token,
+            req_to_token.stride(0),
+            num_real,
+        )
+        plan_rows = (
+            plan.page_table,
+            plan.page_table.stride(0),
+            plan.miss_src_loc,
+            plan.miss_src_loc.stride(0),
+            plan.miss_dst_row,
+            plan.miss_dst_row.stride(0),
+        )
+        return batch, plan_rows
 
     def _fused_args(
         self, state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
