@@ -174,16 +174,9 @@ def time_stage(stage: str, state, wl, topks, seqs, rpi, num_real, reps: int):
 
 
 def run(args, bs: int, keep: float, seed: int) -> Dict:
-    T = args.graph_steps
-    wl = check.Workload(bs, 0, args, args.min_len, args.max_len, 2 * T + 2, keep, seed)
-    (state,) = check.new_states(wl, args, 1, kinds=(True,))
-    wl.admit(state, warm=True)
-    rpi, _, num_real = wl.inputs(torch.int64)
-    topks, seqs = [], []
-    for _ in range(T):
-        wl.seq_lens += 1
-        topks.append(wl.topk(0))
-        seqs.append(wl.seq_lens.clone())
+    wl, (state,), rpi, num_real, topks, seqs = check.timing_workload(
+        args, bs, keep, seed, kinds=(True,)
+    )
     snap = check.snapshot(state)
     res = {"bs": bs, "keep": keep, "num_warps": state.swap_backend.num_warps}
     for stage in STAGES:

@@ -418,11 +418,13 @@ def time_graph(
     return time_swap_graph(body, state.counters[0], T, reps)
 
 
-def run_timing(args, bs: int, keep: float, seed: int) -> Dict:
+def timing_workload(args, bs: int, keep: float, seed: int, kinds=(True, False)):
+    """A timed graph's inputs: the workload, warm one-layer states of
+    ``kinds``, the batch and --graph-steps steps of top-k and lengths."""
     T = args.graph_steps
     wl = Workload(bs, 0, args, args.min_len, args.max_len, 2 * T + 2, keep, seed)
-    tri, ref = new_states(wl, args, 1)
-    for s in (tri, ref):
+    states = new_states(wl, args, 1, kinds)
+    for s in states:
         wl.admit(s, warm=True)
     rpi, _, num_real = wl.inputs(torch.int64)
     topks, seqs = [], []
@@ -430,6 +432,11 @@ def run_timing(args, bs: int, keep: float, seed: int) -> Dict:
         wl.seq_lens += 1
         topks.append(wl.topk(0))
         seqs.append(wl.seq_lens.clone())
+    return wl, states, rpi, num_real, topks, seqs
+
+
+def run_timing(args, bs: int, keep: float, seed: int) -> Dict:
+    wl, (tri, ref), rpi, num_real, topks, seqs = timing_workload(args, bs, keep, seed)
     snap = snapshot(tri)
     res = {
         "bs": bs,
