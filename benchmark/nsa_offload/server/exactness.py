@@ -131,6 +131,14 @@ SERVERS = {
     ),
     "base_fp8_mtp1": dict(mtp=1),
     "ours_fp8_mtp1": dict(mtp=1, offload=[], base="base_fp8_mtp1"),
+    "base_fp8_mtp2": dict(mtp=2),
+    "ours_fp8_mtp2": dict(mtp=2, offload=[], base="base_fp8_mtp2"),
+    # Retraction mid-speculation; a retracted request is prefilled again,
+    # which rounds differently from decode: against a retracting server.
+    "base_fp8_mtp_retract": dict(mtp=3, retract=True),
+    "ours_fp8_mtp_retract": dict(
+        mtp=3, offload=[], retract=True, base="base_fp8_mtp_retract"
+    ),
     "base_bf16_mtp": dict(mtp=3, kv="bf16"),
     "ours_bf16_mtp": dict(mtp=3, kv="bf16", offload=[], base="base_bf16_mtp"),
     # Two GPUs (docs/MULTI_GPU.md): attention TP (one host pool shared by the
