@@ -49,11 +49,8 @@ which match the offload servers'. Without the hooks only that test is
 skipped. A subclass repeats the no-offload / offload comparison with a bf16
 KV cache (FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``),
 another with MTP on every server (NextN, 3 steps; accept counts compared
-too; the offload refuses MTP unless
-``SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE=1``, which its offload servers
-set: not yet run on a GPU), and two on two GPUs (attention TP and DP
-attention, against the no-offload server of the same shape; skipped on one
-GPU). Another class starts a PD decode server (``--disaggregation-mode decode``,
+too), and two on two GPUs (attention TP and DP attention, against the
+no-offload server of the same shape; skipped on one GPU). Another class starts a PD decode server (``--disaggregation-mode decode``,
 sglang's fake KV transfer: no prefill server, KV unwritten, so dummy weights
 and no output comparison) with the offload and checks that it admits,
 decodes, idles and still serves. It needs a Hopper GPU with the DSA stack

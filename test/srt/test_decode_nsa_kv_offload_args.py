@@ -180,10 +180,19 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "cannot be combined with --enable-hisparse", enable_hisparse=True
         )
 
-    def test_reject_speculative_decoding(self):
+    def test_reject_unsupported_speculative_decoding(self):
+        # MTP's supported settings start (test_nsa_kv_offload_speculative_args).
         self._assert_rejected(
-            "speculative decoding (--speculative-algorithm EAGLE)",
+            "--speculative-algorithm NGRAM is not supported; only EAGLE / NEXTN",
+            speculative_algorithm="NGRAM",
+        )
+        self._assert_rejected(
+            "--speculative-eagle-topk 4 is not supported; only 1",
             speculative_algorithm="EAGLE",
+            speculative_num_steps=3,
+            speculative_eagle_topk=4,
+            speculative_num_draft_tokens=8,
+            disable_overlap_schedule=True,
         )
 
     def test_reject_pipeline_parallelism(self):

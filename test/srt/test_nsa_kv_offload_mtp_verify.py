@@ -24,7 +24,6 @@ of a decode step with ``s`` draft steps (``q = s + 1``):
 """
 
 import importlib.util
-import os
 import random
 import unittest
 from pathlib import Path
@@ -34,7 +33,6 @@ from unittest import mock
 # The module, not its TestCase: a TestCase in this namespace would run here too.
 import test_nsa_kv_offload_integration as integration
 import torch
-from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_UNPROVEN_SPECULATIVE
 from sglang.srt.layers.attention import nsa_backend, nsa_offload_hooks
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSA_KV_OFFLOAD_DRAFT_LAYERS,
@@ -382,10 +380,9 @@ class TestDraftWorkerPool(integration.TinyConfigDirCase):
             create_memory_pool_configurator,
         )
 
-        with mock.patch.dict(os.environ, {ENV_UNPROVEN_SPECULATIVE: "1"}):
-            args = integration.TestServerArgsToPools._server_args(
-                self, nsa_kv_offload_host_pool_gb=32.0, **overrides
-            )
+        args = integration.TestServerArgsToPools._server_args(
+            self, nsa_kv_offload_host_pool_gb=32.0, **overrides
+        )
         return create_memory_pool_configurator(
             integration.TestServerArgsToPools._model_runner(self, args, 1)
         )

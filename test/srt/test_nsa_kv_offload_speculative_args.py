@@ -1,12 +1,12 @@
 """Speculative decoding with --enable-decode-nsa-kv-offload (docs/MTP.md).
 
-The MTP target verify path is wired but has not run on a GPU: the server
-refuses --speculative-algorithm with the offload unless
-SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE=1. With it,
-``check_nsa_kv_offload_speculative`` holds the refusals that stay: only
-EAGLE / NEXTN MTP with one draft chain, 1-3 steps, draft tokens = steps + 1,
-spec v1 (no overlap scheduler), no cross-layer prefetch, and a buffer and
-window that fit the verify step's query tokens.
+MTP has run end to end on the H200 (benchmark/nsa_offload/results/mtp/), so
+the supported settings start with no env var: EAGLE / NEXTN MTP with one draft
+chain, 1-3 steps, draft tokens = steps + 1, spec v1 (no overlap scheduler).
+``check_nsa_kv_offload_speculative`` refuses everything else, naming the
+flag: other algorithms, draft trees, more steps, spec v2, the cross-layer
+prefetch, and a buffer or window too small for the verify step's query
+tokens. Attention TP / DP attention keep their own gate, MTP or not.
 """
 
 import os
@@ -18,7 +18,7 @@ from unittest import mock
 
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
-    ENV_UNPROVEN_SPECULATIVE,
+    ENV_UNPROVEN_PARALLEL,
     check_nsa_kv_offload_speculative,
     nsa_kv_offload_default_buffer_size,
 )
@@ -29,6 +29,8 @@ TINY_DSV32_CONFIG = (
     REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
 )
 INDEX_TOPK = 2048
+# Gated MTP until it ran on the H200; must open nothing now.
+REMOVED_SPECULATIVE_GATE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
 
 
 class TestSpeculativeChecks(unittest.TestCase):
@@ -170,11 +172,19 @@ class TestStartup(unittest.TestCase):
             setattr(args, name, value)
         return args
 
-    def _env(self, unproven: bool):
-        return mock.patch.dict(
-            os.environ,
-            {ENV_UNPROVEN_SPECULATIVE: "1" if unproven else "0"},
-        )
+    def _env(self, **extra):
+        # No offload env var from the caller's shell, only the test's own.
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("SGLANG_NSA_KV_OFFLOAD_")
+        }
+        return mock.patch.dict(os.environ, {**env, **extra}, clear=True)
+
+    def _start(self, args) -> ServerArgs:
+        with self.assertNoLogs("sglang.srt.arg_groups.nsa_kv_offload_args", "WARNING"):
+            args._handle_decode_nsa_kv_offload()
+        return args
 
     def _refused(self, args) -> str:
         with self.assertRaises(ValueError) as ctx:
@@ -183,55 +193,69 @@ class TestStartup(unittest.TestCase):
         self.assertIn("--enable-decode-nsa-kv-offload", message)
         return message
 
-    def test_refused_by_default(self):
-        env = {k: v for k, v in os.environ.items() if k != ENV_UNPROVEN_SPECULATIVE}
-        for extra in ({}, {ENV_UNPROVEN_SPECULATIVE: "0"}):
-            with mock.patch.dict(os.environ, {**env, **extra}, clear=True):
-                message = self._refused(self._args())
-            self.assertIn("--speculative-algorithm EAGLE", message)
-            self.assertIn(f"{ENV_UNPROVEN_SPECULATIVE}=1 lets it start", message)
-
-    def test_starts_with_env(self):
-        with self._env(True), self.assertLogs(
-            "sglang.srt.arg_groups.nsa_kv_offload_args", "WARNING"
-        ) as logs:
-            args = self._args()
-            args._handle_decode_nsa_kv_offload()
-        self.assertIn(ENV_UNPROVEN_SPECULATIVE, "".join(logs.output))
-        # Default buffer: (q + 1) x index_topk; units fit the int16 slot ids.
-        self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 5 * INDEX_TOPK)
-        self.assertEqual(args.nsa_kv_offload_max_units, 32767 // (5 * INDEX_TOPK))
-        for steps in (1, 2):
-            with self._env(True):
-                args = self._args(
-                    speculative_num_steps=steps,
-                    speculative_num_draft_tokens=steps + 1,
+    def test_supported_settings_start_without_env(self):
+        for algorithm in ("EAGLE", "NEXTN"):
+            for steps in (1, 2, 3):
+                with self.subTest(algorithm=algorithm, steps=steps), self._env():
+                    args = self._start(
+                        self._args(
+                            speculative_algorithm=algorithm,
+                            speculative_num_steps=steps,
+                            speculative_num_draft_tokens=steps + 1,
+                        )
+                    )
+                    # Default buffer: (q + 1) x index_topk; units fit int16 slot ids.
+                    buffer_size = (steps + 2) * INDEX_TOPK
+                    self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, buffer_size)
+                    self.assertEqual(
+                        args.nsa_kv_offload_max_units,
+                        min(4, 32767 // buffer_size),
+                    )
+        # The other KV dtype the offload runs with, as on the H200.
+        with self._env():
+            self._start(
+                self._args(
+                    kv_cache_dtype="bfloat16", nsa_decode_backend="flashmla_sparse"
                 )
-                args._handle_decode_nsa_kv_offload()
-            self.assertEqual(
-                args.nsa_kv_offload_gpu_buffer_size, (steps + 2) * INDEX_TOPK
             )
+        # Verify's limits (the heavy server): buffer q x top-k, window 2q - 1, one unit.
+        with self._env():
+            args = self._start(
+                self._args(
+                    nsa_kv_offload_gpu_buffer_size=4 * INDEX_TOPK,
+                    nsa_kv_offload_recent_window=7,
+                    nsa_kv_offload_max_units=1,
+                )
+            )
+        self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4 * INDEX_TOPK)
         # Without speculative decoding the default stays 2 x index_topk.
-        args = self._args(speculative_algorithm=None)
-        args._handle_decode_nsa_kv_offload()
+        with self._env():
+            args = self._start(self._args(speculative_algorithm=None))
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 2 * INDEX_TOPK)
 
-    def test_rules_apply_with_env(self):
+    def test_unsupported_settings_refused(self):
         cases = [
             ("--speculative-algorithm EAGLE3", dict(speculative_algorithm="EAGLE3")),
+            (
+                "--speculative-algorithm STANDALONE",
+                dict(speculative_algorithm="STANDALONE"),
+            ),
             (
                 "--speculative-eagle-topk 4",
                 dict(speculative_eagle_topk=4, speculative_num_draft_tokens=8),
             ),
             (
-                "--speculative-num-steps 5",
-                dict(speculative_num_steps=5, speculative_num_draft_tokens=6),
+                "--speculative-num-steps 4",
+                dict(speculative_num_steps=4, speculative_num_draft_tokens=5),
             ),
             (
                 "--speculative-num-draft-tokens (3) must be",
                 dict(speculative_num_draft_tokens=3),
             ),
-            ("--disable-overlap-schedule", dict(disable_overlap_schedule=False)),
+            (
+                "(spec v2) is not supported; pass --disable-overlap-schedule",
+                dict(disable_overlap_schedule=False),
+            ),
             (
                 "--nsa-kv-offload-gpu-buffer-size (6144) must be at least "
                 "--speculative-num-draft-tokens (4)",
@@ -243,13 +267,35 @@ class TestStartup(unittest.TestCase):
                 dict(nsa_kv_offload_recent_window=5),
             ),
         ]
-        for flag, overrides in cases:
-            with self.subTest(flag=flag), self._env(True):
-                self.assertIn(flag, self._refused(self._args(**overrides)))
-        with self._env(True), mock.patch.dict(
-            os.environ, {ENV_CROSS_LAYER_PREFETCH: "1"}
-        ):
-            self.assertIn(ENV_CROSS_LAYER_PREFETCH, self._refused(self._args()))
+        # The removed gate's variable must not open any of them.
+        for extra in ({}, {REMOVED_SPECULATIVE_GATE: "1"}):
+            for flag, overrides in cases:
+                with self.subTest(flag=flag, env=extra), self._env(**extra):
+                    self.assertIn(flag, self._refused(self._args(**overrides)))
+            with self.subTest(flag=ENV_CROSS_LAYER_PREFETCH, env=extra), self._env(
+                **{ENV_CROSS_LAYER_PREFETCH: "1"}, **extra
+            ):
+                self.assertIn(
+                    f"{ENV_CROSS_LAYER_PREFETCH}=1 is not supported with "
+                    "--speculative-algorithm EAGLE",
+                    self._refused(self._args()),
+                )
+
+    def test_parallel_gate_kept_with_mtp(self):
+        # Multi-GPU has not run: TP and DP attention stay behind their own
+        # variable, with or without MTP.
+        layouts = [
+            ("tensor parallelism (--tp-size 2)", dict(tp_size=2)),
+            (
+                "DP attention (--enable-dp-attention --dp-size 2)",
+                dict(tp_size=2, dp_size=2, enable_dp_attention=True),
+            ),
+        ]
+        for flag, overrides in layouts:
+            with self.subTest(flag=flag), self._env(**{REMOVED_SPECULATIVE_GATE: "1"}):
+                message = self._refused(self._args(**overrides))
+                self.assertIn(flag, message)
+                self.assertIn(f"{ENV_UNPROVEN_PARALLEL}=1 lets", message)
 
 
 if __name__ == "__main__":

@@ -274,10 +274,18 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         ]
         self.assertEqual(specs["baseline_mtp"], specs["baseline"] + mtp)
         self.assertEqual(specs["ours_mtp"], specs["ours"] + mtp)
-        gate = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
+        # MTP starts with no gate: the MTP servers get the env of their
+        # non-MTP counterparts.
+        for mtp_kind, kind in (("ours_mtp", "ours"), ("baseline_mtp", "baseline")):
+            self.assertEqual(
+                bench_server.server_env(args, mtp_kind),
+                bench_server.server_env(args, kind),
+            )
+        # Multi-GPU keeps its gate, MTP or not.
+        args.shape = "dp2"
+        gate = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
         self.assertEqual(bench_server.server_env(args, "ours_mtp")[gate], "1")
-        for kind in ("baseline_mtp", "ours", "baseline"):
-            self.assertNotIn(gate, bench_server.server_env(args, kind))
+        self.assertNotIn(gate, bench_server.server_env(args, "baseline_mtp"))
         with self.assertRaises(SystemExit):  # 1-3 steps (docs/MTP.md)
             bench_server.parse_args(argv + ["--mtp-steps", "4"])
 

@@ -255,6 +255,7 @@ class TestMtpServers(unittest.TestCase):
             ours, ours_env = self._args("ours_fp8_mtp", d)
             heavy, _ = self._args("ours_fp8_mtp_heavy", d)
             one, _ = self._args("ours_fp8_mtp1", d)
+            _, plain_env = self._args("ours_fp8", d)
 
         def flag(cmd, name):
             return cmd[cmd.index(name) + 1]
@@ -266,10 +267,15 @@ class TestMtpServers(unittest.TestCase):
             self.assertEqual(flag(cmd, "--speculative-num-draft-tokens"), "4")
             self.assertIn("--disable-overlap-schedule", cmd)  # spec v1
         self.assertEqual(flag(one, "--speculative-num-draft-tokens"), "2")
-        # Only the offload servers open the speculative gate.
-        self.assertNotIn(exactness.ENV_UNPROVEN_SPECULATIVE, base_env)
-        self.assertEqual(ours_env[exactness.ENV_UNPROVEN_SPECULATIVE], "1")
+        # MTP starts with no gate: no offload env var on either server; the
+        # offload one's env is that of the offload server without MTP.
+        for env in (base_env, ours_env):
+            self.assertEqual(
+                [k for k in env if k.startswith("SGLANG_NSA_KV_OFFLOAD_")], []
+            )
+        self.assertEqual(ours_env, plain_env)
         self.assertNotIn("--enable-decode-nsa-kv-offload", base)
+        self.assertIn("--enable-decode-nsa-kv-offload", ours)
         # The heavy server sits at verify's limits: C = q x top-k, W >= 2q - 1.
         q, topk = 4, 2048
         self.assertEqual(int(flag(heavy, "--nsa-kv-offload-gpu-buffer-size")), q * topk)

@@ -80,7 +80,6 @@ import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
     DEFAULT_MAX_UNITS,
     ENV_UNPROVEN_PARALLEL,
-    ENV_UNPROVEN_SPECULATIVE,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
     SHAPES,
@@ -649,7 +648,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_fixed": fixed,
         "ours_prefetch": ours,  # + the prefetch's env var (server_env)
         "baseline_mtp": common + slots + mtp,
-        "ours_mtp": ours + mtp,  # + the speculative gate (server_env)
+        "ours_mtp": ours + mtp,
     }
 
 
@@ -664,8 +663,6 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
     if kind == "ours_prefetch" or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
-    if kind == "ours_mtp":
-        env[ENV_UNPROVEN_SPECULATIVE] = "1"
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:

@@ -60,7 +60,6 @@ from make_checkpoint import (
 from server_utils import (
     BF16_KV_ARGS,
     ENV_UNPROVEN_PARALLEL,
-    ENV_UNPROVEN_SPECULATIVE,
     SHAPES,
     Server,
     git_commit,
@@ -246,8 +245,6 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
         extra += BF16_KV_ARGS
     if spec.get("mtp"):
         extra += mtp_args(spec["mtp"])
-        if spec.get("offload") is not None:
-            env[ENV_UNPROVEN_SPECULATIVE] = "1"
     if spec.get("shape"):
         extra += SHAPES[spec["shape"]]
         if spec.get("offload") is not None:

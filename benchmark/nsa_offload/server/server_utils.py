@@ -56,9 +56,8 @@ BF16_KV_ARGS = [
     "flashmla_sparse",
 ]
 KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
-# The offload refuses speculative decoding unless this is set (docs/MTP.md).
-ENV_UNPROVEN_SPECULATIVE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
-# ... and attention TP / DP attention (docs/MULTI_GPU.md).
+# The offload refuses attention TP / DP attention unless this is set
+# (docs/MULTI_GPU.md).
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 # The server flags of the two-GPU shapes: attention TP, DP attention.
 SHAPES = {

@@ -49,10 +49,6 @@ _HOST_RESERVE_FRACTION = 0.1
 # Lets --tp-size > 1 and --enable-dp-attention start, for the GPU runs that
 # prove them (docs/MULTI_GPU.md); refused without it.
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
-# Lets --speculative-algorithm start (within check_nsa_kv_offload_speculative's
-# rules), for the GPU runs that prove MTP with the offload (docs/MTP.md);
-# refused without it.
-ENV_UNPROVEN_SPECULATIVE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
 # Experimental cross-layer prefetch (read by the coordinator).
 ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):
@@ -124,13 +120,12 @@ def nsa_kv_offload_default_buffer_size(index_topk: int, query_tokens: int) -> in
 
 
 def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int) -> int:
-    """The refusals that stay once MTP target verify runs with the offload;
-    returns the query tokens per request of a target-model forward (1 without
-    speculative decoding). Call it after sglang's speculative-decoding step
-    (NEXTN resolved to EAGLE, the draft-token count adjusted, spec v1 or v2
-    chosen) and after the buffer size default is resolved. Until MTP has run
-    on a GPU, ``handle_decode_nsa_kv_offload`` calls it only with
-    ``SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE=1`` (docs/MTP.md)."""
+    """Refuse the speculative-decoding settings the offload's MTP target
+    verify does not serve (docs/MTP.md); returns the query tokens per request
+    of a target-model forward (1 without speculative decoding). Call it after
+    sglang's speculative-decoding step (NEXTN resolved to EAGLE, the
+    draft-token count adjusted, spec v1 or v2 chosen) and after the buffer
+    size default is resolved."""
     from sglang.srt.utils import get_bool_env_var
 
     algorithm = server_args.speculative_algorithm
@@ -253,7 +248,6 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             )
     if server_args.enable_hisparse:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
-    _check_speculative_proven(server_args)
     layout = NSAKVOffloadRankLayout.from_server_args(server_args)
     _check_parallelism(server_args, layout)
     if not server_args.disable_radix_cache:
@@ -366,30 +360,6 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         buffer_size,
         server_args.nsa_kv_offload_host_pool_gb,
         scope,
-    )
-
-
-def _check_speculative_proven(server_args: "ServerArgs") -> None:
-    """Speculative decoding is wired (docs/MTP.md) but has not run on a GPU:
-    refused unless SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE=1."""
-    from sglang.srt.utils import get_bool_env_var
-
-    algorithm = server_args.speculative_algorithm
-    if algorithm is None:
-        return
-    if not get_bool_env_var(ENV_UNPROVEN_SPECULATIVE):
-        _fail(
-            f"speculative decoding (--speculative-algorithm {algorithm}) has not "
-            "run on GPUs yet: the MTP target verify path (multi-token swap, "
-            "verify preparation, draft worker pool) is tested on CPU only "
-            f"({ENV_UNPROVEN_SPECULATIVE}=1 lets it start, for the GPU runs that "
-            "prove it)."
-        )
-    logger.warning(
-        "Decode NSA KV offload: %s=1, starting speculative decoding not yet run "
-        "on GPUs (--speculative-algorithm %s).",
-        ENV_UNPROVEN_SPECULATIVE,
-        algorithm,
     )
 
 
