@@ -281,9 +281,9 @@ class TestStartup(unittest.TestCase):
                     self._refused(self._args()),
                 )
 
-    def test_parallel_gate_kept_with_mtp(self):
+    def test_parallel_layouts_refused_with_mtp(self):
         # Multi-GPU has not run: TP and DP attention stay behind their own
-        # variable, with or without MTP.
+        # variable without MTP, and with MTP are refused even with it set.
         layouts = [
             ("tensor parallelism (--tp-size 2)", dict(tp_size=2)),
             (
@@ -292,10 +292,18 @@ class TestStartup(unittest.TestCase):
             ),
         ]
         for flag, overrides in layouts:
-            with self.subTest(flag=flag), self._env(**{REMOVED_SPECULATIVE_GATE: "1"}):
+            with self.subTest(flag=flag), self._env():
                 message = self._refused(self._args(**overrides))
                 self.assertIn(flag, message)
                 self.assertIn(f"{ENV_UNPROVEN_PARALLEL}=1 lets", message)
+            with self.subTest(flag=flag, gate="open"), self._env(
+                **{ENV_UNPROVEN_PARALLEL: "1"}
+            ):
+                self.assertIn(
+                    "--speculative-algorithm EAGLE is not supported with "
+                    "--tp-size > 1 or --enable-dp-attention",
+                    self._refused(self._args(**overrides)),
+                )
 
 
 if __name__ == "__main__":

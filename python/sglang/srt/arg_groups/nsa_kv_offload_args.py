@@ -136,6 +136,13 @@ def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int)
             f"--speculative-algorithm {algorithm} is not supported; only EAGLE / "
             "NEXTN MTP is."
         )
+    if server_args.tp_size > 1 or server_args.enable_dp_attention:
+        # MTP has run with the offload on one GPU only; DP attention would
+        # also pad verify's top-k rows, which the verify swap does not skip.
+        _fail(
+            f"--speculative-algorithm {algorithm} is not supported with "
+            "--tp-size > 1 or --enable-dp-attention yet."
+        )
     topk = server_args.speculative_eagle_topk
     if topk != 1:
         # A draft tree's query tokens see different prefixes: positions stop
