@@ -1973,7 +1973,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--time-budget-s",
         type=float,
-        help="wall time the measured points may take, seconds",
+        help="wall time of the whole run, server starts included, seconds (a "
+        "server is skipped when less than 150 s are left at its start)",
     )
     p.add_argument(
         "--trace-steps",
