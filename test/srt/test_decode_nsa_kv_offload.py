@@ -2,7 +2,8 @@
 
 The servers load a generated checkpoint of the tiny DeepSeek-V3.2-shaped
 model (3 layers, ``benchmark/nsa_offload/server/make_checkpoint.py``, seed 0,
-the gains of record, qk 1.5 and out 16; ~0.3 GB written once per module into a temp dir in ~5 s) with
+the gains of record, qk 1.5 and out 16; ~0.3 GB written once per module
+into a temp dir in ~5 s) with
 sglang's own loader (``--load-format auto``): unlike ``--load-format dummy``,
 whose weights leave the tokens blind to attention, these make the greedy
 tokens depend on the KV rows attention reads, so a wrong read changes the
@@ -50,7 +51,8 @@ skipped. A subclass repeats the no-offload / offload comparison with a bf16
 KV cache (FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``),
 another with MTP on every server (NextN, 3 steps; accept counts compared
 too), and two on two GPUs (attention TP and DP attention, against the
-no-offload server of the same shape; skipped on one GPU). Another class starts a PD decode server (``--disaggregation-mode decode``,
+no-offload server of the same shape; skipped on one GPU). Another class
+starts a PD decode server (``--disaggregation-mode decode``,
 sglang's fake KV transfer: no prefill server, KV unwritten, so dummy weights
 and no output comparison) with the offload and checks that it admits,
 decodes, idles and still serves. It needs a Hopper GPU with the DSA stack

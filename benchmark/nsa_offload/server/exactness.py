@@ -31,7 +31,8 @@ no-offload one; ``*_retract`` servers force retraction
 (``SGLANG_TEST_RETRACT``: sglang retracts decode requests every
 ``SGLANG_TEST_RETRACT_INTERVAL`` forwards) and are compared with each other.
 The ``*_mtp*`` servers (``--servers mtp``) run MTP (NextN, eagle topk 1,
-1 or 3 steps, spec v1) with and without the offload; besides the outputs,
+1 to 3 steps, spec v1; one pair with forced retraction) with and without
+the offload; besides the outputs,
 each request's accept counts (verify forwards, accepted drafts, histogram)
 must match the no-offload MTP server's (``summary.json``'s ``mtp``).
 Writes ``exactness.json`` (every output) and ``summary.json``/``summary.md``.
