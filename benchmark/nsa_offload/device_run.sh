@@ -10,7 +10,8 @@
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
 # offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), exact
 # (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), soak (the GPU
-# soak; $SOAK_ARGS), savejit
+# soak; $SOAK_ARGS), gputest (test/srt/test_decode_nsa_kv_offload.py;
+# $GPUTEST_ARGS), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
@@ -141,6 +142,21 @@ run_step() {
       for d in $OUT/bench_*/profiles; do
         [ -d "$d" ] && tar czf /tmp/profiles.tgz -C "$d" . && rm -rf "$d"
       done
+      ;;
+    gputest)
+      # The upstream-style GPU test; $GPUTEST_ARGS: pytest node ids (default:
+      # the whole file, more than one call's time: name a class per call).
+      timeout ${GPUTEST_TIMEOUT:-560} python3 -m pytest -v -s -p no:cacheprovider \
+        ${GPUTEST_ARGS:-test/srt/test_decode_nsa_kv_offload.py} > $OUT/gputest_pytest.txt 2>&1
+      grep -E "PASSED|FAILED|ERROR|SKIPPED|negative control|passed|failed" $OUT/gputest_pytest.txt | tail -40
+      grep -qE "[0-9]+ passed" $OUT/gputest_pytest.txt \
+        && ! grep -qE "[0-9]+ (failed|errors?)" $OUT/gputest_pytest.txt || rc=1
+      ;;
+    demo)
+      # The README's main command ($DEMO_ARGS, e.g. --quick).
+      timeout ${DEMO_TIMEOUT:-560} bash scripts/demo.sh --out-dir $OUT/demo ${DEMO_ARGS:-} \
+        > $OUT/demo_stdout.txt 2>&1 || rc=1
+      tail -60 $OUT/demo_stdout.txt
       ;;
     savejit)
       # Triton's cache plus what the other JIT caches (deep_gemm, tvm-ffi,
