@@ -88,7 +88,7 @@ def detect_gpu_stack() -> GpuStack:
 
 
 # Exactness on the tiny checkpoint, batch 1, deterministic top-k: the run of
-# results/exactness/tiny_run5/ with its base_fp8 and ours_fp8 servers (no
+# results/exactness/tiny_run6/ with its base_fp8 and ours_fp8 servers (no
 # offload vs the default offload server, the negative control in persistent
 # mode on the no-offload server; exactness.py's default gains are that run's).
 GPU_EXACTNESS_ARGS = [

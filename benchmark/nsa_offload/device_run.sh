@@ -111,17 +111,19 @@ run_step() {
       # End-to-end exactness on a generated checkpoint (exactness.py):
       # $EXACT_MODEL tiny|rank, more flags in $EXACT_ARGS; a second run side
       # by side (its own ports and output) with $EXACT_ARGS_2 ($EXACT_MODEL_2, default
-# $EXACT_MODEL).
+      # $EXACT_MODEL).
       if [ -n "${EXACT_ARGS_2:-}" ]; then
         (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
           --out $OUT/exact_${EXACT_MODEL_2:-${EXACT_MODEL:-tiny}}_2 --model ${EXACT_MODEL_2:-${EXACT_MODEL:-tiny}} --port $((33000 + 100 * GPU0)) \
           $EXACT_ARGS_2 > /tmp/exact_2.log 2>&1) &
+        exact_2=$!
       fi
       (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
         --out $OUT/exact_${EXACT_MODEL:-tiny} --model ${EXACT_MODEL:-tiny} --port $((32000 + 100 * GPU0)) \
         ${EXACT_ARGS:-}) 2>&1 | tail -60 || rc=1
       if [ -n "${EXACT_ARGS_2:-}" ]; then
-        wait; echo "=== second run"; tail -40 /tmp/exact_2.log
+        # Only this run: a bare "wait" would also reap the bg: steps.
+        wait $exact_2 || rc=1; echo "=== second run"; tail -40 /tmp/exact_2.log
       fi
       # Kept for a later call on this (warm) machine: EXACT_ARGS="--resume-from
       # /tmp/exact_keep/exact_rank/exactness.json --servers ..." runs more servers

@@ -33,6 +33,7 @@ BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
 sys.path.insert(0, str(BENCH_DIR / "server"))
 
 import exactness  # noqa: E402
+import exactness_headline  # noqa: E402
 import make_checkpoint as mc  # noqa: E402
 import mtp_summary  # noqa: E402
 import server_utils  # noqa: E402
@@ -204,6 +205,128 @@ class TestExactnessAccounting(unittest.TestCase):
                 with self.assertRaises(SystemExit) as cm:
                     exactness.main(["--out", second] + argv)
                 self.assertIn(why, str(cm.exception))
+
+    def test_merge_calls(self):
+        """--report --merge: one result from the calls that each ran servers
+        (an --nc-only call adds the control to the kept outputs)."""
+        with tempfile.TemporaryDirectory() as d:
+            first = os.path.join(d, "first")
+            exactness.main(["--out", first, "--servers="])
+            path = os.path.join(first, "exactness.json")
+            with open(path) as f:
+                base = json.load(f)
+            out = [[1, 2, 3]] * len(base["prompt_lens"])
+            clean = [[1] * (2 * exactness.NC_PERIOD + 1)] * len(base["nc_lens"])
+
+            def call(name, servers, **extra):
+                run = {
+                    **base,
+                    "code_commit": name,
+                    "servers": servers,
+                    "specs": {n: exactness.SERVERS[n] for n in servers},
+                    **extra,
+                }
+                with open(os.path.join(d, name + ".json"), "w") as f:
+                    json.dump(run, f)
+                return os.path.join(d, name + ".json")
+
+            calls = [
+                call("c1", {"base_fp8": {"seq": out}, "ours_fp8": {"seq": out}}),
+                call(
+                    "c2",
+                    {"base_fp8": {"nc_clean": clean, "nc_armed_step": clean}},
+                    resumed={"servers": []},
+                    config={**base["config"], "servers": "base_fp8", "nc_only": True},
+                ),
+                call(
+                    "c3",
+                    {"ours_fp8_heavy": {"seq": out[:-1] + [[9]]}},
+                    resumed={"servers": ["base_fp8", "ours_fp8"]},
+                ),
+            ]
+            merged_dir = os.path.join(d, "merged")
+            exactness.main(["--out", merged_dir, "--report", "--merge", *calls])
+            with open(os.path.join(merged_dir, "summary.json")) as f:
+                summary = json.load(f)
+            self.assertEqual(
+                [c["ran"] for c in summary["merged_from"]],
+                [["base_fp8", "ours_fp8"], ["base_fp8 (negative control)"],
+                 ["ours_fp8_heavy"]],
+            )  # fmt: skip
+            n = len(out)
+            heavy = summary["comparisons"]["ours_fp8_heavy"]["seq"]
+            self.assertEqual((heavy["identical"], heavy["total"]), (n - 1, n))
+            nc = summary["negative_control"]["base_fp8"]["step"]
+            self.assertEqual(nc["flipped"], 0)  # the seq outputs stayed too
+            self.assertEqual(summary["comparisons"]["ours_fp8"]["seq"]["total"], n)
+            # Another call's prompts (another seed) are refused; so is
+            # --merge without --report.
+            other = os.path.join(d, "other")
+            exactness.main(["--out", other, "--servers=", "--seed", "5"])
+            with self.assertRaises(SystemExit) as cm:
+                exactness.main(
+                    ["--out", merged_dir, "--report", "--merge", calls[0],
+                     os.path.join(other, "exactness.json")]
+                )  # fmt: skip
+            self.assertIn("other prompts", str(cm.exception))
+            with self.assertRaises(SystemExit):
+                exactness.main(["--out", merged_dir, "--merge", calls[0]])
+
+    def test_headline_lists_what_is_missing(self):
+        clean = [[1] * (2 * exactness.NC_PERIOD + 1)] * 10
+        flipped = [c[:30] + [2] * (len(c) - 30) for c in clean]
+        out = [[1, 2, 3]] * 4
+
+        def run(model, servers, nc_flips):
+            srv = {
+                "base_fp8": {
+                    "seq": out,
+                    "nc_clean": clean,
+                    "nc_armed_step": flipped[:nc_flips] + clean[nc_flips:],
+                },
+                "base_bf16": {"seq": out},
+                "base_fp8_retract": {"seq": out},
+            }
+            for name in servers:
+                srv[name] = {
+                    "seq": out,
+                    "abort_partial": [o[:1] for o in out[:2]],
+                    "abort_again": out[:2],
+                }
+            result = {
+                "servers": srv,
+                "specs": {n: exactness.SERVERS[n] for n in srv},
+                "prompt_lens": [5, 6, 7, 8],
+                "nc_lens": [100] * 10,
+                "code_commit": model,
+                "logs": {n: {"retractions": 3} for n in srv if "retract" in n},
+                "ckpt_meta": {"weights": "checkpoint", "seed": 0},
+            }
+            return exactness.summarize(result, model)
+
+        every = exactness_headline.REQUIRED_SERVERS
+        tiny = run("tiny", every, 10)
+        rank = run("rank", every[:2], 9)
+        head = exactness_headline.headline([tiny, rank], ["t/", "r/"])
+        self.assertEqual(head["identical"], head["total"])
+        self.assertEqual(head["total"], 6 * 6 + 2 * 6)  # 4 seq + 2 abort each
+        self.assertEqual(head["negative_control_flip_fraction"], 0.9)
+        self.assertEqual(head["code_commits"], ["rank", "tiny"])
+        self.assertFalse(head["met"])
+        (why,) = head["why_not_met"]
+        self.assertIn("rank:ours_fp8_heavy:seq", why)
+        self.assertNotIn("tiny", why)
+        self.assertEqual(head["by_model"]["tiny"]["retractions"], {
+            "base_fp8_retract": 3, "ours_fp8_retract": 3})  # fmt: skip
+        # Every case on both, a control that flips enough: met.
+        head = exactness_headline.headline([tiny, run("rank", every, 9)], ["t/", "r/"])
+        self.assertTrue(head["met"], head["why_not_met"])
+        # A control below the target is named; a second run of one
+        # checkpoint is refused.
+        head = exactness_headline.headline([tiny, run("rank", every, 8)], ["t/", "r/"])
+        self.assertIn("rank: negative control 0.8", head["why_not_met"][0])
+        with self.assertRaises(SystemExit):
+            exactness_headline.headline([tiny, tiny], ["t/", "t/"])
 
     def test_flip_window(self):
         period = exactness.NC_PERIOD

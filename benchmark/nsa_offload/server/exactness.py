@@ -562,6 +562,8 @@ def summarize(result: dict, model: str) -> dict:
         "prompt_lens": result["prompt_lens"],
         "code_commit": result["code_commit"],
     }
+    if result.get("merged_from"):
+        summary["merged_from"] = result["merged_from"]
     mtp = mtp_summary(summary, specs)
     if mtp:
         summary["mtp"] = mtp
@@ -641,6 +643,14 @@ def summary_markdown(summary: dict) -> str:
         "",
         f"Code `{summary['code_commit'][:10]}`; weights: {summary['checkpoint']}.",
         "",
+    ]
+    for call in summary.get("merged_from", []):
+        lines.append(
+            f"- `{call['file']}` (code `{call['code_commit'][:10]}`) ran "
+            + ", ".join(call["ran"])
+        )
+    lines += [
+        "",
         "| server | seq (batch 1) | seq, prompts the no-offload server repeats | "
         "abort | concurrent (reported) | concurrent vs own seq |",
         "|---|---:|---:|---:|---:|---:|",
@@ -718,6 +728,45 @@ def parse_sweep(text: str) -> List[tuple]:
     return out
 
 
+def merge_runs(paths: List[str]) -> dict:
+    """One result from several calls' exactness.json (the same prompts and
+    weights, e.g. one rank server per device call): a server's keys from a
+    later file update the earlier ones' (an --nc-only call adds the control to
+    the outputs kept from before). Records which call ran what, at which code."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append((path, json.load(f)))
+    merged = {**runs[0][1], "servers": {}, "specs": {}, "logs": {}}
+    merged.pop("resumed", None)
+    weights = ("seed", "qk_gain", "out_gain", "attn_out_gain", "num_tensors")
+    merged["merged_from"] = []
+    for path, run in runs:
+        if (run["prompt_lens"], run["nc_lens"]) != (
+            merged["prompt_lens"],
+            merged["nc_lens"],
+        ):
+            raise SystemExit(f"--merge: {path} sent other prompts")
+        meta, first = run.get("ckpt_meta") or {}, merged.get("ckpt_meta") or {}
+        if any(meta.get(k) != first.get(k) for k in weights):
+            raise SystemExit(f"--merge: {path} had other weights: {meta}")
+        kept = set((run.get("resumed") or {}).get("servers", []))
+        ran = sorted(n for n in run["servers"] if n not in kept)
+        if run.get("resumed") and run["config"].get("nc_only"):
+            ran = [
+                f"{n} (negative control)" for n in run["config"]["servers"].split(",")
+            ]
+        for name, res in run["servers"].items():
+            merged["servers"].setdefault(name, {}).update(res)
+        merged["specs"].update(run["specs"])
+        merged["logs"].update(run["logs"])
+        merged["merged_from"].append(
+            {"file": path, "code_commit": run["code_commit"], "ran": ran}
+        )
+    merged["code_commit"] = runs[-1][1]["code_commit"]
+    return merged
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="results directory")
@@ -727,6 +776,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="only rewrite summary.json/.md from --out's exactness.json",
     )
     p.add_argument("--code-commit", help="with --report: the commit the run used")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="EXACTNESS_JSON",
+        help="with --report: first write --out's exactness.json from these runs "
+        "(the same prompts; later ones add or replace servers)",
+    )
     p.add_argument("--model", default="tiny", choices=["tiny", "rank"], help="config")
     p.add_argument("--ckpt", help="checkpoint dir prefix (written there if absent)")
     p.add_argument(
@@ -818,13 +874,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--port", type=int, default=32000, help="first server's port")
     p.add_argument("--timeout", type=float, default=900.0, help="server start timeout")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.merge and not args.report:
+        p.error("--merge needs --report")
+    return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.report:
         # Recompute summary.json / summary.md from a run's exactness.json.
+        if args.merge:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "exactness.json"), "w") as f:
+                json.dump(merge_runs(args.merge), f)
         with open(os.path.join(args.out, "exactness.json")) as f:
             result = json.load(f)
         if args.code_commit:

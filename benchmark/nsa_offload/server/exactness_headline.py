@@ -1,0 +1,165 @@
+"""results/exactness/summary.json (issue 18's headline) from the runs of
+record: one exactness.py summary.json per checkpoint (``tiny``, ``rank``).
+It says, besides the totals, which of the required cases each model still
+lacks and whether the negative control makes the comparison able to fail.
+
+    python benchmark/nsa_offload/server/exactness_headline.py \\
+        --run RESULTS/exactness/tiny_run6/summary.json \\
+        --run RESULTS/exactness/rank_run4/summary.json \\
+        --out RESULTS/exactness/summary.json
+"""
+
+import argparse
+import json
+import os
+from typing import List, Optional, Sequence
+
+# Issue 18's cases, each against the no-offload server of its KV dtype: the
+# default units, one unit, heavy eviction, the cross-layer prefetch, bf16 KV,
+# forced retraction; one request at a time (seq) and aborted streams.
+REQUIRED_SERVERS = (
+    "ours_fp8",
+    "ours_fp8_1unit",
+    "ours_fp8_heavy",
+    "ours_fp8_prefetch",
+    "ours_bf16",
+    "ours_fp8_retract",
+)
+REQUIRED_PHASES = ("seq", "abort")
+# A checkpoint's comparisons count only where one wrong KV row flips this
+# share of the control requests.
+NC_TARGET = 0.9
+
+
+def _fraction(comparison: Optional[dict]) -> Optional[str]:
+    return f"{comparison['identical']}/{comparison['total']}" if comparison else None
+
+
+def model_part(run: dict, folder: str) -> dict:
+    model = run["model"]
+    calls = run.get("merged_from") or []
+    nc = run["negative_control"]
+    base_nc = next((r for n, r in nc.items() if not n.startswith("dummy")), {})
+    stock = run["comparisons"].get("stock_fp8", {})
+    return {
+        "folder": folder,
+        "identical": run["identical"],
+        "total": run["total"],
+        "negative_control_flip_fraction": run["negative_control_flip_fraction"],
+        "negative_control_requests": (base_nc.get("step") or {}).get("requests"),
+        "negative_control_flip_fraction_persistent": (
+            base_nc.get("persistent") or {}
+        ).get("flip_fraction"),
+        "negative_control_dummy_weights": {
+            mode: r["flip_fraction"] for mode, r in nc.get("dummy_fp8", {}).items()
+        }
+        or None,
+        "stock_defaults": (
+            {
+                "vs_no_offload_seq": _fraction(stock.get("seq")),
+                "self_agreement": _fraction(run["self_agreement"].get("stock_fp8")),
+            }
+            if stock
+            else None
+        ),
+        "missing_cases": [
+            f"{model}:{name}:{phase}"
+            for name in REQUIRED_SERVERS
+            for phase in REQUIRED_PHASES
+            if f"{model}:{name}:{phase}" not in run["cases"]
+        ],
+        "retractions": {
+            name: log["retractions"]
+            for name, log in run["logs"].items()
+            if "retract" in name
+        },
+        "code_commit": run["code_commit"],
+        "calls": calls,
+        "checkpoint": run["checkpoint"],
+    }
+
+
+def headline(runs: List[dict], folders: List[str]) -> dict:
+    by_model = {}
+    for run, folder in zip(runs, folders):
+        if run.get("weights") != "checkpoint":
+            raise SystemExit(f"--run {folder}: not a generated checkpoint run")
+        if run["model"] in by_model:
+            raise SystemExit(f"--run: two runs of the {run['model']} checkpoint")
+        by_model[run["model"]] = model_part(run, folder)
+    why = []
+    for model, part in by_model.items():
+        flip = part["negative_control_flip_fraction"]
+        if flip is None or flip < NC_TARGET:
+            why.append(f"{model}: negative control {flip} (need >= {NC_TARGET})")
+        if part["identical"] != part["total"]:
+            why.append(f"{model}: {part['identical']}/{part['total']} identical")
+        if part["missing_cases"]:
+            why.append(f"{model}: not run yet: {', '.join(part['missing_cases'])}")
+    for model in ("tiny", "rank"):
+        if model not in by_model:
+            why.append(f"{model}: no run")
+    flips = [p["negative_control_flip_fraction"] for p in by_model.values()]
+    dummy = next(
+        (
+            p["negative_control_dummy_weights"]
+            for p in by_model.values()
+            if p.get("negative_control_dummy_weights")
+        ),
+        None,
+    )
+    commits = sorted(
+        {c["code_commit"] for p in by_model.values() for c in p["calls"]}
+        | {p["code_commit"] for p in by_model.values()}
+    )
+    return {
+        "weights": "checkpoint",
+        "negative_control_flip_fraction": (
+            None if None in flips or not flips else min(flips)
+        ),
+        "identical": sum(p["identical"] for p in by_model.values()),
+        "total": sum(p["total"] for p in by_model.values()),
+        "cases": [c for run in runs for c in run["cases"]],
+        "code_commit": runs[-1]["code_commit"],
+        "code_commits": commits,
+        "negative_control_flip_fraction_by_model": {
+            m: p["negative_control_flip_fraction"] for m, p in by_model.items()
+        },
+        "negative_control_flip_fraction_dummy_weights": dummy,
+        "negative_control_sweep": "nc_sweep/",
+        "met": not why,
+        "why_not_met": why or None,
+        "by_model": by_model,
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--run",
+        action="append",
+        required=True,
+        help="an exactness.py summary.json (one per checkpoint; repeat the flag)",
+    )
+    p.add_argument("--out", required=True, help="the headline summary.json to write")
+    args = p.parse_args(argv)
+    runs = []
+    for path in args.run:
+        with open(path) as f:
+            runs.append(json.load(f))
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    folders = [
+        os.path.relpath(os.path.dirname(os.path.abspath(path)), out_dir) + "/"
+        for path in args.run
+    ]
+    result = headline(runs, folders)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: result[k] for k in ("identical", "total", "met")}))
+    for line in result["why_not_met"] or []:
+        print("not met:", line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
