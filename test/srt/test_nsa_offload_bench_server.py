@@ -1,12 +1,14 @@
 """What ``benchmark/nsa_offload/server/bench_server.py`` reads from server logs and how
 it combines repeated runs (CPU; the servers themselves need a GPU)."""
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 import unittest
 from pathlib import Path
+from unittest import mock
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
 sys.path.insert(0, str(BENCH_DIR / "server"))
@@ -307,6 +309,78 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         args.shape = None
         self.assertNotIn("--tp-size", bench_server.server_specs(args)["ours"])
         self.assertNotIn(gate, bench_server.server_env(args, "ours"))
+
+    def test_pd_decode_servers(self):
+        argv = ["--out", "/tmp/x", "--pd-decode", "--topk", "override"]
+        args = bench_server.parse_args(argv)
+        args.record = False
+        args.host_pool_gb = 8
+        args.max_running_requests = 4
+        args.mem_fraction_static = 0.03
+        pd = [
+            "--disaggregation-mode",
+            "decode",
+            "--disaggregation-transfer-backend",
+            "fake",
+            "--num-reserved-decode-tokens",
+            str(max(512, args.new_tokens)),
+        ]
+        for kind, flags in bench_server.server_specs(args).items():
+            at = flags.index("--disaggregation-mode")
+            self.assertEqual(flags[at : at + len(pd)], pd, kind)
+        args.pd_decode = False
+        self.assertNotIn(
+            "--disaggregation-mode", bench_server.server_specs(args)["ours"]
+        )
+        # No prefill staging on a PD decode server: more decode regions.
+        self.assertGreater(
+            bench_server.ours_auto_slots(4.0, 3, 512, pd_decode=True),
+            bench_server.ours_auto_slots(4.0, 3, 512),
+        )
+        # The model's top-k over unwritten KV: refused, as is MTP there.
+        with self.assertRaises(SystemExit):
+            bench_server.parse_args(["--out", "/tmp/x", "--pd-decode"])
+        with tempfile.TemporaryDirectory() as out:
+            with self.assertRaises(SystemExit) as ctx:
+                bench_server.main(
+                    ["--out", out, "--pd-decode", "--topk", "override",
+                     "--servers", "baseline_mtp,ours_mtp"]
+                )  # fmt: skip
+        self.assertIn("MTP", str(ctx.exception))
+
+    def test_fake_transfer_requests_carry_a_bootstrap_room(self):
+        sent = []
+
+        class Reply:
+            def __enter__(self):
+                return iter(
+                    [b'data: {"meta_info": {"completion_tokens": 1}}', b"data: [DONE]"]
+                )
+
+            def __exit__(self, *exc):
+                return False
+
+        def urlopen(req, timeout):
+            sent.append(json.loads(req.data))
+            return Reply()
+
+        for extra, fields in (
+            ([], set()),
+            (server_utils.PD_DECODE_FAKE_ARGS, {"bootstrap_room"}),
+        ):
+            server = server_utils.Server("s", extra, 1, "/tmp")
+            sent.clear()
+            with mock.patch("urllib.request.urlopen", urlopen):
+                for _ in range(2):
+                    _, chunks = bench_server.stream_generate(server, [1, 2], 1, 5)
+            self.assertEqual(chunks[0][1], 1)
+            self.assertEqual(fields & set(sent[0]), fields)
+            if fields:  # a room per request
+                self.assertNotEqual(
+                    sent[0]["bootstrap_room"], sent[1]["bootstrap_room"]
+                )
+            else:
+                self.assertNotIn("bootstrap_host", sent[0])
 
     def test_unknown_server_is_refused(self):
         import tempfile

@@ -25,6 +25,11 @@ every server alike with a calibrated synthetic trace (``trace_gen.py``, at the
 benchmark's context lengths; ``SGLANG_NSA_TOPK_TRACE_OVERRIDE``); in that mode
 the recorded rows are also checked against a CPU recomputation of the override.
 
+``--pd-decode`` makes every server a PD decode server fed by sglang's fake
+KV transfer: requests are admitted without their prefill (long contexts at
+large batch in seconds, e.g. the rank model at 128K), their KV unwritten, so
+only with ``--topk override``.
+
 With MTP (``--servers baseline_mtp,ours_mtp,ours``, ``--mtp-steps``: NextN,
 eagle topk 1, spec v1) the target's verify forwards get the same top-k
 (the override maps each query row as the decode step at its length); P4's
@@ -82,6 +87,7 @@ from server_utils import (  # noqa: E402
     ENV_UNPROVEN_PARALLEL,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
+    PD_DECODE_FAKE_ARGS,
     SHAPES,
     VOCAB_SIZE,
     Server,
@@ -326,7 +332,9 @@ class BenchServer(Server):
 # ------------------------------------------------------------------ requests
 
 
-def stream_generate(url: str, input_ids: List[int], new_tokens: int, timeout: float):
+def stream_generate(
+    server: Server, input_ids: List[int], new_tokens: int, timeout: float
+):
     """POST /generate with ``stream``; returns send time and (time, tokens)
     per SSE chunk (``meta_info.completion_tokens``: tokens so far)."""
     body = json.dumps(
@@ -338,10 +346,13 @@ def stream_generate(url: str, input_ids: List[int], new_tokens: int, timeout: fl
                 "ignore_eos": True,
             },
             "stream": True,
+            **server.transfer_fields(),
         }
     ).encode()
     req = urllib.request.Request(
-        url + "/generate", data=body, headers={"Content-Type": "application/json"}
+        server.url + "/generate",
+        data=body,
+        headers={"Content-Type": "application/json"},
     )
     chunks: List[Tuple[float, int]] = []
     t_send = time.perf_counter()
@@ -500,7 +511,7 @@ def run_point(
             for attempt in range(3):
                 try:
                     t_send, chunks = stream_generate(
-                        server.url, prompts[i], new_tokens, timeout
+                        server, prompts[i], new_tokens, timeout
                     )
                     break
                 except (ConnectionError, urllib.error.URLError):
@@ -597,6 +608,7 @@ def ours_auto_slots(
     new_tokens: int,
     buffer_size: int = 4096,
     max_units: int = 1,
+    pd_decode: bool = False,
 ) -> int:
     """Decode regions that let ours fill the budget with 128K requests
     (mirrors NSAKVOffloadPoolConfigurator's arithmetic for the tiny model:
@@ -604,9 +616,12 @@ def ours_auto_slots(
     pages (a page per request of a prefill batch once there are more than 64
     regions; not counted here: about one request fewer at that point), per
     logical loc the indexer key, LRU map and loc->row entry; the LRU state
-    of every unit a request may hold)."""
+    of every unit a request may hold). A PD decode server stages nothing:
+    its KV transfer writes into host memory."""
     budget = budget_gib * (1 << 30)
     staging = (163840 + 2 * 16384 + 64 * PAGE_SIZE) * layers * ROW_BYTES
+    if pd_decode:
+        staging = 0
     region = layers * ((buffer_size + 64) * ROW_BYTES + buffer_size * max_units * 6)
     per_loc = layers * (INDEXER_BYTES + 2) + 8
     need = page_up(131072 + new_tokens)
@@ -628,6 +643,13 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         common.append("--sleep-on-idle")
     if args.shape:
         common += SHAPES[args.shape]
+    if args.pd_decode:
+        # Every output reserved at admission: sglang's default (512) would
+        # over-admit and retract, which a no-offload NSA decode server cannot.
+        common += PD_DECODE_FAKE_ARGS + [
+            "--num-reserved-decode-tokens",
+            str(max(512, args.new_tokens)),
+        ]
     slots = ["--max-running-requests", str(args.max_running_requests)]
     ours = common + slots
     ours += ["--enable-decode-nsa-kv-offload"]
@@ -940,7 +962,7 @@ def bench_server(
     res["wall_s"] = time.time() - tic
     wait_gpu_released(mem[1] if mem else None)
     res["capacity"] = {
-        str(c): capacity(kind, res["pool"], c, args.new_tokens)
+        str(c): capacity(kind, res["pool"], c, args.new_tokens, args.pd_decode)
         for c in CAPACITY_CONTEXTS
     }
     if args.record and not res.get("error", "").startswith("skipped"):
@@ -961,7 +983,7 @@ def warm_up(args, kind: str, server: Server) -> None:
     """A short request, then one at the first context length."""
     for ctx, n in ((4096, 32), (args.contexts[0], 8)):
         tic = time.time()
-        stream_generate(server.url, make_prompts(ctx, 1, 7)[0], n, timeout=180)
+        stream_generate(server, make_prompts(ctx, 1, 7)[0], n, timeout=180)
         log(f"[{kind}] warm-up {ctx} tokens + {n}: {time.time() - tic:.1f} s")
 
 
@@ -1029,7 +1051,7 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
     plan = [(c, k, False) for c in args.contexts for k in args.concurrency]
     pool = parse_startup(server.log_path)
     for ctx in args.cap_contexts:
-        cap = capacity(kind, pool, ctx, args.new_tokens)
+        cap = capacity(kind, pool, ctx, args.new_tokens, args.pd_decode)
         if cap:
             plan.append((ctx, cap, True))
     for i, (ctx, conc, at_cap) in enumerate(plan):
@@ -1039,7 +1061,7 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
             "at_capacity": at_cap,
             "new_tokens": args.new_tokens,
         }
-        cap = capacity(kind, pool, ctx, args.new_tokens)
+        cap = capacity(kind, pool, ctx, args.new_tokens, args.pd_decode)
         # The same requests again (greedy: the same work) for a median; a
         # point at capacity runs once (its prefill dominates).
         reps = 1 if at_cap else args.repeats
@@ -1141,7 +1163,7 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
                 log(f"[{kind}] FAILED: {res['error']}")
             res["pool"] = parse_startup(server.log_path)
             res["capacity"] = {
-                str(c): capacity(kind, res["pool"], c, args.new_tokens)
+                str(c): capacity(kind, res["pool"], c, args.new_tokens, args.pd_decode)
                 for c in CAPACITY_CONTEXTS
             }
             save()
@@ -2094,6 +2116,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="keep the recorded top-k files (topk_<server>_<topk>_<ctx>x<conc>.npz)",
     )
     p.add_argument(
+        "--pd-decode",
+        action="store_true",
+        help="every server a PD decode server fed by sglang's fake KV transfer "
+        "(no prefill: long contexts at large batch in seconds; the KV stays "
+        "unwritten, so only with --topk override)",
+    )
+    p.add_argument(
         "--plot-only",
         nargs="+",
         metavar="JSON",
@@ -2106,6 +2135,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for key, value in MODES[args.mode].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.pd_decode and args.topk != "override" and not args.plot_only:
+        p.error(
+            "--pd-decode takes --topk override: the model's top-k over unwritten "
+            "KV says nothing about misses"
+        )
     if args.interleave and not args.plot_only:
         if args.record or args.profile_steps or args.cap_contexts:
             p.error(
@@ -2152,6 +2186,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "sets them); ours_fixed runs ours with one unit"
         )
     kinds = asked_kinds = [k for k in SERVER_KINDS if k in asked]
+    if args.pd_decode and any(k.endswith("_mtp") for k in kinds):
+        raise SystemExit("--pd-decode with the MTP servers has not run: drop one")
     layers = num_model_layers()
     if args.mem_fraction_static is None:
         args.mem_fraction_static, how = mem_fraction_for_budget(args.kv_budget_gib)
@@ -2166,6 +2202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 args.new_tokens,
                 args.buffer_size or 4096,
                 offload_max_units(args.max_units, args.buffer_size),
+                args.pd_decode,
             ),
             max(args.concurrency),
         )
@@ -2213,6 +2250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "decode_log_interval": args.decode_log_interval,
             "model": args.model,
             "shape": args.shape,
+            "pd_decode": args.pd_decode,
             "mtp_steps": args.mtp_steps,
             "checkpoint": args.checkpoint_meta,
             "layers": layers,

@@ -299,6 +299,19 @@ class Server:
         except OSError:
             return ""
 
+    def transfer_fields(self) -> dict:
+        """What a request needs on this server: with sglang's fake KV transfer
+        a bootstrap host that marks the request (without one the decode
+        scheduler fails to build its address) and a room of its own."""
+        if not self.fake_transfer:
+            return {}
+        with self._room_lock:
+            self._next_room += 1
+            room = self._next_room
+        return dict(
+            bootstrap_host=FAKE_BOOTSTRAP_HOST, bootstrap_port=8998, bootstrap_room=room
+        )
+
     def generate(self, input_ids: List[int], max_new_tokens: int) -> dict:
         payload = {
             "input_ids": input_ids,
@@ -308,17 +321,7 @@ class Server:
                 "ignore_eos": True,
             },
         }
-        if self.fake_transfer:
-            # sglang's fake KV transfer: this bootstrap host marks the request
-            # (without one the decode scheduler fails to build its address).
-            with self._room_lock:
-                self._next_room += 1
-                room = self._next_room
-            payload.update(
-                bootstrap_host=FAKE_BOOTSTRAP_HOST,
-                bootstrap_port=8998,
-                bootstrap_room=room,
-            )
+        payload.update(self.transfer_fields())
         body = json.dumps(payload).encode()
         req = urllib.request.Request(
             self.url + "/generate",
