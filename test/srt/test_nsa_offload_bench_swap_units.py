@@ -1,5 +1,5 @@
 """``benchmark/nsa_offload/engine/bench_swap_units.py`` on a small workload: the
-split and fused swaps stay equal over replays with misses, and the report
+split, chunked and fused swaps stay equal over replays with misses, and the report
 says so (CPU: eager steps under the Triton interpreter, no timing)."""
 
 import json
@@ -39,13 +39,15 @@ class TestBenchSwapUnits(unittest.TestCase):
             by_units = {r["units"]: r for r in report["rows"]}
             self.assertEqual(set(by_units), {1, 3})
             self.assertNotIn("split", by_units[1])
+            self.assertNotIn("chunked", by_units[1])
             # Fresh positions outnumber even three units' slots: both swaps
             # evict on every replay, so the comparison covers victims.
             self.assertGreater(by_units[3]["split"]["misses_per_row"], 0)
-            self.assertEqual(
-                by_units[3]["split"]["misses_per_row"],
-                by_units[3]["fused"]["misses_per_row"],
-            )
+            for kernel in ("split", "chunked"):
+                self.assertEqual(
+                    by_units[3][kernel]["misses_per_row"],
+                    by_units[3]["fused"]["misses_per_row"],
+                )
             md = (Path(out) / "bench_swap_units.md").read_text()
             self.assertIn("| 2 | 3 (72) |", md)
             self.assertIn("| yes |", md)

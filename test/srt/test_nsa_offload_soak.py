@@ -122,7 +122,9 @@ class FakeSglang(BaseHTTPRequestHandler):
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
             for k in range(1, new + 1):
-                time.sleep(0.005)
+                # Slow enough that the load sampler (every 0.02 s) sees the
+                # streams in flight even on a loaded 2-core machine.
+                time.sleep(0.02)
                 meta["finish_reason"] = {"type": "length"} if k == new else None
                 out = {"output_ids": [7] * k, "meta_info": meta}
                 self.wfile.write(b"data: " + json.dumps(out).encode() + b"\n\n")

@@ -1,14 +1,16 @@
 """The LRU swap with units on the GPU: the one-program (fused) kernel vs the
-kernels split by unit, and both against one unit.
+kernels split by unit vs one program walking the slots a unit at a time
+(chunked), and all against one unit.
 
 A request with ``U`` units has ``U x C`` LRU slots per layer; the fused kernel
 walks them all in one program per request, the split swap spreads the walk
-over ``U`` programs (``TritonLRUSwap(split_by_unit=...)``). For each batch size and
+over ``U`` programs (``TritonLRUSwap(split_by_unit=...)``), the chunked one
+walks them a unit at a time in one program (``chunked_units=True``). For each batch size and
 ``U``, every request holds all ``U`` units and decodes at ``--ctx`` tokens
 with a top-k that keeps ``--keep`` of the previous step's positions (the rest
 fresh, uniform). ``--steps`` swaps with distinct top-k inputs are captured in
 one CUDA graph; the time per swap is the median over ``--repeats`` replays
-divided by the steps. The split and fused states are also compared after
+divided by the steps. The split, chunked and fused states are also compared after
 every replay (page tables, copy plans and the whole LRU state): a mismatch
 fails the run.
 
@@ -52,7 +54,7 @@ def topk_steps(rng, bs: int, ctx: int, k: int, window: int, steps: int, keep: fl
     return out
 
 
-def make_state(args, bs: int, units: int, split: bool) -> LRUCacheState:
+def make_state(args, bs: int, units: int, kernel: str) -> LRUCacheState:
     state = LRUCacheState(
         num_layers=1,
         max_num_reqs=bs,
@@ -64,7 +66,12 @@ def make_state(args, bs: int, units: int, split: bool) -> LRUCacheState:
         max_batch_size=bs,
         max_units=units,
     )
-    state.swap_backend = TritonLRUSwap(state, max_batch_size=bs, split_by_unit=split)
+    state.swap_backend = TritonLRUSwap(
+        state,
+        max_batch_size=bs,
+        split_by_unit=kernel != "fused",
+        chunked_units=kernel == "chunked",
+    )
     rows = args.buffer_size + args.window
     for r in range(bs):
         state.admit_request(r, r * units * rows)
@@ -82,14 +89,14 @@ def run_point(args, bs: int, units: int, tops: torch.Tensor) -> dict:
         .view(bs, args.ctx)
         .contiguous()
     )
-    variants = {"fused": False} if units == 1 else {"fused": False, "split": True}
+    variants = ["fused"] if units == 1 else ["fused", "split", "chunked"]
     res = {}
     graphs, states = {}, {}
-    for name, split in variants.items():
-        state = make_state(args, bs, units, split)
+    for name in variants:
+        state = make_state(args, bs, units, name)
         # Compile outside the capture, then undo its effect on the state.
         state.swap_layer(0, tops[0], req, seq_lens, req_to_token)
-        state = make_state(args, bs, units, split)
+        state = make_state(args, bs, units, name)
         g = _Steps(state, tops, req, seq_lens, req_to_token)
         graphs[name], states[name] = g, state
     mismatches = 0
@@ -98,9 +105,9 @@ def run_point(args, bs: int, units: int, tops: torch.Tensor) -> dict:
         for name, g in graphs.items():
             states[name].reset_counters()
             times[name].append(g.replay() / tops.shape[0])
-        if "split" in states:
-            plans = {name: g.out for name, g in graphs.items()}
-            mismatches += not _same(states["fused"], states["split"], plans)
+        for name in variants[1:]:
+            plans = (graphs["fused"].out, graphs[name].out)
+            mismatches += not _same(states["fused"], states[name], plans)
     for name in variants:
         c = states[name].counters[0].tolist()
         res[name] = {
@@ -157,7 +164,7 @@ def _same(a: LRUCacheState, b: LRUCacheState, plans) -> bool:
         )
     )
     plans_equal = True
-    for pa, pb in zip(plans["fused"], plans["split"]):
+    for pa, pb in zip(*plans):
         n = pa.miss_count
         plans_equal &= torch.equal(pa.page_table, pb.page_table)
         plans_equal &= torch.equal(n, pb.miss_count)
@@ -247,24 +254,27 @@ def main():
         f"{args.repeats} replays; {args.ctx}-token requests holding every unit, "
         f"top-k {args.top_k} keeping {args.keep:.0%} of the previous step.",
         "",
-        "| batch | units (LRU rows) | fused us | split us | misses per row | split = fused |",
-        "|---:|---:|---:|---:|---:|---|",
+        "| batch | units (LRU rows) | fused us | split us | chunked us | misses per row "
+        "| split = chunked = fused |",
+        "|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         split = r.get("split")
-        split_us = f"{split['us_per_swap']:.1f}" if split else "-"
+        us = [
+            f"{r[k]['us_per_swap']:.1f}" if k in r else "-"
+            for k in ("fused", "split", "chunked")
+        ]
         same = "-" if not split else ("yes" if r["mismatched_replays"] == 0 else "NO")
         if split and not split["misses_per_row"]:
             same += " (no misses: hits only)"
         lines.append(
             f"| {r['batch']} | {r['units']} ({r['units'] * args.buffer_size}) "
-            f"| {r['fused']['us_per_swap']:.1f} | {split_us} "
-            f"| {r['fused']['misses_per_row']:.0f} | {same} |"
+            f"| {' | '.join(us)} | {r['fused']['misses_per_row']:.0f} | {same} |"
         )
     with open(os.path.join(args.out, "bench_swap_units.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print("SPLIT == FUSED:", "PASS" if ok else "FAIL")
+    print("SPLIT == CHUNKED == FUSED:", "PASS" if ok else "FAIL")
     raise SystemExit(0 if ok else 1)
 
 

@@ -602,6 +602,155 @@ if _HAS_TRITON:
                 miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss
             )
 
+    # The swap with units in one program per row (one launch instead of the
+    # split kernels' four): the walk goes a unit-wide chunk at a time, so its
+    # blocks stay one unit wide, and the chunks' rank prefix is a running sum
+    # instead of per-row counts in scratch. Two passes over the chunks: the
+    # evictable total places the hits before any chunk ranks. The new order
+    # goes to scratch (later chunks still read theirs), then back. Phase 1's
+    # entries go to scratch and phase 3 reads them back, as in the split
+    # kernels: kept in registers across the walk they spill (sm_90). Same
+    # semantics and results as the split and fused kernels.
+    @triton.jit(
+        do_not_specialize_on_alignment=[
+            "req_pool_ptr",
+            "seq_lens_ptr",
+            "num_real_ptr",
+            "loc_to_slot_ptr",
+            "unit_base_ptr",
+            "capacity_ptr",
+            "counters_ptr",
+            "miss_count_ptr",
+        ]
+    )
+    def _swap_layer_chunked_kernel(
+        topk_ptr,
+        topk_stride,
+        req_pool_ptr,
+        seq_lens_ptr,
+        req_to_token_ptr,
+        req_to_token_stride,
+        num_real_ptr,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        lru_ptr,
+        unit_base_ptr,
+        capacity_ptr,
+        counters_ptr,
+        page_table_ptr,
+        page_table_stride,
+        miss_src_ptr,
+        miss_src_stride,
+        miss_dst_ptr,
+        miss_dst_stride,
+        miss_count_ptr,
+        hit_flags_ptr,  # (rows, C) int8 scratch
+        victims_ptr,  # (rows, K) int32 scratch
+        sink_req,
+        cur_ptr,  # (rows, K) int32 scratch: slot of each entry, -1 if none
+        new_lru_ptr,  # (rows, C) int16 scratch
+        K: tl.constexpr,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        pt_row = page_table_ptr + b * page_table_stride
+        if b >= tl.load(num_real_ptr):
+            tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
+            tl.store(miss_count_ptr + b, 0)
+            return
+        r = _request_row(req_pool_ptr, b, sink_req)
+        n = tl.load(seq_lens_ptr + b).to(tl.int32)
+        flags_row = hit_flags_ptr + b.to(tl.int64) * C
+        victims_row = victims_ptr + b.to(tl.int64) * K
+        cur_row = cur_ptr + b.to(tl.int64) * K
+        _zero_flags_by_unit(flags_row, C0, U, BLOCK_C0)
+
+        # Phase 1: classify; the entries' slots to scratch.
+        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+        pos = pos.to(tl.int32)
+        in_window, lookup, loc = _classify_topk(
+            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+        )
+        cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
+        cur = tl.where(lookup, cur, -1)
+        hit = cur >= 0
+        num_misses = tl.sum((lookup & (cur < 0)).to(tl.int32), axis=0)
+        tl.debug_barrier()
+        tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
+        tl.store(cur_row + offs_k, cur, mask=mask_k)
+        _add_counters(
+            counters_ptr,
+            tl.sum(hit.to(tl.int32), axis=0),
+            tl.sum(in_window.to(tl.int32), axis=0),
+            num_misses,
+        )
+        tl.debug_barrier()
+
+        # Phase 2, chunk by chunk: first the evictable total, then the ranks.
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        mask_c0 = offs_c0 < C0
+        num_evictable = 0
+        for u in tl.static_range(U):
+            _, evictable = _chunk_evictable(
+                b, r, lru_ptr, capacity_ptr, hit_flags_ptr, u * C0 + offs_c0, mask_c0, C
+            )
+            num_evictable += tl.sum(evictable.to(tl.int32), axis=0)
+        before = 0
+        for u in tl.static_range(U):
+            p = u * C0 + offs_c0
+            order, evictable = _chunk_evictable(
+                b, r, lru_ptr, capacity_ptr, hit_flags_ptr, p, mask_c0, C
+            )
+            ev_i = evictable.to(tl.int32)
+            ev_rank = before + tl.cumsum(ev_i, axis=0) - ev_i
+            new_pos, taken = _lru_new_positions(
+                evictable, ev_rank, p, num_misses, num_evictable
+            )
+            old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
+            _evict_victims(
+                loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C0
+            )
+            tl.store(
+                new_lru_ptr + b.to(tl.int64) * C + new_pos,
+                order.to(tl.int16),
+                mask=mask_c0,
+            )
+            before += tl.sum(ev_i, axis=0)
+        # Every chunk's new order and victims are written before they are read.
+        tl.debug_barrier()
+        for u in tl.static_range(U):
+            _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
+
+        # Phase 3 from phase 1's scratch, as the split swap's assign kernel.
+        base = tl.load(unit_base_ptr + r * U)
+        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+        pos = pos.to(tl.int32)
+        in_window, lookup, loc = _classify_topk(
+            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+        )
+        cur = tl.load(cur_row + offs_k, mask=mask_k, other=-1)
+        hit, miss, miss_rank, _ = _split_lookups(lookup, cur)
+        victim = _take_victims(
+            victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
+        )
+        slot = tl.where(hit, cur, victim)
+        slot_row, rows = _entry_rows(
+            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
+        )
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(
+            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
+        )
+        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
+        tl.store(miss_count_ptr + b, num_misses)
+
     # One variant for every batch size and slice offset (see above).
     @triton.jit(
         do_not_specialize=["bs"],
