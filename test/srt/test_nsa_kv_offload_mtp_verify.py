@@ -446,7 +446,9 @@ class TestDraftWorkerPool(integration.TinyConfigDirCase):
         verify_v2 = source("sglang.srt.speculative.eagle_info_v2")
         hook = verify_v2.index("offload.prepare_v2_verify(batch, self.draft_token_num)")
         self.assertLess(verify_v2.index("assign_extend_cache_locs_func(\n"), hook)
-        self.assertLess(hook, verify_v2.index("verify_forward_batch = ForwardBatch.init_new"))
+        self.assertLess(
+            hook, verify_v2.index("verify_forward_batch = ForwardBatch.init_new")
+        )
 
 
 if __name__ == "__main__":
