@@ -438,8 +438,17 @@ class TestDraftWorkerPool(integration.TinyConfigDirCase):
         verify = source("sglang.srt.speculative.eagle_info")
         self.assertIn("offload.prepare_verify(batch, self.draft_token_num)", verify)
         batch = source("sglang.srt.managers.schedule_batch")
-        admit = batch.index("offload.admit_running(self)")
+        # Admitted before any loc of the step is allocated (spec v2 allocates
+        # ahead in its own prepare_for_decode).
+        admit = batch.index("offload.prepare_speculative_decode(self")
+        self.assertLess(admit, batch.index("draft_input.prepare_for_decode(self)"))
         self.assertLess(admit, batch.index("after running draft models."))
+        verify_v2 = source("sglang.srt.speculative.eagle_info_v2")
+        hook = verify_v2.index("offload.prepare_v2_verify(batch, self.draft_token_num)")
+        self.assertLess(verify_v2.index("assign_extend_cache_locs_func(\n"), hook)
+        self.assertLess(
+            hook, verify_v2.index("verify_forward_batch = ForwardBatch.init_new")
+        )
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 MTP has run end to end on the H200 (benchmark/nsa_offload/results/mtp/), so
 the supported settings start with no env var: EAGLE / NEXTN MTP with one draft
-chain, 1-3 steps, draft tokens = steps + 1, spec v1 (no overlap scheduler).
+chain, 1-3 steps, draft tokens = steps + 1, spec v1 (--disable-overlap-schedule)
+or spec v2 (the overlap scheduler, sglang's default; CPU-tested, docs/MTP.md).
 ``check_nsa_kv_offload_speculative`` refuses everything else, naming the
-flag: other algorithms, draft trees, more steps, spec v2, the cross-layer
-prefetch, and a buffer or window too small for the verify step's query
-tokens. Attention TP / DP attention keep their own gate, MTP or not.
+flag: other algorithms, draft trees, more steps, adaptive steps, multi-layer
+EAGLE, spec v2 on a PD decode server or with sglang's plan stream, the
+cross-layer prefetch, and a buffer or window too small for the verify step's
+query tokens. Attention TP / DP attention keep their own gate, MTP or not.
 """
 
 import os
@@ -18,6 +20,7 @@ from unittest import mock
 
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
+    ENV_OVERLAP_PLAN_STREAM,
     ENV_UNPROVEN_PARALLEL,
     check_nsa_kv_offload_speculative,
     nsa_kv_offload_default_buffer_size,
@@ -117,12 +120,44 @@ class TestSpeculativeChecks(unittest.TestCase):
         args.nsa_kv_offload_recent_window = 7
         self.assertEqual(check_nsa_kv_offload_speculative(args, INDEX_TOPK), 4)
 
-    def test_spec_v2_refused(self):
+    def test_spec_v2_accepted(self):
+        # The overlap scheduler (spec v2), colocated, no plan stream.
+        with mock.patch.dict(os.environ, {ENV_OVERLAP_PLAN_STREAM: "0"}):
+            args = self._args(disable_overlap_schedule=False)
+            self.assertEqual(check_nsa_kv_offload_speculative(args, INDEX_TOPK), 4)
+
+    def test_spec_v2_refused_where_not_run(self):
         self._assert_refused(
-            "with the overlap scheduler (spec v2) is not supported; pass "
-            "--disable-overlap-schedule",
+            "(spec v2) on a PD decode server (--disaggregation-mode decode) is not "
+            "supported; pass --disable-overlap-schedule",
             disable_overlap_schedule=False,
+            disaggregation_mode="decode",
         )
+        with mock.patch.dict(os.environ, {ENV_OVERLAP_PLAN_STREAM: "1"}):
+            self._assert_refused(
+                f"{ENV_OVERLAP_PLAN_STREAM}=1 (spec v2's plan stream) is not supported",
+                disable_overlap_schedule=False,
+            )
+            # Spec v1 never reads it.
+            self.assertEqual(
+                check_nsa_kv_offload_speculative(self._args(), INDEX_TOPK), 4
+            )
+        # Spec v1 on a PD decode server stays as it was.
+        args = self._args(disaggregation_mode="decode")
+        self.assertEqual(check_nsa_kv_offload_speculative(args, INDEX_TOPK), 4)
+
+    def test_adaptive_and_multi_layer_refused(self):
+        for overlap_off in (True, False):
+            self._assert_refused(
+                "--speculative-adaptive is not supported",
+                speculative_adaptive=True,
+                disable_overlap_schedule=overlap_off,
+            )
+            self._assert_refused(
+                "--enable-multi-layer-eagle is not supported",
+                enable_multi_layer_eagle=True,
+                disable_overlap_schedule=overlap_off,
+            )
 
     def test_cross_layer_prefetch_refused(self):
         with mock.patch.dict(os.environ, {ENV_CROSS_LAYER_PREFETCH: "1"}):
@@ -211,6 +246,17 @@ class TestStartup(unittest.TestCase):
                         args.nsa_kv_offload_max_units,
                         min(4, 32767 // buffer_size),
                     )
+        # Spec v2 (the overlap scheduler, sglang's default with MTP).
+        for steps in (1, 2, 3):
+            with self.subTest(spec_v2=True, steps=steps), self._env():
+                args = self._start(
+                    self._args(
+                        speculative_num_steps=steps,
+                        speculative_num_draft_tokens=steps + 1,
+                        disable_overlap_schedule=False,
+                    )
+                )
+                self.assertFalse(args.disable_overlap_schedule)
         # The other KV dtype the offload runs with, as on the H200.
         with self._env():
             self._start(
@@ -253,8 +299,12 @@ class TestStartup(unittest.TestCase):
                 dict(speculative_num_draft_tokens=3),
             ),
             (
-                "(spec v2) is not supported; pass --disable-overlap-schedule",
-                dict(disable_overlap_schedule=False),
+                "(spec v2) on a PD decode server (--disaggregation-mode decode)",
+                dict(disable_overlap_schedule=False, disaggregation_mode="decode"),
+            ),
+            (
+                "--speculative-adaptive is not supported",
+                dict(speculative_adaptive=True, disable_overlap_schedule=False),
             ),
             (
                 "--nsa-kv-offload-gpu-buffer-size (6144) must be at least "

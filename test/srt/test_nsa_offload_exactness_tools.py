@@ -416,6 +416,33 @@ class TestMtpServers(unittest.TestCase):
                 self.assertIsNone(base_spec.get("offload"))
         self.assertNotIn("mtp", exactness.TINY_SERVERS)
 
+    def test_spec_v2_servers(self):
+        # The same MTP flags without --disable-overlap-schedule, each offload
+        # server against a no-offload spec v2 server; a group of their own.
+        names = exactness.MTP_V2_SERVERS.split(",")
+        self.assertIn("base_fp8_mtp_v2", names)
+        self.assertIn("ours_fp8_mtp_v2", names)
+        self.assertEqual(exactness.server_names("mtp_v2"), names)
+        for name in names:
+            self.assertNotIn(name, exactness.MTP_SERVERS.split(","))
+            self.assertNotIn(name, exactness.TINY_SERVERS.split(","))
+        with tempfile.TemporaryDirectory() as d:
+            v1, _ = self._args("ours_fp8_mtp", d)
+            for name in names:
+                spec = exactness.SERVERS[name]
+                cmd, env = self._args(name, d)
+                self.assertNotIn("--disable-overlap-schedule", cmd)
+                self.assertEqual(env["SGLANG_ENABLE_SPEC_V2"], "1")
+                if spec.get("offload") is not None:
+                    base_spec = exactness.SERVERS[spec["base"]]
+                    self.assertTrue(base_spec["spec_v2"])
+                    self.assertEqual(base_spec["mtp"], spec["mtp"])
+                    self.assertEqual(base_spec.get("kv"), spec.get("kv"))
+                    self.assertIsNone(base_spec.get("offload"))
+            ours, _ = self._args("ours_fp8_mtp_v2", d)
+        v1.remove("--disable-overlap-schedule")
+        self.assertEqual(ours, v1)
+
     def test_accept_counts_compared(self):
         def meta(ct, correct, hist):
             return {

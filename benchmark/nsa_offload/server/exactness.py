@@ -32,7 +32,8 @@ no-offload one; ``*_retract`` servers force retraction
 ``SGLANG_TEST_RETRACT_INTERVAL`` forwards) and are compared with each other.
 The ``*_mtp*`` servers (``--servers mtp``) run MTP (NextN, eagle topk 1,
 1 to 3 steps, spec v1; one pair with forced retraction) with and without
-the offload; besides the outputs,
+the offload, the ``*_mtp*_v2*`` ones (``--servers mtp_v2``) the same with
+spec v2 (the overlap scheduler); besides the outputs,
 each request's accept counts (verify forwards, accepted drafts, histogram)
 must match the no-offload MTP server's (``summary.json``'s ``mtp``).
 Writes ``exactness.json`` (every output) and ``summary.json``/``summary.md``.
@@ -141,6 +142,34 @@ SERVERS = {
     ),
     "base_bf16_mtp": dict(mtp=3, kv="bf16"),
     "ours_bf16_mtp": dict(mtp=3, kv="bf16", offload=[], base="base_bf16_mtp"),
+    # Spec v2 (the overlap scheduler, sglang's default with MTP): the same
+    # MTP flags without --disable-overlap-schedule, against the no-offload
+    # spec v2 server ('mtp_v2' group, not in 'mtp').
+    "base_fp8_mtp_v2": dict(mtp=3, spec_v2=True),
+    "ours_fp8_mtp_v2": dict(mtp=3, spec_v2=True, offload=[], base="base_fp8_mtp_v2"),
+    "ours_fp8_mtp_v2_heavy": dict(
+        mtp=3,
+        spec_v2=True,
+        offload=[
+            "--nsa-kv-offload-max-units",
+            "1",
+            "--nsa-kv-offload-gpu-buffer-size",
+            "8192",
+            "--nsa-kv-offload-recent-window",
+            "8",
+        ],
+        base="base_fp8_mtp_v2",
+    ),
+    "base_fp8_mtp1_v2": dict(mtp=1, spec_v2=True),
+    "ours_fp8_mtp1_v2": dict(mtp=1, spec_v2=True, offload=[], base="base_fp8_mtp1_v2"),
+    "base_fp8_mtp_v2_retract": dict(mtp=3, spec_v2=True, retract=True),
+    "ours_fp8_mtp_v2_retract": dict(
+        mtp=3, spec_v2=True, offload=[], retract=True, base="base_fp8_mtp_v2_retract"
+    ),
+    "base_bf16_mtp_v2": dict(mtp=3, spec_v2=True, kv="bf16"),
+    "ours_bf16_mtp_v2": dict(
+        mtp=3, spec_v2=True, kv="bf16", offload=[], base="base_bf16_mtp_v2"
+    ),
     # Two GPUs (docs/MULTI_GPU.md): attention TP (one host pool shared by the
     # ranks) and DP attention (each rank its own requests), each against the
     # no-offload server of the same shape.
@@ -153,7 +182,10 @@ TINY_SERVERS = ",".join(
     n for n, spec in SERVERS.items() if "mtp" not in spec and "shape" not in spec
 )
 RANK_SERVERS = "base_fp8,ours_fp8"
-MTP_SERVERS = ",".join(n for n, spec in SERVERS.items() if "mtp" in spec)
+MTP_SERVERS = ",".join(
+    n for n, spec in SERVERS.items() if "mtp" in spec and not spec.get("spec_v2")
+)
+MTP_V2_SERVERS = ",".join(n for n, spec in SERVERS.items() if spec.get("spec_v2"))
 MULTIGPU_SERVERS = ",".join(n for n, spec in SERVERS.items() if "shape" in spec)
 
 
@@ -245,7 +277,9 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
     if spec.get("kv") == "bf16":
         extra += BF16_KV_ARGS
     if spec.get("mtp"):
-        extra += mtp_args(spec["mtp"])
+        extra += mtp_args(spec["mtp"], spec_v2=spec.get("spec_v2", False))
+        if spec.get("spec_v2"):
+            env["SGLANG_ENABLE_SPEC_V2"] = "1"  # sglang's default, stated
     if spec.get("shape"):
         extra += SHAPES[spec["shape"]]
         if spec.get("offload") is not None:
@@ -704,9 +738,13 @@ def write_summary(result: dict, model: str, out: str) -> dict:
 
 
 def server_names(text: str) -> List[str]:
-    """``--servers``: names in order, once each; "mtp" and "multigpu" stand
-    for their groups, alone or in a list."""
-    groups = {"mtp": MTP_SERVERS, "multigpu": MULTIGPU_SERVERS}
+    """``--servers``: names in order, once each; "mtp", "mtp_v2" and
+    "multigpu" stand for their groups, alone or in a list."""
+    groups = {
+        "mtp": MTP_SERVERS,
+        "mtp_v2": MTP_V2_SERVERS,
+        "multigpu": MULTIGPU_SERVERS,
+    }
     names: List[str] = []
     for n in text.split(","):
         for name in groups.get(n, n).split(","):
@@ -801,8 +839,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         help="comma list of server names (default by model); in it 'mtp' stands "
-        f"for the MTP servers ({MTP_SERVERS}), 'multigpu' for the two-GPU ones "
-        f"({MULTIGPU_SERVERS})",
+        f"for the MTP servers ({MTP_SERVERS}), 'mtp_v2' for the spec v2 MTP ones "
+        f"({MTP_V2_SERVERS}), 'multigpu' for the two-GPU ones ({MULTIGPU_SERVERS})",
     )
     p.add_argument("--seed", type=int, default=0, help="weights' and prompts' seed")
     p.add_argument(

@@ -79,10 +79,11 @@ def git_commit() -> str:
         return "unknown"
 
 
-def mtp_args(steps: int) -> List[str]:
-    """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps; spec
-    v1 (``--disable-overlap-schedule``), the one the offload supports."""
-    return [
+def mtp_args(steps: int, spec_v2: bool = False) -> List[str]:
+    """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps: spec
+    v1 (``--disable-overlap-schedule``), or with ``spec_v2`` the overlap
+    scheduler left on (sglang's default for eagle topk 1: spec v2)."""
+    args = [
         "--speculative-algorithm",
         "NEXTN",
         "--speculative-num-steps",
@@ -91,8 +92,8 @@ def mtp_args(steps: int) -> List[str]:
         "1",
         "--speculative-num-draft-tokens",
         str(steps + 1),
-        "--disable-overlap-schedule",
     ]
+    return args if spec_v2 else args + ["--disable-overlap-schedule"]
 
 
 # Upstream HiSparse, the peer (seen working on the H200, ../shared/DEVICE.md):

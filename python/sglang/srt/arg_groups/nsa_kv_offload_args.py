@@ -51,6 +51,8 @@ _HOST_RESERVE_FRACTION = 0.1
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 # Experimental cross-layer prefetch (read by the coordinator).
 ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
+# sglang's own: spec v2 prepares the verify on a second stream.
+ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):
 # EAGLE / NextN MTP with one draft chain, target verify with the drafts and
 # the bonus token as query tokens. NEXTN is EAGLE after sglang's alias step.
@@ -124,8 +126,8 @@ def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int)
     verify does not serve (docs/MTP.md); returns the query tokens per request
     of a target-model forward (1 without speculative decoding). Call it after
     sglang's speculative-decoding step (NEXTN resolved to EAGLE, the
-    draft-token count adjusted, spec v1 or v2 chosen) and after the buffer
-    size default is resolved."""
+    draft-token count adjusted, spec v1 or v2 chosen: spec v2 is the overlap
+    scheduler left on) and after the buffer size default is resolved."""
     from sglang.srt.utils import get_bool_env_var
 
     algorithm = server_args.speculative_algorithm
@@ -164,13 +166,34 @@ def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int)
             f"--speculative-num-steps + 1 ({steps + 1}) with "
             "--speculative-eagle-topk 1."
         )
-    if not server_args.disable_overlap_schedule:
-        # Spec v2 assigns draft locs in its own preparation (overlapped with
-        # the previous forward), which does not map them to ring rows yet.
+    if server_args.speculative_adaptive:
+        # Adaptive steps change the verify's query tokens at runtime; the LRU
+        # state and its kernels are built for one count.
         _fail(
-            "speculative decoding with the overlap scheduler (spec v2) is not "
-            "supported; pass --disable-overlap-schedule (spec v1)."
+            f"--speculative-adaptive is not supported with --speculative-algorithm "
+            f"{algorithm}; the number of steps must stay fixed."
         )
+    if server_args.enable_multi_layer_eagle:
+        _fail(
+            f"--enable-multi-layer-eagle is not supported with --speculative-algorithm "
+            f"{algorithm}."
+        )
+    if not server_args.disable_overlap_schedule:
+        # Spec v2: the verify locs are mapped to ring rows on the worker
+        # (prepare_for_v2_verify). What it has not run with is refused.
+        if server_args.disaggregation_mode == "decode":
+            # The KV transfer writes host slots of locs freed while a forward
+            # that may still write them back is in flight, outside any stream.
+            _fail(
+                "speculative decoding with the overlap scheduler (spec v2) on a PD "
+                "decode server (--disaggregation-mode decode) is not supported; "
+                "pass --disable-overlap-schedule (spec v1)."
+            )
+        if get_bool_env_var(ENV_OVERLAP_PLAN_STREAM):
+            _fail(
+                f"{ENV_OVERLAP_PLAN_STREAM}=1 (spec v2's plan stream) is not "
+                "supported; unset it or pass --disable-overlap-schedule (spec v1)."
+            )
     if get_bool_env_var(ENV_CROSS_LAYER_PREFETCH):
         # The prefetch swaps one top-k row per request, verify has q.
         _fail(
