@@ -21,6 +21,7 @@ from unittest import mock
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
     ENV_OVERLAP_PLAN_STREAM,
+    ENV_UNPROVEN_SPEC_V2,
     ENV_UNPROVEN_PARALLEL,
     check_nsa_kv_offload_speculative,
     nsa_kv_offload_default_buffer_size,
@@ -121,10 +122,18 @@ class TestSpeculativeChecks(unittest.TestCase):
         self.assertEqual(check_nsa_kv_offload_speculative(args, INDEX_TOPK), 4)
 
     def test_spec_v2_accepted(self):
-        # The overlap scheduler (spec v2), colocated, no plan stream.
-        with mock.patch.dict(os.environ, {ENV_OVERLAP_PLAN_STREAM: "0"}):
+        # The overlap scheduler (spec v2), colocated, no plan stream: behind
+        # its gate until it has run on a GPU.
+        env = {ENV_OVERLAP_PLAN_STREAM: "0", ENV_UNPROVEN_SPEC_V2: "1"}
+        with mock.patch.dict(os.environ, env):
             args = self._args(disable_overlap_schedule=False)
             self.assertEqual(check_nsa_kv_offload_speculative(args, INDEX_TOPK), 4)
+        with mock.patch.dict(os.environ, {ENV_UNPROVEN_SPEC_V2: "0"}):
+            self._assert_refused(
+                f"has not run on a GPU with the offload yet; pass "
+                f"--disable-overlap-schedule (spec v1), or set {ENV_UNPROVEN_SPEC_V2}=1",
+                disable_overlap_schedule=False,
+            )
 
     def test_spec_v2_refused_where_not_run(self):
         self._assert_refused(
@@ -228,7 +237,7 @@ class TestStartup(unittest.TestCase):
         self.assertIn("--enable-decode-nsa-kv-offload", message)
         return message
 
-    def test_supported_settings_start_without_env(self):
+    def test_supported_settings_start(self):
         for algorithm in ("EAGLE", "NEXTN"):
             for steps in (1, 2, 3):
                 with self.subTest(algorithm=algorithm, steps=steps), self._env():
@@ -246,9 +255,12 @@ class TestStartup(unittest.TestCase):
                         args.nsa_kv_offload_max_units,
                         min(4, 32767 // buffer_size),
                     )
-        # Spec v2 (the overlap scheduler, sglang's default with MTP).
+        # Spec v2 (the overlap scheduler, sglang's default with MTP), with
+        # its gate open.
         for steps in (1, 2, 3):
-            with self.subTest(spec_v2=True, steps=steps), self._env():
+            with self.subTest(spec_v2=True, steps=steps), self._env(
+                **{ENV_UNPROVEN_SPEC_V2: "1"}
+            ):
                 args = self._start(
                     self._args(
                         speculative_num_steps=steps,

@@ -433,6 +433,8 @@ class TestMtpServers(unittest.TestCase):
                 cmd, env = self._args(name, d)
                 self.assertNotIn("--disable-overlap-schedule", cmd)
                 self.assertEqual(env["SGLANG_ENABLE_SPEC_V2"], "1")
+                gate = env.get(server_utils.ENV_UNPROVEN_SPEC_V2)
+                self.assertEqual(gate, "1" if spec.get("offload") is not None else None)
                 if spec.get("offload") is not None:
                     base_spec = exactness.SERVERS[spec["base"]]
                     self.assertTrue(base_spec["spec_v2"])

@@ -53,6 +53,9 @@ ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
+# Spec v2 (MTP with the overlap scheduler) is CPU-tested only: this lets it
+# start, for the GPU runs that prove it (exactness.py --servers mtp_v2).
+ENV_UNPROVEN_SPEC_V2 = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPEC_V2"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):
 # EAGLE / NextN MTP with one draft chain, target verify with the drafts and
 # the bonus token as query tokens. NEXTN is EAGLE after sglang's alias step.
@@ -193,6 +196,13 @@ def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int)
             _fail(
                 f"{ENV_OVERLAP_PLAN_STREAM}=1 (spec v2's plan stream) is not "
                 "supported; unset it or pass --disable-overlap-schedule (spec v1)."
+            )
+        if not get_bool_env_var(ENV_UNPROVEN_SPEC_V2):
+            _fail(
+                "speculative decoding with the overlap scheduler (spec v2, sglang's "
+                "default with MTP) has not run on a GPU with the offload yet; pass "
+                f"--disable-overlap-schedule (spec v1), or set {ENV_UNPROVEN_SPEC_V2}=1 "
+                "to run it anyway (docs/MTP.md)."
             )
     if get_bool_env_var(ENV_CROSS_LAYER_PREFETCH):
         # The prefetch swaps one top-k row per request, verify has q.
