@@ -375,10 +375,49 @@ if _HAS_TRITON:
             tl.store(miss_count_ptr + b, 0)
             return
         r = _request_row(req_pool_ptr, b, sink_req)
-        n = tl.load(seq_lens_ptr + b).to(tl.int32)
-        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
-        pos = pos.to(tl.int32)
-        flags_row = hit_flags_ptr + b.to(tl.int64) * C
+        _classify_row(
+            topk_ptr + b * topk_stride,
+            tl.load(seq_lens_ptr + b).to(tl.int32),
+            r,
+            req_to_token_ptr,
+            req_to_token_stride,
+            loc_to_slot_ptr,
+            counters_ptr,
+            miss_count_ptr + b,
+            hit_flags_ptr + b.to(tl.int64) * C,
+            cur_ptr + b.to(tl.int64) * K,
+            K,
+            C0,
+            U,
+            W,
+            BLOCK_K,
+            BLOCK_C0,
+        )
+
+    @triton.jit
+    def _classify_row(
+        topk_row,
+        n,
+        r,
+        req_to_token_ptr,
+        req_to_token_stride,
+        loc_to_slot_ptr,
+        counters_ptr,
+        miss_count_at,
+        flags_row,
+        cur_row,
+        K: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        # Phase 1 of a split walk: hit flags and each entry's slot (-1 if
+        # none) to scratch, the row's miss count and the layer's counters.
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        pos = tl.load(topk_row + offs_k, mask=mask_k, other=-1).to(tl.int32)
         _zero_flags_by_unit(flags_row, C0, U, BLOCK_C0)
         in_window, lookup, loc = _classify_topk(
             pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
@@ -389,14 +428,15 @@ if _HAS_TRITON:
         num_misses = tl.sum((lookup & (cur < 0)).to(tl.int32), axis=0)
         tl.debug_barrier()
         tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
-        tl.store(cur_ptr + b.to(tl.int64) * K + offs_k, cur, mask=mask_k)
-        tl.store(miss_count_ptr + b, num_misses)
+        tl.store(cur_row + offs_k, cur, mask=mask_k)
+        tl.store(miss_count_at, num_misses)
         _add_counters(
             counters_ptr,
             tl.sum(hit.to(tl.int32), axis=0),
             tl.sum(in_window.to(tl.int32), axis=0),
             num_misses,
         )
+        return num_misses
 
     @triton.jit
     def _chunk_evictable(
@@ -498,9 +538,43 @@ if _HAS_TRITON:
         )
         offs_u = tl.arange(0, BLOCK_U)
         counts = tl.load(ev_count_ptr + b * U + offs_u, mask=offs_u < U, other=0)
-        num_evictable = tl.sum(counts, axis=0)
-        before = tl.sum(tl.where(offs_u < u, counts, 0), axis=0)
-        num_misses = tl.load(miss_count_ptr + b)
+        _rank_chunk(
+            order,
+            evictable,
+            p,
+            tl.sum(tl.where(offs_u < u, counts, 0), axis=0),
+            tl.load(miss_count_ptr + b),
+            tl.sum(counts, axis=0),
+            r,
+            loc_to_slot_ptr,
+            slot_loc_ptr,
+            victims_ptr + b.to(tl.int64) * K,
+            new_lru_ptr + b.to(tl.int64) * C,
+            mask,
+            C,
+            BLOCK_C0,
+        )
+
+    @triton.jit
+    def _rank_chunk(
+        order,
+        evictable,
+        p,
+        before,
+        num_misses,
+        num_evictable,
+        r,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        victims_row,
+        new_lru_row,
+        mask,
+        C: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
+    ):
+        # Phase 2 of a split walk on one chunk (lru positions p), ``before``
+        # evictable slots ahead of it: victims by rank, the chunk's new order
+        # to scratch; returns the chunk's evictable count.
         ev_i = evictable.to(tl.int32)
         ev_rank = before + tl.cumsum(ev_i, axis=0) - ev_i
         new_pos, taken = _lru_new_positions(
@@ -508,17 +582,10 @@ if _HAS_TRITON:
         )
         old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
         _evict_victims(
-            loc_to_slot_ptr,
-            old_loc,
-            taken,
-            victims_ptr + b.to(tl.int64) * K,
-            ev_rank,
-            order,
-            BLOCK_C0,
+            loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C0
         )
-        tl.store(
-            new_lru_ptr + b.to(tl.int64) * C + new_pos, order.to(tl.int16), mask=mask
-        )
+        tl.store(new_lru_row + new_pos, order.to(tl.int16), mask=mask)
+        return tl.sum(ev_i, axis=0)
 
     @triton.jit(
         do_not_specialize_on_alignment=[
@@ -566,51 +633,81 @@ if _HAS_TRITON:
         r = _request_row(req_pool_ptr, b, sink_req)
         _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
         if u == 0:
-            # Phase 3 as in the fused kernel.
-            offs_k = tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            n = tl.load(seq_lens_ptr + b).to(tl.int32)
-            base = tl.load(unit_base_ptr + r * U)
-            pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
-            pos = pos.to(tl.int32)
-            in_window, lookup, loc = _classify_topk(
-                pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
-            )
-            cur = tl.load(cur_ptr + b.to(tl.int64) * K + offs_k, mask=mask_k, other=-1)
-            hit, miss, miss_rank, _ = _split_lookups(lookup, cur)
-            victim = _take_victims(
-                victims_ptr + b.to(tl.int64) * K,
-                miss_rank,
-                miss,
-                loc,
+            _assign_row(
+                topk_ptr + b * topk_stride,
+                tl.load(seq_lens_ptr + b).to(tl.int32),
+                r,
+                req_to_token_ptr,
+                req_to_token_stride,
                 loc_to_slot_ptr,
                 slot_loc_ptr,
-                r,
+                unit_base_ptr,
+                page_table_ptr + b * page_table_stride,
+                miss_src_ptr + b * miss_src_stride,
+                miss_dst_ptr + b * miss_dst_stride,
+                cur_ptr + b.to(tl.int64) * K,
+                victims_ptr + b.to(tl.int64) * K,
+                K,
                 C,
+                C0,
+                U,
+                W,
+                BLOCK_K,
             )
-            slot = tl.where(hit, cur, victim)
-            slot_row, rows = _entry_rows(
-                slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
-            )
-            tl.store(page_table_ptr + b * page_table_stride + offs_k, rows, mask=mask_k)
-            tl.store(
-                miss_src_ptr + b * miss_src_stride + miss_rank,
-                loc.to(tl.int64),
-                mask=miss,
-            )
-            tl.store(
-                miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss
-            )
+
+    @triton.jit
+    def _assign_row(
+        topk_row,
+        n,
+        r,
+        req_to_token_ptr,
+        req_to_token_stride,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        unit_base_ptr,
+        pt_row,
+        miss_src_row,
+        miss_dst_row,
+        cur_row,
+        victims_row,
+        K: tl.constexpr,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        # Phase 3 of a split walk, as in the fused kernel, from phase 1's
+        # scratch: misses take their victims; page table in top-k order.
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        base = tl.load(unit_base_ptr + r * U)
+        pos = tl.load(topk_row + offs_k, mask=mask_k, other=-1).to(tl.int32)
+        in_window, lookup, loc = _classify_topk(
+            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+        )
+        cur = tl.load(cur_row + offs_k, mask=mask_k, other=-1)
+        hit, miss, miss_rank, _ = _split_lookups(lookup, cur)
+        victim = _take_victims(
+            victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
+        )
+        slot = tl.where(hit, cur, victim)
+        slot_row, rows = _entry_rows(
+            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
+        )
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(miss_src_row + miss_rank, loc.to(tl.int64), mask=miss)
+        tl.store(miss_dst_row + miss_rank, slot_row, mask=miss)
 
     # The swap with units in one program per row (one launch instead of the
     # split kernels' four): the walk goes a unit-wide chunk at a time, so its
     # blocks stay one unit wide, and the chunks' rank prefix is a running sum
     # instead of per-row counts in scratch. Two passes over the chunks: the
     # evictable total places the hits before any chunk ranks. The new order
-    # goes to scratch (later chunks still read theirs), then back. Phase 1's
-    # entries go to scratch and phase 3 reads them back, as in the split
-    # kernels: kept in registers across the walk they spill (sm_90). Same
-    # semantics and results as the split and fused kernels.
+    # goes to scratch (later chunks still read theirs), then back. The phases
+    # are the split kernels' (_classify_row, _rank_chunk, _assign_row): phase
+    # 1's entries go through scratch, kept in registers across the walk they
+    # spill (sm_90). Same semantics and results as the split and fused kernels.
     @triton.jit(
         do_not_specialize_on_alignment=[
             "req_pool_ptr",
@@ -667,29 +764,26 @@ if _HAS_TRITON:
             return
         r = _request_row(req_pool_ptr, b, sink_req)
         n = tl.load(seq_lens_ptr + b).to(tl.int32)
-        flags_row = hit_flags_ptr + b.to(tl.int64) * C
-        victims_row = victims_ptr + b.to(tl.int64) * K
+        topk_row = topk_ptr + b * topk_stride
         cur_row = cur_ptr + b.to(tl.int64) * K
-        _zero_flags_by_unit(flags_row, C0, U, BLOCK_C0)
-
-        # Phase 1: classify; the entries' slots to scratch.
-        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
-        pos = pos.to(tl.int32)
-        in_window, lookup, loc = _classify_topk(
-            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
-        )
-        cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
-        cur = tl.where(lookup, cur, -1)
-        hit = cur >= 0
-        num_misses = tl.sum((lookup & (cur < 0)).to(tl.int32), axis=0)
-        tl.debug_barrier()
-        tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
-        tl.store(cur_row + offs_k, cur, mask=mask_k)
-        _add_counters(
+        victims_row = victims_ptr + b.to(tl.int64) * K
+        num_misses = _classify_row(
+            topk_row,
+            n,
+            r,
+            req_to_token_ptr,
+            req_to_token_stride,
+            loc_to_slot_ptr,
             counters_ptr,
-            tl.sum(hit.to(tl.int32), axis=0),
-            tl.sum(in_window.to(tl.int32), axis=0),
-            num_misses,
+            miss_count_ptr + b,
+            hit_flags_ptr + b.to(tl.int64) * C,
+            cur_row,
+            K,
+            C0,
+            U,
+            W,
+            BLOCK_K,
+            BLOCK_C0,
         )
         tl.debug_barrier()
 
@@ -708,48 +802,48 @@ if _HAS_TRITON:
             order, evictable = _chunk_evictable(
                 b, r, lru_ptr, capacity_ptr, hit_flags_ptr, p, mask_c0, C
             )
-            ev_i = evictable.to(tl.int32)
-            ev_rank = before + tl.cumsum(ev_i, axis=0) - ev_i
-            new_pos, taken = _lru_new_positions(
-                evictable, ev_rank, p, num_misses, num_evictable
+            before += _rank_chunk(
+                order,
+                evictable,
+                p,
+                before,
+                num_misses,
+                num_evictable,
+                r,
+                loc_to_slot_ptr,
+                slot_loc_ptr,
+                victims_row,
+                new_lru_ptr + b.to(tl.int64) * C,
+                mask_c0,
+                C,
+                BLOCK_C0,
             )
-            old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
-            _evict_victims(
-                loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C0
-            )
-            tl.store(
-                new_lru_ptr + b.to(tl.int64) * C + new_pos,
-                order.to(tl.int16),
-                mask=mask_c0,
-            )
-            before += tl.sum(ev_i, axis=0)
         # Every chunk's new order and victims are written before they are read.
         tl.debug_barrier()
         for u in tl.static_range(U):
             _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
 
-        # Phase 3 from phase 1's scratch, as the split swap's assign kernel.
-        base = tl.load(unit_base_ptr + r * U)
-        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
-        pos = pos.to(tl.int32)
-        in_window, lookup, loc = _classify_topk(
-            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+        _assign_row(
+            topk_row,
+            n,
+            r,
+            req_to_token_ptr,
+            req_to_token_stride,
+            loc_to_slot_ptr,
+            slot_loc_ptr,
+            unit_base_ptr,
+            pt_row,
+            miss_src_ptr + b * miss_src_stride,
+            miss_dst_ptr + b * miss_dst_stride,
+            cur_row,
+            victims_row,
+            K,
+            C,
+            C0,
+            U,
+            W,
+            BLOCK_K,
         )
-        cur = tl.load(cur_row + offs_k, mask=mask_k, other=-1)
-        hit, miss, miss_rank, _ = _split_lookups(lookup, cur)
-        victim = _take_victims(
-            victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
-        )
-        slot = tl.where(hit, cur, victim)
-        slot_row, rows = _entry_rows(
-            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
-        )
-        tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(
-            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
-        )
-        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
-        tl.store(miss_count_ptr + b, num_misses)
 
     # One variant for every batch size and slice offset (see above).
     @triton.jit(
