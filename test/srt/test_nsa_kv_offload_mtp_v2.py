@@ -28,6 +28,7 @@ import unittest
 from types import SimpleNamespace
 from unittest import mock
 
+import test_nsa_kv_offload_integration as integration
 import torch
 from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers import utils as managers_utils
@@ -39,18 +40,15 @@ from sglang.srt.speculative.eagle_info_v2 import (
     EagleDraftInputV2Mixin,
     EagleVerifyInputV2Mixin,
 )
-from test_nsa_kv_offload_integration import DEVICE, PAGE, _alloc_extend_patch, _Req
+from test_nsa_kv_offload_integration import (
+    DEVICE,
+    PAGE,
+    _Req,
+)
 from test_nsa_kv_offload_mtp_verify import _MTPHarness
 
-
-def setUpModule():
-    if DEVICE == "cpu":
-        _alloc_extend_patch.start()
-
-
-def tearDownModule():
-    if DEVICE == "cpu":
-        _alloc_extend_patch.stop()
+# The allocator's Triton kernel replaced on CPU, per module.
+setUpModule, tearDownModule = integration.setUpModule, integration.tearDownModule
 
 
 class _TorchAssignKernel:

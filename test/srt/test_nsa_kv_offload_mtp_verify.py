@@ -44,19 +44,11 @@ from test_nsa_kv_offload_integration import (
     KV_LORA_RANK,
     PAGE,
     ROPE_DIM,
-    _alloc_extend_patch,
     _Harness,
 )
 
-
-def setUpModule():
-    if DEVICE == "cpu":
-        _alloc_extend_patch.start()
-
-
-def tearDownModule():
-    if DEVICE == "cpu":
-        _alloc_extend_patch.stop()
+# The allocator's Triton kernel replaced on CPU, per module.
+setUpModule, tearDownModule = integration.setUpModule, integration.tearDownModule
 
 
 def _backend(coordinator, captured):

@@ -21,8 +21,8 @@ from unittest import mock
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
     ENV_OVERLAP_PLAN_STREAM,
-    ENV_UNPROVEN_SPEC_V2,
     ENV_UNPROVEN_PARALLEL,
+    ENV_UNPROVEN_SPEC_V2,
     check_nsa_kv_offload_speculative,
     nsa_kv_offload_default_buffer_size,
 )
