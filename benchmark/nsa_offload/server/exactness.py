@@ -84,6 +84,16 @@ SORTED_TOPK_DIR = os.path.join(
 
 # name -> how the server differs from the no-offload fp8 server on the
 # checkpoint. "base": the server it is compared with.
+# MTP's heavy eviction: the smallest buffer verify allows (q x top-k at 3
+# steps) and window (2q - 1), one unit.
+MTP_HEAVY_OFFLOAD_ARGS = [
+    "--nsa-kv-offload-max-units",
+    "1",
+    "--nsa-kv-offload-gpu-buffer-size",
+    "8192",
+    "--nsa-kv-offload-recent-window",
+    "8",
+]
 SERVERS = {
     "base_fp8": dict(nc=True, repeat=True),
     "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
@@ -119,17 +129,7 @@ SERVERS = {
     "base_fp8_mtp": dict(mtp=3, nc=True),
     "ours_fp8_mtp": dict(mtp=3, offload=[], base="base_fp8_mtp"),
     "ours_fp8_mtp_heavy": dict(
-        mtp=3,
-        # The smallest buffer verify allows (q x top-k) and window (2q - 1).
-        offload=[
-            "--nsa-kv-offload-max-units",
-            "1",
-            "--nsa-kv-offload-gpu-buffer-size",
-            "8192",
-            "--nsa-kv-offload-recent-window",
-            "8",
-        ],
-        base="base_fp8_mtp",
+        mtp=3, offload=MTP_HEAVY_OFFLOAD_ARGS, base="base_fp8_mtp"
     ),
     "base_fp8_mtp1": dict(mtp=1),
     "ours_fp8_mtp1": dict(mtp=1, offload=[], base="base_fp8_mtp1"),
@@ -149,17 +149,7 @@ SERVERS = {
     "base_fp8_mtp_v2": dict(mtp=3, spec_v2=True),
     "ours_fp8_mtp_v2": dict(mtp=3, spec_v2=True, offload=[], base="base_fp8_mtp_v2"),
     "ours_fp8_mtp_v2_heavy": dict(
-        mtp=3,
-        spec_v2=True,
-        offload=[
-            "--nsa-kv-offload-max-units",
-            "1",
-            "--nsa-kv-offload-gpu-buffer-size",
-            "8192",
-            "--nsa-kv-offload-recent-window",
-            "8",
-        ],
-        base="base_fp8_mtp_v2",
+        mtp=3, spec_v2=True, offload=MTP_HEAVY_OFFLOAD_ARGS, base="base_fp8_mtp_v2"
     ),
     "base_fp8_mtp1_v2": dict(mtp=1, spec_v2=True),
     "ours_fp8_mtp1_v2": dict(mtp=1, spec_v2=True, offload=[], base="base_fp8_mtp1_v2"),
