@@ -285,16 +285,19 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             if req is not chunked_req and not self.is_admitted(req):
                 self.admit(req, len(req.fill_ids))
 
+    def _rebalance_if_wanted(self) -> None:
+        if self.controller.wants_rebalance():
+            # Growing rewrites LRU order an overlapped forward may still swap.
+            self._wait_producer()
+            self.controller.rebalance()
+
     def prepare_decode(self, batch: ScheduleBatch) -> None:
         """After ``prepare_for_decode`` allocated ``out_cache_loc`` and advanced
         ``seq_lens``: admit new requests and map the new tokens to ring rows."""
         for i, req in enumerate(batch.reqs):
             if not self.is_admitted(req):
                 self.admit(req, int(batch.seq_lens_cpu[i]) - 1)
-        if self.controller.wants_rebalance():
-            # Growing rewrites LRU order an overlapped forward may still swap.
-            self._wait_producer()
-            self.controller.rebalance()
+        self._rebalance_if_wanted()
         self.lru.map_new_tokens(
             batch.req_pool_indices,
             batch.seq_lens,

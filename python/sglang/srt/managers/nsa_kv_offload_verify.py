@@ -9,9 +9,10 @@ a decode step, for ``q`` tokens per request:
 * verify preparation (spec v1: ``EagleVerifyInput.prepare_for_verify``,
   after the draft locs are in ``req_to_token``; spec v2: below): admit
   requests the prefill hook missed, rebalance units, map the ``q`` locs of
-  every request to their window ring rows. The locs come from ``alloc_extend`` without staging pages
-  (``NSAKVOffloadTokenToKVPoolAllocator`` sees that they continue admitted
-  requests), so the drafts' KV is written into the ring, never into staging;
+  every request to their window ring rows. The locs come from
+  ``alloc_extend`` without staging pages (``NSAKVOffloadTokenToKVPoolAllocator``
+  sees that they continue admitted requests), so the drafts' KV is written
+  into the ring, never into staging;
 * inside the forward (CUDA-graph safe): the first layer counts the real
   tokens, every layer swaps its ``bs * q`` top-k rows at once (one copy list
   per request, each missing loc loaded once), the last layer writes all
@@ -82,9 +83,8 @@ class NSAKVOffloadVerifyMixin:
         verify locs on the worker (``prepare_v2_verify``), so units are
         rebalanced here, on the scheduler side, after the in-flight forward."""
         self.admit_running(batch)
-        if spec_v2 and self.controller.wants_rebalance():
-            self._wait_producer()
-            self.controller.rebalance()
+        if spec_v2:
+            self._rebalance_if_wanted()
 
     def prepare_verify(self, batch: ScheduleBatch, num_draft_tokens: int) -> None:
         """Spec v1: after ``prepare_for_verify`` allocated ``out_cache_loc``
@@ -93,9 +93,7 @@ class NSAKVOffloadVerifyMixin:
         self._check_query_tokens(num_draft_tokens)
         # Positions < n hold KV (the bonus token at n is a query).
         self.admit_running(batch)
-        if self.controller.wants_rebalance():
-            self._wait_producer()
-            self.controller.rebalance()
+        self._rebalance_if_wanted()
         self._map_verify_tokens(
             batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
         )
