@@ -201,8 +201,8 @@ def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int)
             _fail(
                 "speculative decoding with the overlap scheduler (spec v2, sglang's "
                 "default with MTP) has not run on a GPU with the offload yet; pass "
-                f"--disable-overlap-schedule (spec v1), or set {ENV_UNPROVEN_SPEC_V2}=1 "
-                "to run it anyway (docs/MTP.md)."
+                "--disable-overlap-schedule (spec v1), or set "
+                f"{ENV_UNPROVEN_SPEC_V2}=1 to run it anyway (docs/MTP.md)."
             )
     if get_bool_env_var(ENV_CROSS_LAYER_PREFETCH):
         # The prefetch swaps one top-k row per request, verify has q.

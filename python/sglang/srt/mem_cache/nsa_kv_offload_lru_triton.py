@@ -71,7 +71,8 @@ class TritonLRUSwap:
     (benchmarks and tests compare the two). ``chunked_units`` runs the
     one-token swap with units as one program per row that walks the slots a
     unit at a time (one launch instead of the split kernels' four; not the
-    default until timed against them on the GPU). ``multi_split`` is the same choice
+    default until timed against them on the GPU; ignored without units).
+    ``multi_split`` is the same choice
     for swaps of several query tokens per request (default: split with units,
     or when one program would walk more than ``FUSED_MAX_SLOTS`` slots).
     Multi-token kernels run every swap of a state with ``max_query_tokens > 1``
