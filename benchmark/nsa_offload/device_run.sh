@@ -104,8 +104,7 @@ run_step() {
       timeout 150 python3 benchmark/nsa_offload/engine/bench_swap_phases.py --out $OUT/swap_phases.json 2>&1 | tail -12 || rc=1
       ;;
     swap-units)
-      # The LRU swap with units: split kernels vs the chunked and the fused one
-      # (time, equality).
+      # The LRU swap with units: split kernels vs the fused one (time, equality).
       timeout 240 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/swap_units 2>&1 | tail -20 || rc=1
       ;;
     exact)

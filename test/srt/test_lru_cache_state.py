@@ -415,16 +415,14 @@ class Sim:
 
 
 def impl_state(cfg, impl) -> LRUCacheState:
-    """``impl``: False (reference), True (Triton), "fused" (Triton, the
-    one-program swap even with units) or "chunked" (Triton, with units one
-    program walking the slots a unit at a time)."""
-    if impl in ("fused", "chunked"):
+    """``impl``: False (reference), True (Triton) or "fused" (Triton, the
+    one-program swap even with units)."""
+    if impl == "fused":
         state = new_state(cfg, True)
         state.swap_backend = TritonLRUSwap(
             state,
             max_batch_size=state.swap_backend._scratch_rows,
-            split_by_unit=impl == "chunked",
-            chunked_units=impl == "chunked",
+            split_by_unit=False,
         )
         return state
     return new_state(cfg, impl)
@@ -683,21 +681,6 @@ class TestTritonMatchesReference(unittest.TestCase):
         # units too, and both must leave the same state (and match the model).
         cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
         run_sim(self, cfg, (True, "fused", False), steps=30, seed=8)
-
-    def test_units_chunked_kernel_matches_split(self):
-        # The units' walk a unit at a time in one program: the split kernels'
-        # results, under full pressure and with units granted and taken back.
-        for seed, cfg in enumerate(
-            (
-                SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5),
-                SimConfig(C=40, K=40, W=4, units=4, max_batch=3, p_keep=0.3),
-            )
-        ):
-            with self.subTest(units=cfg.units):
-                sim = run_sim(
-                    self, cfg, (True, "chunked", False), steps=16, seed=9 + seed
-                )
-                self.assertTrue(sim.states[1].swap_backend.chunked_units)
 
 
 class TestUnits(unittest.TestCase):

@@ -39,15 +39,13 @@ class TestBenchSwapUnits(unittest.TestCase):
             by_units = {r["units"]: r for r in report["rows"]}
             self.assertEqual(set(by_units), {1, 3})
             self.assertNotIn("split", by_units[1])
-            self.assertNotIn("chunked", by_units[1])
             # Fresh positions outnumber even three units' slots: both swaps
             # evict on every replay, so the comparison covers victims.
             self.assertGreater(by_units[3]["split"]["misses_per_row"], 0)
-            for kernel in ("split", "chunked"):
-                self.assertEqual(
-                    by_units[3][kernel]["misses_per_row"],
-                    by_units[3]["fused"]["misses_per_row"],
-                )
+            self.assertEqual(
+                by_units[3]["split"]["misses_per_row"],
+                by_units[3]["fused"]["misses_per_row"],
+            )
             md = (Path(out) / "bench_swap_units.md").read_text()
             self.assertIn("| 2 | 3 (72) |", md)
             self.assertIn("| yes |", md)

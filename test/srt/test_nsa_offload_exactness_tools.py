@@ -259,6 +259,22 @@ class TestExactnessAccounting(unittest.TestCase):
             nc = summary["negative_control"]["base_fp8"]["step"]
             self.assertEqual(nc["flipped"], 0)  # the seq outputs stayed too
             self.assertEqual(summary["comparisons"]["ours_fp8"]["seq"]["total"], n)
+            # A merged result merged again with a later call keeps every call.
+            again = os.path.join(d, "again")
+            later = call(
+                "c4",
+                {"ours_bf16": {"seq": out}},
+                resumed={"servers": ["base_fp8", "ours_fp8", "ours_fp8_heavy"]},
+            )
+            exactness.main(
+                ["--out", again, "--report", "--merge",
+                 os.path.join(merged_dir, "exactness.json"), later]
+            )  # fmt: skip
+            with open(os.path.join(again, "summary.json")) as f:
+                self.assertEqual(
+                    [c["code_commit"] for c in json.load(f)["merged_from"]],
+                    ["c1", "c2", "c3", "c4"],
+                )
             # Another call's prompts (another seed) are refused; so is
             # --merge without --report.
             other = os.path.join(d, "other")
@@ -277,7 +293,7 @@ class TestExactnessAccounting(unittest.TestCase):
         flipped = [c[:30] + [2] * (len(c) - 30) for c in clean]
         out = [[1, 2, 3]] * 4
 
-        def run(model, servers, nc_flips):
+        def run(model, servers, nc_flips, retracted=2):
             srv = {
                 "base_fp8": {
                     "seq": out,
@@ -286,6 +302,7 @@ class TestExactnessAccounting(unittest.TestCase):
                 },
                 "base_bf16": {"seq": out},
                 "base_fp8_retract": {"seq": out},
+                "base_bf16_retract": {"seq": out},
             }
             for name in servers:
                 srv[name] = {
@@ -293,31 +310,45 @@ class TestExactnessAccounting(unittest.TestCase):
                     "abort_partial": [o[:1] for o in out[:2]],
                     "abort_again": out[:2],
                 }
+                if "retract" in name:
+                    srv[name]["concurrent"] = out
+                    srv[name]["retracted_reqs"] = {"seq": 0, "concurrent": retracted}
             result = {
                 "servers": srv,
                 "specs": {n: exactness.SERVERS[n] for n in srv},
                 "prompt_lens": [5, 6, 7, 8],
                 "nc_lens": [100] * 10,
                 "code_commit": model,
-                "logs": {n: {"retractions": 3} for n in srv if "retract" in n},
+                "logs": {
+                    n: {"retractions": 3, "retracted_reqs": retracted}
+                    for n in srv
+                    if "retract" in n
+                },
                 "ckpt_meta": {"weights": "checkpoint", "seed": 0},
             }
             return exactness.summarize(result, model)
 
-        every = exactness_headline.REQUIRED_SERVERS
+        every = exactness_headline.REQUIRED_SERVERS + (
+            exactness_headline.REQUIRED_RETRACT,
+        )
         tiny = run("tiny", every, 10)
         rank = run("rank", every[:2], 9)
         head = exactness_headline.headline([tiny, rank], ["t/", "r/"])
         self.assertEqual(head["identical"], head["total"])
-        self.assertEqual(head["total"], 6 * 6 + 2 * 6)  # 4 seq + 2 abort each
+        # 4 seq + 2 abort each; the bf16 retraction server's 4 retract too.
+        self.assertEqual(head["total"], 6 * 6 + 4 + 2 * 6)
+        self.assertIn("tiny:ours_bf16_retract:retract", head["cases"])
         self.assertEqual(head["negative_control_flip_fraction"], 0.9)
         self.assertEqual(head["code_commits"], ["rank", "tiny"])
         self.assertFalse(head["met"])
         (why,) = head["why_not_met"]
         self.assertIn("rank:ours_fp8_heavy:seq", why)
         self.assertNotIn("tiny", why)
-        self.assertEqual(head["by_model"]["tiny"]["retractions"], {
-            "base_fp8_retract": 3, "ours_fp8_retract": 3})  # fmt: skip
+        self.assertEqual(
+            head["by_model"]["tiny"]["retracted_reqs"]["ours_bf16_retract"],
+            {"seq": 0, "concurrent": 2},
+        )
+        self.assertEqual(head["by_model"]["tiny"]["retract_case_retracted"], 2)
         # Every case on both, a control that flips enough: met.
         head = exactness_headline.headline([tiny, run("rank", every, 9)], ["t/", "r/"])
         self.assertTrue(head["met"], head["why_not_met"])
@@ -325,6 +356,13 @@ class TestExactnessAccounting(unittest.TestCase):
         # checkpoint is refused.
         head = exactness_headline.headline([tiny, run("rank", every, 8)], ["t/", "r/"])
         self.assertIn("rank: negative control 0.8", head["why_not_met"][0])
+        # A retraction case in which nothing was retracted does not count.
+        head = exactness_headline.headline(
+            [tiny, run("rank", every, 9, retracted=0)], ["t/", "r/"]
+        )
+        self.assertEqual(
+            head["why_not_met"], ["rank: the retraction case retracted no request"]
+        )
         with self.assertRaises(SystemExit):
             exactness_headline.headline([tiny, tiny], ["t/", "t/"])
 

@@ -44,14 +44,13 @@ class TestSwapKernelResources(unittest.TestCase):
             for r in map(json.loads, out.stdout.splitlines())
         }
         expected = {(1, "fused")} | {
-            (4, k) for k in ("fused", "classify", "count", "rank", "assign", "chunked")
+            (4, k) for k in ("fused", "classify", "count", "rank", "assign")
         }
         self.assertEqual(set(rows), expected)
         # One unit: the fused kernel holds the 4096-entry walk in registers
         # (112, no stack, with Triton 3.6 as on the H200 stack). With units the
         # split kernels run instead: the fused one spills there (part of why
-        # it took 50 us per layer at 4 units on the H200); the chunked one,
-        # whose blocks are one unit wide, does not.
+        # it took 50 us per layer at 4 units on the H200).
         no_spill = [(1, "fused")] + [k for k in expected if k[1] != "fused"]
         for key in no_spill:
             self.assertEqual(rows[key]["stack_bytes"], 0, rows[key])

@@ -1,16 +1,14 @@
 """The LRU swap with units on the GPU: the one-program (fused) kernel vs the
-kernels split by unit vs one program walking the slots a unit at a time
-(chunked), and all against one unit.
+kernels split by unit, and both against one unit.
 
 A request with ``U`` units has ``U x C`` LRU slots per layer; the fused kernel
 walks them all in one program per request, the split swap spreads the walk
-over ``U`` programs (``TritonLRUSwap(split_by_unit=...)``), the chunked one
-walks them a unit at a time in one program (``chunked_units=True``). For each batch size and
+over ``U`` programs (``TritonLRUSwap(split_by_unit=...)``). For each batch size and
 ``U``, every request holds all ``U`` units and decodes at ``--ctx`` tokens
 with a top-k that keeps ``--keep`` of the previous step's positions (the rest
 fresh, uniform). ``--steps`` swaps with distinct top-k inputs are captured in
 one CUDA graph; the time per swap is the median over ``--repeats`` replays
-divided by the steps. The split, chunked and fused states are also compared after
+divided by the steps. The split and fused states are also compared after
 every replay (page tables, copy plans and the whole LRU state): a mismatch
 fails the run.
 
@@ -70,7 +68,6 @@ def make_state(args, bs: int, units: int, kernel: str) -> LRUCacheState:
         state,
         max_batch_size=bs,
         split_by_unit=kernel != "fused",
-        chunked_units=kernel == "chunked",
     )
     rows = args.buffer_size + args.window
     for r in range(bs):
@@ -89,7 +86,7 @@ def run_point(args, bs: int, units: int, tops: torch.Tensor) -> dict:
         .view(bs, args.ctx)
         .contiguous()
     )
-    variants = ["fused"] if units == 1 else ["fused", "split", "chunked"]
+    variants = ["fused"] if units == 1 else ["fused", "split"]
     res = {}
     graphs, states = {}, {}
     for name in variants:
@@ -254,15 +251,15 @@ def main():
         f"{args.repeats} replays; {args.ctx}-token requests holding every unit, "
         f"top-k {args.top_k} keeping {args.keep:.0%} of the previous step.",
         "",
-        "| batch | units (LRU rows) | fused us | split us | chunked us | misses per row "
-        "| split = chunked = fused |",
-        "|---:|---:|---:|---:|---:|---:|---|",
+        "| batch | units (LRU rows) | fused us | split us | misses per row "
+        "| split = fused |",
+        "|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         split = r.get("split")
         us = [
             f"{r[k]['us_per_swap']:.1f}" if k in r else "-"
-            for k in ("fused", "split", "chunked")
+            for k in ("fused", "split")
         ]
         same = "-" if not split else ("yes" if r["mismatched_replays"] == 0 else "NO")
         if split and not split["misses_per_row"]:

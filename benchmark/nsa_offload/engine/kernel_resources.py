@@ -134,11 +134,6 @@ def swap_kernels(
                 lru._swap_assign_kernel,
                 dict(chunk, K=top_k, W=window, BLOCK_K=block_k),
             ),
-            (
-                "chunked",
-                lru._swap_layer_chunked_kernel,
-                dict(chunk, K=top_k, W=window, BLOCK_K=block_k),
-            ),
         ]
     return [(name, k, c, num_warps) for name, k, c in out]
 

@@ -76,6 +76,9 @@ NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
 # every decode step (the same request position's row read wrong each time,
 # as a stale row would be until evicted).
 NC_MODES = {"step": (NC_PERIOD, 0), "persistent": (1, 0)}
+# Phases counted in ``identical`` / ``total``: batch 1 (seq, abort) and the
+# bf16 retraction case (see SERVERS).
+STRICT_PHASES = ("seq", "abort", "retract")
 # traces/nsa_topk_trace.py: the layer whose top-k the control corrupts.
 ENV_CORRUPT_LAYER = "SGLANG_NSA_TOPK_CORRUPT_LAYER"
 SORTED_TOPK_DIR = os.path.join(
@@ -120,6 +123,13 @@ SERVERS = {
     "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
     "base_fp8_retract": dict(retract=True),
     "ours_fp8_retract": dict(offload=[], retract=True, base="base_fp8_retract"),
+    # sglang retracts only from batches of two or more, and fp8 outputs change
+    # with the batch: the strict retraction case is bf16 (batch-invariant),
+    # its concurrent phase against the no-offload server's batch-1 outputs.
+    "base_bf16_retract": dict(kv="bf16", retract=True),
+    "ours_bf16_retract": dict(
+        kv="bf16", offload=[], retract=True, base="base_bf16_retract"
+    ),
     "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
     "dummy_fp8": dict(dummy=True, nc=True),
     # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, spec v1):
@@ -303,13 +313,22 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
     return extra, env
 
 
+def retracted_so_far(log_path: str) -> int:
+    """Requests the server's log says it retracted until now."""
+    return scan_log(log_path)["retracted_reqs"]
+
+
 def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, save):
     n = args.max_new_tokens
+    # Which phase the retractions fell in (sglang keeps one request: none at
+    # batch 1).
+    retracted = {}
     if not spec.get("nc_only"):
         t = time.time()
         outs = [srv.generate(p, n) for p in prompts]
         res["seq_s"] = round(time.time() - t, 1)
         res["seq"] = [o["output_ids"] for o in outs]
+        retracted["seq"] = retracted_so_far(srv.log_path)
         if spec.get("mtp"):
             # Verify forwards per request and how many drafts each accepted:
             # the same outputs with other accept lengths would mean that the
@@ -351,12 +370,17 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
         res["abort_partial"].append(srv.stream_abort(prompts[i], 4 + 3 * i))
         srv.wait_idle()
     res["abort_again"] = [srv.generate(p, n)["output_ids"] for p in prompts[:k]]
+    before = retracted_so_far(srv.log_path)
+    retracted["abort"] = before - retracted.get("seq", 0)
     save()
     if not args.skip_concurrent:
         t = time.time()
         res["concurrent"] = srv.generate_many(prompts, n, args.concurrency)
         res["concurrent"] = [r["output_ids"] for r in res["concurrent"]]
         res["concurrent_s"] = round(time.time() - t, 1)
+        retracted["concurrent"] = retracted_so_far(srv.log_path) - before
+    if spec.get("retract"):
+        res["retracted_reqs"] = retracted
     # The scheduler goes idle: sglang's own leak check runs, the server must
     # still answer.
     time.sleep(args.idle_wait)
@@ -500,7 +524,8 @@ def compare(a: List[List[int]], b: List[List[int]]) -> dict:
 
 def summarize(result: dict, model: str) -> dict:
     """Offload vs no offload, case by case. Strict (counted in ``identical``
-    / ``total``): the batch-1 phases, ``seq`` and ``abort``. Reported only:
+    / ``total``): the batch-1 phases, ``seq`` and ``abort``, and ``retract``
+    (a bf16 server's retracting batches vs batch-1 outputs). Reported only:
     ``concurrent``, whose batch composition follows timing and changes GEMM
     and MoE rounding (``concurrent_vs_own_seq`` shows by how much), and the
     stock server's agreement. ``deterministic_prompts``: the prompts on which
@@ -527,6 +552,12 @@ def summarize(result: dict, model: str) -> dict:
             )
         if "concurrent" in res and "concurrent" in base:
             rows["concurrent"] = compare(res["concurrent"], base["concurrent"])
+        if spec.get("retract") and spec.get("kv") == "bf16" and "concurrent" in res:
+            # Strict: the batches that retracted vs the batch-1 outputs.
+            rows["retract"] = compare(res["concurrent"], base["seq"])
+            rows["retract"]["retracted_reqs"] = res.get("retracted_reqs", {}).get(
+                "concurrent"
+            )
         if "seq_accept" in res and "seq_accept" in base:
             rows["accept"] = compare_accept(res["seq_accept"], base["seq_accept"])
         if "seq_again" in base:
@@ -546,7 +577,7 @@ def summarize(result: dict, model: str) -> dict:
         comparisons[name] = rows
         if spec.get("stock"):
             continue  # sglang's defaults: reported agreement, not an offload case
-        for phase in ("seq", "abort"):
+        for phase in STRICT_PHASES:
             if phase in rows:
                 cases.append(f"{model}:{name}:{phase}")
                 identical += rows[phase]["identical"]
@@ -584,6 +615,9 @@ def summarize(result: dict, model: str) -> dict:
         "cases": cases,
         "comparisons": comparisons,
         "concurrent_vs_own_seq": own,
+        "retracted_reqs_by_phase": {
+            n: r["retracted_reqs"] for n, r in srv.items() if "retracted_reqs" in r
+        },
         "metrics": {n: r["metrics"] for n, r in srv.items() if "metrics" in r},
         "logs": result.get("logs", {}),
         "prompt_lens": result["prompt_lens"],
@@ -703,6 +737,19 @@ def summary_markdown(summary: dict) -> str:
                 f"{r.get('flipped_later', '-')} | "
                 f"{r['changed_before_corruption']} | {r['rows_corrupted']} |"
             )
+    retract = {
+        n: r["retract"] for n, r in summary["comparisons"].items() if "retract" in r
+    }
+    if retract:
+        lines += [
+            "",
+            "Forced retraction (bf16: retracting batches vs batch-1 outputs):",
+        ]
+        lines += [
+            f"- {n}: {frac(r)} identical, {r['retracted_reqs']} requests retracted "
+            "in the phase"
+            for n, r in retract.items()
+        ]
     mtp = summary.get("mtp")
     if mtp:
         lines += [
@@ -791,9 +838,13 @@ def merge_runs(paths: List[str]) -> dict:
             merged["servers"].setdefault(name, {}).update(res)
         merged["specs"].update(run["specs"])
         merged["logs"].update(run["logs"])
-        merged["merged_from"].append(
-            {"file": path, "code_commit": run["code_commit"], "ran": ran}
-        )
+        if run.get("merged_from") and not run.get("resumed"):
+            # An earlier merge: keep which call ran what.
+            merged["merged_from"].extend(run["merged_from"])
+        else:
+            merged["merged_from"].append(
+                {"file": path, "code_commit": run["code_commit"], "ran": ran}
+            )
     merged["code_commit"] = runs[-1][1]["code_commit"]
     return merged
 

@@ -30,7 +30,6 @@ if _HAS_TRITON:
         _swap_assign_kernel,
         _swap_classify_kernel,
         _swap_count_kernel,
-        _swap_layer_chunked_kernel,
         _swap_layer_kernel,
         _swap_rank_kernel,
     )
@@ -68,11 +67,7 @@ class TritonLRUSwap:
 
     ``split_by_unit`` (default: with units) runs the swap as the four kernels
     split by unit; ``False`` runs the one-program fused kernel even with units
-    (benchmarks and tests compare the two). ``chunked_units`` runs the
-    one-token swap with units as one program per row that walks the slots a
-    unit at a time (one launch instead of the split kernels' four; not the
-    default until timed against them on the GPU; ignored without units).
-    ``multi_split`` is the same choice
+    (benchmarks and tests compare the two). ``multi_split`` is the same choice
     for swaps of several query tokens per request (default: split with units,
     or when one program would walk more than ``FUSED_MAX_SLOTS`` slots).
     Multi-token kernels run every swap of a state with ``max_query_tokens > 1``
@@ -93,7 +88,6 @@ class TritonLRUSwap:
         split_by_unit: Optional[bool] = None,
         multi_split: Optional[bool] = None,
         always_multi_token: bool = False,
-        chunked_units: bool = False,
     ):
         check_triton_usable(state.device)
         self.device = state.device
@@ -118,7 +112,6 @@ class TritonLRUSwap:
             multi_split = self.split_by_unit or self.block_c > self.FUSED_MAX_SLOTS
         self.multi_split = multi_split
         self.always_multi_token = always_multi_token
-        self.chunked_units = chunked_units and self.max_units > 1
         # Whether the split kernels' hand-over scratch is needed.
         self._split_scratch = self.max_units > 1 or (
             multi_split and (self.max_query_tokens > 1 or always_multi_token)
@@ -192,19 +185,6 @@ class TritonLRUSwap:
         if q > 1 or self.always_multi_token or self.max_query_tokens > 1:
             self.multi_token_swap(
                 state, q, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
-            )
-            return plan
-        if self.chunked_units:
-            _swap_layer_chunked_kernel[(bs,)](
-                *self._fused_args(
-                    state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
-                ),
-                self._entry_slots,
-                self._new_lru,
-                K=self.top_k,
-                W=self.recent_window,
-                BLOCK_K=self.block_k,
-                **self._chunk_shape(),
             )
             return plan
         if self.split_by_unit:
