@@ -126,10 +126,10 @@ SERVERS = {
     # sglang retracts only from batches of two or more, and fp8 outputs change
     # with the batch: the strict retraction case is bf16 (batch-invariant),
     # its concurrent phase against the no-offload server's batch-1 outputs.
+    # base_bf16_retract is the control: sglang's own retraction, concurrent
+    # vs its batch-1 outputs (concurrent_vs_own_seq).
     "base_bf16_retract": dict(kv="bf16", retract=True),
-    "ours_bf16_retract": dict(
-        kv="bf16", offload=[], retract=True, base="base_bf16_retract"
-    ),
+    "ours_bf16_retract": dict(kv="bf16", offload=[], retract=True, base="base_bf16"),
     "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
     "dummy_fp8": dict(dummy=True, nc=True),
     # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, spec v1):
