@@ -180,6 +180,19 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "cannot be combined with --enable-hisparse", enable_hisparse=True
         )
 
+    def test_reject_early_swap_with_prefetch(self):
+        both = {
+            nsa_kv_offload_args.ENV_EARLY_SWAP: "1",
+            nsa_kv_offload_args.ENV_CROSS_LAYER_PREFETCH: "1",
+        }
+        with mock.patch.dict(os.environ, both):
+            self._assert_rejected(
+                "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1 and "
+                "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1 cannot be combined"
+            )
+        with mock.patch.dict(os.environ, {nsa_kv_offload_args.ENV_EARLY_SWAP: "1"}):
+            self._server_args()._handle_decode_nsa_kv_offload()  # alone: starts
+
     def test_reject_unsupported_speculative_decoding(self):
         # MTP's supported settings start (test_nsa_kv_offload_speculative_args).
         self._assert_rejected(

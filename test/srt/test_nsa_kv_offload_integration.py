@@ -938,6 +938,7 @@ class _Harness:
             )
         )
         self.gen = torch.Generator().manual_seed(seed)
+        self.page_tables = []  # every decode layer's, in order
         self.initial = self.snapshot()
         self.next_rid = 0
 
@@ -1204,19 +1205,24 @@ class _Harness:
             out_cache_loc=torch.cat([out, pad_loc]),
             req_pool_indices=torch.cat([idx, pad_idx]),
             seq_lens=torch.cat([batch.seq_lens, pad_seq]),
+            attn_backend=SimpleNamespace(nsa_kv_offload=self.co),
         )
         self.co.before_forward(fb)
         self.co.num_real_reqs.fill_(-1)  # left over from another batch
         topk = None
         for layer in range(self.L):
-            # The layer writes its new KV (window row), then attends.
-            self.write_kv_layer(layer, out)
             if topk is None or not shared_topk:
                 topk = torch.stack(
                     [self.pick_topk(r.seq_len, r in first_step_of) for r in reqs]
                     + [self.pick_topk(8) for _ in range(pad_rows)]
                 ).to(DEVICE, torch.int32)
+            # The model hands the indexer's top-k over (the early swap starts
+            # there), the layer writes its new KV (window row), then attends.
+            nsa_offload_hooks.begin_decode_swap(fb, layer, topk)
+            self.t.assertEqual(layer in self.co._early_page_tables, self.co.early_swap)
+            self.write_kv_layer(layer, out)
             page_table = nsa_offload_hooks.decode_page_table(self.co, fb, layer, topk)
+            self.page_tables.append(page_table.clone())
             # The first layer counted the real rows (out_cache_loc != 0).
             self.t.assertEqual(int(self.co.num_real_reqs[0]), bs)
             self.check_page_table(layer, reqs, topk, page_table, pad_rows)
@@ -1473,6 +1479,67 @@ class TestCrossLayerPrefetch(unittest.TestCase):
         h.finish(b)
         h.finish(c)
         h.check_no_leaks()
+
+
+class TestEarlySwap(unittest.TestCase):
+    """``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP``: the swap starts when the model
+    hands the top-k over, the backend's hook only collects it."""
+
+    def _run(self, early_swap, max_units=1):
+        h = _Harness(
+            self,
+            layers=3,
+            seed=9,
+            num_regions=3,
+            max_reqs=3,
+            max_units=max_units,
+            coordinator_kwargs={"early_swap": early_swap},
+        )
+        a, b = h.new_req(), h.new_req()
+        h.prefill([(a, 300), (b, 220)])
+        h.decode_step([a, b], first_step_of=(a, b))
+        for step in range(6):
+            h.decode_step([a, b], pad_rows=step % 2)
+        h.finish(a)
+        c = h.new_req()
+        h.prefill([(c, 260)])
+        h.decode_step([b, c], first_step_of=(c,))
+        h.decode_step([b, c], shared_topk=True)
+        stats = h.controller.get_stats()
+        h.finish(b)
+        h.finish(c)
+        h.check_no_leaks()
+        return h.page_tables, stats
+
+    def test_same_page_tables_and_copies_as_the_inline_swap(self):
+        for units in (1, 3):
+            with self.subTest(max_units=units):
+                inline, inline_stats = self._run(False, units)
+                early, early_stats = self._run(True, units)
+                self.assertEqual(len(early), len(inline))
+                for e, i in zip(early, inline):
+                    self.assertTrue(torch.equal(e, i))
+                self.assertEqual(early_stats, inline_stats)
+                self.assertGreater(early_stats["misses"], 0)
+
+    def test_verify_and_idle_stay_inline(self):
+        h = _Harness(self, coordinator_kwargs={"early_swap": True})
+        topk = torch.zeros((1, h.K), dtype=torch.int32, device=DEVICE)
+        for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.IDLE):
+            fb = SimpleNamespace(
+                forward_mode=mode, attn_backend=SimpleNamespace(nsa_kv_offload=h.co)
+            )
+            nsa_offload_hooks.begin_decode_swap(fb, 0, topk)
+            self.assertEqual(h.co._early_page_tables, {})
+
+    def test_refused_with_the_cross_layer_prefetch(self):
+        with self.assertRaises(ValueError) as ctx:
+            _Harness(
+                self,
+                cross_layer_prefetch=True,
+                coordinator_kwargs={"early_swap": True},
+            )
+        self.assertIn("SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP", str(ctx.exception))
 
 
 class TestUnitsLifecycle(unittest.TestCase):

@@ -107,6 +107,7 @@ SERVER_KINDS = (
     "ours",
     "ours_fixed",
     "ours_prefetch",
+    "ours_early",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -123,6 +124,7 @@ MTP_COMPARISONS = {
 OURS_VARIANTS = {
     "ours_fixed": "P4_fixed",
     "ours_prefetch": "P4_prefetch",
+    "ours_early": "P4_early",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -133,6 +135,7 @@ LABELS = {
     "ours": "ours",
     "ours_fixed": "ours, fixed buffer",
     "ours_prefetch": "ours + prefetch",
+    "ours_early": "ours, early swap",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -669,6 +672,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours": ours,
         "ours_fixed": fixed,
         "ours_prefetch": ours,  # + the prefetch's env var (server_env)
+        "ours_early": ours,  # + the early swap's env var (server_env)
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -685,6 +689,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
     if kind == "ours_prefetch" or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
+    if kind == "ours_early":
+        env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = "1"
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:
@@ -1713,6 +1719,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "hisparse": "tab:orange",
         "ours": "tab:blue",
         "ours_prefetch": "tab:green",
+        "ours_early": "tab:olive",
         "ours_units": "tab:purple",
         "ours_fixed": "tab:cyan",
         "baseline_mtp": "tab:brown",
@@ -1945,7 +1952,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help=f"some of {','.join(RUNNABLE_KINDS)} "
         "(ours_fixed: ours with --nsa-kv-offload-max-units 1, every request "
         "keeps exactly its own buffer; ours_prefetch: ours with the experimental "
-        "cross-layer prefetch; side by side with ours; baseline_mtp, ours_mtp: "
+        "cross-layer prefetch; ours_early: ours with the experimental early swap; "
+        "side by side with ours; baseline_mtp, ours_mtp: "
         "with MTP, --mtp-steps)",
     )
     p.add_argument(

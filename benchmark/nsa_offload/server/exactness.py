@@ -119,6 +119,11 @@ SERVERS = {
         env={"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
         base="base_fp8",
     ),
+    "ours_fp8_early": dict(
+        offload=[],
+        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
+        base="base_fp8",
+    ),
     "base_bf16": dict(kv="bf16"),
     "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
     "base_fp8_retract": dict(retract=True),

@@ -51,6 +51,10 @@ _HOST_RESERVE_FRACTION = 0.1
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 # Experimental cross-layer prefetch (read by the coordinator).
 ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
+# Experimental early swap (read by the coordinator): a decode layer's swap and
+# miss copy start on a side stream as soon as its top-k exists, beside the
+# query projection and rope, instead of right before its attention.
+ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Spec v2 (MTP with the overlap scheduler) is CPU-tested only: this lets it
@@ -261,6 +265,7 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         return
 
     from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
+    from sglang.srt.utils import get_bool_env_var
 
     hf_config = server_args.get_model_config().hf_config
     if not is_deepseek_nsa(hf_config):
@@ -288,6 +293,13 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             )
     if server_args.enable_hisparse:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
+    if get_bool_env_var(ENV_EARLY_SWAP) and get_bool_env_var(ENV_CROSS_LAYER_PREFETCH):
+        # The prefetch joins its stream in the next layer's swap; the early
+        # swap runs that swap on another stream.
+        _fail(
+            f"{ENV_EARLY_SWAP}=1 and {ENV_CROSS_LAYER_PREFETCH}=1 cannot be "
+            "combined; set one of the two."
+        )
     layout = NSAKVOffloadRankLayout.from_server_args(server_args)
     _check_parallelism(server_args, layout)
     if not server_args.disable_radix_cache:

@@ -26,6 +26,12 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   layer l+1's LRU slots on a second stream, overlapping layer l's attention
   and MLP; layer l+1's swap waits for it and then misses only what the two
   layers do not share;
+* optional early swap (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``, experimental):
+  the model hands a decode layer's top-k over as soon as the indexer returns
+  it (``begin_decode_swap``); its swap and miss copy run on a side stream
+  beside the query projection, rope and the new token's KV write, and the
+  backend's swap hook only waits for them. Same kernels, same inputs: the
+  outputs are the inline swap's;
 * finish / abort / retract: release the region and LRU state after the GPU work
   that may still touch them.
 
@@ -43,7 +49,10 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 import torch
-from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_CROSS_LAYER_PREFETCH
+from sglang.srt.arg_groups.nsa_kv_offload_args import (
+    ENV_CROSS_LAYER_PREFETCH,
+    ENV_EARLY_SWAP,
+)
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
@@ -75,6 +84,15 @@ logger = logging.getLogger(__name__)
 IDLE_METRICS_INTERVAL_S = 1.0
 
 
+def _pad_rows(page_table: torch.Tensor, rows: int) -> torch.Tensor:
+    # The backend pads the top-k to the query rows (TP with partial DP
+    # attention); the early swap ran on the indexer's rows.
+    if page_table.shape[0] >= rows:
+        return page_table
+    pad = page_table.new_full((rows - page_table.shape[0], page_table.shape[1]), -1)
+    return torch.cat([page_table, pad])
+
+
 class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     def __init__(
         self,
@@ -92,7 +110,13 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         staging_reserve_pages: int = 0,
         host_pool_group: Optional[HostPoolGroup] = None,
         max_query_tokens: int = 1,
+        early_swap: bool = False,
     ):
+        if early_swap and cross_layer_prefetch:
+            raise ValueError(
+                f"NSA KV offload: {ENV_EARLY_SWAP}=1 and "
+                f"{ENV_CROSS_LAYER_PREFETCH}=1 cannot be combined"
+            )
         if cross_layer_prefetch and max_query_tokens > 1:
             # The prefetch swaps one top-k row per request.
             raise ValueError(
@@ -201,6 +225,18 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             on_gpu = torch.device(self.device).type == "cuda"
             self._prefetch_stream = torch.cuda.Stream(self.device) if on_gpu else None
             self._prefetch_done = (
+                [torch.cuda.Event() for _ in range(kv_pool.layer_num)]
+                if on_gpu
+                else None
+            )
+        self.early_swap = early_swap
+        # Page tables of the layers whose swap began early, by layer id
+        # (host bookkeeping: set and taken within one forward, or capture).
+        self._early_page_tables = {}
+        if early_swap:
+            on_gpu = torch.device(self.device).type == "cuda"
+            self._swap_stream = torch.cuda.Stream(self.device) if on_gpu else None
+            self._swap_done = (
                 [torch.cuda.Event() for _ in range(kv_pool.layer_num)]
                 if on_gpu
                 else None
@@ -341,22 +377,66 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         # be rewritten.
         self.controller.wait_backup()
 
+    def begin_decode_swap(
+        self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> None:
+        """With the early swap: start this decode layer's swap and miss copy
+        (on the side stream on CUDA, inline elsewhere); ``swap_decode_layer``
+        then waits for them instead of running them."""
+        if not self.early_swap or not forward_batch.forward_mode.is_decode():
+            return
+        first = self._layer_range[0]
+        if layer_id == first:
+            self._early_page_tables.clear()  # nothing carried over a forward
+            self._count_real_rows(forward_batch.out_cache_loc)
+        stream = self._swap_stream
+        if stream is None:
+            page_table = self._swap_into_plan(layer_id, topk_positions, forward_batch)
+        else:
+            # The side stream starts after the top-k (and the real-row count).
+            # The forward stream waits for it in swap_decode_layer, while the
+            # top-k tensor is still referenced there: nothing it reads is
+            # freed early, and CUDA-graph capture sees the fork joined.
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                page_table = self._swap_into_plan(
+                    layer_id, topk_positions, forward_batch
+                )
+                self._swap_done[layer_id - first].record(stream)
+        self._early_page_tables[layer_id] = page_table
+
+    def _swap_into_plan(
+        self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        bs = topk_positions.shape[0]
+        out = LayerSwapPlan(*(t[:bs] for t in self._plan_buffers))
+        return self.controller.swap_one_layer(
+            layer_id,
+            topk_positions,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            self.req_to_token,
+            self.num_real_reqs,
+            out=out,
+        )
+
     def swap_decode_layer(
         self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """Positions of the indexer's top-k -> GPU rows in top-k order, after
         loading the misses of this layer."""
         first, last = self._layer_range
+        early = self._early_page_tables.pop(layer_id, None)
+        if early is not None:
+            if self._swap_stream is not None:
+                torch.cuda.current_stream().wait_event(
+                    self._swap_done[layer_id - first]
+                )
+            if layer_id == last:
+                self._write_back_new_tokens(forward_batch.out_cache_loc)
+            return _pad_rows(early, topk_positions.shape[0])
         if layer_id == first:
             self._count_real_rows(forward_batch.out_cache_loc)
-        bs = topk_positions.shape[0]
-        out = LayerSwapPlan(*(t[:bs] for t in self._plan_buffers))
-        args = (
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            self.req_to_token,
-            self.num_real_reqs,
-        )
         prefetch = self.cross_layer_prefetch
         if prefetch and self._prefetch_stream is not None:
             if layer_id > first:
@@ -364,10 +444,14 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 torch.cuda.current_stream().wait_event(
                     self._prefetch_done[layer_id - first]
                 )
-        page_table = self.controller.swap_one_layer(
-            layer_id, topk_positions, *args, out=out
-        )
+        page_table = self._swap_into_plan(layer_id, topk_positions, forward_batch)
         if prefetch and layer_id < last:
+            args = (
+                forward_batch.req_pool_indices,
+                forward_batch.seq_lens,
+                self.req_to_token,
+                self.num_real_reqs,
+            )
             self._prefetch_next_layer(layer_id + 1, topk_positions, args)
         if layer_id == last:
             self._write_back_new_tokens(forward_batch.out_cache_loc)
@@ -578,6 +662,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         max_batch_size=max_batch_size,
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
+        early_swap=get_bool_env_var(ENV_EARLY_SWAP),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(
