@@ -41,8 +41,9 @@ with ``server/sorted_topk`` first on ``PYTHONPATH``,
 Every comparison is batch 1 (phases 1, 3, 4, 6): identical ``output_ids``
 with and without the offload, for the default offload server (LRU units:
 idle regions and prefill staging lent as extra buffers), one with one fixed
-buffer per request (``--nsa-kv-offload-max-units 1``) and one with the
-experimental cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``).
+buffer per request (``--nsa-kv-offload-max-units 1``), one with the
+experimental cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``)
+and one with the experimental early swap (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``).
 The negative control shows that these comparisons can fail: the corrupted
 read must change at least 90% of the outputs (never the first token, which
 comes from the prefill), while the disarmed server repeats its clean outputs,
@@ -253,6 +254,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         "offload": "ours_fp8",
         "offload_fixed": "ours_fp8_1unit",
         "offload_prefetch": "ours_fp8_prefetch",
+        "offload_early": "ours_fp8_early",
     }
     PORT_OFFSET = 0
     MTP = False  # the seq phase also records each request's accept counts
@@ -444,6 +446,9 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         # The prefetch ran: its decode log counts rows loaded ahead of time.
         log = self.results["offload_prefetch"]["log"]
         self.assertGreater(log.get("prefetched", 0), 0, log)
+
+    def test_early_swap_outputs_identical(self):
+        self._assert_offload_identical("offload_early")
 
     def test_concurrent_load_finishes(self):
         # Batch composition follows timing here: no output comparison (with
