@@ -26,8 +26,8 @@ Usage::
 server): the top-k trace override / recorder
 (``benchmark/nsa_offload/traces/nsa_topk_trace.py``, installed as
 ``sglang/srt/layers/attention/nsa_topk_trace.py``) and the patches listed in
-``benchmark/nsa_offload/traces/bench_hooks/series`` (its one call in the NSA
-backend), applied after ``patches/series``. Applying without the option takes
+``benchmark/nsa_offload/traces/bench_hooks/series`` (its calls in the MLA
+forward and the NSA backend), applied after ``patches/series``. Applying without the option takes
 them back out.
 
 Everything is computed in memory before anything is written: a patch that

@@ -459,18 +459,23 @@ class _LayoutTests:
         self.assertEqual(snapshot(fx.sglang_dir), before)
 
     def test_bench_hooks_only_with_the_option(self):
-        """--with-bench-hooks adds the top-k trace module and its backend call;
-        a plain apply installs neither (and takes them back out)."""
+        """--with-bench-hooks adds the top-k trace module and its calls (the
+        MLA forward's decode hook, the backend's verify hook); a plain apply
+        installs neither (and takes them back out)."""
         fx = self.fx
         before = snapshot(fx.sglang_dir)
         repo = ("--patches-dir", REPO_ROOT / "patches")
         repo += ("--modules-dir", REPO_ROOT / "python" / "sglang")
         trace_rel = "srt/layers/attention/nsa_topk_trace.py"
         backend = fx.package / "srt/layers/attention/nsa_backend.py"
+        mla = fx.package / (
+            "srt/models/deepseek_common/attention_forward_methods/forward_mla.py"
+        )
         run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0)
         plain = snapshot(fx.sglang_dir)
         self.assertFalse((fx.package / trace_rel).exists())
         self.assertNotIn("nsa_topk_trace", backend.read_text())
+        self.assertNotIn("nsa_topk_trace", mla.read_text())
         out = run_tool(
             "--sglang-dir", fx.sglang_dir, "--with-bench-hooks", *repo, check_rc=0
         ).stdout
@@ -479,7 +484,8 @@ class _LayoutTests:
             (fx.package / trace_rel).read_bytes(),
             ap.BENCH_HOOKS_MODULES[trace_rel].read_bytes(),
         )
-        self.assertIn("nsa_topk_trace.apply_decode_topk_hooks(", backend.read_text())
+        self.assertIn("nsa_topk_trace.apply_decode_topk_hooks(", mla.read_text())
+        self.assertIn("nsa_topk_trace.apply_verify_topk_hooks(", backend.read_text())
         run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0)
         self.assertEqual(snapshot(fx.sglang_dir), plain)
         run_tool("--sglang-dir", fx.sglang_dir, "--with-bench-hooks", *repo, check_rc=0)

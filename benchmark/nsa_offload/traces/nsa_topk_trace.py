@@ -3,11 +3,12 @@
 Benchmark tooling, not part of the product: ``scripts/apply_patch.py
 --with-bench-hooks`` installs this file as
 ``sglang/srt/layers/attention/nsa_topk_trace.py`` and applies
-``benchmark/nsa_offload/traces/bench_hooks/`` (one call in the NSA backend), so
-that the backend calls :func:`apply_decode_topk_hooks` on the decode top-k of
-every server (no offload, HiSparse, decode NSA KV offload) right after
-``_pad_topk_indices``. Without that option neither the module nor the call is
-installed. Both tools are off unless their environment variable is set; then
+``benchmark/nsa_offload/traces/bench_hooks/``, so that the model's MLA forward
+(``forward_mla.py``) calls :func:`apply_decode_topk_hooks` on each decode
+layer's top-k of every server (no offload, HiSparse, decode NSA KV offload)
+right after the indexer, before the offload's early swap may take it, and the
+NSA backend calls :func:`apply_verify_topk_hooks` on MTP verify rows. Without
+that option neither the module nor the calls are installed. Both tools are off unless their environment variable is set; then
 the hook returns its input tensor object unchanged.
 
 Override (``SGLANG_NSA_TOPK_TRACE_OVERRIDE=/path/trace.npz``)
