@@ -222,25 +222,13 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             self._prefetch_topk = torch.full(
                 (max_batch_size, top_k), -1, dtype=torch.int32, device=self.device
             )
-            on_gpu = torch.device(self.device).type == "cuda"
-            self._prefetch_stream = torch.cuda.Stream(self.device) if on_gpu else None
-            self._prefetch_done = (
-                [torch.cuda.Event() for _ in range(kv_pool.layer_num)]
-                if on_gpu
-                else None
-            )
+            self._prefetch_stream, self._prefetch_done = self._side_stream()
         self.early_swap = early_swap
         # Page tables of the layers whose swap began early, by layer id
         # (host bookkeeping: set and taken within one forward, or capture).
         self._early_page_tables = {}
         if early_swap:
-            on_gpu = torch.device(self.device).type == "cuda"
-            self._swap_stream = torch.cuda.Stream(self.device) if on_gpu else None
-            self._swap_done = (
-                [torch.cuda.Event() for _ in range(kv_pool.layer_num)]
-                if on_gpu
-                else None
-            )
+            self._swap_stream, self._swap_done = self._side_stream()
         self.producer_stream = None
         self._last_log_tic = time.perf_counter()
         self.metrics = None  # NSAKVOffloadMetricsCollector with --enable-metrics
@@ -259,6 +247,14 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             sizes.staging_rows,
             kv_pool.kv_buffer[0].shape[0],
         )
+
+    def _side_stream(self):
+        """A second CUDA stream and one event per layer of this rank (both
+        None off CUDA: the work then runs inline)."""
+        if torch.device(self.device).type != "cuda":
+            return None, None
+        events = [torch.cuda.Event() for _ in range(self.kv_pool.layer_num)]
+        return torch.cuda.Stream(self.device), events
 
     def _new_plan_buffers(self, rows: int, k: int, q: int = 1) -> LayerSwapPlan:
         """For ``rows`` requests of up to ``q`` query tokens: a page-table row
