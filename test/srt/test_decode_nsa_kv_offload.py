@@ -547,13 +547,14 @@ class TestDecodeNSAKVOffloadMTP(TestDecodeNSAKVOffload):
     v1: ``exactness.mtp_args``): the target's verify forwards read 4 query
     tokens' top-k per request through the offload. Besides the outputs, each
     request's accept counts must match; the negative control corrupts the
-    verify rows (``bench_hooks/0002``). The offload servers: the default one
+    verify rows (``bench_hooks/0001``). The offload servers: the default one
     and one at verify's limits (buffer 4 x top-k, window 8, one unit)."""
 
     SERVERS = {
         "baseline": "base_fp8_mtp",
         "offload": "ours_fp8_mtp",
         "offload_fixed": "ours_fp8_mtp_heavy",
+        "offload_early": "ours_fp8_mtp_early",
     }
     PORT_OFFSET = 300
     MTP = True

@@ -1218,7 +1218,7 @@ class _Harness:
                 ).to(DEVICE, torch.int32)
             # The model hands the indexer's top-k over (the early swap starts
             # there), the layer writes its new KV (window row), then attends.
-            nsa_offload_hooks.begin_decode_swap(fb, layer, topk)
+            nsa_offload_hooks.begin_layer_swap(fb, layer, topk)
             self.t.assertEqual(layer in self.co._early_page_tables, self.co.early_swap)
             self.write_kv_layer(layer, out)
             page_table = nsa_offload_hooks.decode_page_table(self.co, fb, layer, topk)
@@ -1522,14 +1522,15 @@ class TestEarlySwap(unittest.TestCase):
                 self.assertEqual(early_stats, inline_stats)
                 self.assertGreater(early_stats["misses"], 0)
 
-    def test_verify_and_idle_stay_inline(self):
+    def test_idle_and_extend_stay_inline(self):
+        # (MTP verify: test_nsa_kv_offload_mtp_verify, early and inline.)
         h = _Harness(self, coordinator_kwargs={"early_swap": True})
         topk = torch.zeros((1, h.K), dtype=torch.int32, device=DEVICE)
-        for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.IDLE):
+        for mode in (ForwardMode.IDLE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY):
             fb = SimpleNamespace(
                 forward_mode=mode, attn_backend=SimpleNamespace(nsa_kv_offload=h.co)
             )
-            nsa_offload_hooks.begin_decode_swap(fb, 0, topk)
+            nsa_offload_hooks.begin_layer_swap(fb, 0, topk)
             self.assertEqual(h.co._early_page_tables, {})
 
     def test_refused_with_the_cross_layer_prefetch(self):

@@ -24,6 +24,7 @@ of a decode step with ``s`` draft steps (``q = s + 1``):
 """
 
 import importlib.util
+import itertools
 import random
 import unittest
 from pathlib import Path
@@ -72,10 +73,12 @@ def _backend(coordinator, captured):
 
 
 class _MTPHarness(_Harness):
-    def __init__(self, test, steps, **kw):
+    def __init__(self, test, steps, early_swap=False, **kw):
         self.s, self.q = steps, steps + 1
         super().__init__(
-            test, coordinator_kwargs=dict(max_query_tokens=steps + 1), **kw
+            test,
+            coordinator_kwargs=dict(max_query_tokens=steps + 1, early_swap=early_swap),
+            **kw,
         )
         # create_nsa_kv_offload_allocator sets it when --speculative-algorithm is
         self.allocator.speculative = True
@@ -154,13 +157,13 @@ class _MTPHarness(_Harness):
             ),
             token_to_kv_pool=self.pool,
             hisparse_coordinator=None,
+            attn_backend=SimpleNamespace(nsa_kv_offload=self.co),
         )
         self.t.assertTrue(nsa_offload_hooks.use_positional_topk(self.co, fb))
         self.co.before_forward(fb)
         self.co.num_real_reqs.fill_(-1)  # left over from another batch
         rows_total = (bs + pad_reqs) * q
         for layer in range(self.L):
-            self.write_kv_layer(layer, out)
             # Query j of a request at position n + j sees positions <= n + j.
             topk = torch.stack(
                 [
@@ -170,6 +173,11 @@ class _MTPHarness(_Harness):
                 ]
                 + [self.pick_topk(8) for _ in range(pad_reqs * q)]
             ).to(DEVICE, torch.int32)
+            # The model hands the top-k over (the early swap starts there),
+            # the layer writes the q tokens' KV, then attends.
+            nsa_offload_hooks.begin_layer_swap(fb, layer, topk)
+            self.t.assertEqual(layer in self.co._early_page_tables, self.co.early_swap)
+            self.write_kv_layer(layer, out)
             if layer in backend_layers:
                 captured = []
                 lyr = SimpleNamespace(
@@ -268,9 +276,10 @@ class TestMTPVerify(unittest.TestCase):
         )
 
     def test_verify_steps(self):
-        for steps in (1, 3):
-            with self.subTest(steps=steps):
-                h = self._harness(steps, seed=steps)
+        stats = {}
+        for steps, early_swap in itertools.product((1, 3), (False, True)):
+            with self.subTest(steps=steps, early_swap=early_swap):
+                h = self._harness(steps, seed=steps, early_swap=early_swap)
                 rng = random.Random(steps)
                 # Prompts ending just before a page boundary: the drafts cross it.
                 a, b = h.new_req(), h.new_req()
@@ -296,6 +305,11 @@ class TestMTPVerify(unittest.TestCase):
                     held = held[held >= 0].long()
                     committed = h.req_to_token[r.req_pool_idx, : r.seq_len].long()
                     self.assertTrue(bool(torch.isin(held, committed).all()))
+                # The early swap (SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP): the same
+                # hits, misses and copies as the swap in the backend's hook.
+                stats[steps, early_swap] = h.controller.get_stats()
+                if early_swap:
+                    self.assertEqual(stats[steps, True], stats[steps, False])
                 for r in reqs:
                     h.finish(r)
                 self.assertEqual(h.snapshot(), h.initial)

@@ -258,8 +258,7 @@ def main():
     for r in rows:
         split = r.get("split")
         us = [
-            f"{r[k]['us_per_swap']:.1f}" if k in r else "-"
-            for k in ("fused", "split")
+            f"{r[k]['us_per_swap']:.1f}" if k in r else "-" for k in ("fused", "split")
         ]
         same = "-" if not split else ("yes" if r["mismatched_replays"] == 0 else "NO")
         if split and not split["misses_per_row"]:

@@ -140,11 +140,17 @@ SERVERS = {
     # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, spec v1):
     # each offload server against the no-offload server with the same MTP
     # settings, outputs and accept counts (docs/MTP.md).
-    # Its negative control corrupts verify rows (traces/bench_hooks/0002).
+    # Its negative control corrupts verify rows (traces/bench_hooks/0001).
     "base_fp8_mtp": dict(mtp=3, nc=True),
     "ours_fp8_mtp": dict(mtp=3, offload=[], base="base_fp8_mtp"),
     "ours_fp8_mtp_heavy": dict(
         mtp=3, offload=MTP_HEAVY_OFFLOAD_ARGS, base="base_fp8_mtp"
+    ),
+    "ours_fp8_mtp_early": dict(
+        mtp=3,
+        offload=[],
+        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
+        base="base_fp8_mtp",
     ),
     "base_fp8_mtp1": dict(mtp=1),
     "ours_fp8_mtp1": dict(mtp=1, offload=[], base="base_fp8_mtp1"),

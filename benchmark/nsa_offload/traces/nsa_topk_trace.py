@@ -5,10 +5,11 @@ Benchmark tooling, not part of the product: ``scripts/apply_patch.py
 ``sglang/srt/layers/attention/nsa_topk_trace.py`` and applies
 ``benchmark/nsa_offload/traces/bench_hooks/``, so that the model's MLA forward
 (``forward_mla.py``) calls :func:`apply_decode_topk_hooks` on each decode
-layer's top-k of every server (no offload, HiSparse, decode NSA KV offload)
-right after the indexer, before the offload's early swap may take it, and the
-NSA backend calls :func:`apply_verify_topk_hooks` on MTP verify rows. Without
-that option neither the module nor the calls are installed. Both tools are off unless their environment variable is set; then
+layer's top-k of every server (no offload, HiSparse, decode NSA KV offload),
+and :func:`apply_verify_topk_hooks` on the other forwards' (MTP verify rows;
+the rest pass through), right after the indexer, before the offload's early
+swap may take it. Without that option neither the module nor the calls are
+installed. Both tools are off unless their environment variable is set; then
 the hook returns its input tensor object unchanged.
 
 Override (``SGLANG_NSA_TOPK_TRACE_OVERRIDE=/path/trace.npz``)
@@ -1289,8 +1290,8 @@ def apply_decode_topk_hooks(forward_batch, layer_id: int, topk: torch.Tensor):
 
 
 def apply_verify_topk_hooks(forward_batch, layer_id: int, topk: torch.Tensor):
-    """The hooks for the NSA backend's extend path: target-verify forwards
-    only (bench_hooks/0002, ``DecodeTopkHooks.verify``); prefill and draft
+    """The hooks for the MLA forward's non-decode top-k: target-verify forwards
+    only (bench_hooks/0001, ``DecodeTopkHooks.verify``); prefill and draft
     extends pass through."""
     if not forward_batch.forward_mode.is_target_verify():
         return topk

@@ -51,8 +51,8 @@ _HOST_RESERVE_FRACTION = 0.1
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 # Experimental cross-layer prefetch (read by the coordinator).
 ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
-# Experimental early swap (read by the coordinator): a decode layer's swap and
-# miss copy start on a side stream as soon as its top-k exists, beside the
+# Experimental early swap (read by the coordinator): a decode or verify layer's
+# swap and miss copy start on a side stream as soon as its top-k exists, beside the
 # query projection and rope, instead of right before its attention.
 ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
 # sglang's own: spec v2 prepares the verify on a second stream.

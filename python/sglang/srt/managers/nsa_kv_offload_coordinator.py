@@ -27,10 +27,10 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   and MLP; layer l+1's swap waits for it and then misses only what the two
   layers do not share;
 * optional early swap (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``, experimental):
-  the model hands a decode layer's top-k over as soon as the indexer returns
-  it (``begin_decode_swap``); its swap and miss copy run on a side stream
-  beside the query projection, rope and the new token's KV write, and the
-  backend's swap hook only waits for them. Same kernels, same inputs: the
+  the model hands a decode or verify layer's top-k over as soon as the
+  indexer returns it (``begin_layer_swap``); its swap and miss copy run on a
+  side stream beside the query projection, rope and the new tokens' KV
+  write, and the backend's swap hook only waits for them. Same kernels, same inputs: the
   outputs are the inline swap's;
 * finish / abort / retract: release the region and LRU state after the GPU work
   that may still touch them.
@@ -373,37 +373,58 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         # be rewritten.
         self.controller.wait_backup()
 
-    def begin_decode_swap(
+    def begin_layer_swap(
         self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> None:
-        """With the early swap: start this decode layer's swap and miss copy
-        (on the side stream on CUDA, inline elsewhere); ``swap_decode_layer``
-        then waits for them instead of running them."""
-        if not self.early_swap or not forward_batch.forward_mode.is_decode():
+        """With the early swap: start this layer's decode or verify swap and
+        miss copy (on the side stream on CUDA, inline elsewhere);
+        ``swap_decode_layer`` / ``swap_verify_layer`` then wait for them
+        instead of running them."""
+        mode = forward_batch.forward_mode
+        if not self.early_swap:
+            return
+        if mode.is_decode():
+            swap = self._swap_into_plan
+        elif mode.is_target_verify() and self.max_query_tokens > 1:
+            swap = self._verify_swap_into_plan
+        else:
             return
         first = self._layer_range[0]
         if layer_id == first:
             self._early_page_tables.clear()  # nothing carried over a forward
-            self._count_real_rows(forward_batch.out_cache_loc)
         stream = self._swap_stream
         if stream is None:
-            page_table = self._swap_into_plan(layer_id, topk_positions, forward_batch)
+            page_table = swap(layer_id, topk_positions, forward_batch)
         else:
-            # The side stream starts after the top-k (and the real-row count).
-            # The forward stream waits for it in swap_decode_layer, while the
-            # top-k tensor is still referenced there: nothing it reads is
-            # freed early, and CUDA-graph capture sees the fork joined.
+            # The side stream starts after the top-k (and the first layer's
+            # counts). The forward stream waits for it in the swap hook,
+            # while the top-k tensor is still referenced there: nothing it
+            # reads is freed early, and CUDA-graph capture sees the fork joined.
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                page_table = self._swap_into_plan(
-                    layer_id, topk_positions, forward_batch
-                )
+                page_table = swap(layer_id, topk_positions, forward_batch)
                 self._swap_done[layer_id - first].record(stream)
         self._early_page_tables[layer_id] = page_table
+
+    def _take_early_page_table(
+        self, layer_id: int, rows: int
+    ) -> Optional[torch.Tensor]:
+        """The page table of this layer's early swap (the forward stream
+        waits for it), or None when its swap has not begun."""
+        page_table = self._early_page_tables.pop(layer_id, None)
+        if page_table is None:
+            return None
+        if self._swap_stream is not None:
+            torch.cuda.current_stream().wait_event(
+                self._swap_done[layer_id - self._layer_range[0]]
+            )
+        return _pad_rows(page_table, rows)
 
     def _swap_into_plan(
         self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
+        if layer_id == self._layer_range[0]:
+            self._count_real_rows(forward_batch.out_cache_loc)
         bs = topk_positions.shape[0]
         out = LayerSwapPlan(*(t[:bs] for t in self._plan_buffers))
         return self.controller.swap_one_layer(
@@ -422,17 +443,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         """Positions of the indexer's top-k -> GPU rows in top-k order, after
         loading the misses of this layer."""
         first, last = self._layer_range
-        early = self._early_page_tables.pop(layer_id, None)
-        if early is not None:
-            if self._swap_stream is not None:
-                torch.cuda.current_stream().wait_event(
-                    self._swap_done[layer_id - first]
-                )
+        page_table = self._take_early_page_table(layer_id, topk_positions.shape[0])
+        if page_table is not None:
             if layer_id == last:
                 self._write_back_new_tokens(forward_batch.out_cache_loc)
-            return _pad_rows(early, topk_positions.shape[0])
-        if layer_id == first:
-            self._count_real_rows(forward_batch.out_cache_loc)
+            return page_table
         prefetch = self.cross_layer_prefetch
         if prefetch and self._prefetch_stream is not None:
             if layer_id > first:

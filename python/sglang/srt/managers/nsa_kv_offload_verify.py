@@ -133,14 +133,29 @@ class NSAKVOffloadVerifyMixin:
     ) -> torch.Tensor:
         """``(bs * q, K)`` top-k positions (request-major) -> GPU rows, one row
         per query token, after loading this layer's misses."""
+        last = self._layer_range[1]
+        page_table = self._take_early_page_table(layer_id, topk_positions.shape[0])
+        if page_table is None:
+            page_table = self._verify_swap_into_plan(
+                layer_id, topk_positions, forward_batch
+            )
+        if layer_id == last:
+            rows = self.kv_pool.loc_to_row[forward_batch.out_cache_loc]
+            self.controller.write_back_new_tokens(
+                rows, forward_batch.out_cache_loc, self.num_real_tokens
+            )
+        return page_table
+
+    def _verify_swap_into_plan(
+        self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         q = self.max_query_tokens
-        first, last = self._layer_range
-        if layer_id == first:
+        if layer_id == self._layer_range[0]:
             self._count_real_tokens(forward_batch.out_cache_loc, q)
             # The swap's length counts all q query tokens (the backend's
             # cache_seqlens); computed once per forward, inside the graph.
             self._verify_seq_lens = forward_batch.seq_lens + q
-        page_table = self.controller.swap_one_layer(
+        return self.controller.swap_one_layer(
             layer_id,
             topk_positions,
             forward_batch.req_pool_indices,
@@ -150,12 +165,6 @@ class NSAKVOffloadVerifyMixin:
             out=self._plan_buffers,
             num_query_tokens=q,
         )
-        if layer_id == last:
-            rows = self.kv_pool.loc_to_row[forward_batch.out_cache_loc]
-            self.controller.write_back_new_tokens(
-                rows, forward_batch.out_cache_loc, self.num_real_tokens
-            )
-        return page_table
 
     def _count_real_tokens(self, out_cache_loc: torch.Tensor, q: int) -> None:
         # Padding requests of a CUDA graph have out_cache_loc 0 for all their

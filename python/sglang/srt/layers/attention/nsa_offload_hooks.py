@@ -30,16 +30,16 @@ def use_positional_topk(
     return mode.is_decode_or_idle() or mode.is_target_verify()
 
 
-def begin_decode_swap(
+def begin_layer_swap(
     forward_batch: ForwardBatch, layer_id: int, topk_positions: torch.Tensor
 ) -> None:
     """The model, right after a layer's indexer: with the early swap
-    (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``), start the layer's decode swap
-    now; ``decode_page_table`` collects it. Reached through the forward's
+    (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``), start the layer's decode or
+    verify swap now; ``decode_page_table`` / ``verify_page_table`` collect it. Reached through the forward's
     attention backend (a draft model's has no offload)."""
     offload = getattr(forward_batch.attn_backend, "nsa_kv_offload", None)
     if offload is not None and offload.early_swap:
-        offload.begin_decode_swap(layer_id, topk_positions, forward_batch)
+        offload.begin_layer_swap(layer_id, topk_positions, forward_batch)
 
 
 def decode_page_table(
