@@ -30,8 +30,8 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   the model hands a decode or verify layer's top-k over as soon as the
   indexer returns it (``begin_layer_swap``); its swap and miss copy run on a
   side stream beside the query projection, rope and the new tokens' KV
-  write, and the backend's swap hook only waits for them. Same kernels, same inputs: the
-  outputs are the inline swap's;
+  write, and the backend's swap hook only waits for them. Same kernels,
+  same inputs: the outputs are the inline swap's;
 * finish / abort / retract: release the region and LRU state after the GPU work
   that may still touch them.
 
@@ -380,9 +380,9 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         miss copy (on the side stream on CUDA, inline elsewhere);
         ``swap_decode_layer`` / ``swap_verify_layer`` then wait for them
         instead of running them."""
-        mode = forward_batch.forward_mode
         if not self.early_swap:
             return
+        mode = forward_batch.forward_mode
         if mode.is_decode():
             swap = self._swap_into_plan
         elif mode.is_target_verify() and self.max_query_tokens > 1:
@@ -396,10 +396,12 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         if stream is None:
             page_table = swap(layer_id, topk_positions, forward_batch)
         else:
-            # The side stream starts after the top-k (and the first layer's
-            # counts). The forward stream waits for it in the swap hook,
-            # while the top-k tensor is still referenced there: nothing it
-            # reads is freed early, and CUDA-graph capture sees the fork joined.
+            # The side stream starts after the top-k; it also runs the first
+            # layer's real-row counts, which the forward stream reads only
+            # at the last layer's write-back. The forward stream waits for it
+            # in the swap hook, while the top-k tensor is still referenced
+            # there: nothing it reads is freed early, and CUDA-graph capture
+            # sees the fork joined.
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 page_table = swap(layer_id, topk_positions, forward_batch)

@@ -35,8 +35,9 @@ def begin_layer_swap(
 ) -> None:
     """The model, right after a layer's indexer: with the early swap
     (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``), start the layer's decode or
-    verify swap now; ``decode_page_table`` / ``verify_page_table`` collect it. Reached through the forward's
-    attention backend (a draft model's has no offload)."""
+    verify swap now; ``decode_page_table`` / ``verify_page_table`` collect
+    it. Reached through the forward's attention backend (a draft model's has
+    no offload)."""
     offload = getattr(forward_batch.attn_backend, "nsa_kv_offload", None)
     if offload is not None and offload.early_swap:
         offload.begin_layer_swap(layer_id, topk_positions, forward_batch)
