@@ -324,22 +324,23 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
     return extra, env
 
 
-def retracted_so_far(log_path: str) -> int:
-    """Requests the server's log says it retracted until now."""
-    return scan_log(log_path)["retracted_reqs"]
-
-
 def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, save):
     n = args.max_new_tokens
-    # Which phase the retractions fell in (sglang keeps one request: none at
-    # batch 1).
-    retracted = {}
+    # Retracting servers: which phase the retractions fell in (sglang keeps
+    # one request: none at batch 1), from the log's running count.
+    retracted, counted = {}, [0]
+
+    def count_retracted(phase: str) -> None:
+        if spec.get("retract"):
+            total = scan_log(srv.log_path)["retracted_reqs"]
+            retracted[phase], counted[0] = total - counted[0], total
+
     if not spec.get("nc_only"):
         t = time.time()
         outs = [srv.generate(p, n) for p in prompts]
         res["seq_s"] = round(time.time() - t, 1)
         res["seq"] = [o["output_ids"] for o in outs]
-        retracted["seq"] = retracted_so_far(srv.log_path)
+        count_retracted("seq")
         if spec.get("mtp"):
             # Verify forwards per request and how many drafts each accepted:
             # the same outputs with other accept lengths would mean that the
@@ -381,16 +382,15 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
         res["abort_partial"].append(srv.stream_abort(prompts[i], 4 + 3 * i))
         srv.wait_idle()
     res["abort_again"] = [srv.generate(p, n)["output_ids"] for p in prompts[:k]]
-    before = retracted_so_far(srv.log_path)
-    retracted["abort"] = before - retracted.get("seq", 0)
+    count_retracted("abort")
     save()
     if not args.skip_concurrent:
         t = time.time()
         res["concurrent"] = srv.generate_many(prompts, n, args.concurrency)
         res["concurrent"] = [r["output_ids"] for r in res["concurrent"]]
         res["concurrent_s"] = round(time.time() - t, 1)
-        retracted["concurrent"] = retracted_so_far(srv.log_path) - before
-    if spec.get("retract"):
+        count_retracted("concurrent")
+    if retracted:
         res["retracted_reqs"] = retracted
     # The scheduler goes idle: sglang's own leak check runs, the server must
     # still answer.

@@ -39,7 +39,7 @@ def begin_layer_swap(
     it. Reached through the forward's attention backend (a draft model's has
     no offload)."""
     offload = getattr(forward_batch.attn_backend, "nsa_kv_offload", None)
-    if offload is not None and offload.early_swap:
+    if offload is not None:
         offload.begin_layer_swap(layer_id, topk_positions, forward_batch)
 
 
