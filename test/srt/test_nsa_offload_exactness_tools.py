@@ -293,7 +293,8 @@ class TestExactnessAccounting(unittest.TestCase):
         flipped = [c[:30] + [2] * (len(c) - 30) for c in clean]
         out = [[1, 2, 3]] * 4
 
-        def run(model, servers, nc_flips, retracted=2):
+        def run(model, servers, nc_flips, retracted=2, control=out):
+            # control: sglang's own retracting batches (base_bf16_retract).
             srv = {
                 "base_fp8": {
                     "seq": out,
@@ -302,8 +303,13 @@ class TestExactnessAccounting(unittest.TestCase):
                 },
                 "base_bf16": {"seq": out},
                 "base_fp8_retract": {"seq": out},
-                "base_bf16_retract": {"seq": out},
+                "base_bf16_retract": {
+                    "seq": out,
+                    "retracted_reqs": {"seq": 0, "concurrent": 3},
+                },
             }
+            if control is not None:
+                srv["base_bf16_retract"]["concurrent"] = control
             for name in servers:
                 srv[name] = {
                     "seq": out,
@@ -341,14 +347,17 @@ class TestExactnessAccounting(unittest.TestCase):
         self.assertEqual(head["negative_control_flip_fraction"], 0.9)
         self.assertEqual(head["code_commits"], ["rank", "tiny"])
         self.assertFalse(head["met"])
-        (why,) = head["why_not_met"]
+        why, why_retract = head["why_not_met"]
         self.assertIn("rank:ours_fp8_heavy:seq", why)
-        self.assertNotIn("tiny", why)
+        self.assertIn("rank: not run yet: ours_bf16_retract", why_retract)
+        self.assertNotIn("tiny", why + why_retract)
         self.assertEqual(
             head["by_model"]["tiny"]["retracted_reqs"]["ours_bf16_retract"],
             {"seq": 0, "concurrent": 2},
         )
-        self.assertEqual(head["by_model"]["tiny"]["retract_case_retracted"], 2)
+        case = head["by_model"]["tiny"]["retract_case"]
+        self.assertEqual((case["kind"], case["retracted_reqs"]), ("retract", 2))
+        self.assertEqual(case["control"]["retracted_reqs"], 3)
         # Every case on both, a control that flips enough: met.
         head = exactness_headline.headline([tiny, run("rank", every, 9)], ["t/", "r/"])
         self.assertTrue(head["met"], head["why_not_met"])
@@ -361,8 +370,34 @@ class TestExactnessAccounting(unittest.TestCase):
             [tiny, run("rank", every, 9, retracted=0)], ["t/", "r/"]
         )
         self.assertEqual(
-            head["why_not_met"], ["rank: the retraction case retracted no request"]
+            head["why_not_met"],
+            ["rank: the retraction case or its control retracted nothing"],
         )
+        # A checkpoint whose own retracting batches differ from its batch-1
+        # outputs (the first token from a batched prefill) reports the case
+        # beside the control and does not count it; one strict case suffices.
+        varies = [[9, 2, 3]] + out[1:]
+        rank = run("rank", every, 9, control=varies)
+        reported = rank["comparisons"]["ours_bf16_retract"]["retract_reported"]
+        self.assertEqual(reported["control"]["identical"], 3)
+        self.assertEqual(reported["control"]["at_first_token"], 1)
+        self.assertNotIn("rank:ours_bf16_retract:retract", rank["cases"])
+        head = exactness_headline.headline([tiny, rank], ["t/", "r/"])
+        self.assertTrue(head["met"], head["why_not_met"])
+        self.assertEqual(head["by_model"]["rank"]["retract_case"]["kind"],
+                         "retract_reported")  # fmt: skip
+        head = exactness_headline.headline(
+            [run("tiny", every, 10, control=varies), rank], ["t/", "r/"]
+        )
+        self.assertEqual(
+            head["why_not_met"], ["no checkpoint has the strict retraction case"]
+        )
+        # Without its control the case is reported only and has not run.
+        rank = run("rank", every, 9, control=None)
+        reported = rank["comparisons"]["ours_bf16_retract"]["retract_reported"]
+        self.assertEqual((reported["identical"], reported["control"]), (4, None))
+        head = exactness_headline.headline([tiny, rank], ["t/", "r/"])
+        self.assertIn("rank: not run yet: ours_bf16_retract", head["why_not_met"][0])
         with self.assertRaises(SystemExit):
             exactness_headline.headline([tiny, tiny], ["t/", "t/"])
 

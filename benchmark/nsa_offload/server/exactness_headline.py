@@ -19,7 +19,10 @@ from typing import List, Optional, Sequence
 # one request at a time (seq) and aborted streams. Forced retraction: sglang
 # retracts only from batches of two or more, so its case is the bf16 server's
 # retracting batches ("retract", exactness.py); the fp8 retract server's
-# batch-1 phases retract nothing and are not required.
+# batch-1 phases retract nothing and are not required. On a checkpoint whose
+# own retracting batches (the control) differ from its batch-1 outputs the
+# case cannot be strict: there it is "retract_reported", and at least one
+# checkpoint must have the strict case.
 REQUIRED_SERVERS = (
     "ours_fp8",
     "ours_fp8_1unit",
@@ -43,7 +46,16 @@ def required_cases(model: str) -> List[str]:
         f"{model}:{name}:{phase}"
         for name in REQUIRED_SERVERS
         for phase in REQUIRED_PHASES
-    ] + [f"{model}:{REQUIRED_RETRACT}:retract"]
+    ]
+
+
+def retract_case(run: dict) -> dict:
+    """The retraction case's comparison (strict or reported) and its kind."""
+    rows = run["comparisons"].get(REQUIRED_RETRACT, {})
+    for kind in ("retract", "retract_reported"):
+        if kind in rows:
+            return {"kind": kind, **rows[kind]}
+    return {}
 
 
 def model_part(run: dict, folder: str) -> dict:
@@ -83,9 +95,7 @@ def model_part(run: dict, folder: str) -> dict:
             for name, log in run["logs"].items()
             if "retract" in name
         },
-        "retract_case_retracted": (
-            run["comparisons"].get(REQUIRED_RETRACT, {}).get("retract") or {}
-        ).get("retracted_reqs"),
+        "retract_case": retract_case(run),
         "code_commit": run["code_commit"],
         "calls": calls,
         "checkpoint": run["checkpoint"],
@@ -109,8 +119,16 @@ def headline(runs: List[dict], folders: List[str]) -> dict:
             why.append(f"{model}: {part['identical']}/{part['total']} identical")
         if part["missing_cases"]:
             why.append(f"{model}: not run yet: {', '.join(part['missing_cases'])}")
-        elif not part["retract_case_retracted"]:
-            why.append(f"{model}: the retraction case retracted no request")
+        retract = part["retract_case"]
+        if not retract or not retract["control"]:
+            why.append(
+                f"{model}: not run yet: {REQUIRED_RETRACT} with its control "
+                f"(the retraction case)"
+            )
+        elif not retract["retracted_reqs"] or not retract["control"]["retracted_reqs"]:
+            why.append(f"{model}: the retraction case or its control retracted nothing")
+    if not any(p["retract_case"].get("kind") == "retract" for p in by_model.values()):
+        why.append("no checkpoint has the strict retraction case")
     for model in ("tiny", "rank"):
         if model not in by_model:
             why.append(f"{model}: no run")
