@@ -575,6 +575,72 @@ class TestMtpServers(unittest.TestCase):
         )
         self.assertNotIn("mtp", plain)
 
+    def test_cut_seq_phase_keeps_its_prefix(self):
+        # A server killed mid-phase (the call's time limit): the last save
+        # holds the requests that ran, compared as reported, not counted.
+        every = exactness.PARTIAL_EVERY
+        prompts = [[i] for i in range(3 * every)]
+        meta = {"spec_verify_ct": 4, "spec_num_correct_drafts": 1,
+                "spec_correct_drafts_histogram": [3, 1],
+                "spec_accept_length": 1.25}  # fmt: skip
+
+        class Cut(Exception):
+            pass
+
+        class Server:
+            def generate(self, ids, n):
+                if ids[0] == 2 * every + 1:
+                    raise Cut
+                return {
+                    "output_ids": [ids[0], 7 if ids[0] == 3 else 5],
+                    "meta_info": meta,
+                }
+
+        saved = []
+        res = {}
+        args = types.SimpleNamespace(max_new_tokens=2)
+        spec = exactness.SERVERS["ours_fp8_mtp"]
+        with self.assertRaises(Cut):
+            exactness.run_phases(
+                Server(), spec, args, prompts, [], res,
+                lambda: saved.append(json.loads(json.dumps(res))),
+            )  # fmt: skip
+        last = saved[-1]
+        self.assertNotIn("seq", last)
+        self.assertEqual(len(last["seq_partial"]), 2 * every)
+        base_out = [[i, 5] for i in range(3 * every)]
+        result = {
+            "servers": {
+                "base_fp8_mtp": {
+                    "seq": base_out,
+                    "seq_accept": [exactness.accept_record(meta)] * len(prompts),
+                },
+                "ours_fp8_mtp": last,
+            },
+            "specs": {
+                n: exactness.SERVERS[n] for n in ("base_fp8_mtp", "ours_fp8_mtp")
+            },
+            "prompt_lens": [1] * len(prompts),
+            "nc_lens": [],
+            "code_commit": "abc",
+        }
+        summary = exactness.summarize(result, "tiny")
+        cut = summary["seq_partial"]["ours_fp8_mtp"]
+        self.assertEqual((cut["identical"], cut["total"]), (2 * every - 1, 2 * every))
+        self.assertEqual(cut["accept"]["identical"], 2 * every)
+        self.assertEqual((summary["identical"], summary["total"]), (0, 0))
+        self.assertIn(
+            "Cut before their seq phase ended", exactness.summary_markdown(summary)
+        )
+        # A phase that ends drops its partial record.
+        done = {}
+        with self.assertRaises(AttributeError):  # no streams on this server
+            exactness.run_phases(
+                Server(), spec, args, prompts[: every + 1], [], done, lambda: None
+            )
+        self.assertEqual(len(done["seq"]), every + 1)
+        self.assertNotIn("seq_partial", done)
+
     def test_committed_summary_merges_both_halves(self):
         # results/mtp/summary.json: exactness.py's mtp part + bench_server's
         # summary_mtp_speed.json, the keys the issue names.

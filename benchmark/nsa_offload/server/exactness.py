@@ -76,6 +76,8 @@ NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
 # every decode step (the same request position's row read wrong each time,
 # as a stale row would be until evicted).
 NC_MODES = {"step": (NC_PERIOD, 0), "persistent": (1, 0)}
+# The seq phase saves what it has every this many requests (``seq_partial``).
+PARTIAL_EVERY = 8
 # Phases counted in ``identical`` / ``total``: batch 1 (seq, abort) and the
 # bf16 retraction case (see SERVERS).
 STRICT_PHASES = ("seq", "abort", "retract")
@@ -344,7 +346,19 @@ def run_phases(srv: ExactServer, spec: dict, args, prompts, nc_prompts, res, sav
 
     if not spec.get("nc_only"):
         t = time.time()
-        outs = [srv.generate(p, n) for p in prompts]
+        outs = []
+        for i, p in enumerate(prompts):
+            outs.append(srv.generate(p, n))
+            if (i + 1) % PARTIAL_EVERY == 0 and i + 1 < len(prompts):
+                # A call cut by its time limit keeps what ran (reported only).
+                res["seq_partial"] = [o["output_ids"] for o in outs]
+                if spec.get("mtp"):
+                    res["seq_accept_partial"] = [
+                        accept_record(o["meta_info"]) for o in outs
+                    ]
+                save()
+        res.pop("seq_partial", None)
+        res.pop("seq_accept_partial", None)
         res["seq_s"] = round(time.time() - t, 1)
         res["seq"] = [o["output_ids"] for o in outs]
         count_retracted("seq")
@@ -559,6 +573,16 @@ def summarize(result: dict, model: str) -> dict:
         n: compare(r["seq_again"], r["seq"]) for n, r in srv.items() if "seq_again" in r
     }
     cases, identical, total, comparisons = [], 0, 0, {}
+    # Servers cut before their seq phase ended: the prefix that ran.
+    partial = {}
+    for name, res in srv.items():
+        base = srv.get(specs[name].get("base", ""), {})
+        if "seq_partial" in res and "seq" not in res and "seq" in base:
+            partial[name] = compare(res["seq_partial"], base["seq"])
+            if "seq_accept_partial" in res and "seq_accept" in base:
+                partial[name]["accept"] = compare_accept(
+                    res["seq_accept_partial"], base["seq_accept"]
+                )
     on_det = {"identical": 0, "total": 0}
     for name, res in srv.items():
         spec = specs[name]
@@ -649,6 +673,7 @@ def summarize(result: dict, model: str) -> dict:
         "cases": cases,
         "comparisons": comparisons,
         "concurrent_vs_own_seq": own,
+        "seq_partial": partial,
         "retracted_reqs_by_phase": {
             n: r["retracted_reqs"] for n, r in srv.items() if "retracted_reqs" in r
         },
@@ -796,6 +821,11 @@ def summary_markdown(summary: dict) -> str:
                 f"first token), {r['retracted_reqs']} requests retracted; {control}: "
                 + ("strict" if phase == "retract" else "reported, not counted")
             )
+    if summary.get("seq_partial"):
+        lines += ["", "Cut before their seq phase ended (reported, not counted):"]
+        for n, c in summary["seq_partial"].items():
+            accept = f", accept counts {frac(c['accept'])}" if "accept" in c else ""
+            lines.append(f"- {n}: the first {c['total']} requests {frac(c)}{accept}")
     mtp = summary.get("mtp")
     if mtp:
         lines += [
