@@ -8,6 +8,10 @@ With ``max_units > 1`` a request's slots span up to that many units of
 ``buffer_size`` slots (unit 0 is its region): slot ``s`` lives at row
 ``units[r][s // C] + s % C`` and only slots below ``len(units[r]) * C`` are
 ever victims.
+
+Direct mode (``enter_direct``): while a request's positions below the window
+fit its slots, a miss of position ``p`` goes to slot ``p`` and its order is
+left alone; the first swap past its slots ends it for good.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -41,6 +45,9 @@ class LRUModel:
         self.counters = [[0, 0, 0] for _ in range(num_layers)]
         # Misses that evicted a resident loc (workload statistics only).
         self.evictions = 0
+        # Requests in direct mode (slot = position); how many outgrew it.
+        self.direct: set = set()
+        self.direct_ended = 0
 
     def admit(self, r: int, base: int) -> None:
         self.region_base[r] = base
@@ -58,6 +65,10 @@ class LRUModel:
             self.lru_order[layer, r] = list(range(self.num_slots))
         self.region_base.pop(r, None)
         self.units.pop(r, None)
+        self.direct.discard(r)
+
+    def enter_direct(self, r: int) -> None:
+        self.direct.add(r)
 
     def grow(self, r: int, base: int) -> None:
         """Add a unit at ``base``; its (empty) slots go to the LRU end."""
@@ -80,6 +91,24 @@ class LRUModel:
                 if loc >= 0:
                     del self.loc_to_slot[layer][loc]
                     self.slot_loc[layer, r][s] = -1
+
+    def _direct_slots(self, layer: int, r: int, locs, positions):
+        """Direct mode's lookup: a miss of position p takes slot p."""
+        resident = self.loc_to_slot[layer]
+        slots, missed = [None] * len(locs), []
+        for i, loc in enumerate(locs):
+            if loc is None:
+                continue
+            if loc in resident:
+                slots[i] = resident[loc]
+            else:
+                p = positions[i]
+                assert self.slot_loc[layer, r][p] == -1, "direct slot taken"
+                resident[loc] = p
+                self.slot_loc[layer, r][p] = loc
+                slots[i] = p
+                missed.append(i)
+        return slots, missed, [positions[i] for i in missed]
 
     def row(self, r: int, slot: int) -> int:
         return self.units[r][slot // self.C] + slot % self.C
@@ -146,7 +175,13 @@ class LRUModel:
                     self.counters[layer][1] += 1
                 else:
                     locs[i] = req_to_token[r][p]
-            slots, missed, victims = self._take_slots(layer, r, locs)
+            if r in self.direct and n - WR > len(self.units[r]) * C:
+                self.direct.discard(r)
+                self.direct_ended += 1
+            if r in self.direct:
+                slots, missed, victims = self._direct_slots(layer, r, locs, row)
+            else:
+                slots, missed, victims = self._take_slots(layer, r, locs)
             for i, s in enumerate(slots):
                 if s is not None:
                     page[i] = self.row(r, s)

@@ -36,6 +36,7 @@ TRITON_SKIP_REASON = (
 
 def new_state(cfg, use_triton: bool, **kwargs) -> LRUCacheState:
     kwargs.setdefault("max_units", cfg.units)
+    kwargs.setdefault("direct_slots", getattr(cfg, "direct", False))
     return LRUCacheState(
         num_layers=cfg.layers,
         max_num_reqs=cfg.max_reqs,
@@ -140,6 +141,8 @@ def assert_state_matches_model(test, state: LRUCacheState, model: LRUModel) -> N
     test.assertTrue(torch.equal(state.slot_loc.long().cpu(), slot_loc), "slot_loc")
     test.assertTrue(torch.equal(state.lru_order.long().cpu(), lru), "lru_order")
     test.assertEqual(state.counters.cpu().tolist(), model.counters, "counters")
+    direct = [int(r in model.direct) for r in range(state.max_num_reqs)]
+    test.assertEqual(state.direct.cpu().tolist(), direct, "direct")
     for r, base in model.region_base.items():
         test.assertEqual(int(state.region_base[r]), base)
     for r, units in model.units.items():
@@ -150,7 +153,7 @@ def assert_state_matches_model(test, state: LRUCacheState, model: LRUModel) -> N
 
 def assert_states_equal(test, a: LRUCacheState, b: LRUCacheState) -> None:
     names = ("loc_to_slot", "slot_loc", "lru_order", "region_base", "counters")
-    for name in names + ("unit_base", "capacity"):
+    for name in names + ("unit_base", "capacity", "direct"):
         test.assertTrue(
             torch.equal(getattr(a, name), getattr(b, name)), f"{name} differs"
         )
@@ -180,6 +183,8 @@ class SimConfig:
     units: int = 1  # max_units; > 1: requests grow and shrink between steps
     p_grow: float = 0.3
     p_shrink: float = 0.15
+    direct: bool = False  # direct_slots; admissions that fit may enter it
+    p_direct: float = 0.6
 
 
 @dataclass
@@ -215,6 +220,7 @@ class Sim:
         self.req_to_token = torch.zeros((cfg.max_reqs, cfg.max_ctx), dtype=torch.int32)
         self.reqs = {}  # r -> {"locs": [...], "region": int, "prev": {layer: [...]}}
         self.steps = 0
+        self.direct_entered = 0
 
     # -- lifecycle
 
@@ -239,8 +245,26 @@ class Sim:
             else:
                 state.admit_request(r, base)
         self.model.admit(r, base)
-        if rng.random() < cfg.p_warm:
+        if cfg.direct and n + 1 - cfg.W <= cfg.C and rng.random() < cfg.p_direct:
+            self.warm_direct(r)
+        elif rng.random() < cfg.p_warm:
             self.warm(r)
+
+    def warm_direct(self, r: int) -> None:
+        """As the controller admits a request that fits: every position below
+        its first window installed in order, then direct mode."""
+        locs = self.reqs[r]["locs"]
+        older = locs[: max(0, len(locs) + 1 - self.cfg.W)]
+        layers = list(range(self.cfg.layers))
+        expect = self.model.warm(layers, r, [older] * len(layers)) if older else []
+        self.model.enter_direct(r)
+        self.direct_entered += 1
+        for state in self.states:
+            if older:
+                arg = torch.tensor(older, dtype=torch.int64, device=DEVICE)
+                rows = state.warm_request(range(self.cfg.layers), r, arg)
+                self.test.assertEqual(rows.cpu().tolist(), expect)
+            state.enter_direct(r, len(older))
 
     def warm(self, r: int) -> None:
         cfg, rng = self.cfg, self.rng
@@ -683,6 +707,92 @@ class TestTritonMatchesReference(unittest.TestCase):
         run_sim(self, cfg, (True, "fused", False), steps=30, seed=8)
 
 
+class TestDirectSlots(unittest.TestCase):
+    """Direct mode: a request whose context fits its slots keeps position p
+    in slot p and swaps without the LRU walk, until it outgrows them."""
+
+    def _impls(self):
+        return [False, True, "fused"] if TRITON_OK else [False]
+
+    def _swap(self, state, positions, seq_len, r2t):
+        topk = torch.tensor([positions], dtype=torch.int32, device=DEVICE)
+        return state.swap_layer(
+            0,
+            topk,
+            torch.tensor([0], device=DEVICE),
+            torch.tensor([seq_len], device=DEVICE),
+            r2t,
+        )
+
+    def test_hand_example(self):
+        cfg = SimConfig(layers=1, C=8, K=4, W=2, max_reqs=2, num_locs=64, direct=True)
+        r2t = (10 + torch.arange(32, dtype=torch.int32, device=DEVICE)).repeat(2, 1)
+        for impl in self._impls():
+            with self.subTest(impl=impl):
+                state = impl_state(cfg, impl)
+                state.admit_request(0, 100)
+                # A 6-token prompt: its first step (length 7) reads positions
+                # 5, 6 from the window, 0..4 through the slots.
+                state.warm_request(0, 0, r2t[0, :5].long())
+                state.enter_direct(0, 5)
+                order = state.lru_order[0, 0].tolist()
+                plan = self._swap(state, [0, 4, 6, -1], 7, r2t)
+                self.assertEqual(plan.page_table[0].tolist(), [100, 104, 108 + 0, -1])
+                self.assertEqual(int(plan.miss_count[0]), 0)
+                # Position 5 left the window: a miss into slot 5.
+                plan = self._swap(state, [5, 1, 7, 6], 8, r2t)
+                self.assertEqual(plan.page_table[0].tolist(), [105, 101, 109, 108])
+                self.assertEqual(int(plan.miss_count[0]), 1)
+                self.assertEqual(plan.miss_src_loc[0, 0].item(), 15)
+                self.assertEqual(plan.miss_dst_row[0, 0].item(), 105)
+                self.assertEqual(state.lru_order[0, 0].tolist(), order)
+                self.assertEqual(state.direct[0].item(), 1)
+                # Length 11: positions 0..8 below the window, 9 > 8 slots:
+                # direct mode ends, the LRU swap goes on from the order left.
+                plan = self._swap(state, [8, 0, 2, 10], 11, r2t)
+                self.assertEqual(state.direct[0].item(), 0)
+                self.assertEqual(int(plan.miss_count[0]), 1)
+                # The order's first evictable slot is 5 (warm-up put 5..7
+                # first): position 5's loc is evicted for position 8's.
+                self.assertEqual(plan.miss_dst_row[0, 0].item(), 105)
+                self.assertEqual(state.loc_to_slot[0, 15].item(), -1)
+                self.assertNotEqual(state.lru_order[0, 0].tolist(), order)
+                # Even a context that fits again stays on the LRU swap.
+                self._swap(state, [0, -1, -1, -1], 11, r2t)
+                self.assertEqual(state.direct[0].item(), 0)
+                state.release_request(0)
+                self.assertEqual(state.direct[0].item(), 0)
+
+    def test_validation(self):
+        cfg = SimConfig(layers=1, C=8, K=4, W=4, max_reqs=2, num_locs=64)
+        with self.assertRaisesRegex(ValueError, "direct_slots"):
+            new_state(cfg, False).enter_direct(0, 1)
+        with self.assertRaisesRegex(ValueError, "max_query_tokens"):
+            new_state(cfg, False, direct_slots=True, max_query_tokens=2)
+        state = new_state(cfg, False, direct_slots=True)
+        with self.assertRaisesRegex(ValueError, "exceed"):
+            state.enter_direct(0, 9)
+
+    def test_against_model(self):
+        # Short prompts (most fit), long decodes (most outgrow their slots).
+        impls = (False, True) if TRITON_OK else (False,)
+        cfg = SimConfig(
+            C=32, K=16, W=4, max_prompt=40, direct=True, p_admit=0.6, p_release=0.15
+        )
+        sim = run_sim(self, cfg, impls, steps=60, seed=11)
+        self.assertGreater(sim.direct_entered, 5)
+        self.assertGreater(sim.model.direct_ended, 0)
+
+    @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
+    def test_units_split_and_fused(self):
+        cfg = SimConfig(
+            C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
+        )
+        sim = run_sim(self, cfg, (True, "fused", False), steps=40, seed=12)
+        self.assertGreater(sim.direct_entered, 3)
+        self.assertGreater(sim.model.direct_ended, 0)
+
+
 class TestUnits(unittest.TestCase):
     """What growing and shrinking a request's LRU capacity means."""
 
@@ -770,6 +880,7 @@ def sim_configs(max_steps: int):
             p_warm=draw(st.floats(0.0, 1.0)),
             max_pad_rows=draw(st.integers(0, 2)),
             units=draw(st.integers(1, 3)),
+            direct=draw(st.booleans()),
         )
         return cfg, draw(st.integers(10, max_steps)), draw(st.integers(0, 2**31))
 

@@ -20,6 +20,7 @@ from unittest import mock
 
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
+    ENV_DIRECT_SLOTS,
     ENV_OVERLAP_PLAN_STREAM,
     ENV_UNPROVEN_PARALLEL,
     ENV_UNPROVEN_SPEC_V2,
@@ -168,16 +169,18 @@ class TestSpeculativeChecks(unittest.TestCase):
                 disable_overlap_schedule=overlap_off,
             )
 
-    def test_cross_layer_prefetch_refused(self):
-        with mock.patch.dict(os.environ, {ENV_CROSS_LAYER_PREFETCH: "1"}):
-            self._assert_refused(
-                f"{ENV_CROSS_LAYER_PREFETCH}=1 is not supported with "
-                "--speculative-algorithm EAGLE"
-            )
-        with mock.patch.dict(os.environ, {ENV_CROSS_LAYER_PREFETCH: "0"}):
-            self.assertEqual(
-                check_nsa_kv_offload_speculative(self._args(), INDEX_TOPK), 4
-            )
+    def test_one_token_swaps_refused(self):
+        # The cross-layer prefetch and direct slots swap one top-k row each.
+        for env in (ENV_CROSS_LAYER_PREFETCH, ENV_DIRECT_SLOTS):
+            with self.subTest(env=env):
+                with mock.patch.dict(os.environ, {env: "1"}):
+                    self._assert_refused(
+                        f"{env}=1 is not supported with --speculative-algorithm EAGLE"
+                    )
+                with mock.patch.dict(os.environ, {env: "0"}):
+                    self.assertEqual(
+                        check_nsa_kv_offload_speculative(self._args(), INDEX_TOPK), 4
+                    )
 
     def test_default_buffer_size(self):
         self.assertEqual(nsa_kv_offload_default_buffer_size(INDEX_TOPK, 1), 4096)

@@ -13,9 +13,10 @@ On a machine without CUDA the Triton kernels run in the interpreter.
 
 import random
 import unittest
+from unittest import mock
 
 import torch
-from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
+from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import (
     RegionAllocator,
@@ -58,7 +59,7 @@ class _ControllerCase(unittest.TestCase):
     MAX_REQS, NUM_REGIONS, STAGING = 6, 3, 256
     HOST_SIZE, PAGE, MAX_CTX = 1024, 16, 160
 
-    def make(self, use_triton=None, warm_tokens=None, max_units=1):
+    def make(self, use_triton=None, warm_tokens=None, max_units=1, direct_slots=False):
         R = self.C + self.W
         self.num_gpu_rows = self.STAGING + self.NUM_REGIONS * R
         self.gpu = [
@@ -84,6 +85,7 @@ class _ControllerCase(unittest.TestCase):
             num_regions=self.NUM_REGIONS,
             max_batch_size=8,
             use_triton=use_triton,
+            direct_slots=direct_slots,
             warm_tokens=warm_tokens,
             max_units=max_units,
         )
@@ -229,11 +231,22 @@ class TestUnits(_ControllerCase):
 class TestEndToEnd(_ControllerCase):
     """Random decode simulation; exactness checked after every layer swap."""
 
-    def _run(self, use_triton, seed, steps=24, warm_tokens=None, max_units=1):
+    def _run(
+        self,
+        use_triton,
+        seed,
+        steps=24,
+        warm_tokens=None,
+        max_units=1,
+        direct_slots=False,
+    ):
         rng = random.Random(seed)
         torch.manual_seed(seed)
         ctrl = self.make(
-            use_triton=use_triton, warm_tokens=warm_tokens, max_units=max_units
+            use_triton=use_triton,
+            warm_tokens=warm_tokens,
+            max_units=max_units,
+            direct_slots=direct_slots,
         )
         L, K, C, W = self.L, self.K, self.C, self.W
         host_rows = self.host.num_rows
@@ -417,6 +430,35 @@ class TestEndToEnd(_ControllerCase):
 
     def test_exact_with_units_triton(self):
         self._run(use_triton=True, seed=5, steps=30, max_units=2)
+
+    def _run_direct(self, use_triton, seed, max_units=1):
+        # Prompts of 1-70 tokens on 24 slots: some fit and enter direct
+        # mode (warmed whole), most of those outgrow it while decoding.
+        entered = []
+        enter = LRUCacheState.enter_direct
+
+        def counting(state, r, num_positions):
+            entered.append(r)
+            enter(state, r, num_positions)
+
+        with mock.patch.object(LRUCacheState, "enter_direct", counting):
+            self._run(
+                use_triton=use_triton,
+                seed=seed,
+                steps=30,
+                max_units=max_units,
+                direct_slots=True,
+            )
+        self.assertGreater(len(entered), 1)
+
+    def test_exact_direct_slots_reference(self):
+        self._run_direct(use_triton=False, seed=6)
+
+    def test_exact_direct_slots_triton(self):
+        self._run_direct(use_triton=True, seed=7)
+
+    def test_exact_direct_slots_with_units(self):
+        self._run_direct(use_triton=True, seed=8, max_units=2)
 
     def test_exact_without_warmup(self):
         self._run(use_triton=False, seed=3, warm_tokens=0, steps=12)

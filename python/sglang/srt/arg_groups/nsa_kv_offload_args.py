@@ -55,6 +55,9 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # swap and miss copy start on a side stream as soon as its top-k exists, beside the
 # query projection and rope, instead of right before its attention.
 ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
+# Experimental direct slots (read by the coordinator): a request whose context
+# fits its LRU slots keeps position p in slot p and swaps without the LRU walk.
+ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Spec v2 (MTP with the overlap scheduler) is CPU-tested only: this lets it
@@ -208,12 +211,10 @@ def check_nsa_kv_offload_speculative(server_args: "ServerArgs", index_topk: int)
                 "--disable-overlap-schedule (spec v1), or set "
                 f"{ENV_UNPROVEN_SPEC_V2}=1 to run it anyway (docs/MTP.md)."
             )
-    if get_bool_env_var(ENV_CROSS_LAYER_PREFETCH):
-        # The prefetch swaps one top-k row per request, verify has q.
-        _fail(
-            f"{ENV_CROSS_LAYER_PREFETCH}=1 is not supported with "
-            f"--speculative-algorithm {algorithm}."
-        )
+    for env in (ENV_CROSS_LAYER_PREFETCH, ENV_DIRECT_SLOTS):
+        if get_bool_env_var(env):
+            # Both swap one top-k row per request, verify has q.
+            _fail(f"{env}=1 is not supported with --speculative-algorithm {algorithm}.")
     buffer_size = server_args.nsa_kv_offload_gpu_buffer_size
     if buffer_size is not None and buffer_size < query_tokens * index_topk:
         # A verify step keeps the union of its query tokens' top-k resident.

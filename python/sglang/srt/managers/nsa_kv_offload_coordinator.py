@@ -32,6 +32,10 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   side stream beside the query projection, rope and the new tokens' KV
   write, and the backend's swap hook only waits for them. Same kernels,
   same inputs: the outputs are the inline swap's;
+* optional direct slots (``SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS=1``,
+  experimental): a request whose prompt fits one unit's slots is warmed
+  whole and swaps without the LRU walk while its context fits
+  (``LRUCacheState``);
 * finish / abort / retract: release the region and LRU state after the GPU work
   that may still touch them.
 
@@ -51,6 +55,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
+    ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
@@ -111,6 +116,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         host_pool_group: Optional[HostPoolGroup] = None,
         max_query_tokens: int = 1,
         early_swap: bool = False,
+        direct_slots: bool = False,
     ):
         if early_swap and cross_layer_prefetch:
             raise ValueError(
@@ -122,6 +128,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             raise ValueError(
                 f"NSA KV offload: {ENV_CROSS_LAYER_PREFETCH}=1 does not support "
                 "MTP target verify (--speculative-algorithm)"
+            )
+        if direct_slots and max_query_tokens > 1:
+            raise ValueError(
+                f"NSA KV offload: {ENV_DIRECT_SLOTS}=1 does not support MTP "
+                "target verify (--speculative-algorithm)"
             )
         self.kv_pool = kv_pool
         self.kv_arrives_in_host = kv_arrives_in_host
@@ -190,6 +201,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             max_units=max_units,
             host_writer=host_writer,
             max_query_tokens=max_query_tokens,
+            direct_slots=direct_slots,
         )
         # Query tokens per request of a target-verify forward (1: no MTP).
         self.max_query_tokens = max_query_tokens
@@ -676,6 +688,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
         early_swap=get_bool_env_var(ENV_EARLY_SWAP),
+        direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(

@@ -22,6 +22,15 @@ own page-table row in its own top-k order. Swaps then read only the newest
 the LRU): rejected drafts may have overwritten the ring rows of the others.
 ``Q = 1`` is the decode swap.
 
+With ``direct_slots`` (one query token only), a request admitted with every
+position below its first window installed in order (slot ``p`` holds position
+``p``) swaps in direct mode while its context fits its slots: a hit is looked
+up as always, a miss of position ``p`` is copied into slot ``p`` (empty by
+construction), and ``lru_order`` is neither read nor written. The first swap
+at which ``seq_len - W > capacity`` ends it for good (``direct[r] = 0``); the
+LRU swap then goes on from the order as it was left (``docs/ENGINE.md``, "A
+context that fits its rows").
+
 Everything is fixed-shape and sync-free so the swap can be captured in a CUDA
 graph. The swap backend is chosen once, at construction: on CUDA (or under
 ``TRITON_INTERPRET=1``) ``nsa_kv_offload_lru_triton.TritonLRUSwap`` runs one
@@ -89,6 +98,7 @@ class LRUCacheState:
         num_warps: Optional[int] = None,
         max_units: int = 1,
         max_query_tokens: int = 1,
+        direct_slots: bool = False,
     ):
         if max_query_tokens < 1:
             raise ValueError(f"max_query_tokens ({max_query_tokens}) must be >= 1")
@@ -114,6 +124,9 @@ class LRUCacheState:
             )
         if max_units < 1:
             raise ValueError(f"max_units ({max_units}) must be >= 1")
+        if direct_slots and max_query_tokens > 1:
+            # A verify's positions are not one chain per slot range.
+            raise ValueError("direct_slots needs max_query_tokens = 1")
         if buffer_size * max_units > torch.iinfo(torch.int16).max:
             raise ValueError(
                 "buffer_size x max_units must fit int16 (loc_to_slot, lru_order)"
@@ -124,6 +137,7 @@ class LRUCacheState:
         self.buffer_size = buffer_size
         self.max_units = max_units
         self.max_query_tokens = max_query_tokens
+        self.direct_slots = direct_slots
         # LRU slots per (layer, request) across all units; a request uses
         # its first capacity[r] of them.
         self.num_slots = buffer_size * max_units
@@ -157,6 +171,10 @@ class LRUCacheState:
         self._capacity_buf = torch.zeros(
             (max_num_reqs + 1,), dtype=torch.int32, device=dev
         )
+        # direct[r]: 1 while request r swaps in direct mode (slot = position).
+        self._direct_buf = torch.zeros(
+            (max_num_reqs + 1,), dtype=torch.int8, device=dev
+        )
         # loc_to_slot[l, loc]: LRU slot holding loc in layer l, -1 if not resident.
         self.loc_to_slot = self._loc_to_slot_buf[:, :num_locs]
         # slot_loc[l, r, s]: token loc in slot s of request r, -1 if empty.
@@ -168,6 +186,7 @@ class LRUCacheState:
         self.unit_base = self._unit_base_buf[:max_num_reqs]
         # capacity[r]: LRU slots request r may use (its units x C), 0 if none.
         self.capacity = self._capacity_buf[:max_num_reqs]
+        self.direct = self._direct_buf[:max_num_reqs]
         # counters[l] = (LRU hits, window hits, misses), accumulated on device.
         self.counters = torch.zeros((L, 3), dtype=torch.int64, device=dev)
 
@@ -216,6 +235,7 @@ class LRUCacheState:
         self._unit_base_buf[r] = -1
         self._region_base_buf[r] = base
         self._capacity_buf[r] = self.buffer_size
+        self._direct_buf[r] = 0
         self._slot_loc_buf[:, r] = -1
         self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
 
@@ -230,6 +250,21 @@ class LRUCacheState:
         self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
         self._unit_base_buf[r] = -1
         self._capacity_buf[r] = 0
+        self._direct_buf[r] = 0
+
+    def enter_direct(self, r: int, num_positions: int) -> None:
+        """Request ``r`` swaps in direct mode from its next swap on. The
+        caller has installed positions ``0 .. num_positions - 1`` (those below
+        its first window) with one :meth:`warm_request` of a fresh admission,
+        which puts position ``p`` in slot ``p``."""
+        if not self.direct_slots:
+            raise ValueError("enter_direct: the state was built without direct_slots")
+        if num_positions > self.buffer_size:
+            raise ValueError(
+                f"enter_direct: {num_positions} positions exceed a unit's "
+                f"{self.buffer_size} slots"
+            )
+        self._direct_buf[r] = 1
 
     def grow_request(self, r: int, unit: int, base: int) -> None:
         """Give request ``r`` unit ``unit`` (its next one: it holds ``unit``

@@ -198,6 +198,64 @@ if _HAS_TRITON:
         new_order = tl.load(new_lru_ptr + b.to(tl.int64) * C + p, mask=mask)
         tl.store(lru_ptr + r * C + p, new_order, mask=mask)
 
+    @triton.jit
+    def _direct_fits(direct_ptr, r, n, capacity, real, W: tl.constexpr):
+        # Whether the row swaps in direct mode: its request is in it and its
+        # positions below the window fit its slots; a request in direct mode
+        # that no longer fits leaves it for good.
+        direct = real & (tl.load(direct_ptr + r) != 0)
+        fits = direct & (n - W <= capacity)
+        tl.store(direct_ptr + r, 0, mask=direct & (fits == 0))
+        return fits
+
+    @triton.jit
+    def _direct_row(
+        pos,
+        n,
+        offs_k,
+        mask_k,
+        r,
+        base,
+        req_to_token_ptr,
+        req_to_token_stride,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        unit_base_ptr,
+        counters_ptr,
+        pt_row,
+        miss_src_row,
+        miss_dst_row,
+        miss_count_at,
+        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        W: tl.constexpr,
+    ):
+        # The swap of a row in direct mode (slot = position): hits as always,
+        # a miss of position p goes to slot p (empty: every resident position
+        # is in its own slot), lru_order is not touched.
+        in_window, lookup, loc = _classify_topk(
+            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
+        )
+        cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
+        hit, miss, miss_rank, num_misses = _split_lookups(lookup, cur)
+        slot = tl.where(hit, cur, pos)
+        tl.store(loc_to_slot_ptr + loc, pos.to(tl.int16), mask=miss)
+        tl.store(slot_loc_ptr + r * C + pos, loc, mask=miss)
+        slot_row, rows = _entry_rows(
+            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
+        )
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(miss_src_row + miss_rank, loc.to(tl.int64), mask=miss)
+        tl.store(miss_dst_row + miss_rank, slot_row, mask=miss)
+        tl.store(miss_count_at, num_misses)
+        _add_counters(
+            counters_ptr,
+            tl.sum(hit.to(tl.int32), axis=0),
+            tl.sum(in_window.to(tl.int32), axis=0),
+            num_misses,
+        )
+
     @triton.jit(
         do_not_specialize_on_alignment=[
             "req_pool_ptr",
@@ -208,6 +266,7 @@ if _HAS_TRITON:
             "capacity_ptr",
             "counters_ptr",
             "miss_count_ptr",
+            "direct_ptr",
         ]
     )
     def _swap_layer_kernel(
@@ -234,6 +293,7 @@ if _HAS_TRITON:
         hit_flags_ptr,  # (rows, C) int8 scratch
         victims_ptr,  # (rows, K) int32 scratch
         sink_req,  # max_reqs: the last row of the per-request tensors
+        direct_ptr,  # (max_reqs + 1,) int8: requests in direct mode
         K: tl.constexpr,
         C: tl.constexpr,  # LRU slots of all units (U x C0)
         C0: tl.constexpr,  # LRU slots of one unit
@@ -241,6 +301,7 @@ if _HAS_TRITON:
         W: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        DIRECT: tl.constexpr = False,  # the state has direct_slots
     ):
         # One program per batch row; rows touch disjoint state (distinct
         # requests own distinct locs and slots), so programs never race.
@@ -258,10 +319,37 @@ if _HAS_TRITON:
         capacity = tl.load(capacity_ptr + r)
         pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
         pos = pos.to(tl.int32)
+        pt_row = page_table_ptr + b * page_table_stride
+        go_direct = False
+        if DIRECT:
+            go_direct = _direct_fits(direct_ptr, r, n, capacity, b < num_real, W)
+        if go_direct:
+            _direct_row(
+                pos,
+                n,
+                offs_k,
+                mask_k,
+                r,
+                base,
+                req_to_token_ptr,
+                req_to_token_stride,
+                loc_to_slot_ptr,
+                slot_loc_ptr,
+                unit_base_ptr,
+                counters_ptr,
+                pt_row,
+                miss_src_ptr + b * miss_src_stride,
+                miss_dst_ptr + b * miss_dst_stride,
+                miss_count_ptr + b,
+                C,
+                C0,
+                U,
+                W,
+            )
+            return
         order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
         old_loc = tl.load(slot_loc_ptr + r * C + order, mask=mask_c, other=-1)
 
-        pt_row = page_table_ptr + b * page_table_stride
         if b >= num_real:
             tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
             tl.store(miss_count_ptr + b, 0)
@@ -358,6 +446,15 @@ if _HAS_TRITON:
         hit_flags_ptr,  # (rows, C) int8 scratch
         cur_ptr,  # (rows, K) int32 scratch: slot of each entry, -1 if none
         sink_req,
+        slot_loc_ptr,
+        unit_base_ptr,
+        capacity_ptr,
+        miss_src_ptr,
+        miss_src_stride,
+        miss_dst_ptr,
+        miss_dst_stride,
+        direct_ptr,  # (max_reqs + 1,) int8: requests in direct mode
+        row_direct_ptr,  # (rows,) int8 scratch: rows swapped in direct mode
         K: tl.constexpr,
         C: tl.constexpr,
         C0: tl.constexpr,
@@ -365,6 +462,7 @@ if _HAS_TRITON:
         W: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_C0: tl.constexpr,
+        DIRECT: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         offs_k = tl.arange(0, BLOCK_K)
@@ -375,9 +473,42 @@ if _HAS_TRITON:
             tl.store(miss_count_ptr + b, 0)
             return
         r = _request_row(req_pool_ptr, b, sink_req)
+        n = tl.load(seq_lens_ptr + b).to(tl.int32)
+        go_direct = False
+        if DIRECT:
+            go_direct = _direct_fits(
+                direct_ptr, r, n, tl.load(capacity_ptr + r), True, W
+            )
+            # The kernels after this one skip the row.
+            tl.store(row_direct_ptr + b, go_direct.to(tl.int8))
+        if go_direct:
+            pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+            _direct_row(
+                pos.to(tl.int32),
+                n,
+                offs_k,
+                mask_k,
+                r,
+                tl.load(unit_base_ptr + r * U),
+                req_to_token_ptr,
+                req_to_token_stride,
+                loc_to_slot_ptr,
+                slot_loc_ptr,
+                unit_base_ptr,
+                counters_ptr,
+                page_table_ptr + b * page_table_stride,
+                miss_src_ptr + b * miss_src_stride,
+                miss_dst_ptr + b * miss_dst_stride,
+                miss_count_ptr + b,
+                C,
+                C0,
+                U,
+                W,
+            )
+            return
         _classify_row(
             topk_ptr + b * topk_stride,
-            tl.load(seq_lens_ptr + b).to(tl.int32),
+            n,
             r,
             req_to_token_ptr,
             req_to_token_stride,
@@ -472,14 +603,20 @@ if _HAS_TRITON:
         hit_flags_ptr,
         ev_count_ptr,  # (rows, U) int32 scratch
         sink_req,
+        row_direct_ptr,  # (rows,) int8 scratch: rows swapped in direct mode
         C: tl.constexpr,
         C0: tl.constexpr,
         U: tl.constexpr,
         BLOCK_C0: tl.constexpr,
+        DIRECT: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         u = tl.program_id(1)
-        if b >= tl.load(num_real_ptr):
+        skip = b >= tl.load(num_real_ptr)
+        if DIRECT:
+            # Rows the classify kernel swapped in direct mode.
+            skip = skip | (tl.load(row_direct_ptr + b) != 0)
+        if skip:
             return
         r = _request_row(req_pool_ptr, b, sink_req)
         offs_c0 = tl.arange(0, BLOCK_C0)
@@ -518,16 +655,22 @@ if _HAS_TRITON:
         victims_ptr,  # (rows, K) int32 scratch
         new_lru_ptr,  # (rows, C) int16 scratch
         sink_req,
+        row_direct_ptr,  # (rows,) int8 scratch: rows swapped in direct mode
         K: tl.constexpr,
         C: tl.constexpr,
         C0: tl.constexpr,
         U: tl.constexpr,
         BLOCK_U: tl.constexpr,
         BLOCK_C0: tl.constexpr,
+        DIRECT: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         u = tl.program_id(1)
-        if b >= tl.load(num_real_ptr):
+        skip = b >= tl.load(num_real_ptr)
+        if DIRECT:
+            # Rows the classify kernel swapped in direct mode.
+            skip = skip | (tl.load(row_direct_ptr + b) != 0)
+        if skip:
             return
         r = _request_row(req_pool_ptr, b, sink_req)
         offs_c0 = tl.arange(0, BLOCK_C0)
@@ -618,6 +761,7 @@ if _HAS_TRITON:
         victims_ptr,
         new_lru_ptr,
         sink_req,
+        row_direct_ptr,  # (rows,) int8 scratch: rows swapped in direct mode
         K: tl.constexpr,
         C: tl.constexpr,
         C0: tl.constexpr,
@@ -625,10 +769,15 @@ if _HAS_TRITON:
         W: tl.constexpr,
         BLOCK_K: tl.constexpr,
         BLOCK_C0: tl.constexpr,
+        DIRECT: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         u = tl.program_id(1)
-        if b >= tl.load(num_real_ptr):
+        skip = b >= tl.load(num_real_ptr)
+        if DIRECT:
+            # Rows the classify kernel swapped in direct mode.
+            skip = skip | (tl.load(row_direct_ptr + b) != 0)
+        if skip:
             return
         r = _request_row(req_pool_ptr, b, sink_req)
         _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)

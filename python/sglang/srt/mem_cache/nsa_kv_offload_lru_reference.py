@@ -12,6 +12,10 @@ With ``q = num_query_tokens > 1`` (MTP target verify, ``docs/MTP.md``) a
 request's ``q`` top-k rows are swapped as one list of ``q x K`` entries: the
 misses are deduplicated (a loc missed by several query tokens is copied once,
 at its first occurrence), the page table keeps one row per query token.
+
+Rows in direct mode (``LRUCacheState.direct``, one query token) are swapped by
+:func:`direct_swap`: a miss of position ``p`` goes to slot ``p``, and their
+``lru_order`` is left as it is (``frozen``).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ class LayerSwapWork:
     order_evictable: torch.Tensor  # (bs, C) bool, slot at that position not hit
     evict_rank: torch.Tensor  # (bs, C) int64, rank among evictable positions
     num_query_tokens: int = 1
+    # (bs,) bool: rows swapped in direct mode, whose lru_order stays as it is.
+    frozen: Optional[torch.Tensor] = None
 
 
 class ReferenceLRUSwap:
@@ -148,11 +154,84 @@ def prepare_layer_swap(
     tok_req = torch.where(real, req_in, 0)[:, None]
     loc = req_to_token[tok_req, torch.where(lookup, pos, 0)].long()
     loc = torch.where(lookup, loc, -1)
+    fits = None
+    if state.direct_slots:
+        fits = direct_rows(state, req, real, n[:, 0], W)
+        lru_lookup = lookup & ~fits[:, None]
+    else:
+        lru_lookup = lookup
     work = assign_slots(
-        state, layer, req, base, lookup, loc, real, pos, in_window, dedup=q > 1
+        state,
+        layer,
+        req,
+        base,
+        lru_lookup,
+        torch.where(lru_lookup, loc, -1),
+        real,
+        pos,
+        in_window,
+        dedup=q > 1,
     )
     work.num_query_tokens = q
+    if fits is not None:
+        direct_swap(state, work, fits, lookup & fits[:, None], loc)
     return work
+
+
+def direct_rows(
+    state: LRUCacheState,
+    req: torch.Tensor,
+    real: torch.Tensor,
+    n: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """(bs,) bool: the rows swapped in direct mode this step, those whose
+    positions below the window fit their slots; a direct row that no longer
+    fits leaves direct mode for good."""
+    flags = state._direct_buf[req]
+    direct = real & (flags != 0)
+    fits = direct & (n - window <= state._capacity_buf[req].long())
+    state._direct_buf[req] = torch.where(direct & ~fits, 0, flags).to(flags.dtype)
+    return fits
+
+
+def direct_swap(
+    state: LRUCacheState,
+    work: LayerSwapWork,
+    fits: torch.Tensor,
+    lookup: torch.Tensor,
+    loc: torch.Tensor,
+) -> None:
+    """The swap of direct rows (``fits``; ``lookup``: their looked-up
+    entries), written into ``work``: a hit keeps its slot, a miss of
+    position ``p`` takes slot ``p``; nothing is evicted."""
+    C0, N = state.buffer_size, state.num_locs
+    l2s = state._loc_to_slot_buf[work.layer]
+    slot_loc = state._slot_loc_buf[work.layer]
+    cur = l2s[torch.where(lookup, loc, N)].long()
+    hit = lookup & (cur >= 0)
+    miss = lookup & (cur < 0)
+    slot = torch.where(hit, cur, torch.where(miss, work.pos, -1))
+    unit = torch.where(slot >= 0, slot // C0, 0)
+    unit_base = state._unit_base_buf[work.req].long().gather(1, unit)
+    row = torch.where(slot >= 0, unit_base + slot % C0, -1)
+    mi = miss.long()
+    miss_rank = mi.cumsum(1) - mi
+    # Residency: the missed locs enter their positions' slots.
+    l2s.index_put_((torch.where(miss, loc, N),), slot.to(l2s.dtype))
+    req2 = torch.where(miss, work.req[:, None], state._sink_req)
+    slot_loc.index_put_((req2, torch.where(miss, slot, 0)), loc.to(slot_loc.dtype))
+    f = fits[:, None]
+    work.hit = torch.where(f, hit, work.hit)
+    work.miss = torch.where(f, miss, work.miss)
+    work.first_miss = torch.where(f, miss, work.first_miss)
+    work.loc = torch.where(f, loc, work.loc)
+    work.slot = torch.where(f, slot, work.slot)
+    work.row = torch.where(f, row, work.row)
+    work.miss_rank = torch.where(f, miss_rank, work.miss_rank)
+    work.num_misses = torch.where(fits, mi.sum(1), work.num_misses)
+    work.num_hits = torch.where(fits, hit.long().sum(1), work.num_hits)
+    work.frozen = fits
 
 
 def build_gpu_page_table(
@@ -315,6 +394,8 @@ def reorder_lru(state: LRUCacheState, work: LayerSwapWork) -> None:
         num_evictable + hit_rank,
     )
     new_order = torch.empty_like(work.order).scatter_(1, new_pos, work.order)
+    if work.frozen is not None:
+        new_order = torch.where(work.frozen[:, None], work.order, new_order)
     # Padding rows target the sink row; their new order equals the old one.
     state._lru_buf[work.layer].index_put_(
         (work.req,), new_order.to(state._lru_buf.dtype)

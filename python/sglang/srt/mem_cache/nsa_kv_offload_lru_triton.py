@@ -97,6 +97,8 @@ class TritonLRUSwap:
         self.recent_window = state.recent_window
         self.max_units = state.max_units
         self.max_query_tokens = state.max_query_tokens
+        # Rows in direct mode (slot = position) skip the LRU walk.
+        self.direct = state.direct_slots
         self.block_c = _next_pow2(self.num_slots)
         self.block_k = _next_pow2(self.top_k)
         if num_warps is None:
@@ -196,6 +198,7 @@ class TritonLRUSwap:
             *self._fused_args(
                 state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
             ),
+            state._direct_buf,
             K=self.top_k,
             C=self.num_slots,
             C0=self.buffer_size,
@@ -203,6 +206,7 @@ class TritonLRUSwap:
             W=self.recent_window,
             BLOCK_K=self.block_k,
             BLOCK_C=self.block_c,
+            DIRECT=self.direct,
             num_warps=self.num_warps,
         )
         return plan
@@ -232,13 +236,28 @@ class TritonLRUSwap:
             self._hit_flags,
             self._entry_slots,
             state._sink_req,
+            slot_loc,
+            state._unit_base_buf,
+            state._capacity_buf,
+            *plan_rows[2:],
+            state._direct_buf,
+            self._row_direct,
             K=self.top_k,
             W=self.recent_window,
             BLOCK_K=self.block_k,
+            DIRECT=self.direct,
             **shape,
         )
         self._count_and_rank(
-            state, batch, self.top_k, loc_to_slot, slot_loc, lru, plan, shape
+            state,
+            batch,
+            self.top_k,
+            loc_to_slot,
+            slot_loc,
+            lru,
+            plan,
+            shape,
+            direct=self.direct,
         )
         _swap_assign_kernel[(bs, U)](
             *batch,
@@ -251,9 +270,11 @@ class TritonLRUSwap:
             self._victims,
             self._new_lru,
             state._sink_req,
+            self._row_direct,
             K=self.top_k,
             W=self.recent_window,
             BLOCK_K=self.block_k,
+            DIRECT=self.direct,
             **shape,
         )
 
@@ -343,10 +364,12 @@ class TritonLRUSwap:
         lru: torch.Tensor,
         plan: LayerSwapPlan,
         chunk: dict,
+        direct: bool = False,
     ) -> None:
         # Phase 2 of the split swap, one- and multi-token alike: per-chunk
         # evictable counts, then ranks and victims (victims rows of
-        # victims_width: K, or Q x K with Q query tokens).
+        # victims_width: K, or Q x K with Q query tokens); with direct, rows
+        # the classify kernel swapped in direct mode are skipped.
         bs, req_pool_indices, num_real = plan.miss_count.shape[0], batch[2], batch[6]
         U = self.max_units
         _swap_count_kernel[(bs, U)](
@@ -357,6 +380,8 @@ class TritonLRUSwap:
             self._hit_flags,
             self._evictable_counts,
             state._sink_req,
+            self._row_direct,
+            DIRECT=direct,
             **chunk,
         )
         _swap_rank_kernel[(bs, U)](
@@ -372,8 +397,10 @@ class TritonLRUSwap:
             self._victims,
             self._new_lru,
             state._sink_req,
+            self._row_direct,
             K=victims_width,
             BLOCK_U=_next_pow2(U),
+            DIRECT=direct,
             **chunk,
         )
 
@@ -443,5 +470,11 @@ class TritonLRUSwap:
                 (rows, self.max_units), dtype=torch.int32, device=dev
             )
             self._new_lru = torch.zeros((rows, C), dtype=torch.int16, device=dev)
-            self._scratch += [self._entry_slots, self._evictable_counts, self._new_lru]
+            self._row_direct = torch.zeros((rows,), dtype=torch.int8, device=dev)
+            self._scratch += [
+                self._entry_slots,
+                self._evictable_counts,
+                self._new_lru,
+                self._row_direct,
+            ]
         self._scratch_rows = rows

@@ -152,6 +152,10 @@ class SparseCacheController:
             the same KV on their GPUs and only read it).
         max_query_tokens: query tokens per request a swap may serve (MTP
             target verify: ``--speculative-num-draft-tokens``; 1: decode).
+        direct_slots: a request whose positions below its first window fit
+            one unit's slots is warmed whole, position ``p`` into slot ``p``,
+            and swaps without the LRU walk while its context fits its slots
+            (``LRUCacheState``; experimental).
     """
 
     def __init__(
@@ -173,6 +177,7 @@ class SparseCacheController:
         max_units: int = 1,
         host_writer: bool = True,
         max_query_tokens: int = 1,
+        direct_slots: bool = False,
     ):
         self.host_pool = host_pool
         self.host_writer = host_writer
@@ -215,6 +220,7 @@ class SparseCacheController:
             max_batch_size=max_batch_size,
             max_units=max_units,
             max_query_tokens=max_query_tokens,
+            direct_slots=direct_slots,
         )
         self.max_units = max_units
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
@@ -580,6 +586,11 @@ class SparseCacheController:
         if warm_tokens is None:
             warm_tokens = self.warm_tokens
         num_warm = max(0, min(warm_tokens, C, win_start))
+        if self.lru.direct_slots and win_start <= C:
+            # Every position below the window, oldest first: on a fresh
+            # admission position p takes slot p (direct mode).
+            num_warm = win_start
+            self.lru.enter_direct(r, win_start)
         if num_warm > 0:
             # Oldest first: the newest token ends up most recently used.
             warm_locs = prefix_locs[win_start - num_warm : win_start]
