@@ -108,6 +108,7 @@ SERVER_KINDS = (
     "ours_fixed",
     "ours_prefetch",
     "ours_early",
+    "ours_direct",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -125,6 +126,7 @@ OURS_VARIANTS = {
     "ours_fixed": "P4_fixed",
     "ours_prefetch": "P4_prefetch",
     "ours_early": "P4_early",
+    "ours_direct": "P4_direct",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -136,6 +138,7 @@ LABELS = {
     "ours_fixed": "ours, fixed buffer",
     "ours_prefetch": "ours + prefetch",
     "ours_early": "ours, early swap",
+    "ours_direct": "ours, direct slots",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -673,6 +676,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_fixed": fixed,
         "ours_prefetch": ours,  # + the prefetch's env var (server_env)
         "ours_early": ours,  # + the early swap's env var (server_env)
+        "ours_direct": ours,  # + the direct slots' env var (server_env)
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -691,6 +695,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
     if kind == "ours_early":
         env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = "1"
+    if kind == "ours_direct":
+        env["SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"] = "1"
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:

@@ -126,6 +126,12 @@ SERVERS = {
         env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
         base="base_fp8",
     ),
+    # Direct slots: the boundary prompts below one unit's slots enter it.
+    "ours_fp8_direct": dict(
+        offload=[],
+        env={"SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS": "1"},
+        base="base_fp8",
+    ),
     "base_bf16": dict(kv="bf16"),
     "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
     "base_fp8_retract": dict(retract=True),
