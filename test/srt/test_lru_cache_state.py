@@ -159,6 +159,18 @@ def assert_states_equal(test, a: LRUCacheState, b: LRUCacheState) -> None:
         )
 
 
+def swap_request_0(state, positions, seq_len, r2t) -> LayerSwapPlan:
+    """Layer 0's swap of request 0 alone (the hand-written examples)."""
+    topk = torch.tensor([positions], dtype=torch.int32, device=DEVICE)
+    return state.swap_layer(
+        0,
+        topk,
+        torch.tensor([0], device=DEVICE),
+        torch.tensor([seq_len], device=DEVICE),
+        r2t,
+    )
+
+
 # ---------------------------------------------------------------- workload
 
 
@@ -715,14 +727,7 @@ class TestDirectSlots(unittest.TestCase):
         return [False, True, "fused"] if TRITON_OK else [False]
 
     def _swap(self, state, positions, seq_len, r2t):
-        topk = torch.tensor([positions], dtype=torch.int32, device=DEVICE)
-        return state.swap_layer(
-            0,
-            topk,
-            torch.tensor([0], device=DEVICE),
-            torch.tensor([seq_len], device=DEVICE),
-            r2t,
-        )
+        return swap_request_0(state, positions, seq_len, r2t)
 
     def test_hand_example(self):
         cfg = SimConfig(layers=1, C=8, K=4, W=2, max_reqs=2, num_locs=64, direct=True)
@@ -804,14 +809,7 @@ class TestUnits(unittest.TestCase):
         return new_state(cfg, use_triton)
 
     def _swap(self, state, positions, seq_len, r2t):
-        topk = torch.tensor([positions], dtype=torch.int32, device=DEVICE)
-        return state.swap_layer(
-            0,
-            topk,
-            torch.tensor([0], device=DEVICE),
-            torch.tensor([seq_len], device=DEVICE),
-            r2t,
-        )
+        return swap_request_0(state, positions, seq_len, r2t)
 
     def test_grown_slots_fill_before_eviction(self):
         r2t = torch.arange(64, dtype=torch.int32, device=DEVICE).reshape(1, 64)
