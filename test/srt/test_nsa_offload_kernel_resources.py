@@ -43,15 +43,17 @@ class TestSwapKernelResources(unittest.TestCase):
             (r["units"], r["kernel"]): r
             for r in map(json.loads, out.stdout.splitlines())
         }
-        expected = {(1, "fused")} | {
-            (4, k) for k in ("fused", "classify", "count", "rank", "assign")
+        kernels = ("fused", "classify", "count", "rank", "assign")
+        # Each also with the direct-slots path compiled in (DIRECT=True).
+        expected = {(1, k) for k in ("fused", "fused_direct")} | {
+            (4, k + suffix) for k in kernels for suffix in ("", "_direct")
         }
         self.assertEqual(set(rows), expected)
         # One unit: the fused kernel holds the 4096-entry walk in registers
         # (112, no stack, with Triton 3.6 as on the H200 stack). With units the
         # split kernels run instead: the fused one spills there (part of why
         # it took 50 us per layer at 4 units on the H200).
-        no_spill = [(1, "fused")] + [k for k in expected if k[1] != "fused"]
+        no_spill = [k for k in expected if k[0] == 1 or not k[1].startswith("fused")]
         for key in no_spill:
             self.assertEqual(rows[key]["stack_bytes"], 0, rows[key])
             self.assertLessEqual(rows[key]["registers"], 128, rows[key])

@@ -51,12 +51,24 @@ POINTER_TYPES = {
     "cur_ptr": "*i32",
     "ev_count_ptr": "*i32",
     "new_lru_ptr": "*i16",
+    "direct_ptr": "*i8",
+    "row_direct_ptr": "*i8",
 }
 
 
 def resources(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> dict:
     """Compile ``kernel`` for ``sm_<arch>``; its registers and stack bytes."""
-    params = list(inspect.signature(kernel.fn).parameters)
+    sig = inspect.signature(kernel.fn).parameters
+    params = list(sig)
+    # Constexprs not given compile at their defaults (e.g. DIRECT=False).
+    constexprs = {
+        **{
+            p: v.default
+            for p, v in sig.items()
+            if v.default is not inspect.Parameter.empty
+        },
+        **constexprs,
+    }
     signature = {
         p: "constexpr" if p in constexprs else POINTER_TYPES.get(p, "i32")
         for p in params
@@ -135,6 +147,12 @@ def swap_kernels(
                 dict(chunk, K=top_k, W=window, BLOCK_K=block_k),
             ),
         ]
+    # The same kernels with the direct-slots path compiled in.
+    out += [
+        (name + "_direct", k, dict(c, DIRECT=True))
+        for name, k, c in out
+        if "DIRECT" in inspect.signature(k.fn).parameters
+    ]
     return [(name, k, c, num_warps) for name, k, c in out]
 
 
