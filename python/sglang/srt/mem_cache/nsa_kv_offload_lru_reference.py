@@ -205,16 +205,14 @@ def direct_swap(
     """The swap of direct rows (``fits``; ``lookup``: their looked-up
     entries), written into ``work``: a hit keeps its slot, a miss of
     position ``p`` takes slot ``p``; nothing is evicted."""
-    C0, N = state.buffer_size, state.num_locs
+    N = state.num_locs
     l2s = state._loc_to_slot_buf[work.layer]
     slot_loc = state._slot_loc_buf[work.layer]
     cur = l2s[torch.where(lookup, loc, N)].long()
     hit = lookup & (cur >= 0)
     miss = lookup & (cur < 0)
     slot = torch.where(hit, cur, torch.where(miss, work.pos, -1))
-    unit = torch.where(slot >= 0, slot // C0, 0)
-    unit_base = state._unit_base_buf[work.req].long().gather(1, unit)
-    row = torch.where(slot >= 0, unit_base + slot % C0, -1)
+    row = slot_rows(state, work.req, slot)
     mi = miss.long()
     miss_rank = mi.cumsum(1) - mi
     # Residency: the missed locs enter their positions' slots.
@@ -328,10 +326,7 @@ def assign_slots(
     victim_by_rank.scatter_(1, torch.where(taken, evict_rank, k), order)
     victim = victim_by_rank.gather(1, torch.where(miss, miss_rank, k))
     slot = torch.where(hit, cur, torch.where(miss, victim, -1))
-    C0 = state.buffer_size
-    unit = torch.where(slot >= 0, slot // C0, 0)
-    unit_base = state._unit_base_buf[req].long().gather(1, unit)
-    row = torch.where(slot >= 0, unit_base + slot % C0, -1)
+    row = slot_rows(state, req, slot)
 
     # Residency: victims' old locs leave, the missed locs enter.
     req2 = torch.where(first, req[:, None], state._sink_req)
@@ -361,6 +356,14 @@ def assign_slots(
         order_evictable=evictable,
         evict_rank=evict_rank,
     )
+
+
+def slot_rows(state: LRUCacheState, req: torch.Tensor, slot: torch.Tensor):
+    """GPU row of each slot (``unit_base[r, s // C] + s % C``), -1 for -1."""
+    C0 = state.buffer_size
+    unit = torch.where(slot >= 0, slot // C0, 0)
+    unit_base = state._unit_base_buf[req].long().gather(1, unit)
+    return torch.where(slot >= 0, unit_base + slot % C0, -1)
 
 
 def first_misses(loc: torch.Tensor, miss: torch.Tensor, num_locs: int):
