@@ -804,3 +804,32 @@ class TestInterleavedRuns(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class TestCommittedRankSummaries(unittest.TestCase):
+    """results/rank_model/ and results/rank_speed/summary.json are what
+    ``--plot-only`` computes from the committed rank runs (no hand edits)."""
+
+    RESULTS = BENCH_DIR / "results"
+    RUNS = (
+        "rank_model/run_reported/bench_server_override.json",
+        "rank_model/run_pessimistic/bench_server_override.json",
+        "rank_model/run_model/bench_server_model.json",
+    )
+
+    def test_summaries_match_the_runs(self):
+        runs = []
+        for rel in self.RUNS:
+            with open(self.RESULTS / rel) as f:
+                runs.append(json.load(f))
+        computed = bench_server.rank_summaries(runs)
+        for name in ("rank_model", "rank_speed"):
+            with open(self.RESULTS / name / "summary.json") as f:
+                committed = json.load(f)
+            self.assertEqual(json.loads(json.dumps(computed[name])), committed, name)
+        model = computed["rank_model"]
+        # P5 counts only with misses crossing PCIe.
+        self.assertGreater(model["p5_h2d_gbps"], 1.0)
+        self.assertEqual(
+            set(computed["rank_speed"]["traces"]), {"model", "reported", "pessimistic"}
+        )

@@ -1392,8 +1392,10 @@ def _verdict(met) -> str:
 
 
 def render_markdown(results: List[dict]) -> str:
+    models = sorted({r["config"].get("model", "tiny") for r in results})
     out = [
-        "# Server benchmark: no offload vs HiSparse vs ours (tiny DeepSeek-V3.2)",
+        "# Server benchmark: no offload vs HiSparse vs ours "
+        f"({', '.join(models)} DeepSeek-V3.2 model)",
         "",
     ]
     for result in results:
@@ -1789,7 +1791,10 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         axes[2].set_title("capacity (requests at once, same GPU budget)")
         axes[2].legend(fontsize=7)
         cfg = result["config"]
-        fig.suptitle(f"tiny DeepSeek-V3.2, top-k: {cfg['topk']}, mode {cfg['mode']}")
+        fig.suptitle(
+            f"{cfg.get('model', 'tiny')} DeepSeek-V3.2 model, top-k: "
+            f"{trace_name(cfg)}, mode {cfg['mode']}"
+        )
         fig.tight_layout()
         path = os.path.join(out_dir, f"bench_server_{cfg['topk']}.png")
         fig.savefig(path, dpi=110)
