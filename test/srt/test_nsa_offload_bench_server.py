@@ -546,6 +546,31 @@ class TestInterleave(unittest.TestCase):
         self.assertIsNone(p4["rows"][0]["overhead_paired"])
         self.assertAlmostEqual(p4["max_overhead"], 1.3 / 1.2 - 1)
 
+    def test_a_batch_that_never_filled_is_no_p4_point(self):
+        # The rank model's 32K x 8 with real prefill: the batch peaked at 7.
+        args = mock.Mock(decode_log_interval=16)
+        run = {
+            "decode_log": [
+                {"running": r, "queue": 0, "throughput": 350.0} for r in (5, 7, 7, 7)
+            ],
+            "client": {},
+            "num_errors": 0,
+            "elapsed_s": 9.0,
+        }
+        point = {"ctx": 32768, "conc": 8, "at_capacity": False}
+        bench_server.summarize_point("baseline", point, [run], args, 61)
+        self.assertIn("peak 7", point["batch_short"])
+        full = dict(point, conc=8, server={"itl_ms": 20.0}, client={})
+        full.pop("batch_short")
+        result = {
+            "config": {"cap_contexts": []},
+            "servers": {"baseline": {"points": [point]}, "ours": {"points": [full]}},
+        }
+        self.assertEqual(bench_server.evaluate_targets(result)["P4"]["rows"], [])
+        # Both full: the point counts.
+        result["servers"]["baseline"]["points"] = [dict(full, server={"itl_ms": 19.0})]
+        self.assertEqual(len(bench_server.evaluate_targets(result)["P4"]["rows"]), 1)
+
     def test_prefetch_has_its_own_p4(self):
         result = {
             "config": {"cap_contexts": []},

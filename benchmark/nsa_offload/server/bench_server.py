@@ -1034,6 +1034,15 @@ def summarize_point(kind: str, point: dict, runs: List[dict], args, layers: int)
     point["client"] = median_of_runs([run["client"] for run in runs])
     point["num_errors"] = sum(run["num_errors"] for run in runs)
     s, c = point["server"], r["client"]
+    peak = s.get("peak_running")
+    if peak is not None and peak < point["conc"]:
+        # E.g. with real prefill the first requests finish before the last
+        # prompt is in: the figures are those of a smaller batch.
+        point["batch_short"] = (
+            f"the batch never held {point['conc']} requests (peak {peak}): "
+            "more --new-tokens"
+        )
+        log(f"[{kind}] ctx {point['ctx']} x {point['conc']}: {point['batch_short']}")
     log(
         f"[{kind}] ctx {point['ctx']} x {point['conc']}: {r['elapsed_s']:.1f} s, "
         f"server {_fmt(s.get('throughput_tok_s'), '{:.0f}')} tok/s "
@@ -1337,7 +1346,7 @@ def _p4(base: dict, ours: dict) -> dict:
         if "skipped" in p or p.get("at_capacity"):
             continue
         b = _point(base, p["ctx"], p["conc"])
-        if b is None:
+        if b is None or "batch_short" in p or "batch_short" in b:
             continue
         ratios = _paired_ratios(p, b)
         paired, iqr = paired_overhead(ratios) if ratios else (None, None)
