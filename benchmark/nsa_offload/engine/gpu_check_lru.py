@@ -151,7 +151,9 @@ class Workload:
         return rpi, seq, num_real
 
 
-def new_states(wl: Workload, args, layers: int, kinds=(True, False)):
+def new_states(
+    wl: Workload, args, layers: int, kinds=(True, False), direct_slots=False
+):
     return [
         LRUCacheState(
             num_layers=layers,
@@ -162,6 +164,7 @@ def new_states(wl: Workload, args, layers: int, kinds=(True, False)):
             top_k=args.K,
             device=DEV,
             use_triton=k,
+            direct_slots=direct_slots,
         )
         for k in kinds
     ]
@@ -291,6 +294,61 @@ def run_correctness(args, bs: int, min_len: int, max_len: int, seed: int) -> Dic
         "steps": step + 1,
         "layers": L,
         "ok": bool(ok),
+        "lru_hits": c[0],
+        "window_hits": c[1],
+        "misses": c[2],
+        "seconds": round(time.time() - t0, 2),
+    }
+
+
+def run_direct_correctness(args, bs: int, min_len: int, max_len: int, seed: int):
+    """Direct slots (``direct_slots``): every request admitted with the
+    positions below its first window in slots 0.. (as the controller warms
+    it), then decode steps, Triton vs the reference, bit for bit. Contexts
+    near ``C + W`` leave direct mode during the run (``seq - W > C``)."""
+    L, C, W = args.layers, args.C, args.W
+    wl = Workload(bs, 3, args, min_len, max_len, args.steps, keep=0.45, seed=seed)
+    tri, ref = new_states(wl, args, L, direct_slots=True)
+    for s in (tri, ref):
+        wl.admit(s, warm=False)
+        for i in range(bs):
+            # The first decode step has seq n + 1: its window starts at n + 1 - W.
+            win_start = max(0, int(wl.seq_lens[i]) + 1 - W)
+            r = int(wl.rpi[i])
+            if win_start > 0:
+                s.warm_request(range(L), r, wl.req_to_token[r, :win_start].long())
+            s.enter_direct(r, win_start)
+    tag0 = f"direct bs={bs} len={min_len}-{max_len}"
+    ok = compare_states(f"{tag0} after warm", tri, ref)
+    entered = int(tri.direct[wl.rpi].sum())
+    t0 = time.time()
+    for step in range(args.steps):
+        wl.seq_lens += 1
+        dtype = torch.int32 if step % 2 else torch.int64
+        rpi, seq, num_real = wl.inputs(dtype)
+        for layer in range(L):
+            topk = wl.topk(layer).to(dtype)
+            tag = f"{tag0} step {step} layer {layer}"
+            a = tri.swap_layer(layer, topk, rpi, seq, wl.req_to_token, num_real)
+            b = ref.swap_layer(layer, topk, rpi, seq, wl.req_to_token, num_real)
+            ok &= compare_plans(tag, a, b)
+            check_plan_structure(tag, tri, a, topk, seq, wl)
+        ok &= compare_states(f"{tag0} step {step}", tri, ref)
+        if not torch.equal(tri.direct, ref.direct):
+            fail(f"{tag0} step {step}: direct flags differ")
+            ok = False
+        if not ok:
+            break
+    ok &= check_invariants(tag0, tri)
+    c = tri.counters.sum(0).tolist()
+    return {
+        "bs": bs,
+        "seq_len_range": [min_len, max_len],
+        "steps": step + 1,
+        "layers": L,
+        "ok": bool(ok),
+        "direct_entered": entered,
+        "direct_at_end": int(tri.direct[wl.rpi].sum()),
         "lru_hits": c[0],
         "window_hits": c[1],
         "misses": c[2],
@@ -520,6 +578,7 @@ def main() -> int:
         "triton": triton.__version__,
         "config": {k: v for k, v in vars(args).items()},
         "correctness": [],
+        "direct": [],
         "cuda_graph": [],
         "timing": [],
     }
@@ -543,6 +602,12 @@ def main() -> int:
     # Short sequences (n < K): top-k padding with -1, window-heavy rows.
     guarded("correctness", run_correctness, args, 16, 1, 3 * args.K, seed)
     seed += 1
+    # Direct slots: contexts that fit their slots, and ones that outgrow
+    # them during the run (seq - W crosses C).
+    C, W, half = args.C, args.W, args.steps // 2
+    for bs, lo, hi in ((16, 1, C + W - 1), (64, C + W - 1 - half, C + W - 1)):
+        guarded("direct", run_direct_correctness, args, bs, lo, hi, seed)
+        seed += 1
     if DEV == "cuda":
         for bs in (16, 64):
             for use_triton in (True, False):
