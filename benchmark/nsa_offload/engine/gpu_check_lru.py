@@ -306,7 +306,7 @@ def run_direct_correctness(args, bs: int, min_len: int, max_len: int, seed: int)
     positions below its first window in slots 0.. (as the controller warms
     it), then decode steps, Triton vs the reference, bit for bit. Contexts
     near ``C + W`` leave direct mode during the run (``seq - W > C``)."""
-    L, C, W = args.layers, args.C, args.W
+    L, W = args.layers, args.W
     wl = Workload(bs, 3, args, min_len, max_len, args.steps, keep=0.45, seed=seed)
     tri, ref = new_states(wl, args, L, direct_slots=True)
     for s in (tri, ref):
