@@ -249,6 +249,42 @@ def check_plan_structure(tag, s: LRUCacheState, plan, topk, seq, wl: Workload):
         fail(f"{tag}: victim row outside the LRU slots")
 
 
+def decode_step(wl: Workload, tri, ref, L: int, step: int, tag0: str) -> bool:
+    """One decode step of every layer on both states: plans and states
+    compared, the Triton plan's structure checked."""
+    ok = True
+    wl.seq_lens += 1
+    dtype = torch.int32 if step % 2 else torch.int64
+    rpi, seq, num_real = wl.inputs(dtype)
+    for layer in range(L):
+        topk = wl.topk(layer).to(dtype)
+        tag = f"{tag0} step {step} layer {layer}"
+        a = tri.swap_layer(layer, topk, rpi, seq, wl.req_to_token, num_real)
+        b = ref.swap_layer(layer, topk, rpi, seq, wl.req_to_token, num_real)
+        ok &= compare_plans(tag, a, b)
+        check_plan_structure(tag, tri, a, topk, seq, wl)
+    return ok & compare_states(f"{tag0} step {step}", tri, ref)
+
+
+def run_record(tri, ok, wl, min_len, max_len, steps, L, t0, **extra) -> Dict:
+    """A correctness run's JSON record (the Triton state's counters)."""
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    c = tri.counters.sum(0).tolist()
+    return {
+        "bs": wl.bs,
+        "seq_len_range": [min_len, max_len],
+        "steps": steps,
+        "layers": L,
+        "ok": bool(ok),
+        **extra,
+        "lru_hits": c[0],
+        "window_hits": c[1],
+        "misses": c[2],
+        "seconds": round(time.time() - t0, 2),
+    }
+
+
 def run_correctness(args, bs: int, min_len: int, max_len: int, seed: int) -> Dict:
     pad = 3
     L = args.layers
@@ -271,34 +307,11 @@ def run_correctness(args, bs: int, min_len: int, max_len: int, seed: int) -> Dic
             for s in (tri, ref):
                 s.admit_request(rs, wl.bases[rows])
                 wl.warm(s, rows)
-        wl.seq_lens += 1
-        dtype = torch.int32 if step % 2 else torch.int64
-        rpi, seq, num_real = wl.inputs(dtype)
-        for layer in range(L):
-            topk = wl.topk(layer).to(dtype)
-            tag = f"{tag0} step {step} layer {layer}"
-            a = tri.swap_layer(layer, topk, rpi, seq, wl.req_to_token, num_real)
-            b = ref.swap_layer(layer, topk, rpi, seq, wl.req_to_token, num_real)
-            ok &= compare_plans(tag, a, b)
-            check_plan_structure(tag, tri, a, topk, seq, wl)
-        ok &= compare_states(f"{tag0} step {step}", tri, ref)
+        ok &= decode_step(wl, tri, ref, L, step, tag0)
         if not ok:
             break
     ok &= check_invariants(tag0, tri)
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-    c = tri.counters.sum(0).tolist()
-    return {
-        "bs": bs,
-        "seq_len_range": [min_len, max_len],
-        "steps": step + 1,
-        "layers": L,
-        "ok": bool(ok),
-        "lru_hits": c[0],
-        "window_hits": c[1],
-        "misses": c[2],
-        "seconds": round(time.time() - t0, 2),
-    }
+    return run_record(tri, ok, wl, min_len, max_len, step + 1, L, t0)
 
 
 def run_direct_correctness(args, bs: int, min_len: int, max_len: int, seed: int):
@@ -323,37 +336,25 @@ def run_direct_correctness(args, bs: int, min_len: int, max_len: int, seed: int)
     entered = int(tri.direct[wl.rpi].sum())
     t0 = time.time()
     for step in range(args.steps):
-        wl.seq_lens += 1
-        dtype = torch.int32 if step % 2 else torch.int64
-        rpi, seq, num_real = wl.inputs(dtype)
-        for layer in range(L):
-            topk = wl.topk(layer).to(dtype)
-            tag = f"{tag0} step {step} layer {layer}"
-            a = tri.swap_layer(layer, topk, rpi, seq, wl.req_to_token, num_real)
-            b = ref.swap_layer(layer, topk, rpi, seq, wl.req_to_token, num_real)
-            ok &= compare_plans(tag, a, b)
-            check_plan_structure(tag, tri, a, topk, seq, wl)
-        ok &= compare_states(f"{tag0} step {step}", tri, ref)
+        ok &= decode_step(wl, tri, ref, L, step, tag0)
         if not torch.equal(tri.direct, ref.direct):
             fail(f"{tag0} step {step}: direct flags differ")
             ok = False
         if not ok:
             break
     ok &= check_invariants(tag0, tri)
-    c = tri.counters.sum(0).tolist()
-    return {
-        "bs": bs,
-        "seq_len_range": [min_len, max_len],
-        "steps": step + 1,
-        "layers": L,
-        "ok": bool(ok),
-        "direct_entered": entered,
-        "direct_at_end": int(tri.direct[wl.rpi].sum()),
-        "lru_hits": c[0],
-        "window_hits": c[1],
-        "misses": c[2],
-        "seconds": round(time.time() - t0, 2),
-    }
+    return run_record(
+        tri,
+        ok,
+        wl,
+        min_len,
+        max_len,
+        step + 1,
+        L,
+        t0,
+        direct_entered=entered,
+        direct_at_end=int(tri.direct[wl.rpi].sum()),
+    )
 
 
 def make_out(bs: int, K: int) -> LayerSwapPlan:
