@@ -23,7 +23,6 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_DIRECT_SLOTS,
     ENV_OVERLAP_PLAN_STREAM,
     ENV_UNPROVEN_PARALLEL,
-    ENV_UNPROVEN_SPEC_V2,
     check_nsa_kv_offload_speculative,
     nsa_kv_offload_default_buffer_size,
 )
@@ -123,18 +122,21 @@ class TestSpeculativeChecks(unittest.TestCase):
         self.assertEqual(check_nsa_kv_offload_speculative(args, INDEX_TOPK), 4)
 
     def test_spec_v2_accepted(self):
-        # The overlap scheduler (spec v2), colocated, no plan stream: behind
-        # its gate until it has run on a GPU.
-        env = {ENV_OVERLAP_PLAN_STREAM: "0", ENV_UNPROVEN_SPEC_V2: "1"}
-        with mock.patch.dict(os.environ, env):
-            args = self._args(disable_overlap_schedule=False)
-            self.assertEqual(check_nsa_kv_offload_speculative(args, INDEX_TOPK), 4)
-        with mock.patch.dict(os.environ, {ENV_UNPROVEN_SPEC_V2: "0"}):
-            self._assert_refused(
-                f"has not run on a GPU with the offload yet; pass "
-                f"--disable-overlap-schedule (spec v1), or set {ENV_UNPROVEN_SPEC_V2}=1",
-                disable_overlap_schedule=False,
-            )
+        # The overlap scheduler (spec v2, sglang's default with MTP), colocated,
+        # no plan stream: accepted with no env var (run on the H200 with 1 and
+        # 3 steps: results/mtp/spec_v2/).
+        with mock.patch.dict(os.environ, {ENV_OVERLAP_PLAN_STREAM: "0"}):
+            for steps in (1, 2, 3):
+                args = self._args(
+                    disable_overlap_schedule=False,
+                    speculative_num_steps=steps,
+                    speculative_num_draft_tokens=steps + 1,
+                    nsa_kv_offload_gpu_buffer_size=(steps + 1) * INDEX_TOPK,
+                    nsa_kv_offload_recent_window=2 * (steps + 1) - 1,
+                )
+                self.assertEqual(
+                    check_nsa_kv_offload_speculative(args, INDEX_TOPK), steps + 1
+                )
 
     def test_spec_v2_refused_where_not_run(self):
         self._assert_refused(
@@ -258,12 +260,9 @@ class TestStartup(unittest.TestCase):
                         args.nsa_kv_offload_max_units,
                         min(4, 32767 // buffer_size),
                     )
-        # Spec v2 (the overlap scheduler, sglang's default with MTP), with
-        # its gate open.
+        # Spec v2 (the overlap scheduler, sglang's default with MTP).
         for steps in (1, 2, 3):
-            with self.subTest(spec_v2=True, steps=steps), self._env(
-                **{ENV_UNPROVEN_SPEC_V2: "1"}
-            ):
+            with self.subTest(spec_v2=True, steps=steps), self._env():
                 args = self._start(
                     self._args(
                         speculative_num_steps=steps,

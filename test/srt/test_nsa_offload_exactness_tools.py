@@ -506,8 +506,6 @@ class TestMtpServers(unittest.TestCase):
                 cmd, env = self._args(name, d)
                 self.assertNotIn("--disable-overlap-schedule", cmd)
                 self.assertEqual(env["SGLANG_ENABLE_SPEC_V2"], "1")
-                gate = env.get(server_utils.ENV_UNPROVEN_SPEC_V2)
-                self.assertEqual(gate, "1" if spec.get("offload") is not None else None)
                 if spec.get("offload") is not None:
                     base_spec = exactness.SERVERS[spec["base"]]
                     self.assertTrue(base_spec["spec_v2"])
@@ -666,19 +664,28 @@ class TestMtpServers(unittest.TestCase):
             "num_steps": [3],
             "code_commit": "def",
         }
-        merged = mtp_summary.merge(exact, [speed])
+        merged = mtp_summary.merge([exact], [speed])
         self.assertEqual((merged["identical"], merged["total"]), (1, 2))
         self.assertTrue(merged["accept_length_equal"])
         self.assertEqual(merged["itl_ratio_vs_no_offload_mtp"], {"model:32768x1": 1.05})
         self.assertEqual(merged["num_steps"], [1, 3])
         self.assertEqual(merged["code_commit"], ["abc", "def"])
         # Speed not run yet: the key says so instead of vanishing.
-        self.assertIsNone(mtp_summary.merge(exact, [])["itl_ratio_vs_no_offload_mtp"])
+        self.assertIsNone(mtp_summary.merge([exact], [])["itl_ratio_vs_no_offload_mtp"])
         with self.assertRaises(SystemExit) as cm:  # one point from two runs
-            mtp_summary.merge(exact, [speed, speed])
+            mtp_summary.merge([exact], [speed, speed])
         self.assertIn("32768x1", str(cm.exception))
         with self.assertRaises(SystemExit):  # an exactness run without MTP
-            mtp_summary.merge({"identical": 2}, [speed])
+            mtp_summary.merge([exact, {"identical": 2}], [speed])
+        # Two runs (spec v1 and spec v2) add up; one unequal accept count
+        # anywhere makes the whole key false.
+        other = json.loads(json.dumps(exact))
+        other["mtp"]["accept_length_equal"] = False
+        other["mtp"]["code_commit"] = "ghi"
+        both = mtp_summary.merge([exact, other], [])
+        self.assertEqual((both["identical"], both["total"]), (2, 4))
+        self.assertFalse(both["accept_length_equal"])
+        self.assertEqual(both["code_commit"], ["abc", "ghi"])
 
     def test_server_groups_in_a_list(self):
         names = exactness.server_names("base_fp8,mtp,stock_fp8,base_fp8_mtp")

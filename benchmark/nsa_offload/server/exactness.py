@@ -62,7 +62,6 @@ from make_checkpoint import (
 from server_utils import (
     BF16_KV_ARGS,
     ENV_UNPROVEN_PARALLEL,
-    ENV_UNPROVEN_SPEC_V2,
     SHAPES,
     Server,
     git_commit,
@@ -307,8 +306,6 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
         extra += mtp_args(spec["mtp"], spec_v2=spec.get("spec_v2", False))
         if spec.get("spec_v2"):
             env["SGLANG_ENABLE_SPEC_V2"] = "1"  # sglang's default, stated
-            if spec.get("offload") is not None:
-                env[ENV_UNPROVEN_SPEC_V2] = "1"  # the runs that prove it
     if spec.get("shape"):
         extra += SHAPES[spec["shape"]]
         if spec.get("offload") is not None:

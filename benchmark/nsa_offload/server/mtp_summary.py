@@ -1,10 +1,11 @@
-"""results/mtp/summary.json from its two halves: the ``mtp`` part of an
-exactness run's summary.json (exactness.py ``--servers mtp``: outputs and
-accept counts vs the no-offload MTP servers) and the ``summary_mtp_speed.json``
-of one or more bench_server.py runs with the MTP pair (ITL ratios).
+"""results/mtp/summary.json from its two halves: the ``mtp`` part of one or
+more exactness runs' summary.json (exactness.py ``--servers mtp`` or
+``mtp_v2``: outputs and accept counts vs the no-offload MTP servers) and the
+``summary_mtp_speed.json`` of one or more bench_server.py runs with the MTP
+pair (ITL ratios).
 
     python benchmark/nsa_offload/server/mtp_summary.py \\
-        --exactness RESULTS/mtp/exactness_tiny/summary.json \\
+        --exactness RESULTS/mtp/exactness_tiny/summary.json RESULTS/mtp/spec_v2/summary.json \\
         --speed RESULTS/mtp/speed_tiny_model/summary_mtp_speed.json \\
         --out RESULTS/mtp/summary.json
 """
@@ -14,12 +15,16 @@ import json
 from typing import List, Optional, Sequence
 
 
-def merge(exactness: dict, speeds: List[dict]) -> dict:
-    """The committed keys; a key one half lacks stays None (not measured)."""
-    mtp = exactness.get("mtp")
-    if mtp is None:
+def merge(exactness: List[dict], speeds: List[dict]) -> dict:
+    """The committed keys; a key one half lacks stays None (not measured).
+    Several exactness runs (spec v1 and spec v2, say) add up."""
+    parts = [run.get("mtp") for run in exactness]
+    if not parts or None in parts:
         raise SystemExit("--exactness: no 'mtp' part (run exactness.py --servers mtp)")
-    ratios, steps, commits = {}, set(mtp["num_steps"]), {mtp["code_commit"]}
+    ratios, steps, commits = {}, set(), set()
+    for mtp in parts:
+        steps.update(mtp["num_steps"])
+        commits.add(mtp["code_commit"])
     for speed in speeds:
         clash = set(ratios) & set(speed["itl_ratio_vs_no_offload_mtp"])
         if clash:
@@ -28,24 +33,33 @@ def merge(exactness: dict, speeds: List[dict]) -> dict:
         steps.update(speed["num_steps"])
         c = speed["code_commit"]
         commits.update(c if isinstance(c, list) else [c])
+    accept = {name: a for mtp in parts for name, a in mtp["accept"].items()}
     return {
-        "identical": mtp["identical"],
-        "total": mtp["total"],
-        "accept_length_equal": mtp["accept_length_equal"],
+        "identical": sum(mtp["identical"] for mtp in parts),
+        "total": sum(mtp["total"] for mtp in parts),
+        "accept_length_equal": all(mtp["accept_length_equal"] for mtp in parts),
         "itl_ratio_vs_no_offload_mtp": ratios or None,
         "num_steps": sorted(steps),
         "code_commit": commits.pop() if len(commits) == 1 else sorted(commits),
         # Where the figures came from, for a reader of this file alone.
-        "negative_control": mtp.get("negative_control"),
+        "negative_control": {
+            k: v for mtp in parts for k, v in (mtp.get("negative_control") or {}).items()
+        }
+        or None,
         "mean_accept_length": {
-            name: a.get("mean_accept_length") for name, a in mtp["accept"].items()
+            name: a.get("mean_accept_length") for name, a in accept.items()
         },
     }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--exactness", required=True, help="exactness.py's summary.json")
+    p.add_argument(
+        "--exactness",
+        nargs="+",
+        required=True,
+        help="exactness.py's summary.json (one per run)",
+    )
     p.add_argument(
         "--speed",
         nargs="*",
@@ -54,12 +68,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     p.add_argument("--out", required=True, help="the merged summary.json")
     args = p.parse_args(argv)
-    with open(args.exactness) as f:
-        exactness = json.load(f)
-    speeds = []
-    for path in args.speed:
-        with open(path) as f:
-            speeds.append(json.load(f))
+    exactness, speeds = [], []
+    for paths, runs in ((args.exactness, exactness), (args.speed, speeds)):
+        for path in paths:
+            with open(path) as f:
+                runs.append(json.load(f))
     summary = merge(exactness, speeds)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

@@ -59,8 +59,6 @@ KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
 # The offload refuses attention TP / DP attention unless this is set
 # (docs/MULTI_GPU.md).
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
-# ... and the gate of MTP with spec v2 (the overlap scheduler).
-ENV_UNPROVEN_SPEC_V2 = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPEC_V2"
 # The server flags of the two-GPU shapes: attention TP, DP attention.
 SHAPES = {
     "tp2": ["--tp-size", "2"],
