@@ -43,7 +43,8 @@ with and without the offload, for the default offload server (LRU units:
 idle regions and prefill staging lent as extra buffers), one with one fixed
 buffer per request (``--nsa-kv-offload-max-units 1``), one with the
 experimental cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``)
-and one with the experimental early swap (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``).
+and one with the inline swap (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=0``; the early
+swap is the default without MTP, and the MTP class runs it with ``=1``).
 The negative control shows that these comparisons can fail: the corrupted
 read must change at least 90% of the outputs (never the first token, which
 comes from the prefill), while the disarmed server repeats its clean outputs,
@@ -254,7 +255,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         "offload": "ours_fp8",
         "offload_fixed": "ours_fp8_1unit",
         "offload_prefetch": "ours_fp8_prefetch",
-        "offload_early": "ours_fp8_early",
+        "offload_inline": "ours_fp8_inline",
     }
     PORT_OFFSET = 0
     MTP = False  # the seq phase also records each request's accept counts
@@ -447,8 +448,11 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         log = self.results["offload_prefetch"]["log"]
         self.assertGreater(log.get("prefetched", 0), 0, log)
 
-    def test_early_swap_outputs_identical(self):
-        self._assert_offload_identical("offload_early")
+    def test_early_or_inline_swap_outputs_identical(self):
+        # The other swap schedule than the default offload server's: inline
+        # without MTP (the early swap is its default), early with MTP.
+        role = "offload_early" if self.MTP else "offload_inline"
+        self._assert_offload_identical(role)
 
     def test_concurrent_load_finishes(self):
         # Batch composition follows timing here: no output comparison (with

@@ -193,6 +193,32 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         with mock.patch.dict(os.environ, {nsa_kv_offload_args.ENV_EARLY_SWAP: "1"}):
             self._server_args()._handle_decode_nsa_kv_offload()  # alone: starts
 
+    def test_early_swap_default(self):
+        # On by default; off by default with the prefetch or MTP; 0 / 1 choose.
+        early, prefetch = (
+            nsa_kv_offload_args.ENV_EARLY_SWAP,
+            nsa_kv_offload_args.ENV_CROSS_LAYER_PREFETCH,
+        )
+        enabled = nsa_kv_offload_args.early_swap_enabled
+        cases = [
+            ({}, False, True),
+            ({early: ""}, False, True),
+            ({}, True, False),
+            ({prefetch: "1"}, False, False),
+            ({early: "0"}, False, False),
+            ({early: "1"}, True, True),
+            ({early: "1", prefetch: "1"}, False, True),  # refused at startup
+        ]
+        for env, speculative, expected in cases:
+            with self.subTest(env=env, speculative=speculative):
+                clean = {
+                    k: v
+                    for k, v in os.environ.items()
+                    if k not in (early, prefetch)
+                }
+                with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
+                    self.assertEqual(enabled(speculative=speculative), expected)
+
     def test_reject_unsupported_speculative_decoding(self):
         # MTP's supported settings start (test_nsa_kv_offload_speculative_args).
         self._assert_rejected(

@@ -205,21 +205,27 @@ class TestRankSummaries(unittest.TestCase):
             self.assertIn(key, model)
         self.assertEqual(model["p3_length"], 131072)  # the longest with both
         self.assertAlmostEqual(model["p3_capacity_ratio"], 5.5)
-        self.assertEqual(model["p4_itl_overhead"], {"32768x1": 0.04, "32768x8": 0.04})
+        # Runs that do not record the schedule: "ours" was the inline swap.
+        self.assertEqual(model["p4_itl_overhead"], {})
+        self.assertEqual(
+            model["p4_itl_overhead_inline"], {"32768x1": 0.04, "32768x8": 0.04}
+        )
         # P5 from the run with the most PCIe traffic (the pessimistic trace).
         self.assertEqual(model["p5_trace"], "pessimistic")
         self.assertEqual(model["p5_h2d_gbps"], 20.0)
         self.assertAlmostEqual(model["p5_vs_no_offload"], 10.0 / 11.0)
         self.assertAlmostEqual(model["p5_vs_hisparse"], 12.0 / 11.0)
         self.assertEqual(
-            set(speed["p4_itl_overhead"]),
+            set(speed["p4_itl_overhead_inline"]),
             {
                 f"{t}:32768x{b}"
                 for t in ("model", "reported", "pessimistic")
                 for b in (1, 8)
             },
         )
-        self.assertAlmostEqual(speed["p4_itl_overhead"]["reported:32768x8"], 0.03)
+        self.assertAlmostEqual(
+            speed["p4_itl_overhead_inline"]["reported:32768x8"], 0.03
+        )
         self.assertAlmostEqual(speed["hisparse_itl_overhead"]["model:32768x1"], 0.2)
         self.assertEqual(speed["swap_us_per_layer"], {"1": 15.0, "8": 120.0})
         self.assertEqual(speed["code_commit"], "abc")
@@ -232,6 +238,40 @@ class TestRankSummaries(unittest.TestCase):
         # No rank run: nothing to summarise.
         runs[0]["config"]["model"] = "tiny"
         self.assertEqual(bench_server.rank_summaries(runs[:1]), {})
+
+
+    def test_early_swap_is_the_default_schedule(self):
+        def variant(run, kind, itl_ratio):
+            # Another offload server of the run, ITL scaled from ours'.
+            srv = json.loads(json.dumps(run["servers"]["ours"]))
+            for p in srv["points"]:
+                p["server"]["itl_ms"] *= itl_ratio
+            run["servers"][kind] = srv
+
+        itl = {"baseline": 10.0, "ours": 10.4, "hisparse": 12.0}
+        # Before the flip: "ours" inline, the early swap as "ours_early".
+        older = self.make_run("model", None, itl, 0.5)
+        variant(older, "ours_early", 10.2 / 10.4)
+        # After it (the run records it): "ours" early, "ours_inline" beside.
+        newer = self.make_run("override", "reported", itl, 8.0)
+        newer["config"]["early_swap_default"] = True
+        variant(newer, "ours_inline", 10.6 / 10.4)
+        out = bench_server.rank_summaries([older, newer])
+        speed, model = out["rank_speed"], out["rank_model"]
+        for conc in (1, 8):
+            for key, want in (
+                (f"model:32768x{conc}", (0.02, 0.04)),
+                (f"reported:32768x{conc}", (0.04, 0.06)),
+            ):
+                with self.subTest(point=key):
+                    self.assertAlmostEqual(speed["p4_itl_overhead"][key], want[0])
+                    self.assertAlmostEqual(
+                        speed["p4_itl_overhead_inline"][key], want[1]
+                    )
+            self.assertAlmostEqual(model["p4_itl_overhead"][f"32768x{conc}"], 0.02)
+            self.assertAlmostEqual(
+                model["p4_itl_overhead_inline"][f"32768x{conc}"], 0.04
+            )
 
 
 class TestPrefetchServerSideBySide(unittest.TestCase):
@@ -840,6 +880,8 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_model/run_reported/bench_server_override.json",
         "rank_model/run_pessimistic/bench_server_override.json",
         "rank_model/run_model/bench_server_model.json",
+        "rank_speed/run_early_reported/bench_server_override.json",
+        "rank_speed/run_early_model/bench_server_model.json",
     )
 
     def test_summaries_match_the_runs(self):

@@ -108,6 +108,7 @@ SERVER_KINDS = (
     "ours_fixed",
     "ours_prefetch",
     "ours_early",
+    "ours_inline",
     "ours_direct",
     "ours_units",
     "hisparse",
@@ -126,10 +127,15 @@ OURS_VARIANTS = {
     "ours_fixed": "P4_fixed",
     "ours_prefetch": "P4_prefetch",
     "ours_early": "P4_early",
+    "ours_inline": "P4_inline",
     "ours_direct": "P4_direct",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
+# Whether "ours" runs the early swap (the server's default without MTP since
+# the runs that record this; before, "ours" was the inline swap and the
+# early one "ours_early").
+OURS_EARLY_SWAP_DEFAULT = True
 RUNNABLE_KINDS = tuple(k for k in SERVER_KINDS if k != "ours_units")
 LABELS = {
     "baseline": "no offload",
@@ -138,6 +144,7 @@ LABELS = {
     "ours_fixed": "ours, fixed buffer",
     "ours_prefetch": "ours + prefetch",
     "ours_early": "ours, early swap",
+    "ours_inline": "ours, inline swap",
     "ours_direct": "ours, direct slots",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
@@ -676,6 +683,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_fixed": fixed,
         "ours_prefetch": ours,  # + the prefetch's env var (server_env)
         "ours_early": ours,  # + the early swap's env var (server_env)
+        "ours_inline": ours,  # + the early swap's env var, off (server_env)
         "ours_direct": ours,  # + the direct slots' env var (server_env)
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
@@ -693,8 +701,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
     if kind == "ours_prefetch" or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
-    if kind == "ours_early":
-        env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = "1"
+    if kind in ("ours_early", "ours_inline"):
+        env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = "1" if kind == "ours_early" else "0"
     if kind == "ours_direct":
         env["SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"] = "1"
     if args.shape and kind in OFFLOAD_KINDS:
@@ -1737,6 +1745,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours": "tab:blue",
         "ours_prefetch": "tab:green",
         "ours_early": "tab:olive",
+        "ours_inline": "tab:brown",
         "ours_units": "tab:purple",
         "ours_fixed": "tab:cyan",
         "baseline_mtp": "tab:brown",
@@ -1835,31 +1844,45 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     trace): ``rank_model`` (results/rank_model/summary.json: capacity, ITL at
     the model's top-k, throughput at capacity where the misses cross PCIe)
     and ``rank_speed`` (results/rank_speed/summary.json: ITL per trace, the
-    swap's GPU time per layer from the step profile, HiSparse's ITL)."""
+    swap's GPU time per layer from the step profile, HiSparse's ITL). The ITL
+    overheads are the early swap's, ours' default (``*_inline``: the inline
+    swap's), whichever server kind ran it in each run."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
     commits = sorted({r["config"].get("code_commit", "unknown") for r in runs})
     speed = {
         "p4_itl_overhead": {},
+        "p4_itl_overhead_inline": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
         "code_commit": commits[0] if len(commits) == 1 else commits,
     }
-    model = {"code_commit": speed["code_commit"]}
+    model = {
+        "code_commit": speed["code_commit"],
+        "p4_itl_overhead": {},
+        "p4_itl_overhead_inline": {},
+    }
     best_p5 = None
     for run in runs:
         cfg, srv = run["config"], run["servers"]
         name = trace_name(cfg)
-        speed["traces"][name] = cfg.get("command")
+        speed["traces"].setdefault(name, []).append(cfg.get("command"))
         targets = evaluate_targets(run)
-        speed["p4_itl_overhead"].update(_overheads(targets["P4"], name + ":"))
+        schedules = {"": "P4_early", "_inline": "P4"}
+        if cfg.get("early_swap_default"):
+            schedules = {"": "P4", "_inline": "P4_inline"}
+        for suffix, key in schedules.items():
+            if key in targets:
+                overheads = _overheads(targets[key], name + ":")
+                speed["p4_itl_overhead" + suffix].update(overheads)
+                if name == "model":
+                    model["p4_itl_overhead" + suffix].update(_overheads(targets[key]))
         if "hisparse" in srv and "baseline" in srv:
             his = _p4(srv["baseline"], srv["hisparse"])
             speed["hisparse_itl_overhead"].update(_overheads(his, name + ":"))
         if name == "model":
-            model["p4_itl_overhead"] = _overheads(targets["P4"])
             for p in srv.get("ours", {}).get("points", []):
                 prof = p.get("profile") or {}
                 swap = prof.get("gpu_us_per_step", {}).get("swap")
@@ -1972,8 +1995,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help=f"some of {','.join(RUNNABLE_KINDS)} "
         "(ours_fixed: ours with --nsa-kv-offload-max-units 1, every request "
         "keeps exactly its own buffer; ours_prefetch: ours with the experimental "
-        "cross-layer prefetch; ours_early: ours with the experimental early swap; "
-        "side by side with ours; baseline_mtp, ours_mtp: "
+        "cross-layer prefetch; ours_early / ours_inline: ours with the early swap "
+        "forced on / off (ours: the server's default, on without MTP or the "
+        "prefetch); side by side with ours; baseline_mtp, ours_mtp: "
         "with MTP, --mtp-steps)",
     )
     p.add_argument(
@@ -2287,6 +2311,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": " ".join(shlex.quote(a) for a in sys.argv),
             "code_commit": git_commit(),
+            # ours' swap schedule without the env var (rank_summaries).
+            "early_swap_default": OURS_EARLY_SWAP_DEFAULT,
         },
         "servers": {},
     }

@@ -7,6 +7,7 @@ not handle, naming the offending flags, before any GPU memory is touched.
 """
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,9 +52,9 @@ _HOST_RESERVE_FRACTION = 0.1
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 # Experimental cross-layer prefetch (read by the coordinator).
 ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
-# Experimental early swap (read by the coordinator): a decode or verify layer's
-# swap and miss copy start on a side stream as soon as its top-k exists, beside the
-# query projection and rope, instead of right before its attention.
+# The early swap (early_swap_enabled): a decode or verify layer's swap and miss
+# copy start on a side stream as soon as its top-k exists, beside the query
+# projection and rope, instead of right before its attention.
 ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
 # Experimental direct slots (read by the coordinator): a request whose context
 # fits its LRU slots keeps position p in slot p and swaps without the LRU walk.
@@ -70,6 +71,18 @@ _OFFLOAD_MAX_SPECULATIVE_STEPS = 3
 
 def host_memory_reserve_gb(total_bytes: int) -> float:
     return max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * total_bytes / GB)
+
+
+def early_swap_enabled(speculative: bool) -> bool:
+    """Whether decode layers swap early (``ENV_EARLY_SWAP``). Unset: on, except
+    with the cross-layer prefetch (which joins its stream in the inline swap)
+    or speculative decoding (verify has not run early on a GPU yet); "1" / "0"
+    choose (1 with the prefetch is refused at startup)."""
+    from sglang.srt.utils import get_bool_env_var
+
+    if os.environ.get(ENV_EARLY_SWAP, "") == "":
+        return not speculative and not get_bool_env_var(ENV_CROSS_LAYER_PREFETCH)
+    return get_bool_env_var(ENV_EARLY_SWAP)
 
 
 def pinnable_host_memory_gb(num_host_pools: int) -> float:

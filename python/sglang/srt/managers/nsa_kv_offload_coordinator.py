@@ -26,12 +26,13 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   layer l+1's LRU slots on a second stream, overlapping layer l's attention
   and MLP; layer l+1's swap waits for it and then misses only what the two
   layers do not share;
-* optional early swap (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``, experimental):
-  the model hands a decode or verify layer's top-k over as soon as the
-  indexer returns it (``begin_layer_swap``); its swap and miss copy run on a
-  side stream beside the query projection, rope and the new tokens' KV
-  write, and the backend's swap hook only waits for them. Same kernels,
-  same inputs: the outputs are the inline swap's;
+* the early swap (on by default for decode, ``early_swap_enabled``;
+  ``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=0`` turns it off, ``=1`` turns it on for
+  MTP verify too): the model hands a decode or verify layer's top-k over as
+  soon as the indexer returns it (``begin_layer_swap``); its swap and miss
+  copy run on a side stream beside the query projection, rope and the new
+  tokens' KV write, and the backend's swap hook only waits for them. Same
+  kernels, same inputs: the outputs are the inline swap's;
 * optional direct slots (``SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS=1``,
   experimental): a request whose prompt fits one unit's slots is warmed
   whole and swaps without the LRU walk while its context fits
@@ -57,6 +58,7 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
+    early_swap_enabled,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
@@ -241,6 +243,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         self._early_page_tables = {}
         if early_swap:
             self._swap_stream, self._swap_done = self._side_stream()
+            logger.info(
+                "NSA KV offload: early swap on (each layer's swap and miss copy "
+                "start on a side stream after its indexer; %s=0 turns it off).",
+                ENV_EARLY_SWAP,
+            )
         self.producer_stream = None
         self._last_log_tic = time.perf_counter()
         self.metrics = None  # NSAKVOffloadMetricsCollector with --enable-metrics
@@ -687,7 +694,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         max_batch_size=max_batch_size,
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
-        early_swap=get_bool_env_var(ENV_EARLY_SWAP),
+        early_swap=early_swap_enabled(speculative=bool(sa.speculative_algorithm)),
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
