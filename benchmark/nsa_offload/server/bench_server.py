@@ -1745,7 +1745,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours": "tab:blue",
         "ours_prefetch": "tab:green",
         "ours_early": "tab:olive",
-        "ours_inline": "tab:brown",
+        "ours_inline": "tab:pink",
         "ours_units": "tab:purple",
         "ours_fixed": "tab:cyan",
         "baseline_mtp": "tab:brown",

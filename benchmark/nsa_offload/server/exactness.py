@@ -125,7 +125,6 @@ SERVERS = {
         env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
         base="base_fp8",
     ),
-    # Direct slots: the boundary prompts below one unit's slots enter it.
     # The early swap is the default without MTP: the inline swap, for the
     # record and the GPU test.
     "ours_fp8_inline": dict(
@@ -133,6 +132,7 @@ SERVERS = {
         env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "0"},
         base="base_fp8",
     ),
+    # Direct slots: the boundary prompts below one unit's slots enter it.
     "ours_fp8_direct": dict(
         offload=[],
         env={"SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS": "1"},
