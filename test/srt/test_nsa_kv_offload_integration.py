@@ -1328,12 +1328,14 @@ class TestOffloadLifecycle(unittest.TestCase):
     # LRU units a request may hold, idle staging pages that may be lent.
     MAX_UNITS = 1
     LEND_STAGING_PAGES = 0
+    EARLY_SWAP = False
 
     def _harness(self, **kwargs):
         return _Harness(
             self,
             max_units=self.MAX_UNITS,
             lend_staging_pages=self.LEND_STAGING_PAGES,
+            coordinator_kwargs={"early_swap": self.EARLY_SWAP},
             **kwargs,
         )
 
@@ -1435,6 +1437,13 @@ class TestOffloadLifecycleUnits(TestOffloadLifecycle):
 
     MAX_UNITS = 4
     LEND_STAGING_PAGES = 4
+
+
+class TestOffloadLifecycleDefaults(TestOffloadLifecycleUnits):
+    """The same as the server runs without MTP: units and the early swap
+    (each layer's swap at the top-k hand-over, before the layer's KV write)."""
+
+    EARLY_SWAP = True
 
 
 class TestCrossLayerPrefetch(unittest.TestCase):
@@ -1626,7 +1635,9 @@ class TestRandomWorkload(unittest.TestCase):
     units follow the load. Every page table is checked against the full-KV
     reference at every layer of every step; nothing leaks at the end."""
 
-    def _run(self, seed: int, max_units: int, lend_staging_pages: int):
+    def _run(
+        self, seed: int, max_units: int, lend_staging_pages: int, early_swap=False
+    ):
         rng = random.Random(seed)
         # The model's KV writes by a torch scatter instead of sglang's Triton
         # write kernel: under the CPU interpreter that kernel runs one program
@@ -1646,6 +1657,7 @@ class TestRandomWorkload(unittest.TestCase):
             num_locs=20 * PAGE,
             max_units=max_units,
             lend_staging_pages=lend_staging_pages,
+            coordinator_kwargs={"early_swap": early_swap},
         )
         # Which sources had units taken back (0: a region for an admission,
         # 1: staging for a prefill).
@@ -1735,11 +1747,18 @@ class TestRandomWorkload(unittest.TestCase):
         # TestUnitsLifecycle.test_idle_staging_lent_as_units).
         self.assertIn(REGION_UNIT_SOURCE, reclaimed)
 
+    def test_server_defaults(self):
+        # Units and the early swap, as a server without MTP runs.
+        seen = self._run(15, max_units=4, lend_staging_pages=6, early_swap=True)
+        self.assertGreaterEqual(seen["decode_steps"], 10)
+        self.assertGreater(seen["max_extra_units"], 0)
+
 
 class TestPDDecodeLifecycle(unittest.TestCase):
     """``--disaggregation-mode decode``: no staging, KV arrives in host slots."""
 
     MAX_UNITS = 1
+    EARLY_SWAP = False
 
     def test_transfer_admit_decode_release(self):
         h = _Harness(
@@ -1748,6 +1767,7 @@ class TestPDDecodeLifecycle(unittest.TestCase):
             seed=2,
             kv_arrives_in_host=True,
             max_units=self.MAX_UNITS,
+            coordinator_kwargs={"early_swap": self.EARLY_SWAP},
         )
         self.assertEqual(h.allocator.staging.num_pages, 0)
         a, b = h.new_req(), h.new_req()
@@ -1778,6 +1798,7 @@ class TestPDDecodeLifecycle(unittest.TestCase):
             num_regions=3,
             max_reqs=3,
             max_units=self.MAX_UNITS,
+            coordinator_kwargs={"early_swap": self.EARLY_SWAP},
         )
         a, b = h.new_req(), h.new_req()
         h.transfer(a, 200)
@@ -1823,6 +1844,12 @@ class TestPDDecodeLifecycleUnits(TestPDDecodeLifecycle):
     """The same with units: free regions are the only source (no staging)."""
 
     MAX_UNITS = 4
+
+
+class TestPDDecodeLifecycleDefaults(TestPDDecodeLifecycleUnits):
+    """The same with the early swap, as a PD decode server runs without MTP."""
+
+    EARLY_SWAP = True
 
 
 class TestPDDecodeTransferTarget(unittest.TestCase):
