@@ -180,18 +180,15 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "cannot be combined with --enable-hisparse", enable_hisparse=True
         )
 
-    def test_reject_early_swap_with_prefetch(self):
+    def test_early_swap_with_prefetch_starts(self):
+        # The prefetch then runs on the early swap's stream (coordinator).
         both = {
             nsa_kv_offload_args.ENV_EARLY_SWAP: "1",
             nsa_kv_offload_args.ENV_CROSS_LAYER_PREFETCH: "1",
         }
-        with mock.patch.dict(os.environ, both):
-            self._assert_rejected(
-                "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1 and "
-                "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1 cannot be combined"
-            )
-        with mock.patch.dict(os.environ, {nsa_kv_offload_args.ENV_EARLY_SWAP: "1"}):
-            self._server_args()._handle_decode_nsa_kv_offload()  # alone: starts
+        for env in (both, {nsa_kv_offload_args.ENV_EARLY_SWAP: "1"}):
+            with self.subTest(env=env), mock.patch.dict(os.environ, env):
+                self._server_args()._handle_decode_nsa_kv_offload()
 
     def test_early_swap_default(self):
         # On by default; off by default with the prefetch or MTP; 0 / 1 choose.
@@ -207,14 +204,12 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             ({prefetch: "1"}, False, False),
             ({early: "0"}, False, False),
             ({early: "1"}, True, True),
-            ({early: "1", prefetch: "1"}, False, True),  # refused at startup
+            ({early: "1", prefetch: "1"}, False, True),
         ]
         for env, speculative, expected in cases:
             with self.subTest(env=env, speculative=speculative):
                 clean = {
-                    k: v
-                    for k, v in os.environ.items()
-                    if k not in (early, prefetch)
+                    k: v for k, v in os.environ.items() if k not in (early, prefetch)
                 }
                 with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
                     self.assertEqual(enabled(speculative=speculative), expected)

@@ -1450,8 +1450,19 @@ class TestCrossLayerPrefetch(unittest.TestCase):
     """``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH``: layer l's top-k is loaded
     into layer l+1's LRU slots right after layer l's swap."""
 
+    EARLY_SWAP = False
+
+    def _harness(self, **kwargs):
+        return _Harness(
+            self,
+            layers=3,
+            cross_layer_prefetch=True,
+            coordinator_kwargs={"early_swap": self.EARLY_SWAP},
+            **kwargs,
+        )
+
     def test_shared_topk_leaves_only_the_first_layer_missing(self):
-        h = _Harness(self, layers=3, seed=4, cross_layer_prefetch=True)
+        h = self._harness(seed=4)
         a, b = h.new_req(), h.new_req()
         h.prefill([(a, 300), (b, 220)])
         h.decode_step([a, b], first_step_of=(a, b))
@@ -1473,7 +1484,7 @@ class TestCrossLayerPrefetch(unittest.TestCase):
     def test_independent_topk_stays_exact(self):
         # Per-layer top-k: prefetched rows may be useless, never wrong (every
         # page table is checked against the full-KV reference).
-        h = _Harness(self, layers=3, seed=5, cross_layer_prefetch=True)
+        h = self._harness(seed=5)
         a, b = h.new_req(), h.new_req()
         h.prefill([(a, 250), (b, 310)])
         h.decode_step([a, b], first_step_of=(a, b))
@@ -1488,6 +1499,13 @@ class TestCrossLayerPrefetch(unittest.TestCase):
         h.finish(b)
         h.finish(c)
         h.check_no_leaks()
+
+
+class TestCrossLayerPrefetchEarlySwap(TestCrossLayerPrefetch):
+    """The same with the early swap: the prefetch into layer l+1 runs on the
+    swap's side stream right after layer l's swap."""
+
+    EARLY_SWAP = True
 
 
 class TestEarlySwap(unittest.TestCase):
@@ -1542,14 +1560,34 @@ class TestEarlySwap(unittest.TestCase):
             nsa_offload_hooks.begin_layer_swap(fb, 0, topk)
             self.assertEqual(h.co._early_page_tables, {})
 
-    def test_refused_with_the_cross_layer_prefetch(self):
-        with self.assertRaises(ValueError) as ctx:
-            _Harness(
+    def test_with_the_prefetch_same_as_the_inline_swap(self):
+        # The prefetch moves to the swap's stream; every page table, copy and
+        # counter stays the inline swap's (with its own prefetch stream).
+        runs = []
+        for early in (False, True):
+            h = _Harness(
                 self,
+                layers=3,
+                seed=6,
+                max_units=3,
                 cross_layer_prefetch=True,
-                coordinator_kwargs={"early_swap": True},
+                coordinator_kwargs={"early_swap": early},
             )
-        self.assertIn("SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP", str(ctx.exception))
+            a, b = h.new_req(), h.new_req()
+            h.prefill([(a, 300), (b, 220)])
+            h.decode_step([a, b], first_step_of=(a, b))
+            for step in range(6):
+                h.decode_step([a, b], pad_rows=step % 2, shared_topk=step % 3 == 0)
+            runs.append((h.page_tables, h.controller.get_stats()))
+            h.finish(a)
+            h.finish(b)
+            h.check_no_leaks()
+        (inline, inline_stats), (early, early_stats) = runs
+        self.assertEqual(len(early), len(inline))
+        for e, i in zip(early, inline):
+            self.assertTrue(torch.equal(e, i))
+        self.assertEqual(early_stats, inline_stats)
+        self.assertGreater(early_stats["prefetched"], 0)
 
 
 class TestUnitsLifecycle(unittest.TestCase):

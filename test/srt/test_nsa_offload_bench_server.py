@@ -239,7 +239,6 @@ class TestRankSummaries(unittest.TestCase):
         runs[0]["config"]["model"] = "tiny"
         self.assertEqual(bench_server.rank_summaries(runs[:1]), {})
 
-
     def test_early_swap_is_the_default_schedule(self):
         def variant(run, kind, itl_ratio):
             # Another offload server of the run, ITL scaled from ours'.
@@ -294,6 +293,20 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
             bench_server.parse_args(["--out", "/tmp/x"]).servers,
             "baseline,ours,hisparse",
         )
+        # The swap schedule forced either way, with or without the prefetch.
+        early = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
+        for kind, prefetch, schedule in (
+            ("ours", None, None),
+            ("ours_early", None, "1"),
+            ("ours_inline", None, "0"),
+            ("ours_prefetch", "1", None),
+            ("ours_prefetch_early", "1", "1"),
+        ):
+            with self.subTest(kind=kind):
+                self.assertEqual(specs[kind], specs["ours"])
+                env = bench_server.server_env(args, kind)
+                self.assertEqual(env.get(self.ENV_VAR), prefetch)
+                self.assertEqual(env.get(early), schedule)
 
     def test_mtp_servers_are_the_pair_with_the_mtp_flags(self):
         argv = ["--out", "/tmp/x", "--servers", "baseline_mtp,ours_mtp,ours"]

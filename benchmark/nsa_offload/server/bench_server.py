@@ -107,6 +107,7 @@ SERVER_KINDS = (
     "ours",
     "ours_fixed",
     "ours_prefetch",
+    "ours_prefetch_early",
     "ours_early",
     "ours_inline",
     "ours_direct",
@@ -126,6 +127,7 @@ MTP_COMPARISONS = {
 OURS_VARIANTS = {
     "ours_fixed": "P4_fixed",
     "ours_prefetch": "P4_prefetch",
+    "ours_prefetch_early": "P4_prefetch_early",
     "ours_early": "P4_early",
     "ours_inline": "P4_inline",
     "ours_direct": "P4_direct",
@@ -143,6 +145,7 @@ LABELS = {
     "ours": "ours",
     "ours_fixed": "ours, fixed buffer",
     "ours_prefetch": "ours + prefetch",
+    "ours_prefetch_early": "ours + prefetch, early swap",
     "ours_early": "ours, early swap",
     "ours_inline": "ours, inline swap",
     "ours_direct": "ours, direct slots",
@@ -682,6 +685,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours": ours,
         "ours_fixed": fixed,
         "ours_prefetch": ours,  # + the prefetch's env var (server_env)
+        "ours_prefetch_early": ours,  # + both env vars (server_env)
         "ours_early": ours,  # + the early swap's env var (server_env)
         "ours_inline": ours,  # + the early swap's env var, off (server_env)
         "ours_direct": ours,  # + the direct slots' env var (server_env)
@@ -699,10 +703,11 @@ def server_env(args, kind: str) -> Dict[str, str]:
     }
     if args.topk == "override":
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
-    if kind == "ours_prefetch" or (kind == "ours" and args.cross_layer_prefetch):
+    prefetch = kind in ("ours_prefetch", "ours_prefetch_early")
+    if prefetch or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
-    if kind in ("ours_early", "ours_inline"):
-        env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = "1" if kind == "ours_early" else "0"
+    if kind in ("ours_early", "ours_prefetch_early", "ours_inline"):
+        env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = "0" if kind == "ours_inline" else "1"
     if kind == "ours_direct":
         env["SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"] = "1"
     if args.shape and kind in OFFLOAD_KINDS:
@@ -1744,10 +1749,12 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "hisparse": "tab:orange",
         "ours": "tab:blue",
         "ours_prefetch": "tab:green",
+        "ours_prefetch_early": "darkgreen",
         "ours_early": "tab:olive",
         "ours_inline": "tab:pink",
         "ours_units": "tab:purple",
         "ours_fixed": "tab:cyan",
+        "ours_direct": "goldenrod",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
     }
@@ -1995,7 +2002,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help=f"some of {','.join(RUNNABLE_KINDS)} "
         "(ours_fixed: ours with --nsa-kv-offload-max-units 1, every request "
         "keeps exactly its own buffer; ours_prefetch: ours with the experimental "
-        "cross-layer prefetch; ours_early / ours_inline: ours with the early swap "
+        "cross-layer prefetch (ours_prefetch_early: on the early swap's stream); "
+        "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on without MTP or the "
         "prefetch); side by side with ours; baseline_mtp, ours_mtp: "
         "with MTP, --mtp-steps)",

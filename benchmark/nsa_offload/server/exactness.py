@@ -120,6 +120,15 @@ SERVERS = {
         env={"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
         base="base_fp8",
     ),
+    # The prefetch on the early swap's stream (both variables set).
+    "ours_fp8_prefetch_early": dict(
+        offload=[],
+        env={
+            "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1",
+            "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1",
+        },
+        base="base_fp8",
+    ),
     "ours_fp8_early": dict(
         offload=[],
         env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},

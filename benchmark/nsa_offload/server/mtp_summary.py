@@ -43,7 +43,9 @@ def merge(exactness: List[dict], speeds: List[dict]) -> dict:
         "code_commit": commits.pop() if len(commits) == 1 else sorted(commits),
         # Where the figures came from, for a reader of this file alone.
         "negative_control": {
-            k: v for mtp in parts for k, v in (mtp.get("negative_control") or {}).items()
+            k: v
+            for mtp in parts
+            for k, v in (mtp.get("negative_control") or {}).items()
         }
         or None,
         "mean_accept_length": {

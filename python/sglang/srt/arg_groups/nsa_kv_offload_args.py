@@ -75,9 +75,9 @@ def host_memory_reserve_gb(total_bytes: int) -> float:
 
 def early_swap_enabled(speculative: bool) -> bool:
     """Whether decode layers swap early (``ENV_EARLY_SWAP``). Unset: on, except
-    with the cross-layer prefetch (which joins its stream in the inline swap)
-    or speculative decoding (verify has not run early on a GPU yet); "1" / "0"
-    choose (1 with the prefetch is refused at startup)."""
+    with the cross-layer prefetch or speculative decoding, whose early
+    variants (the prefetch on the swap's stream, verify swapped early) have
+    not run on a GPU yet; "1" / "0" choose."""
     from sglang.srt.utils import get_bool_env_var
 
     if os.environ.get(ENV_EARLY_SWAP, "") == "":
@@ -269,7 +269,6 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         return
 
     from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
-    from sglang.srt.utils import get_bool_env_var
 
     hf_config = server_args.get_model_config().hf_config
     if not is_deepseek_nsa(hf_config):
@@ -297,13 +296,6 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             )
     if server_args.enable_hisparse:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
-    if get_bool_env_var(ENV_EARLY_SWAP) and get_bool_env_var(ENV_CROSS_LAYER_PREFETCH):
-        # The prefetch joins its stream in the next layer's swap; the early
-        # swap runs that swap on another stream.
-        _fail(
-            f"{ENV_EARLY_SWAP}=1 and {ENV_CROSS_LAYER_PREFETCH}=1 cannot be "
-            "combined; set one of the two."
-        )
     layout = NSAKVOffloadRankLayout.from_server_args(server_args)
     _check_parallelism(server_args, layout)
     if not server_args.disable_radix_cache:

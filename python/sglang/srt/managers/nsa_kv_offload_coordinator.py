@@ -23,7 +23,8 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   writes the step's new tokens (all layers, one launch) back to host memory;
 * optional cross-layer prefetch (``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1``,
   experimental): right after layer l's swap, layer l's top-k is loaded into
-  layer l+1's LRU slots on a second stream, overlapping layer l's attention
+  layer l+1's LRU slots on a second stream (with the early swap: on the
+  swap's stream, after layer l's swap), overlapping layer l's attention
   and MLP; layer l+1's swap waits for it and then misses only what the two
   layers do not share;
 * the early swap (on by default for decode, ``early_swap_enabled``;
@@ -120,11 +121,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         early_swap: bool = False,
         direct_slots: bool = False,
     ):
-        if early_swap and cross_layer_prefetch:
-            raise ValueError(
-                f"NSA KV offload: {ENV_EARLY_SWAP}=1 and "
-                f"{ENV_CROSS_LAYER_PREFETCH}=1 cannot be combined"
-            )
         if cross_layer_prefetch and max_query_tokens > 1:
             # The prefetch swaps one top-k row per request.
             raise ValueError(
@@ -236,7 +232,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             self._prefetch_topk = torch.full(
                 (max_batch_size, top_k), -1, dtype=torch.int32, device=self.device
             )
-            self._prefetch_stream, self._prefetch_done = self._side_stream()
+            # With the early swap the prefetch runs on the swap's side stream,
+            # in order with the swaps (begin_layer_swap).
+            self._prefetch_stream, self._prefetch_done = (
+                (None, None) if early_swap else self._side_stream()
+            )
         self.early_swap = early_swap
         # Page tables of the layers whose swap began early, by layer id
         # (host bookkeeping: set and taken within one forward, or capture).
@@ -398,7 +398,9 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         """With the early swap: start this layer's decode or verify swap and
         miss copy (on the side stream on CUDA, inline elsewhere);
         ``swap_decode_layer`` / ``swap_verify_layer`` then wait for them
-        instead of running them."""
+        instead of running them. With the cross-layer prefetch too, the same
+        stream then loads this top-k into the next layer's LRU slots, beside
+        this layer's attention and MLP and before the next layer's swap."""
         if not self.early_swap:
             return
         mode = forward_batch.forward_mode
@@ -408,23 +410,32 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             swap = self._verify_swap_into_plan
         else:
             return
-        first = self._layer_range[0]
+        first, last = self._layer_range
         if layer_id == first:
             self._early_page_tables.clear()  # nothing carried over a forward
+        prefetch = self.cross_layer_prefetch and mode.is_decode() and layer_id < last
         stream = self._swap_stream
         if stream is None:
             page_table = swap(layer_id, topk_positions, forward_batch)
+            if prefetch:
+                staged = self._stage_prefetch(topk_positions)
+                self._prefetch(layer_id + 1, staged, forward_batch)
         else:
             # The side stream starts after the top-k; it also runs the first
             # layer's real-row counts, which the forward stream reads only
             # at the last layer's write-back. The forward stream waits for it
             # in the swap hook, while the top-k tensor is still referenced
             # there: nothing it reads is freed early, and CUDA-graph capture
-            # sees the fork joined.
+            # sees the fork joined. The prefetch reads a copy of the top-k
+            # made before that join; the next layer's swap, later on this
+            # stream, joins it (the last layer has none).
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 page_table = swap(layer_id, topk_positions, forward_batch)
+                staged = self._stage_prefetch(topk_positions) if prefetch else None
                 self._swap_done[layer_id - first].record(stream)
+                if prefetch:
+                    self._prefetch(layer_id + 1, staged, forward_batch)
         self._early_page_tables[layer_id] = page_table
 
     def _take_early_page_table(
@@ -478,13 +489,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 )
         page_table = self._swap_into_plan(layer_id, topk_positions, forward_batch)
         if prefetch and layer_id < last:
-            args = (
-                forward_batch.req_pool_indices,
-                forward_batch.seq_lens,
-                self.req_to_token,
-                self.num_real_reqs,
-            )
-            self._prefetch_next_layer(layer_id + 1, topk_positions, args)
+            self._prefetch_next_layer(layer_id + 1, topk_positions, forward_batch)
         if layer_id == last:
             self._write_back_new_tokens(forward_batch.out_cache_loc)
         return page_table
@@ -509,21 +514,40 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         rows = self.kv_pool.loc_to_row[out_cache_loc]
         self.controller.write_back_new_tokens(rows, out_cache_loc, self.num_real_reqs)
 
-    def _prefetch_next_layer(self, layer_id: int, topk_positions, args) -> None:
-        bs = topk_positions.shape[0]
-        topk = self._prefetch_topk[:bs]
+    def _stage_prefetch(self, topk_positions: torch.Tensor) -> torch.Tensor:
+        # The prefetch's own copy of the top-k: the forward stream moves on
+        # (and frees the original) while the prefetch reads it.
+        topk = self._prefetch_topk[: topk_positions.shape[0]]
         topk.copy_(topk_positions)
-        out = LayerSwapPlan(*(t[:bs] for t in self._prefetch_plan))
-        if self._prefetch_stream is None:  # CPU: inline
-            self.controller.prefetch_one_layer(layer_id, topk, *args, out=out)
-            return
-        # Fork after this layer's swap (its LRU scratch and the top-k copy are
-        # ready); joined by the next layer's swap, inside the same forward, so
+        return topk
+
+    def _prefetch(self, layer_id: int, topk: torch.Tensor, forward_batch) -> None:
+        # Load another layer's top-k into this layer's LRU slots, on the
+        # current stream.
+        out = LayerSwapPlan(*(t[: topk.shape[0]] for t in self._prefetch_plan))
+        args = (
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            self.req_to_token,
+            self.num_real_reqs,
+        )
+        self.controller.prefetch_one_layer(layer_id, topk, *args, out=out)
+
+    def _prefetch_next_layer(
+        self, layer_id: int, topk_positions, forward_batch: ForwardBatch
+    ) -> None:
+        # The inline swap's prefetch: on its own stream, forked after this
+        # layer's swap (its LRU scratch and the top-k copy are ready) and
+        # joined by the next layer's swap, inside the same forward, so
         # CUDA-graph capture sees every fork joined.
+        topk = self._stage_prefetch(topk_positions)
         stream = self._prefetch_stream
+        if stream is None:  # CPU: inline
+            self._prefetch(layer_id, topk, forward_batch)
+            return
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.controller.prefetch_one_layer(layer_id, topk, *args, out=out)
+            self._prefetch(layer_id, topk, forward_batch)
             self._prefetch_done[layer_id - self._layer_range[0]].record(stream)
 
     def check_idle(self) -> str:
