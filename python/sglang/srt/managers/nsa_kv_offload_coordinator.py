@@ -542,7 +542,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         # CUDA-graph capture sees every fork joined.
         topk = self._stage_prefetch(topk_positions)
         stream = self._prefetch_stream
-        if stream is None:  # CPU: inline
+        if stream is None:  # CPU, or no stream of its own: inline
             self._prefetch(layer_id, topk, forward_batch)
             return
         stream.wait_stream(torch.cuda.current_stream())
