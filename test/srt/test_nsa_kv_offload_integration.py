@@ -517,12 +517,20 @@ class TestServerArgsToPools(TinyConfigDirCase):
             device=DEVICE,
             enable_memory_saver=False,
         )
+        # Neither swap-schedule variable set: the server's default.
+        unset = {
+            "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "",
+            "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "",
+        }
         with self.assertLogs(
             "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
-        ) as logs:
+        ) as logs, mock.patch.dict(os.environ, unset):
             coordinator = create_nsa_kv_offload_coordinator(mr)
         held = sizes.describe_capacity(mr.model_config.context_len)
         self.assertTrue(any(held in line for line in logs.output), logs.output)
+        # Without MTP the early swap is the default, and the log says so.
+        self.assertTrue(coordinator.early_swap)
+        self.assertTrue(any("early swap on" in x for x in logs.output), logs.output)
         self.assertIs(get_nsa_kv_offload(allocator), coordinator)
         self.assertFalse(hasattr(pool, "nsa_kv_offload"))  # no link back
         self.assertIs(coordinator.sizes, sizes)
