@@ -1520,7 +1520,7 @@ class TestEarlySwap(unittest.TestCase):
     """``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP``: the swap starts when the model
     hands the top-k over, the backend's hook only collects it."""
 
-    def _run(self, early_swap, max_units=1):
+    def _run(self, early_swap, max_units=1, prefetch=False):
         h = _Harness(
             self,
             layers=3,
@@ -1528,6 +1528,7 @@ class TestEarlySwap(unittest.TestCase):
             num_regions=3,
             max_reqs=3,
             max_units=max_units,
+            cross_layer_prefetch=prefetch,
             coordinator_kwargs={"early_swap": early_swap},
         )
         a, b = h.new_req(), h.new_req()
@@ -1546,16 +1547,20 @@ class TestEarlySwap(unittest.TestCase):
         h.check_no_leaks()
         return h.page_tables, stats
 
+    def _assert_same_as_inline(self, **kwargs) -> dict:
+        inline, inline_stats = self._run(False, **kwargs)
+        early, early_stats = self._run(True, **kwargs)
+        self.assertEqual(len(early), len(inline))
+        for e, i in zip(early, inline):
+            self.assertTrue(torch.equal(e, i))
+        self.assertEqual(early_stats, inline_stats)
+        return early_stats
+
     def test_same_page_tables_and_copies_as_the_inline_swap(self):
         for units in (1, 3):
             with self.subTest(max_units=units):
-                inline, inline_stats = self._run(False, units)
-                early, early_stats = self._run(True, units)
-                self.assertEqual(len(early), len(inline))
-                for e, i in zip(early, inline):
-                    self.assertTrue(torch.equal(e, i))
-                self.assertEqual(early_stats, inline_stats)
-                self.assertGreater(early_stats["misses"], 0)
+                stats = self._assert_same_as_inline(max_units=units)
+                self.assertGreater(stats["misses"], 0)
 
     def test_idle_and_extend_stay_inline(self):
         # (MTP verify: test_nsa_kv_offload_mtp_verify, early and inline.)
@@ -1571,31 +1576,8 @@ class TestEarlySwap(unittest.TestCase):
     def test_with_the_prefetch_same_as_the_inline_swap(self):
         # The prefetch moves to the swap's stream; every page table, copy and
         # counter stays the inline swap's (with its own prefetch stream).
-        runs = []
-        for early in (False, True):
-            h = _Harness(
-                self,
-                layers=3,
-                seed=6,
-                max_units=3,
-                cross_layer_prefetch=True,
-                coordinator_kwargs={"early_swap": early},
-            )
-            a, b = h.new_req(), h.new_req()
-            h.prefill([(a, 300), (b, 220)])
-            h.decode_step([a, b], first_step_of=(a, b))
-            for step in range(6):
-                h.decode_step([a, b], pad_rows=step % 2, shared_topk=step % 3 == 0)
-            runs.append((h.page_tables, h.controller.get_stats()))
-            h.finish(a)
-            h.finish(b)
-            h.check_no_leaks()
-        (inline, inline_stats), (early, early_stats) = runs
-        self.assertEqual(len(early), len(inline))
-        for e, i in zip(early, inline):
-            self.assertTrue(torch.equal(e, i))
-        self.assertEqual(early_stats, inline_stats)
-        self.assertGreater(early_stats["prefetched"], 0)
+        stats = self._assert_same_as_inline(max_units=3, prefetch=True)
+        self.assertGreater(stats["prefetched"], 0)
 
 
 class TestUnitsLifecycle(unittest.TestCase):

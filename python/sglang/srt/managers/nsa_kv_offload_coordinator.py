@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -414,28 +415,24 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         if layer_id == first:
             self._early_page_tables.clear()  # nothing carried over a forward
         prefetch = self.cross_layer_prefetch and mode.is_decode() and layer_id < last
+        # On CUDA the side stream starts after the top-k; it also runs the
+        # first layer's real-row counts, which the forward stream reads only
+        # at the last layer's write-back. The forward stream waits for it in
+        # the swap hook, while the top-k tensor is still referenced there:
+        # nothing it reads is freed early, and CUDA-graph capture sees the
+        # fork joined. The prefetch reads a copy of the top-k made before that
+        # join; the next layer's swap, later on this stream, joins it (the
+        # last layer has none). Elsewhere all of it runs inline.
         stream = self._swap_stream
-        if stream is None:
-            page_table = swap(layer_id, topk_positions, forward_batch)
-            if prefetch:
-                staged = self._stage_prefetch(topk_positions)
-                self._prefetch(layer_id + 1, staged, forward_batch)
-        else:
-            # The side stream starts after the top-k; it also runs the first
-            # layer's real-row counts, which the forward stream reads only
-            # at the last layer's write-back. The forward stream waits for it
-            # in the swap hook, while the top-k tensor is still referenced
-            # there: nothing it reads is freed early, and CUDA-graph capture
-            # sees the fork joined. The prefetch reads a copy of the top-k
-            # made before that join; the next layer's swap, later on this
-            # stream, joins it (the last layer has none).
+        if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                page_table = swap(layer_id, topk_positions, forward_batch)
-                staged = self._stage_prefetch(topk_positions) if prefetch else None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            page_table = swap(layer_id, topk_positions, forward_batch)
+            staged = self._stage_prefetch(topk_positions) if prefetch else None
+            if stream is not None:
                 self._swap_done[layer_id - first].record(stream)
-                if prefetch:
-                    self._prefetch(layer_id + 1, staged, forward_batch)
+            if prefetch:
+                self._prefetch(layer_id + 1, staged, forward_batch)
         self._early_page_tables[layer_id] = page_table
 
     def _take_early_page_table(
