@@ -111,20 +111,25 @@ run_step() {
       # End-to-end exactness on a generated checkpoint (exactness.py):
       # $EXACT_MODEL tiny|rank, more flags in $EXACT_ARGS; a second run side
       # by side (its own ports and output) with $EXACT_ARGS_2 ($EXACT_MODEL_2, default
-      # $EXACT_MODEL).
-      if [ -n "${EXACT_ARGS_2:-}" ]; then
+      # $EXACT_MODEL), a third with $EXACT_ARGS_3 (tiny servers: e.g. another
+      # --resume-from).
+      side_pids=()
+      for k in 2 3; do
+        side_args=EXACT_ARGS_$k side_model=EXACT_MODEL_$k
+        [ -n "${!side_args:-}" ] || continue
+        m=${!side_model:-${EXACT_MODEL:-tiny}}
         (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
-          --out $OUT/exact_${EXACT_MODEL_2:-${EXACT_MODEL:-tiny}}_2 --model ${EXACT_MODEL_2:-${EXACT_MODEL:-tiny}} --port $((33000 + 100 * GPU0)) \
-          $EXACT_ARGS_2 > /tmp/exact_2.log 2>&1) &
-        exact_2=$!
-      fi
+          --out $OUT/exact_${m}_$k --model $m --port $((32000 + 1000 * (k - 1) + 100 * GPU0)) \
+          ${!side_args} > /tmp/exact_$k.log 2>&1) &
+        side_pids+=("$k:$!")
+      done
       (cd benchmark/nsa_offload/server && timeout ${EXACT_TIMEOUT:-560} python3 exactness.py \
         --out $OUT/exact_${EXACT_MODEL:-tiny} --model ${EXACT_MODEL:-tiny} --port $((32000 + 100 * GPU0)) \
         ${EXACT_ARGS:-}) 2>&1 | tail -60 || rc=1
-      if [ -n "${EXACT_ARGS_2:-}" ]; then
-        # Only this run: a bare "wait" would also reap the bg: steps.
-        wait $exact_2 || rc=1; echo "=== second run"; tail -40 /tmp/exact_2.log
-      fi
+      for kp in "${side_pids[@]}"; do
+        # Only these runs: a bare "wait" would also reap the bg: steps.
+        wait ${kp#*:} || rc=1; echo "=== side run ${kp%%:*}"; tail -40 /tmp/exact_${kp%%:*}.log
+      done
       # Kept for a later call on this (warm) machine: EXACT_ARGS="--resume-from
       # /tmp/exact_keep/exact_rank/exactness.json --servers ..." runs more servers
       # against the same outputs.

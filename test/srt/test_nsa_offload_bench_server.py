@@ -390,16 +390,47 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
             bench_server.ours_auto_slots(4.0, 3, 512, pd_decode=True),
             bench_server.ours_auto_slots(4.0, 3, 512),
         )
-        # The model's top-k over unwritten KV: refused, as is MTP there.
+        # The model's top-k over unwritten KV: refused, as is spec v2 MTP
+        # there (the offload refuses it on a PD decode server).
         with self.assertRaises(SystemExit):
             bench_server.parse_args(["--out", "/tmp/x", "--pd-decode"])
         with tempfile.TemporaryDirectory() as out:
             with self.assertRaises(SystemExit) as ctx:
                 bench_server.main(
                     ["--out", out, "--pd-decode", "--topk", "override",
-                     "--servers", "baseline_mtp,ours_mtp"]
+                     "--servers", "baseline_mtp,ours_mtp", "--mtp-spec-v2"]
                 )  # fmt: skip
-        self.assertIn("MTP", str(ctx.exception))
+        self.assertIn("--mtp-spec-v2", str(ctx.exception))
+
+    def test_mtp_server_flags(self):
+        args = bench_server.parse_args(["--out", "/tmp/x", "--topk", "override"])
+        args.record = False
+        args.host_pool_gb = 8
+        args.max_running_requests = 4
+        args.mem_fraction_static = 0.03
+        specs = bench_server.server_specs(args)
+        self.assertIn("--disable-overlap-schedule", specs["ours_mtp"])
+        env = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
+        self.assertNotIn(env, bench_server.server_env(args, "ours_mtp"))
+        args.mtp_spec_v2 = True
+        self.assertNotIn(
+            "--disable-overlap-schedule", bench_server.server_specs(args)["ours_mtp"]
+        )
+        for swap, value in (("early", "1"), ("inline", "0")):
+            args.mtp_swap = swap
+            self.assertEqual(bench_server.server_env(args, "ours_mtp")[env], value)
+            # Only ours + MTP: ours keeps its own default.
+            self.assertNotIn(env, bench_server.server_env(args, "ours"))
+
+    def test_max_point_tokens(self):
+        argv = ["--out", "/tmp/x", "--contexts", "32768,131072"]
+        args = bench_server.parse_args(argv + ["--concurrency", "8,32"])
+        self.assertEqual(len(bench_server.equal_batch_points(args)), 4)
+        args.max_point_tokens = 32768 * 32
+        self.assertEqual(
+            bench_server.equal_batch_points(args),
+            [(32768, 8), (32768, 32), (131072, 8)],
+        )
 
     def test_fake_transfer_requests_carry_a_bootstrap_room(self):
         sent = []

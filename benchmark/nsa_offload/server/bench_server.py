@@ -82,22 +82,12 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(TRACES_DIR))
 
 import step_profile  # noqa: E402
-from server_utils import (  # noqa: E402
-    DEFAULT_MAX_UNITS,
-    ENV_UNPROVEN_PARALLEL,
-    HISPARSE_ARGS,
-    HISPARSE_CONFIG,
-    PD_DECODE_FAKE_ARGS,
-    SHAPES,
-    VOCAB_SIZE,
-    Server,
-    git_commit,
-    model_weights_gib,
-    mtp_args,
-    num_model_layers,
-    offload_max_units,
-    use_model,
-)
+from server_utils import (DEFAULT_MAX_UNITS,  # noqa: E402
+                          ENV_UNPROVEN_PARALLEL, HISPARSE_ARGS,
+                          HISPARSE_CONFIG, PD_DECODE_FAKE_ARGS, SHAPES,
+                          VOCAB_SIZE, Server, git_commit, model_weights_gib,
+                          mtp_args, num_model_layers, offload_max_units,
+                          use_model)
 
 TRACE_FORMAT_PY = TRACES_DIR / "trace_format.py"
 MAX_CHECKED_ROWS = 3000  # override check: rows recomputed per run
@@ -678,7 +668,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     fixed = ours + [units, "1"]
     if args.max_units is not None:
         ours += [units, str(args.max_units)]
-    mtp = mtp_args(args.mtp_steps)
+    mtp = mtp_args(args.mtp_steps, spec_v2=args.mtp_spec_v2)
     return {
         "baseline": common + slots,
         "hisparse": common + slots + HISPARSE_ARGS,
@@ -708,6 +698,10 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
     if kind in ("ours_early", "ours_prefetch_early", "ours_inline"):
         env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = "0" if kind == "ours_inline" else "1"
+    if kind == "ours_mtp" and args.mtp_swap != "default":
+        env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = (
+            "1" if args.mtp_swap == "early" else "0"
+        )
     if kind == "ours_direct":
         env["SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"] = "1"
     if args.shape and kind in OFFLOAD_KINDS:
@@ -1021,6 +1015,18 @@ PLAN_RUN_OVERHEAD_S = 1.5
 PLAN_PROFILE_S = 10.0
 
 
+def equal_batch_points(args) -> List[Tuple[int, int]]:
+    """(context, concurrency) of the P4 points: every pair, less those over
+    ``--max-point-tokens`` (e.g. 128K x 32 where 32K x 32 fits)."""
+    cap = args.max_point_tokens
+    return [
+        (c, k)
+        for c in args.contexts
+        for k in args.concurrency
+        if cap is None or c * k <= cap
+    ]
+
+
 def point_estimate_s(
     args, ctx: int, conc: int, runs: int, prefill_rate: float, profiled=False
 ) -> float:
@@ -1082,7 +1088,7 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
     warm_up(args, kind, server)
     recorder_ok = args.record
     prefill_rate = args.prefill_rate_guess
-    plan = [(c, k, False) for c in args.contexts for k in args.concurrency]
+    plan = [(c, k, False) for c, k in equal_batch_points(args)]
     pool = parse_startup(server.log_path)
     for ctx in args.cap_contexts:
         cap = capacity(kind, pool, ctx, args.new_tokens, args.pd_decode)
@@ -1202,7 +1208,7 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
             }
             save()
         prefill_rate = args.prefill_rate_guess
-        plan = [(c, k) for c in args.contexts for k in args.concurrency]
+        plan = equal_batch_points(args)
         for i, (ctx, conc) in enumerate(plan):
             live = [k for k in kinds if k in servers and servers[k].proc.poll() is None]
             # Rounds (up to --repeats) while the point's share of the time
@@ -2020,7 +2026,20 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=3,
         choices=(1, 2, 3),
         help="draft steps of the *_mtp servers (NextN, eagle topk 1, draft "
-        "tokens = steps + 1, spec v1)",
+        "tokens = steps + 1, spec v1 unless --mtp-spec-v2)",
+    )
+    p.add_argument(
+        "--mtp-spec-v2",
+        action="store_true",
+        help="the *_mtp servers keep the overlap scheduler (spec v2, sglang's "
+        "default with MTP) instead of --disable-overlap-schedule",
+    )
+    p.add_argument(
+        "--mtp-swap",
+        choices=("default", "early", "inline"),
+        default="default",
+        help="ours_mtp's swap schedule: the server's default, or the early / "
+        "inline swap forced (SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP)",
     )
     p.add_argument(
         "--contexts",
@@ -2031,6 +2050,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--concurrency",
         type=_ints,
         help="comma-separated batch sizes (concurrent requests)",
+    )
+    p.add_argument(
+        "--max-point-tokens",
+        type=int,
+        help="skip the (context, concurrency) points whose context x "
+        "concurrency exceeds this (host RAM, the no-offload server's KV)",
     )
     p.add_argument(
         "--cap-contexts",
@@ -2246,8 +2271,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "sets them); ours_fixed runs ours with one unit"
         )
     kinds = asked_kinds = [k for k in SERVER_KINDS if k in asked]
-    if args.pd_decode and any(k.endswith("_mtp") for k in kinds):
-        raise SystemExit("--pd-decode with the MTP servers has not run: drop one")
+    if args.pd_decode and args.mtp_spec_v2 and any(k.endswith("_mtp") for k in kinds):
+        # The offload refuses spec v2 on a PD decode server (docs/MTP.md).
+        raise SystemExit("--pd-decode with --mtp-spec-v2: drop one")
     layers = num_model_layers()
     if args.mem_fraction_static is None:
         args.mem_fraction_static, how = mem_fraction_for_budget(args.kv_budget_gib)
@@ -2312,6 +2338,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "shape": args.shape,
             "pd_decode": args.pd_decode,
             "mtp_steps": args.mtp_steps,
+            "mtp_spec_v2": args.mtp_spec_v2,
+            "mtp_swap": args.mtp_swap,
             "checkpoint": args.checkpoint_meta,
             "layers": layers,
             "sinks": SINKS,

@@ -202,6 +202,14 @@ SERVERS = {
     "ours_fp8_mtp_v2_heavy": dict(
         mtp=3, spec_v2=True, offload=MTP_HEAVY_OFFLOAD_ARGS, base="base_fp8_mtp_v2"
     ),
+    # Verify swapped early (the side stream) with spec v2.
+    "ours_fp8_mtp_v2_early": dict(
+        mtp=3,
+        spec_v2=True,
+        offload=[],
+        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
+        base="base_fp8_mtp_v2",
+    ),
     "base_fp8_mtp1_v2": dict(mtp=1, spec_v2=True),
     "ours_fp8_mtp1_v2": dict(mtp=1, spec_v2=True, offload=[], base="base_fp8_mtp1_v2"),
     "base_fp8_mtp_v2_retract": dict(mtp=3, spec_v2=True, retract=True),
