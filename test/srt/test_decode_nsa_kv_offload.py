@@ -448,11 +448,9 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         log = self.results["offload_prefetch"]["log"]
         self.assertGreater(log.get("prefetched", 0), 0, log)
 
-    def test_early_or_inline_swap_outputs_identical(self):
-        # The other swap schedule than the default offload server's: inline
-        # without MTP (the early swap is its default), early with MTP.
-        role = "offload_early" if self.MTP else "offload_inline"
-        self._assert_offload_identical(role)
+    def test_inline_swap_outputs_identical(self):
+        # The swap schedule other than the default (early) one.
+        self._assert_offload_identical("offload_inline")
 
     def test_concurrent_load_finishes(self):
         # Batch composition follows timing here: no output comparison (with
@@ -558,7 +556,7 @@ class TestDecodeNSAKVOffloadMTP(TestDecodeNSAKVOffload):
         "baseline": "base_fp8_mtp",
         "offload": "ours_fp8_mtp",
         "offload_fixed": "ours_fp8_mtp_heavy",
-        "offload_early": "ours_fp8_mtp_early",
+        "offload_inline": "ours_fp8_mtp_inline",
     }
     PORT_OFFSET = 300
     MTP = True

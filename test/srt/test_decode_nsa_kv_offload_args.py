@@ -191,28 +191,28 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 self._server_args()._handle_decode_nsa_kv_offload()
 
     def test_early_swap_default(self):
-        # On by default; off by default with the prefetch or MTP; 0 / 1 choose.
+        # On by default, with the prefetch too (MTP or not: the coordinator
+        # asks without it); 0 / 1 choose.
         early, prefetch = (
             nsa_kv_offload_args.ENV_EARLY_SWAP,
             nsa_kv_offload_args.ENV_CROSS_LAYER_PREFETCH,
         )
         enabled = nsa_kv_offload_args.early_swap_enabled
         cases = [
-            ({}, False, True),
-            ({early: ""}, False, True),
-            ({}, True, False),
-            ({prefetch: "1"}, False, False),
-            ({early: "0"}, False, False),
-            ({early: "1"}, True, True),
-            ({early: "1", prefetch: "1"}, False, True),
+            ({}, True),
+            ({early: ""}, True),
+            ({prefetch: "1"}, True),
+            ({early: "0"}, False),
+            ({early: "0", prefetch: "1"}, False),
+            ({early: "1"}, True),
         ]
-        for env, speculative, expected in cases:
-            with self.subTest(env=env, speculative=speculative):
+        for env, expected in cases:
+            with self.subTest(env=env):
                 clean = {
                     k: v for k, v in os.environ.items() if k not in (early, prefetch)
                 }
                 with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
-                    self.assertEqual(enabled(speculative=speculative), expected)
+                    self.assertEqual(enabled(), expected)
 
     def test_reject_unsupported_speculative_decoding(self):
         # MTP's supported settings start (test_nsa_kv_offload_speculative_args).

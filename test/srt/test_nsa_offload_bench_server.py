@@ -205,6 +205,15 @@ class TestRankSummaries(unittest.TestCase):
             self.assertIn(key, model)
         self.assertEqual(model["p3_length"], 131072)  # the longest with both
         self.assertAlmostEqual(model["p3_capacity_ratio"], 5.5)
+        # A first run without servers at capacity (another budget) leaves P3
+        # to the run that measured capacity.
+        other = self.make_run("override", "reported", itl, 1.0)
+        other["config"]["cap_contexts"] = []
+        other["servers"]["baseline"]["capacity"]["131072"] = 10
+        p3 = bench_server.rank_summaries([other] + runs)["rank_model"]
+        self.assertAlmostEqual(p3["p3_capacity_ratio"], 5.5)
+        p3 = bench_server.rank_summaries([other])["rank_model"]
+        self.assertAlmostEqual(p3["p3_capacity_ratio"], 1.1)
         # Runs that do not record the schedule: "ours" was the inline swap.
         self.assertEqual(model["p4_itl_overhead"], {})
         self.assertEqual(
@@ -421,6 +430,21 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
             self.assertEqual(bench_server.server_env(args, "ours_mtp")[env], value)
             # Only ours + MTP: ours keeps its own default.
             self.assertNotIn(env, bench_server.server_env(args, "ours"))
+
+    def test_trace_layer_cycle(self):
+        self.assertEqual(
+            bench_server.cycled_trace_layers("29,30,31", 7), "29,30,31,29,30,31,29"
+        )
+        argv = ["--out", "/tmp/x", "--topk", "override", "--trace-layers", "29,30,31"]
+        args = bench_server.parse_args(argv)
+        args.record, args.trace = False, "/tmp/t.npz"
+        env = "SGLANG_NSA_TOPK_TRACE_LAYERS"
+        self.assertNotIn(env, bench_server.server_env(args, "ours"))
+        args.trace_layer_cycle = True
+        with mock.patch.object(bench_server, "num_model_layers", return_value=4):
+            for kind in ("baseline", "ours", "hisparse"):
+                got = bench_server.server_env(args, kind)[env]
+                self.assertEqual(got, "29,30,31,29", kind)
 
     def test_max_point_tokens(self):
         argv = ["--out", "/tmp/x", "--contexts", "32768,131072"]
@@ -705,7 +729,13 @@ class TestInterleave(unittest.TestCase):
         # results/mtp/summary.json's speed key: the ratio, not the overhead.
         result["config"].update(topk="model", mtp_steps=3, code_commit="abc")
         speed = bench_server.mtp_speed_summary([result])
-        self.assertEqual(speed["itl_ratio_vs_no_offload_mtp"], {"model:16384x8": 1.2})
+        ratios = speed["itl_ratio_vs_no_offload_mtp"]
+        self.assertEqual(ratios, {"tiny:model:16384x8": 1.2})
+        result["config"].update(model="rank", topk="override")
+        result["config"].update(trace_calibration="reported")
+        speed = bench_server.mtp_speed_summary([result])
+        ratios = speed["itl_ratio_vs_no_offload_mtp"]
+        self.assertEqual(ratios, {"rank:reported:16384x8": 1.2})
         self.assertEqual((speed["num_steps"], speed["code_commit"]), ([3], "abc"))
         # Without the pair, no MTP line.
         del result["servers"]["baseline_mtp"]
@@ -921,6 +951,8 @@ class TestCommittedRankSummaries(unittest.TestCase):
 
     RESULTS = BENCH_DIR / "results"
     RUNS = (
+        # First: its 32K x 8 (a 60 GiB budget) yields to the 14 GiB runs' below.
+        "rank_speed/run_batch32_pd/bench_server_override.json",
         "rank_model/run_reported/bench_server_override.json",
         "rank_model/run_pessimistic/bench_server_override.json",
         "rank_model/run_model/bench_server_model.json",

@@ -82,12 +82,22 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(TRACES_DIR))
 
 import step_profile  # noqa: E402
-from server_utils import (DEFAULT_MAX_UNITS,  # noqa: E402
-                          ENV_UNPROVEN_PARALLEL, HISPARSE_ARGS,
-                          HISPARSE_CONFIG, PD_DECODE_FAKE_ARGS, SHAPES,
-                          VOCAB_SIZE, Server, git_commit, model_weights_gib,
-                          mtp_args, num_model_layers, offload_max_units,
-                          use_model)
+from server_utils import DEFAULT_MAX_UNITS  # noqa: E402
+from server_utils import (
+    ENV_UNPROVEN_PARALLEL,
+    HISPARSE_ARGS,
+    HISPARSE_CONFIG,
+    PD_DECODE_FAKE_ARGS,
+    SHAPES,
+    VOCAB_SIZE,
+    Server,
+    git_commit,
+    model_weights_gib,
+    mtp_args,
+    num_model_layers,
+    offload_max_units,
+    use_model,
+)
 
 TRACE_FORMAT_PY = TRACES_DIR / "trace_format.py"
 MAX_CHECKED_ROWS = 3000  # override check: rows recomputed per run
@@ -693,6 +703,10 @@ def server_env(args, kind: str) -> Dict[str, str]:
     }
     if args.topk == "override":
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
+        if args.trace_layer_cycle:
+            env["SGLANG_NSA_TOPK_TRACE_LAYERS"] = cycled_trace_layers(
+                args.trace_layers, num_model_layers()
+            )
     prefetch = kind in ("ours_prefetch", "ours_prefetch_early")
     if prefetch or (kind == "ours" and args.cross_layer_prefetch):
         env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
@@ -715,6 +729,16 @@ def server_env(args, kind: str) -> Dict[str, str]:
             SGLANG_NSA_TOPK_TRACE_RECORD_STAGE="output",
         )
     return env
+
+
+def cycled_trace_layers(trace_layers: str, num_layers: int) -> str:
+    """The trace layer of each model layer, the trace's layers in turn: with
+    29,30,31 every model layer's neighbour reads a neighbouring DeepSeek-V3.2
+    layer (about the adjacent-layer overlap the generator calibrates; 31 -> 29
+    two layers apart), where the nearest-layer map would give most adjacent
+    model layers one and the same top-k (a prefetch that cannot miss)."""
+    ids = [x for x in trace_layers.split(",") if x]
+    return ",".join(ids[i % len(ids)] for i in range(num_layers))
 
 
 def record_path(args, kind: str) -> str:
@@ -1877,7 +1901,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead": {},
         "p4_itl_overhead_inline": {},
     }
-    best_p5 = None
+    best_p5, p3_at_cap = None, False
     for run in runs:
         cfg, srv = run["config"], run["servers"]
         name = trace_name(cfg)
@@ -1908,7 +1932,11 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
             for c, n in cap["ours"].items()
             if n is not None and cap["baseline"].get(c)
         ]
-        if both and "p3_capacity_ratio" not in model:
+        # P3 from the first run that ran servers at capacity (--cap-contexts),
+        # else from the first run's pool sizes.
+        at_cap = bool(cfg.get("cap_contexts"))
+        if both and ("p3_capacity_ratio" not in model or at_cap and not p3_at_cap):
+            p3_at_cap = at_cap
             c = max(both, key=int)
             model["p3_length"] = int(c)
             model["p3_capacity_ratio"] = round(cap["ours"][c] / cap["baseline"][c], 3)
@@ -1932,15 +1960,16 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
 
 def mtp_speed_summary(results: List[dict]) -> Optional[dict]:
     """results/mtp/summary.json's speed key from the runs with MTP servers:
-    ours + MTP's ITL / no offload + MTP's, "<trace>:<context>x<batch>" ->
-    ratio (the exactness keys come from exactness.py's ``mtp``)."""
+    ours + MTP's ITL / no offload + MTP's, "<model>:<trace>:<context>x<batch>"
+    -> ratio (the exactness keys come from exactness.py's ``mtp``)."""
     ratios, steps, commits = {}, set(), set()
     for run in results:
         cfg = run["config"]
         t = evaluate_targets(run)
         if "P4_mtp" not in t:
             continue
-        for key, v in _overheads(t["P4_mtp"], trace_name(cfg) + ":").items():
+        prefix = f"{cfg.get('model', 'tiny')}:{trace_name(cfg)}:"
+        for key, v in _overheads(t["P4_mtp"], prefix).items():
             ratios[key] = round(1 + v, 4)
         steps.add(cfg.get("mtp_steps"))
         commits.add(cfg.get("code_commit", "unknown"))
@@ -2102,6 +2131,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="DeepSeek-V3.2 layers of the generated override trace, one per "
         "model layer (adjacent ones, e.g. 29,30,31, share most of their top-k: "
         "what the cross-layer prefetch needs)",
+    )
+    p.add_argument(
+        "--trace-layer-cycle",
+        action="store_true",
+        help="model layer i reads trace layer i mod len(--trace-layers) (e.g. "
+        "29,30,31: adjacent model layers read adjacent DeepSeek-V3.2 layers, "
+        "for the cross-layer prefetch) instead of the nearest one",
     )
     p.add_argument(
         "--model",
@@ -2317,6 +2353,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "trace_calibration": (
                 args.trace_calibration if args.topk == "override" else None
             ),
+            "trace_layers": args.trace_layers if args.topk == "override" else None,
+            "trace_layer_cycle": args.trace_layer_cycle,
             "servers": kinds,
             "contexts": args.contexts,
             "concurrency": args.concurrency,

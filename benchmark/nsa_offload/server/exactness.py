@@ -134,8 +134,8 @@ SERVERS = {
         env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
         base="base_fp8",
     ),
-    # The early swap is the default without MTP: the inline swap, for the
-    # record and the GPU test.
+    # The early swap is the default: the inline swap, for the record and the
+    # GPU test.
     "ours_fp8_inline": dict(
         offload=[],
         env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "0"},
@@ -176,10 +176,17 @@ SERVERS = {
     "ours_fp8_mtp_heavy": dict(
         mtp=3, offload=MTP_HEAVY_OFFLOAD_ARGS, base="base_fp8_mtp"
     ),
+    # Verify swapped early (forced; the default) and inline (=0).
     "ours_fp8_mtp_early": dict(
         mtp=3,
         offload=[],
         env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
+        base="base_fp8_mtp",
+    ),
+    "ours_fp8_mtp_inline": dict(
+        mtp=3,
+        offload=[],
+        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "0"},
         base="base_fp8_mtp",
     ),
     "base_fp8_mtp1": dict(mtp=1),

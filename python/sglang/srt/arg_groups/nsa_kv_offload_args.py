@@ -73,15 +73,14 @@ def host_memory_reserve_gb(total_bytes: int) -> float:
     return max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * total_bytes / GB)
 
 
-def early_swap_enabled(speculative: bool) -> bool:
-    """Whether decode layers swap early (``ENV_EARLY_SWAP``). Unset: on, except
-    with the cross-layer prefetch or speculative decoding, whose early
-    variants (the prefetch on the swap's stream, verify swapped early) have
-    not run on a GPU yet; "1" / "0" choose."""
+def early_swap_enabled() -> bool:
+    """Whether decode and verify layers swap early (``ENV_EARLY_SWAP``): on
+    unless the variable is "0" (every variant, MTP verify and the prefetch on
+    the swap's stream included, ran exact on the H200)."""
     from sglang.srt.utils import get_bool_env_var
 
     if os.environ.get(ENV_EARLY_SWAP, "") == "":
-        return not speculative and not get_bool_env_var(ENV_CROSS_LAYER_PREFETCH)
+        return True
     return get_bool_env_var(ENV_EARLY_SWAP)
 
 

@@ -27,9 +27,8 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   swap's stream, after layer l's swap), overlapping layer l's attention
   and MLP; layer l+1's swap waits for it and then misses only what the two
   layers do not share;
-* the early swap (on by default for decode, ``early_swap_enabled``;
-  ``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=0`` turns it off, ``=1`` turns it on for
-  MTP verify too): the model hands a decode or verify layer's top-k over as
+* the early swap (on by default, ``early_swap_enabled``;
+  ``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=0`` turns it off): the model hands a decode or verify layer's top-k over as
   soon as the indexer returns it (``begin_layer_swap``); its swap and miss
   copy run on a side stream beside the query projection, rope and the new
   tokens' KV write, and the backend's swap hook only waits for them. Same
@@ -715,7 +714,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         max_batch_size=max_batch_size,
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
-        early_swap=early_swap_enabled(speculative=bool(sa.speculative_algorithm)),
+        early_swap=early_swap_enabled(),
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
