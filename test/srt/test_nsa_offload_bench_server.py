@@ -446,6 +446,21 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                 got = bench_server.server_env(args, kind)[env]
                 self.assertEqual(got, "29,30,31,29", kind)
 
+    def test_offload_default_slots(self):
+        args = bench_server.parse_args(["--out", "/tmp/x", "--topk", "override"])
+        args.record = False
+        args.host_pool_gb = 8
+        args.max_running_requests = 4
+        args.mem_fraction_static = 0.03
+        flag = "--max-running-requests"
+        self.assertIn(flag, bench_server.server_specs(args)["ours"])
+        args.offload_default_slots = True
+        specs = bench_server.server_specs(args)
+        for kind in ("ours", "ours_mtp", "ours_fixed"):
+            self.assertNotIn(flag, specs[kind], kind)
+        for kind in ("baseline", "hisparse", "baseline_mtp"):
+            self.assertIn(flag, specs[kind], kind)
+
     def test_max_point_tokens(self):
         argv = ["--out", "/tmp/x", "--contexts", "32768,131072"]
         args = bench_server.parse_args(argv + ["--concurrency", "8,32"])

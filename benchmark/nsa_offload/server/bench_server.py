@@ -667,7 +667,9 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
             str(max(512, args.new_tokens)),
         ]
     slots = ["--max-running-requests", str(args.max_running_requests)]
-    ours = common + slots
+    # --offload-default-slots: the offload servers size their request slots
+    # (= decode regions) themselves, and idle regions are lent as units.
+    ours = common + ([] if args.offload_default_slots else slots)
     ours += ["--enable-decode-nsa-kv-offload"]
     ours += ["--nsa-kv-offload-recent-window", str(args.recent_window)]
     ours += ["--nsa-kv-offload-host-pool-gb", str(args.host_pool_gb)]
@@ -2167,6 +2169,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "what lets ours fill the budget with 128K requests, at least the "
         "largest concurrency",
     )
+    p.add_argument(
+        "--offload-default-slots",
+        action="store_true",
+        help="the offload servers without --max-running-requests: their own "
+        "default request slots (decode regions up to 40%% of the KV budget), "
+        "whose idle regions lend their rows to running requests as extra units; "
+        "the other servers keep --max-running-requests",
+    )
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
     p.add_argument(
         "--recent-window",
@@ -2366,6 +2376,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "mem_fraction_static": args.mem_fraction_static,
             "mem_fraction_how": how,
             "max_running_requests": args.max_running_requests,
+            "offload_default_slots": args.offload_default_slots,
             "host_pool_gb": args.host_pool_gb,
             "recent_window": args.recent_window,
             "buffer_size": args.buffer_size,
