@@ -372,13 +372,18 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         self.assertNotIn("--tp-size", bench_server.server_specs(args)["ours"])
         self.assertNotIn(gate, bench_server.server_env(args, "ours"))
 
-    def test_pd_decode_servers(self):
-        argv = ["--out", "/tmp/x", "--pd-decode", "--topk", "override"]
-        args = bench_server.parse_args(argv)
+    @staticmethod
+    def _sized_args(*argv):
+        """Parsed flags with what main() fills in set by hand."""
+        args = bench_server.parse_args(["--out", "/tmp/x", "--topk", "override", *argv])
         args.record = False
         args.host_pool_gb = 8
         args.max_running_requests = 4
         args.mem_fraction_static = 0.03
+        return args
+
+    def test_pd_decode_servers(self):
+        args = self._sized_args("--pd-decode")
         pd = [
             "--disaggregation-mode",
             "decode",
@@ -412,11 +417,7 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         self.assertIn("--mtp-spec-v2", str(ctx.exception))
 
     def test_mtp_server_flags(self):
-        args = bench_server.parse_args(["--out", "/tmp/x", "--topk", "override"])
-        args.record = False
-        args.host_pool_gb = 8
-        args.max_running_requests = 4
-        args.mem_fraction_static = 0.03
+        args = self._sized_args()
         specs = bench_server.server_specs(args)
         self.assertIn("--disable-overlap-schedule", specs["ours_mtp"])
         env = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
@@ -447,11 +448,7 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                 self.assertEqual(got, "29,30,31,29", kind)
 
     def test_offload_default_slots(self):
-        args = bench_server.parse_args(["--out", "/tmp/x", "--topk", "override"])
-        args.record = False
-        args.host_pool_gb = 8
-        args.max_running_requests = 4
-        args.mem_fraction_static = 0.03
+        args = self._sized_args()
         flag = "--max-running-requests"
         self.assertIn(flag, bench_server.server_specs(args)["ours"])
         args.offload_default_slots = True
