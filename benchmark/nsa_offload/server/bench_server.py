@@ -82,8 +82,8 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(1, str(TRACES_DIR))
 
 import step_profile  # noqa: E402
-from server_utils import DEFAULT_MAX_UNITS  # noqa: E402
-from server_utils import (
+from server_utils import (  # noqa: E402
+    DEFAULT_MAX_UNITS,
     ENV_UNPROVEN_PARALLEL,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,

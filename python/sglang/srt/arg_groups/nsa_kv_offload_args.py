@@ -79,9 +79,7 @@ def early_swap_enabled() -> bool:
     the swap's stream included, ran exact on the H200)."""
     from sglang.srt.utils import get_bool_env_var
 
-    if os.environ.get(ENV_EARLY_SWAP, "") == "":
-        return True
-    return get_bool_env_var(ENV_EARLY_SWAP)
+    return os.environ.get(ENV_EARLY_SWAP, "") == "" or get_bool_env_var(ENV_EARLY_SWAP)
 
 
 def pinnable_host_memory_gb(num_host_pools: int) -> float:

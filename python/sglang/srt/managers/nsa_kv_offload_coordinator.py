@@ -28,11 +28,12 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   and MLP; layer l+1's swap waits for it and then misses only what the two
   layers do not share;
 * the early swap (on by default, ``early_swap_enabled``;
-  ``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=0`` turns it off): the model hands a decode or verify layer's top-k over as
-  soon as the indexer returns it (``begin_layer_swap``); its swap and miss
-  copy run on a side stream beside the query projection, rope and the new
-  tokens' KV write, and the backend's swap hook only waits for them. Same
-  kernels, same inputs: the outputs are the inline swap's;
+  ``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=0`` turns it off): the model hands a
+  decode or verify layer's top-k over as soon as the indexer returns it
+  (``begin_layer_swap``); its swap and miss copy run on a side stream
+  beside the query projection, rope and the new tokens' KV write, and the
+  backend's swap hook only waits for them. Same kernels, same inputs: the
+  outputs are the inline swap's;
 * optional direct slots (``SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS=1``,
   experimental): a request whose prompt fits one unit's slots is warmed
   whole and swaps without the LRU walk while its context fits
