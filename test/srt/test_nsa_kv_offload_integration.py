@@ -76,6 +76,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     get_nsa_kv_offload,
     offload_bytes_per_loc,
     offload_bytes_per_region,
+    spare_region_count,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_units import (
     REGION_UNIT_SOURCE,
@@ -253,6 +254,38 @@ class TestOffloadPoolSizing(unittest.TestCase):
         self.assertEqual(sizes.num_locs, 100 * PAGE)
         capped = self._sizes(4 << 30, host=1 << 40, max_total_tokens=1000)
         self.assertEqual(capped.num_locs, 1000 // PAGE * PAGE)
+
+    def test_spare_regions(self):
+        # Host-bound: 100 pages of locs in a 4 GB budget. The bytes the locs
+        # leave become spare regions (KV rows only), at most what the slots
+        # can borrow: (units - 1) per slot.
+        host = 100 * PAGE * self.L * self.ROW
+        off = self._sizes(4 << 30, host=host, max_units=4)
+        self.assertEqual(off.num_spare_regions, 0)
+        on = self._sizes(4 << 30, host=host, max_units=4, spare_regions=True)
+        self.assertEqual(on.num_locs, off.num_locs)
+        self.assertEqual(on.num_spare_regions, 4 * 3)
+        self.assertEqual(on.total_regions, 16)
+        self.assertEqual(on.kv_pool_size - off.kv_pool_size, 12 * (self.C + self.W))
+        one_unit = self._sizes(4 << 30, host=host, spare_regions=True)
+        self.assertEqual(one_unit.num_spare_regions, 0)
+        # Bytes for fewer than the slots could borrow: what fits.
+        region = self.L * (self.C + self.W) * self.ROW
+        self.assertEqual(spare_region_count(5 * region + 1, self.L, self.ROW,
+                                            self.C + self.W, 4, 4), 5)  # fmt: skip
+        self.assertEqual(spare_region_count(-1, self.L, self.ROW, 4160, 4, 4), 0)
+        # GPU-bound: the locs take the budget, nothing is left for spares.
+        gpu_bound = self._sizes(64 << 20, host=1 << 40, max_units=4, spare_regions=True)
+        self.assertEqual(gpu_bound.num_spare_regions, 0)
+        # Everything fits the budget.
+        per_loc = offload_bytes_per_loc(self.L, self.IDX)
+        fixed = self.L * (
+            PAGE + on.staging_rows
+        ) * self.ROW + 4 * offload_bytes_per_region(
+            self.L, self.ROW, self.C, self.W, max_units=4
+        )
+        spent = fixed + on.num_locs * per_loc + on.num_spare_regions * region
+        self.assertLessEqual(spent, 4 << 30)
 
     def test_requests_that_fit(self):
         # 8 regions and 40 pages of locs: short requests are region-bound,
@@ -453,19 +486,16 @@ class TestServerArgsToPools(TinyConfigDirCase):
         with self.assertRaises(RuntimeError):
             configurator.compute_sizes(1 << 20, PAGE)
 
-    def test_resolved_pools(self):
+    def _resolved_pools(self, env=None):
+        """Pools, allocator and coordinator as ModelRunner builds them, with
+        ``env`` set while the configurator reads it (host-bound: 0.01 GB)."""
         args = self._server_args()
-        available = 256 << 20
-        mr = self._model_runner(args, available)
-        config = mr._resolve_memory_pool_config(0)
+        mr = self._model_runner(args, 256 << 20)
+        with mock.patch.dict(os.environ, env or {}):
+            config = mr._resolve_memory_pool_config(0)
         mr.memory_pool_config = config
         mr.max_total_num_tokens = config.max_total_num_tokens
         mr.max_running_requests = config.max_running_requests
-        self.assertEqual(config.max_running_requests, 2)
-        # Host-bound here: 0.01 GB of 3 x 656 B rows.
-        host_locs = int(0.01 * (1 << 30)) // (3 * 656)
-        self.assertEqual(config.max_total_num_tokens, host_locs // PAGE * PAGE)
-
         # What the patched model_runner_kv_cache_mixin builds: the layout from
         # the configurator that sized the pools (no second configurator).
         configurator = config.nsa_kv_offload_configurator
@@ -477,9 +507,6 @@ class TestServerArgsToPools(TinyConfigDirCase):
         sizes = kwargs["sizes"]
         self.assertEqual(kwargs, {"sizes": sizes})
         self.assertIs(sizes.geometry, configurator.geometry)
-        self.assertEqual(sizes.num_locs, mr.max_total_num_tokens)
-        self.assertEqual(sizes.num_regions, 2)
-        self.assertEqual(sizes.region_rows, 4096 + 64)
         mr.token_to_kv_pool = NSAKVOffloadTokenToKVPool(
             mr.max_total_num_tokens,
             page_size=mr.page_size,
@@ -495,22 +522,9 @@ class TestServerArgsToPools(TinyConfigDirCase):
             index_head_dim=128,
             **kwargs,
         )
-        pool = mr.token_to_kv_pool
-        self.assertIs(pool.sizes, sizes)
-        self.assertEqual(pool.kv_buffer[0].shape, (sizes.kv_pool_size + PAGE, 1, 656))
-        self.assertEqual(pool.num_locs, sizes.num_locs)
-        self.assertEqual(pool.loc_to_row.numel(), sizes.num_locs + PAGE + 1)
-        index_rows = pool.index_k_with_scale_buffer[0].shape[0] * PAGE
-        self.assertGreaterEqual(index_rows, sizes.num_locs + PAGE)
-
         mr.token_to_kv_pool_allocator = create_nsa_kv_offload_allocator(
             mr, need_sort=False
         )
-        allocator = mr.token_to_kv_pool_allocator
-        self.assertEqual(allocator.available_size(), sizes.num_locs)
-        self.assertEqual(allocator.staging.start_row, PAGE)
-        self.assertEqual(allocator.staging.num_pages * PAGE, sizes.staging_rows)
-
         mr.req_to_token_pool = ReqToTokenPool(
             size=mr.max_running_requests,
             max_context_len=mr.model_config.context_len + 4,
@@ -526,11 +540,35 @@ class TestServerArgsToPools(TinyConfigDirCase):
             "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
         ) as logs, mock.patch.dict(os.environ, unset):
             coordinator = create_nsa_kv_offload_coordinator(mr)
+        return mr, sizes, coordinator, logs.output
+
+    def test_resolved_pools(self):
+        mr, sizes, coordinator, logs = self._resolved_pools()
+        self.assertEqual(mr.max_running_requests, 2)
+        # Host-bound here: 0.01 GB of 3 x 656 B rows.
+        host_locs = int(0.01 * (1 << 30)) // (3 * 656)
+        self.assertEqual(mr.max_total_num_tokens, host_locs // PAGE * PAGE)
+        self.assertEqual(sizes.num_locs, mr.max_total_num_tokens)
+        self.assertEqual(sizes.num_regions, 2)
+        self.assertEqual(sizes.num_spare_regions, 0)  # off by default
+        self.assertEqual(sizes.region_rows, 4096 + 64)
+        pool = mr.token_to_kv_pool
+        self.assertIs(pool.sizes, sizes)
+        self.assertEqual(pool.kv_buffer[0].shape, (sizes.kv_pool_size + PAGE, 1, 656))
+        self.assertEqual(pool.num_locs, sizes.num_locs)
+        self.assertEqual(pool.loc_to_row.numel(), sizes.num_locs + PAGE + 1)
+        index_rows = pool.index_k_with_scale_buffer[0].shape[0] * PAGE
+        self.assertGreaterEqual(index_rows, sizes.num_locs + PAGE)
+        allocator = mr.token_to_kv_pool_allocator
+        self.assertEqual(allocator.available_size(), sizes.num_locs)
+        self.assertEqual(allocator.staging.start_row, PAGE)
+        self.assertEqual(allocator.staging.num_pages * PAGE, sizes.staging_rows)
+
         held = sizes.describe_capacity(mr.model_config.context_len)
-        self.assertTrue(any(held in line for line in logs.output), logs.output)
-        # Without MTP the early swap is the default, and the log says so.
+        self.assertTrue(any(held in line for line in logs), logs)
+        # The early swap is the default, and the log says so.
         self.assertTrue(coordinator.early_swap)
-        self.assertTrue(any("early swap on" in x for x in logs.output), logs.output)
+        self.assertTrue(any("early swap on" in x for x in logs), logs)
         self.assertIs(get_nsa_kv_offload(allocator), coordinator)
         self.assertFalse(hasattr(pool, "nsa_kv_offload"))  # no link back
         self.assertIs(coordinator.sizes, sizes)
@@ -542,6 +580,31 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(controller.regions.start_row, sizes.region_start_row)
         self.assertLessEqual(controller.regions.end_row, pool.kv_buffer[0].shape[0])
         self.assertEqual(controller.lru.num_locs, sizes.num_locs + PAGE)
+
+    def test_spare_regions(self):
+        # The host pool caps the locs far below the 256 MB budget: with the
+        # variable, the bytes left become regions the 2 request slots borrow
+        # as units (up to 3 more each at 4 units), and nothing else changes.
+        plain = self._resolved_pools()
+        mr, sizes, coordinator, logs = self._resolved_pools(
+            {"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "1"}
+        )
+        self.assertEqual(mr.max_running_requests, 2)
+        self.assertEqual(sizes.num_regions, 2)
+        self.assertEqual(sizes.num_locs, plain[1].num_locs)
+        self.assertEqual(sizes.num_spare_regions, 2 * 3)
+        self.assertEqual(sizes.total_regions, 8)
+        self.assertEqual(
+            sizes.kv_pool_size - plain[1].kv_pool_size, 6 * sizes.region_rows
+        )
+        self.assertEqual(sizes.requests_that_fit(1024), 2)  # slots, not regions
+        controller = coordinator.controller
+        self.assertEqual(controller.num_free_regions(), 8)
+        self.assertLessEqual(
+            controller.regions.end_row, mr.token_to_kv_pool.kv_buffer[0].shape[0]
+        )
+        self.assertTrue(any("6 spare regions" in x for x in logs), logs)
+        self.assertEqual(controller.idle_leaks(), [])
 
 
 # ---------------------------------------------------------- small components

@@ -458,6 +458,16 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         for kind in ("baseline", "hisparse", "baseline_mtp"):
             self.assertIn(flag, specs[kind], kind)
 
+    def test_spare_regions(self):
+        args = self._sized_args()
+        env = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
+        self.assertNotIn(env, bench_server.server_env(args, "ours"))
+        args.spare_regions = True
+        for kind in ("ours", "ours_mtp", "ours_fixed"):
+            self.assertEqual(bench_server.server_env(args, kind)[env], "1", kind)
+        for kind in ("baseline", "hisparse", "baseline_mtp"):
+            self.assertNotIn(env, bench_server.server_env(args, kind), kind)
+
     def test_max_point_tokens(self):
         argv = ["--out", "/tmp/x", "--contexts", "32768,131072"]
         args = bench_server.parse_args(argv + ["--concurrency", "8,32"])

@@ -134,7 +134,7 @@ OURS_VARIANTS = {
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
-# Whether "ours" runs the early swap (the server's default without MTP since
+# Whether "ours" runs the early swap (the server's default since
 # the runs that record this; before, "ours" was the inline swap and the
 # early one "ours_early").
 OURS_EARLY_SWAP_DEFAULT = True
@@ -720,6 +720,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
         )
     if kind == "ours_direct":
         env["SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"] = "1"
+    if args.spare_regions and kind in OFFLOAD_KINDS:
+        env["SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"] = "1"
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:
@@ -2177,6 +2179,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "whose idle regions lend their rows to running requests as extra units; "
         "the other servers keep --max-running-requests",
     )
+    p.add_argument(
+        "--spare-regions",
+        action="store_true",
+        help="the offload servers turn GPU memory their host pool leaves without "
+        "locs into spare regions lent as units "
+        "(SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS=1, experimental)",
+    )
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
     p.add_argument(
         "--recent-window",
@@ -2377,6 +2386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "mem_fraction_how": how,
             "max_running_requests": args.max_running_requests,
             "offload_default_slots": args.offload_default_slots,
+            "spare_regions": args.spare_regions,
             "host_pool_gb": args.host_pool_gb,
             "recent_window": args.recent_window,
             "buffer_size": args.buffer_size,

@@ -147,6 +147,12 @@ SERVERS = {
         env={"SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS": "1"},
         base="base_fp8",
     ),
+    # Spare regions: the budget --max-total-tokens leaves, lent as units.
+    "ours_fp8_spare": dict(
+        offload=[],
+        env={"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "1"},
+        base="base_fp8",
+    ),
     "base_bf16": dict(kv="bf16"),
     "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
     "base_fp8_retract": dict(retract=True),

@@ -59,6 +59,9 @@ ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
 # Experimental direct slots (read by the coordinator): a request whose context
 # fits its LRU slots keeps position p in slot p and swaps without the LRU walk.
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
+# Experimental spare regions (read by the pool configurator): GPU bytes the
+# host pool leaves without locs become regions lent to requests as units.
+ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):

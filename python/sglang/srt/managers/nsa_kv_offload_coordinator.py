@@ -195,7 +195,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             buffer_size=buffer_size,
             recent_window=recent_window,
             region_start_row=sizes.region_start_row,
-            num_regions=sizes.num_regions,
+            num_regions=sizes.total_regions,
             max_batch_size=max_batch_size,
             max_units=max_units,
             host_writer=host_writer,
@@ -257,7 +257,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         logger.info(
             "NSA KV offload: %d logical token locs (host capacity %d), %d decode "
             "regions of %d rows (%d LRU + %d window), %d staging rows, %d GPU KV "
-            "rows per layer.",
+            "rows per layer%s.",
             sizes.num_locs,
             sizes.host_capacity_locs,
             sizes.num_regions,
@@ -266,6 +266,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             recent_window,
             sizes.staging_rows,
             kv_pool.kv_buffer[0].shape[0],
+            (
+                f"; {sizes.num_spare_regions} spare regions, lent as units only"
+                if sizes.num_spare_regions
+                else ""
+            ),
         )
 
     def _side_stream(self):

@@ -7,6 +7,7 @@ scores all tokens), while the MLA KV rows on the GPU shrink to
     [0, page_size)                 padding rows (loc 0 of padded batches)
     [page_size, + staging_rows)    prefill staging: prompt KV until it is backed up
     [.., + num_regions * R)        one decode region of R = C + W rows per request slot
+    [.., + num_spare_regions * R)  spare regions (optional): lent as units only
 
 Every KV write goes through ``loc_to_row`` (token loc -> GPU row). Prefill maps
 a request's new pages onto staging pages; the decode step maps each new token
@@ -330,12 +331,20 @@ class NSAKVOffloadPoolSizes:
     host_capacity_locs: int
     # The layout the sizes were computed for (None: sizes built by hand).
     geometry: Optional[NSAKVOffloadGeometry] = None
+    # Regions beyond the request slots, only ever lent as extra units: GPU
+    # memory the host pool left without locs to hold (spare_region_count).
+    num_spare_regions: int = 0
+
+    @property
+    def total_regions(self) -> int:
+        """Regions the controller manages: request slots plus spare ones."""
+        return self.num_regions + self.num_spare_regions
 
     @property
     def kv_pool_size(self) -> int:
         """``size`` of the KV pool: rows after the leading padding page."""
         return _round_up(
-            self.staging_rows + self.num_regions * self.region_rows, self.page_size
+            self.staging_rows + self.total_regions * self.region_rows, self.page_size
         )
 
     @property
@@ -388,6 +397,25 @@ def offload_bytes_per_region(
     return num_layers * (rows * row_bytes + buffer_size * max_units * 6)
 
 
+def spare_region_count(
+    leftover_bytes: int,
+    num_layers: int,
+    row_bytes: int,
+    region_rows: int,
+    num_regions: int,
+    max_units: int,
+) -> int:
+    """Spare regions the GPU bytes left after the locs pay for (the host pool
+    or ``--max-total-tokens`` capped the locs), up to what the request slots
+    can borrow (``max_units - 1`` extra units each). A spare region is KV rows
+    only: the LRU state of every unit a request may hold is per request slot
+    (``offload_bytes_per_region``)."""
+    if max_units <= 1 or leftover_bytes <= 0:
+        return 0
+    fit = leftover_bytes // (num_layers * region_rows * row_bytes)
+    return int(min(fit, num_regions * (max_units - 1)))
+
+
 def staging_reserve_rows(prefill_budget: int, num_regions: int, page_size: int) -> int:
     """Staging rows for two prefill batches (the overlap scheduler prepares one
     while another runs) and the partly used last page of every request in a
@@ -418,11 +446,13 @@ def compute_offload_pool_sizes(
     max_total_tokens: Optional[int] = None,
     max_units: int = 1,
     draft_bytes_per_loc: int = 0,
+    spare_regions: bool = False,
 ) -> NSAKVOffloadPoolSizes:
     """Split ``available_bytes`` between fixed costs (regions, staging) and
     logical token locs, and cap the locs by what the host pool holds.
     ``draft_bytes_per_loc``: the MTP draft worker's KV pool (its NextN layer
-    stays whole on the GPU, one row per token loc)."""
+    stays whole on the GPU, one row per token loc). ``spare_regions``: bytes
+    the capped locs leave go to spare regions (``spare_region_count``)."""
     staging_rows = _round_up(staging_rows, page_size)
     fixed = num_layers * (
         page_size + staging_rows
@@ -435,6 +465,16 @@ def compute_offload_pool_sizes(
     if max_total_tokens is not None:
         num_locs = min(num_locs, max_total_tokens)
     num_locs = num_locs // page_size * page_size
+    num_spare = 0
+    if spare_regions and num_locs > 0:
+        num_spare = spare_region_count(
+            available_bytes - fixed - num_locs * per_loc,
+            num_layers,
+            row_bytes,
+            buffer_size + recent_window,
+            num_regions,
+            max_units,
+        )
     if num_locs <= 0:
         raise RuntimeError(
             "NSA KV offload: not enough GPU memory for "
@@ -451,6 +491,7 @@ def compute_offload_pool_sizes(
         staging_rows=staging_rows,
         page_size=page_size,
         host_capacity_locs=host_capacity,
+        num_spare_regions=num_spare,
     )
 
 
@@ -509,6 +550,11 @@ class NSAKVOffloadPoolConfigurator:
             if sa.speculative_algorithm is not None
             else 0
         )
+        from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_SPARE_REGIONS
+        from sglang.srt.utils import get_bool_env_var
+
+        self.spare_regions = get_bool_env_var(ENV_SPARE_REGIONS)
+        self._spare_regions_resolved = 0
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
         if self.kv_arrives_in_host:
@@ -549,6 +595,7 @@ class NSAKVOffloadPoolConfigurator:
             max_total_tokens=self.max_total_tokens,
             max_units=self.max_units,
             draft_bytes_per_loc=self.draft_bytes_per_loc,
+            spare_regions=self.spare_regions,
         )
         sizes.geometry = self.geometry
         return sizes
@@ -558,6 +605,7 @@ class NSAKVOffloadPoolConfigurator:
     ) -> NSAKVOffloadMemoryPoolConfig:
         sizes = self.compute_sizes(available_bytes, page_size)
         self._num_regions_resolved = sizes.num_regions
+        self._spare_regions_resolved = sizes.num_spare_regions
         return NSAKVOffloadMemoryPoolConfig(
             max_total_num_tokens=sizes.num_locs,
             max_running_requests=sizes.num_regions,
@@ -588,6 +636,11 @@ class NSAKVOffloadPoolConfigurator:
             host_capacity_locs=self.host_pool_bytes
             // (self.num_layers * self.row_bytes),
             geometry=self.geometry,
+            # Sized from the bytes of calculate_pool_sizes; never more than
+            # the final request slots can borrow.
+            num_spare_regions=min(
+                self._spare_regions_resolved, num_regions * (self.max_units - 1)
+            ),
         )
 
 
