@@ -445,7 +445,7 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         with mock.patch.object(bench_server, "num_model_layers", return_value=4):
             for kind in ("baseline", "ours", "hisparse"):
                 got = bench_server.server_env(args, kind)[env]
-                self.assertEqual(got, "29,30,31,29", kind)
+                self.assertEqual(got, "29,30,31,29,30", kind)  # + NextN
 
     def test_offload_default_slots(self):
         args = self._sized_args()

@@ -706,8 +706,9 @@ def server_env(args, kind: str) -> Dict[str, str]:
     if args.topk == "override":
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
         if args.trace_layer_cycle:
+            # One more: the NextN layer of the MTP servers (layer id L).
             env["SGLANG_NSA_TOPK_TRACE_LAYERS"] = cycled_trace_layers(
-                args.trace_layers, num_model_layers()
+                args.trace_layers, num_model_layers() + 1
             )
     prefetch = kind in ("ours_prefetch", "ours_prefetch_early")
     if prefetch or (kind == "ours" and args.cross_layer_prefetch):
