@@ -487,8 +487,12 @@ class _LayoutTests:
         self.assertIn("nsa_topk_trace.apply_decode_topk_hooks", mla.read_text())
         self.assertIn("nsa_topk_trace.apply_verify_topk_hooks", mla.read_text())
         self.assertNotIn("nsa_topk_trace", backend.read_text())
+        # 0003: the unfused verify top-k mapped in one gather.
+        one_gather = "all(n == 1 for n in metadata.nsa_extend_seq_lens_list)"
+        self.assertIn(one_gather, backend.read_text())
         run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0)
         self.assertEqual(snapshot(fx.sglang_dir), plain)
+        self.assertNotIn(one_gather, backend.read_text())
         run_tool("--sglang-dir", fx.sglang_dir, "--with-bench-hooks", *repo, check_rc=0)
         run_tool("--sglang-dir", fx.sglang_dir, "--revert", *repo, check_rc=0)
         self.assertEqual(snapshot(fx.sglang_dir), before)

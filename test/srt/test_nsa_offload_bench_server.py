@@ -458,6 +458,19 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         for kind in ("baseline", "hisparse", "baseline_mtp"):
             self.assertIn(flag, specs[kind], kind)
 
+    def test_baseline_fused_topk(self):
+        args = bench_server.parse_args(["--out", "/tmp/x", "--baseline-fused-topk"])
+        args.record = False
+        fuse = "SGLANG_NSA_FUSE_TOPK"
+        for kind in ("baseline", "baseline_mtp"):
+            self.assertEqual(bench_server.server_env(args, kind)[fuse], "1", kind)
+        for kind in ("ours", "ours_mtp", "hisparse"):
+            self.assertEqual(bench_server.server_env(args, kind)[fuse], "0", kind)
+        with self.assertRaises(SystemExit):  # the override needs positions
+            bench_server.parse_args(
+                ["--out", "/tmp/x", "--topk", "override", "--baseline-fused-topk"]
+            )
+
     def test_spare_regions(self):
         args = self._sized_args()
         env = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"

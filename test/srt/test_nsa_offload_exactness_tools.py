@@ -670,6 +670,9 @@ class TestMtpServers(unittest.TestCase):
         self.assertEqual(merged["itl_ratio_vs_no_offload_mtp"], {"model:32768x1": 1.05})
         self.assertEqual(merged["num_steps"], [1, 3])
         self.assertEqual(merged["code_commit"], ["abc", "def"])
+        self.assertIsNone(merged["itl_ratio_caveat"])
+        caveat = mtp_summary.merge([exact], [speed], "baseline handicapped")
+        self.assertEqual(caveat["itl_ratio_caveat"], "baseline handicapped")
         # Speed not run yet: the key says so instead of vanishing.
         self.assertIsNone(mtp_summary.merge([exact], [])["itl_ratio_vs_no_offload_mtp"])
         with self.assertRaises(SystemExit) as cm:  # one point from two runs
@@ -971,6 +974,40 @@ class TestBenchHooksMissing(unittest.TestCase):
             self.assertEqual(
                 server_utils.bench_hooks_missing(), "sglang is not installed"
             )
+
+
+class TestVerifyTopkOneGather(unittest.TestCase):
+    """bench_hooks/0003: with one page-table row per token (the unfused top-k
+    of a target verify), sglang's per-row transform and the single gather
+    the hook calls give the same locs."""
+
+    def test_same_locs(self):
+        from sglang.srt.layers.attention.nsa.transform_index import (
+            transform_index_page_table_decode_ref,
+            transform_index_page_table_prefill_ref,
+        )
+
+        g = torch.Generator().manual_seed(0)
+        rows, max_len, topk = 4 * 8, 3000, 2048
+        page_table = torch.randint(1, 1 << 20, (rows, max_len), generator=g)
+        page_table = page_table.to(torch.int32)
+        topk_indices = torch.randint(0, max_len, (rows, topk), generator=g)
+        topk_indices[:, 1500:] = -1  # short contexts pad with -1
+        per_row = transform_index_page_table_prefill_ref(
+            page_table=page_table,
+            topk_indices=topk_indices,
+            extend_lens_cpu=[1] * rows,
+        )
+        one_gather = transform_index_page_table_decode_ref(page_table, topk_indices)
+        self.assertTrue(torch.equal(per_row, one_gather))
+        self.assertTrue(bool((one_gather[:, 1500:] == -1).all()))
+        # Requests of several rows share a page-table row: not this case.
+        two = transform_index_page_table_prefill_ref(
+            page_table=page_table[: rows // 2],
+            topk_indices=topk_indices,
+            extend_lens_cpu=[2] * (rows // 2),
+        )
+        self.assertFalse(torch.equal(two, one_gather))
 
 
 if __name__ == "__main__":

@@ -703,6 +703,10 @@ def server_env(args, kind: str) -> Dict[str, str]:
         "SGLANG_NSA_TOPK_TRACE_SINKS": str(SINKS),
         "SGLANG_NSA_TOPK_TRACE_RECENT": str(RECENT),
     }
+    if args.baseline_fused_topk and kind in ("baseline", "baseline_mtp"):
+        # sglang's default: the top-k kernel maps positions to locs itself
+        # (the offload always takes the positional top-k).
+        env["SGLANG_NSA_FUSE_TOPK"] = "1"
     if args.topk == "override":
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
         if args.trace_layer_cycle:
@@ -2181,6 +2185,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "the other servers keep --max-running-requests",
     )
     p.add_argument(
+        "--baseline-fused-topk",
+        action="store_true",
+        help="the no-offload servers keep sglang's default fused top-k "
+        "(SGLANG_NSA_FUSE_TOPK=1) instead of the positional one every other "
+        "server runs; only with --topk model (the override needs positions)",
+    )
+    p.add_argument(
         "--spare-regions",
         action="store_true",
         help="the offload servers turn GPU memory their host pool leaves without "
@@ -2280,6 +2291,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error(
             "--pd-decode takes --topk override: the model's top-k over unwritten "
             "KV says nothing about misses"
+        )
+    if args.baseline_fused_topk and args.topk == "override":
+        p.error(
+            "--baseline-fused-topk takes --topk model: the override needs positions"
         )
     if args.interleave and not args.plot_only:
         if args.record or args.profile_steps or args.cap_contexts:
@@ -2388,6 +2403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "max_running_requests": args.max_running_requests,
             "offload_default_slots": args.offload_default_slots,
             "spare_regions": args.spare_regions,
+            "baseline_fused_topk": args.baseline_fused_topk,
             "host_pool_gb": args.host_pool_gb,
             "recent_window": args.recent_window,
             "buffer_size": args.buffer_size,

@@ -15,7 +15,9 @@ import json
 from typing import List, Optional, Sequence
 
 
-def merge(exactness: List[dict], speeds: List[dict]) -> dict:
+def merge(
+    exactness: List[dict], speeds: List[dict], speed_caveat: Optional[str] = None
+) -> dict:
     """The committed keys; a key one half lacks stays None (not measured).
     Several exactness runs (spec v1 and spec v2, say) add up."""
     parts = [run.get("mtp") for run in exactness]
@@ -39,6 +41,8 @@ def merge(exactness: List[dict], speeds: List[dict]) -> dict:
         "total": sum(mtp["total"] for mtp in parts),
         "accept_length_equal": all(mtp["accept_length_equal"] for mtp in parts),
         "itl_ratio_vs_no_offload_mtp": ratios or None,
+        # What a reader of the ratios alone must know (--speed-caveat).
+        "itl_ratio_caveat": speed_caveat,
         "num_steps": sorted(steps),
         "code_commit": commits.pop() if len(commits) == 1 else sorted(commits),
         # Where the figures came from, for a reader of this file alone.
@@ -68,6 +72,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         default=[],
         help="bench_server.py's summary_mtp_speed.json (one per run)",
     )
+    p.add_argument(
+        "--speed-caveat",
+        help="why the ITL ratios do not mean what they seem (stored with them)",
+    )
     p.add_argument("--out", required=True, help="the merged summary.json")
     args = p.parse_args(argv)
     exactness, speeds = [], []
@@ -75,7 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for path in paths:
             with open(path) as f:
                 runs.append(json.load(f))
-    summary = merge(exactness, speeds)
+    summary = merge(exactness, speeds, args.speed_caveat)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
         f.write("\n")
