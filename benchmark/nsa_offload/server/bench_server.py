@@ -84,6 +84,10 @@ sys.path.insert(1, str(TRACES_DIR))
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
     DEFAULT_MAX_UNITS,
+    ENV_CROSS_LAYER_PREFETCH,
+    ENV_DIRECT_SLOTS,
+    ENV_EARLY_SWAP,
+    ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
@@ -686,14 +690,26 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "hisparse": common + slots + HISPARSE_ARGS,
         "ours": ours,
         "ours_fixed": fixed,
-        "ours_prefetch": ours,  # + the prefetch's env var (server_env)
-        "ours_prefetch_early": ours,  # + both env vars (server_env)
-        "ours_early": ours,  # + the early swap's env var (server_env)
-        "ours_inline": ours,  # + the early swap's env var, off (server_env)
-        "ours_direct": ours,  # + the direct slots' env var (server_env)
+        # The variants below differ by their env vars only (VARIANT_ENV).
+        "ours_prefetch": ours,
+        "ours_prefetch_early": ours,
+        "ours_early": ours,
+        "ours_inline": ours,
+        "ours_direct": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
+
+
+# The offload variants that are ours with env vars set (the early ones force
+# what is now the default: kept to read and repeat the runs that named them).
+VARIANT_ENV = {
+    "ours_prefetch": {ENV_CROSS_LAYER_PREFETCH: "1"},
+    "ours_prefetch_early": {ENV_CROSS_LAYER_PREFETCH: "1", ENV_EARLY_SWAP: "1"},
+    "ours_early": {ENV_EARLY_SWAP: "1"},
+    "ours_inline": {ENV_EARLY_SWAP: "0"},
+    "ours_direct": {ENV_DIRECT_SLOTS: "1"},
+}
 
 
 def server_env(args, kind: str) -> Dict[str, str]:
@@ -714,19 +730,13 @@ def server_env(args, kind: str) -> Dict[str, str]:
             env["SGLANG_NSA_TOPK_TRACE_LAYERS"] = cycled_trace_layers(
                 args.trace_layers, num_model_layers() + 1
             )
-    prefetch = kind in ("ours_prefetch", "ours_prefetch_early")
-    if prefetch or (kind == "ours" and args.cross_layer_prefetch):
-        env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
-    if kind in ("ours_early", "ours_prefetch_early", "ours_inline"):
-        env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = "0" if kind == "ours_inline" else "1"
+    env.update(VARIANT_ENV.get(kind, {}))
+    if kind == "ours" and args.cross_layer_prefetch:
+        env[ENV_CROSS_LAYER_PREFETCH] = "1"
     if kind == "ours_mtp" and args.mtp_swap != "default":
-        env["SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"] = (
-            "1" if args.mtp_swap == "early" else "0"
-        )
-    if kind == "ours_direct":
-        env["SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"] = "1"
+        env[ENV_EARLY_SWAP] = "1" if args.mtp_swap == "early" else "0"
     if args.spare_regions and kind in OFFLOAD_KINDS:
-        env["SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"] = "1"
+        env[ENV_SPARE_REGIONS] = "1"
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:

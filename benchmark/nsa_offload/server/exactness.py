@@ -61,6 +61,10 @@ from make_checkpoint import (
 )
 from server_utils import (
     BF16_KV_ARGS,
+    ENV_CROSS_LAYER_PREFETCH,
+    ENV_DIRECT_SLOTS,
+    ENV_EARLY_SWAP,
+    ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     SHAPES,
     Server,
@@ -117,40 +121,40 @@ SERVERS = {
     ),
     "ours_fp8_prefetch": dict(
         offload=[],
-        env={"SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1"},
+        env={ENV_CROSS_LAYER_PREFETCH: "1"},
         base="base_fp8",
     ),
     # The prefetch on the early swap's stream (both variables set).
     "ours_fp8_prefetch_early": dict(
         offload=[],
         env={
-            "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "1",
-            "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1",
+            ENV_CROSS_LAYER_PREFETCH: "1",
+            ENV_EARLY_SWAP: "1",
         },
         base="base_fp8",
     ),
     "ours_fp8_early": dict(
         offload=[],
-        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
+        env={ENV_EARLY_SWAP: "1"},
         base="base_fp8",
     ),
     # The early swap is the default: the inline swap, for the record and the
     # GPU test.
     "ours_fp8_inline": dict(
         offload=[],
-        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "0"},
+        env={ENV_EARLY_SWAP: "0"},
         base="base_fp8",
     ),
     # Direct slots: the boundary prompts below one unit's slots enter it.
     "ours_fp8_direct": dict(
         offload=[],
-        env={"SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS": "1"},
+        env={ENV_DIRECT_SLOTS: "1"},
         base="base_fp8",
     ),
     # Spare regions: the budget --max-total-tokens leaves, lent as units.
     "ours_fp8_spare": dict(
         offload=[],
-        env={"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "1"},
+        env={ENV_SPARE_REGIONS: "1"},
         base="base_fp8",
     ),
     "base_bf16": dict(kv="bf16"),
@@ -186,13 +190,13 @@ SERVERS = {
     "ours_fp8_mtp_early": dict(
         mtp=3,
         offload=[],
-        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
+        env={ENV_EARLY_SWAP: "1"},
         base="base_fp8_mtp",
     ),
     "ours_fp8_mtp_inline": dict(
         mtp=3,
         offload=[],
-        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "0"},
+        env={ENV_EARLY_SWAP: "0"},
         base="base_fp8_mtp",
     ),
     "base_fp8_mtp1": dict(mtp=1),
@@ -220,7 +224,7 @@ SERVERS = {
         mtp=3,
         spec_v2=True,
         offload=[],
-        env={"SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "1"},
+        env={ENV_EARLY_SWAP: "1"},
         base="base_fp8_mtp_v2",
     ),
     "base_fp8_mtp1_v2": dict(mtp=1, spec_v2=True),

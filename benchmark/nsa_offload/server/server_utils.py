@@ -59,6 +59,11 @@ KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
 # The offload refuses attention TP / DP attention unless this is set
 # (docs/MULTI_GPU.md).
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
+# The offload's schedule and experimental features (arg_groups/nsa_kv_offload_args.py).
+ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
+ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
+ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
+ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
 # The server flags of the two-GPU shapes: attention TP, DP attention.
 SHAPES = {
     "tp2": ["--tp-size", "2"],

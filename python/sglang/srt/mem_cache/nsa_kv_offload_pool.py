@@ -465,16 +465,6 @@ def compute_offload_pool_sizes(
     if max_total_tokens is not None:
         num_locs = min(num_locs, max_total_tokens)
     num_locs = num_locs // page_size * page_size
-    num_spare = 0
-    if spare_regions and num_locs > 0:
-        num_spare = spare_region_count(
-            available_bytes - fixed - num_locs * per_loc,
-            num_layers,
-            row_bytes,
-            buffer_size + recent_window,
-            num_regions,
-            max_units,
-        )
     if num_locs <= 0:
         raise RuntimeError(
             "NSA KV offload: not enough GPU memory for "
@@ -483,6 +473,16 @@ def compute_offload_pool_sizes(
             f"{available_bytes / (1 << 30):.2f} GB available). Lower "
             "--max-running-requests or --nsa-kv-offload-gpu-buffer-size, or raise "
             "--mem-fraction-static."
+        )
+    num_spare = 0
+    if spare_regions:
+        num_spare = spare_region_count(
+            available_bytes - fixed - num_locs * per_loc,
+            num_layers,
+            row_bytes,
+            buffer_size + recent_window,
+            num_regions,
+            max_units,
         )
     return NSAKVOffloadPoolSizes(
         num_locs=num_locs,
@@ -513,7 +513,9 @@ class NSAKVOffloadPoolConfigurator:
     """
 
     def __init__(self, mr):
+        from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_SPARE_REGIONS
         from sglang.srt.configs.model_config import get_nsa_index_head_dim
+        from sglang.srt.utils import get_bool_env_var
 
         sa = mr.server_args
         self.geometry = NSAKVOffloadGeometry.from_server_args(
@@ -550,9 +552,6 @@ class NSAKVOffloadPoolConfigurator:
             if sa.speculative_algorithm is not None
             else 0
         )
-        from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_SPARE_REGIONS
-        from sglang.srt.utils import get_bool_env_var
-
         self.spare_regions = get_bool_env_var(ENV_SPARE_REGIONS)
         self._spare_regions_resolved = 0
 
