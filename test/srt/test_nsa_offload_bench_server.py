@@ -802,6 +802,10 @@ class TestInterleave(unittest.TestCase):
         flag = "--nsa-kv-offload-max-units"
         self.assertNotIn(flag, specs["ours"])
         self.assertEqual(specs["ours_fixed"][-2:], [flag, "1"])
+        # ours_wide: the most units int16 slot ids allow at this buffer.
+        self.assertEqual(specs["ours_wide"][-2:], [flag, "2"])
+        wide = bench_server.server_specs(plain)["ours_wide"]
+        self.assertEqual(wide[-2:], [flag, "7"])
         units = bench_server.server_specs(
             bench_server.parse_args(argv + ["--max-units", "3"])
         )

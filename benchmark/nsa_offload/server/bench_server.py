@@ -101,6 +101,7 @@ from server_utils import (  # noqa: E402
     num_model_layers,
     offload_max_units,
     use_model,
+    widest_units,
 )
 
 TRACE_FORMAT_PY = TRACES_DIR / "trace_format.py"
@@ -110,6 +111,7 @@ SERVER_KINDS = (
     "baseline",
     "ours",
     "ours_fixed",
+    "ours_wide",
     "ours_prefetch",
     "ours_prefetch_early",
     "ours_early",
@@ -130,6 +132,7 @@ MTP_COMPARISONS = {
 # ours_units (session 9, before units became ours' default) is only read.
 OURS_VARIANTS = {
     "ours_fixed": "P4_fixed",
+    "ours_wide": "P4_wide",
     "ours_prefetch": "P4_prefetch",
     "ours_prefetch_early": "P4_prefetch_early",
     "ours_early": "P4_early",
@@ -148,6 +151,7 @@ LABELS = {
     "hisparse": "HiSparse",
     "ours": "ours",
     "ours_fixed": "ours, fixed buffer",
+    "ours_wide": "ours, widest units",
     "ours_prefetch": "ours + prefetch",
     "ours_prefetch_early": "ours + prefetch, early swap",
     "ours_early": "ours, early swap",
@@ -682,6 +686,9 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     units = "--nsa-kv-offload-max-units"
     # ours_fixed: every request keeps exactly its own buffer (no idle rows lent).
     fixed = ours + [units, "1"]
+    # ours_wide: as many units as a request's int16 LRU slot ids allow (7 at
+    # 4096 rows): what idle GPU memory can lend at most.
+    wide = ours + [units, str(widest_units(args.buffer_size))]
     if args.max_units is not None:
         ours += [units, str(args.max_units)]
     mtp = mtp_args(args.mtp_steps, spec_v2=args.mtp_spec_v2)
@@ -690,6 +697,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "hisparse": common + slots + HISPARSE_ARGS,
         "ours": ours,
         "ours_fixed": fixed,
+        "ours_wide": wide,
         # The variants below differ by their env vars only (VARIANT_ENV).
         "ours_prefetch": ours,
         "ours_prefetch_early": ours,
@@ -1803,6 +1811,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_inline": "tab:pink",
         "ours_units": "tab:purple",
         "ours_fixed": "tab:cyan",
+        "ours_wide": "navy",
         "ours_direct": "goldenrod",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
@@ -2055,7 +2064,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=DEFAULT_SERVERS,
         help=f"some of {','.join(RUNNABLE_KINDS)} "
         "(ours_fixed: ours with --nsa-kv-offload-max-units 1, every request "
-        "keeps exactly its own buffer; ours_prefetch: ours with the experimental "
+        "keeps exactly its own buffer; ours_wide: ours with the most units "
+        "int16 slot ids allow; ours_prefetch: ours with the experimental "
         "cross-layer prefetch (ours_prefetch_early: on the early swap's stream); "
         "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on without MTP or the "

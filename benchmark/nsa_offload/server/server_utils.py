@@ -123,7 +123,12 @@ def offload_max_units(max_units: Optional[int], buffer_size: Optional[int]) -> i
     given, else its default (fewer when the rows exceed int16 slot ids)."""
     if max_units is not None:
         return max_units
-    return min(DEFAULT_MAX_UNITS, 32767 // (buffer_size or 4096))
+    return min(DEFAULT_MAX_UNITS, widest_units(buffer_size))
+
+
+def widest_units(buffer_size: Optional[int]) -> int:
+    """The most LRU units a request may span: its slot ids are int16."""
+    return 32767 // (buffer_size or 4096)
 
 
 # A PD decode server with no prefill server: the fake transfer backend admits
