@@ -1678,7 +1678,7 @@ class TestUnitsLifecycle(unittest.TestCase):
             h.decode_step([b, c], pad_rows=1)
         self.assertGreater(co.get_stats()["misses"], 0)
         self.assertIn(
-            "regions: 3/3, extra units: 1 (0 of staging)", h.co.get_decode_log_msg()
+            "regions: 3/3, extra units: 1 (0 of staging, 0 moved)", h.co.get_decode_log_msg()
         )
         h.finish(b)
         h.finish(c)
@@ -1709,7 +1709,7 @@ class TestUnitsLifecycle(unittest.TestCase):
         h.decode_step([a, b], first_step_of=(b,), pad_rows=1)
         # With B's staging released, both take staging units again.
         self.assertEqual(co.get_stats()["extra_units_lent"], 4)
-        self.assertIn("(4 of staging)", h.co.get_decode_log_msg())
+        self.assertIn("(4 of staging, ", h.co.get_decode_log_msg())
         for step in range(5):
             h.decode_step([a, b], pad_rows=step % 2)
         self.assertGreater(co.get_stats()["misses"], 0)

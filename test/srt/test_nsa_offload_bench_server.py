@@ -990,8 +990,10 @@ class TestCommittedRankSummaries(unittest.TestCase):
 
     RESULTS = BENCH_DIR / "results"
     RUNS = (
-        # First: its 32K x 8 (a 60 GiB budget) yields to the 14 GiB runs' below.
+        # First: their 32K x 8 (a 60 GiB budget) yields to the 14 GiB runs' below;
+        # the second's 32K x 32 (ours sizing its own slots) to the first's.
         "rank_speed/run_batch32_pd/bench_server_override.json",
+        "rank_speed/run_default_slots_pd/bench_server_override.json",
         "rank_model/run_reported/bench_server_override.json",
         "rank_model/run_pessimistic/bench_server_override.json",
         "rank_model/run_model/bench_server_model.json",

@@ -220,6 +220,63 @@ class TestUnits(_ControllerCase):
         self.assertEqual(ctrl.lru.capacity[:2].tolist(), [self.C, self.C])
         self.assertFalse(ctrl.reclaim_units_of("extra", lambda: len(extra.free) == 3))
 
+    def test_admissions_into_a_full_pool_even_out_units(self):
+        # Admissions take units back from the largest holders only: without
+        # moving units, r2 would run on its own region while r0 and r1 keep
+        # 5 and 4 extra units.
+        self.NUM_REGIONS = 12
+        ctrl = self.make(max_units=6)
+        for r in (0, 1, 2):
+            ctrl.admit_request(r)
+            ctrl.rebalance()
+        self.assertEqual([ctrl.num_units(r) for r in (0, 1, 2)], [4, 4, 4])
+        self.assertEqual(ctrl.get_stats()["units_moved"], 3)
+        self.assertFalse(ctrl.wants_rebalance())
+        self.assertEqual(ctrl.num_free_regions(), 0)
+        for r in (0, 1, 2):
+            self.assertEqual(int(ctrl.lru.capacity[r]), 4 * self.C)
+        # Every region once: the units moved are not lost or shared.
+        bases = [ctrl.region_base(r) for r in (0, 1, 2)]
+        bases += [b for r in (0, 1, 2) for b, _ in ctrl._req_units[r]]
+        R = self.C + self.W
+        self.assertEqual(sorted(bases), [self.STAGING + i * R for i in range(12)])
+        ctrl.reset_stats()
+        self.assertEqual(ctrl.get_stats()["units_moved"], 0)
+
+    def test_units_move_only_between_uneven_holders(self):
+        # Property: after any admissions, releases and rebalances, no region
+        # is idle while a request could take it, and the requests' extra
+        # units differ by at most one.
+        self.NUM_REGIONS, self.MAX_REQS = 10, 8
+        for seed in range(30):
+            rng = random.Random(seed)
+            max_units = rng.randint(2, 6)
+            ctrl = self.make(max_units=max_units)
+            live = set()
+            for _ in range(25):
+                free = sorted(set(range(self.MAX_REQS)) - live)
+                if live and (rng.random() < 0.3 or not ctrl.can_admit() or not free):
+                    r = rng.choice(sorted(live))
+                    ctrl.release_request(r)
+                    live.discard(r)
+                else:
+                    r = rng.choice(free)
+                    self.assertIsNotNone(ctrl.admit_request(r))
+                    live.add(r)
+                ctrl.rebalance()
+                self.assertFalse(ctrl.wants_rebalance())
+                extras = [ctrl.num_units(r) - 1 for r in live]
+                msg = (seed, max_units, extras)
+                if extras:
+                    self.assertLessEqual(max(extras) - min(extras), 1, msg)
+                    if min(extras) + 1 < max_units - 1:
+                        self.assertEqual(ctrl.num_free_regions(), 0, msg)
+                    self.assertEqual(
+                        ctrl.num_free_regions() + sum(extras) + len(live),
+                        self.NUM_REGIONS,
+                        msg,
+                    )
+
     def test_one_unit_never_rebalances(self):
         ctrl = self.make()
         ctrl.admit_request(0)
@@ -239,6 +296,7 @@ class TestEndToEnd(_ControllerCase):
         warm_tokens=None,
         max_units=1,
         direct_slots=False,
+        initial_reqs=None,
     ):
         rng = random.Random(seed)
         torch.manual_seed(seed)
@@ -294,7 +352,7 @@ class TestEndToEnd(_ControllerCase):
                 prev_pick.pop((r, layer), None)
             free_reqs.append(r)
 
-        for _ in range(self.NUM_REGIONS):
+        for _ in range(self.NUM_REGIONS if initial_reqs is None else initial_reqs):
             admit_new()
 
         for step in range(steps):
@@ -430,6 +488,15 @@ class TestEndToEnd(_ControllerCase):
 
     def test_exact_with_units_triton(self):
         self._run(use_triton=True, seed=5, steps=30, max_units=2)
+
+    def test_exact_with_units_moved(self):
+        # Enough regions that admissions leave requests uneven and units
+        # move between them (their resident rows dropped, read again).
+        self.NUM_REGIONS, self.MAX_REQS = 6, 8
+        stats = self._run(
+            use_triton=False, seed=6, steps=40, max_units=4, initial_reqs=2
+        )
+        self.assertGreater(stats["units_moved"], 0)
 
     def _run_direct(self, use_triton, seed, max_units=1):
         # Prompts of 1-70 tokens on 24 slots: some fit and enter direct

@@ -627,7 +627,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             f"regions: {stats['regions_used']}/{stats['regions_total']}"
             + (
                 f", extra units: {stats['extra_units']} "
-                f"({stats['extra_units_lent']} of staging)"
+                f"({stats['extra_units_lent']} of staging, "
+                f"{stats['units_moved']} moved)"
                 if self.controller.max_units > 1
                 else ""
             )

@@ -14,7 +14,8 @@
 With ``max_units = U > 1`` (the server's default is 4) free regions are also
 handed out as extra LRU units: a request may hold up to ``U`` units
 (:meth:`rebalance`), and gives its extra ones back, newest first, when an
-admission finds no free region. Other sources of idle rows can lend units too
+admission finds no free region; rebalancing also moves region units from the
+largest holders to the smallest until they differ by at most one. Other sources of idle rows can lend units too
 (:meth:`add_unit_source`: the coordinator adds idle prefill staging rows) and
 take them back when they need them (:meth:`reclaim_units_of`). A request's
 window stays in its region.
@@ -267,6 +268,8 @@ class SparseCacheController:
         # Extra units of each request beyond its region, oldest first:
         # (first row, name of its source).
         self._req_units: Dict[int, List[Tuple[int, str]]] = {}
+        # Region units moved between requests to even them out (get_stats).
+        self.units_moved = 0
         # Lenders of extra units by name, asked in this order.
         self._unit_sources: Dict[str, NSAKVOffloadUnitSource] = {
             REGION_UNIT_SOURCE: RegionUnitSource(self.regions)
@@ -666,27 +669,54 @@ class SparseCacheController:
         ]
         return min(candidates)[1] if candidates else None
 
+    def _level_donor(self) -> Optional[int]:
+        """A request to give one region unit to one holding two or more fewer,
+        when no source has a unit left (else None).
+
+        Admissions into a full pool take units from the largest holders only,
+        so requests admitted last can be left with none while earlier ones
+        keep several; misses grow fast as a request's rows shrink, so an even
+        split misses least. Only a region unit moves: the free region goes to
+        the request with the fewest at once (another source may keep what it
+        gets back)."""
+        if self.max_units == 1 or len(self._req_units) < 2:
+            return None
+        fewest = min(len(u) for u in self._req_units.values())
+        donors = [
+            (len(u), r)
+            for r, u in self._req_units.items()
+            if len(u) >= fewest + 2 and u[-1][1] == REGION_UNIT_SOURCE
+        ]
+        return max(donors)[1] if donors else None
+
     def wants_rebalance(self) -> bool:
-        """Whether :meth:`rebalance` would hand out a unit (host only)."""
-        return self._grow_candidate() is not None
+        """Whether :meth:`rebalance` would hand out or move a unit (host only)."""
+        return self._grow_candidate() is not None or self._level_donor() is not None
 
     def rebalance(self) -> int:
         """Hand idle rows out as extra units, fewest units first, free regions
-        before other sources. The caller's stream must already wait for every
+        before other sources; then even out region units between requests
+        (:meth:`_level_donor`). The caller's stream must already wait for every
         forward that may still read the LRU state. Returns the units handed
-        out."""
+        out (a moved unit counts once)."""
         granted = 0
-        while (r := self._grow_candidate()) is not None:
-            for name, source in self._unit_sources.items():
-                base = source.take() if source.available() else None
-                if base is not None:
+        while True:
+            while (r := self._grow_candidate()) is not None:
+                for name, source in self._unit_sources.items():
+                    base = source.take() if source.available() else None
+                    if base is not None:
+                        break
+                else:
                     break
-            else:
-                break
-            self._req_units[r].append((base, name))
-            self.lru.grow_request(r, len(self._req_units[r]), base)
-            granted += 1
-        return granted
+                self._req_units[r].append((base, name))
+                self.lru.grow_request(r, len(self._req_units[r]), base)
+                granted += 1
+            donor = self._level_donor()
+            if donor is None:
+                return granted
+            # Its resident rows there are dropped (missed again if read).
+            self._shrink_last_unit(donor)
+            self.units_moved += 1
 
     def _shrink_last_unit(self, r: int) -> str:
         """Drop request ``r``'s newest extra unit; returns its source's name."""
@@ -731,6 +761,7 @@ class SparseCacheController:
     # ------------------------------------------------------------------- stats
 
     def reset_stats(self) -> None:
+        self.units_moved = 0
         self.counters.zero_()
         self.prefetch_counters.zero_()
         self.lru.reset_counters()
@@ -758,6 +789,8 @@ class SparseCacheController:
             # Extra LRU units running requests hold: free regions and units
             # lent by the other sources (idle prefill staging).
             "extra_units": sum(len(u) for u in self._req_units.values()),
+            # Region units moved from the largest holders to the smallest.
+            "units_moved": self.units_moved,
             "extra_units_lent": sum(
                 self.units_lent_by(name)
                 for name in self._unit_sources

@@ -27,6 +27,12 @@ _COUNTERS = (
         "prefetched",
         "Rows the cross-layer prefetch loaded ahead of their layer.",
     ),
+    (
+        "units_moved",
+        "units_moved_total",
+        "units_moved",
+        "Extra LRU units moved from the largest holders to the smallest.",
+    ),
     ("h2d_bytes", "h2d_bytes_total", "h2d_bytes", "Bytes copied host to device."),
     ("d2h_bytes", "d2h_bytes_total", "d2h_bytes", "Bytes copied device to host."),
 )
