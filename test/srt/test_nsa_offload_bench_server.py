@@ -1,6 +1,7 @@
 """What ``benchmark/nsa_offload/server/bench_server.py`` reads from server logs and how
 it combines repeated runs (CPU; the servers themselves need a GPU)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -415,6 +416,30 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                      "--servers", "baseline_mtp,ours_mtp", "--mtp-spec-v2"]
                 )  # fmt: skip
         self.assertIn("--mtp-spec-v2", str(ctx.exception))
+
+    def test_servers_start_in_the_order_asked(self):
+        # A tight budget must reach the pair named first (not SERVER_KINDS').
+        started = []
+
+        def fake_bench(args, kind, deadline, left, guess):
+            started.append(kind)
+            return {"points": []}
+
+        patches = (
+            mock.patch.object(bench_server, "bench_server", side_effect=fake_bench),
+            mock.patch.object(bench_server, "prepare_trace"),
+            mock.patch.object(bench_server, "select_model", return_value=None),
+            mock.patch.object(bench_server, "num_model_layers", return_value=4),
+            mock.patch.object(bench_server, "write_report", return_value=[]),
+        )
+        with tempfile.TemporaryDirectory() as out, contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            bench_server.main(
+                ["--out", out, "--no-record", "--mem-fraction-static", "0.5",
+                 "--servers", "baseline_mtp,ours_mtp,ours,baseline_mtp"]
+            )  # fmt: skip
+        self.assertEqual(started, ["baseline_mtp", "ours_mtp", "ours"])
 
     def test_mtp_server_flags(self):
         args = self._sized_args()
