@@ -1678,7 +1678,8 @@ class TestUnitsLifecycle(unittest.TestCase):
             h.decode_step([b, c], pad_rows=1)
         self.assertGreater(co.get_stats()["misses"], 0)
         self.assertIn(
-            "regions: 3/3, extra units: 1 (0 of staging, 0 moved)", h.co.get_decode_log_msg()
+            "regions: 3/3, extra units: 1 (0 of staging, 0 moved)",
+            h.co.get_decode_log_msg(),
         )
         h.finish(b)
         h.finish(c)

@@ -15,7 +15,8 @@ With ``max_units = U > 1`` (the server's default is 4) free regions are also
 handed out as extra LRU units: a request may hold up to ``U`` units
 (:meth:`rebalance`), and gives its extra ones back, newest first, when an
 admission finds no free region; rebalancing also moves region units from the
-largest holders to the smallest until they differ by at most one. Other sources of idle rows can lend units too
+largest holders to the smallest until they differ by at most one. Other
+sources of idle rows can lend units too
 (:meth:`add_unit_source`: the coordinator adds idle prefill staging rows) and
 take them back when they need them (:meth:`reclaim_units_of`). A request's
 window stays in its region.
@@ -670,8 +671,9 @@ class SparseCacheController:
         return min(candidates)[1] if candidates else None
 
     def _level_donor(self) -> Optional[int]:
-        """A request to give one region unit to one holding two or more fewer,
-        when no source has a unit left (else None).
+        """A request holding two or more extra units more than the poorest one,
+        its newest a region unit (else None): :meth:`rebalance` moves that
+        unit once no source lends any more.
 
         Admissions into a full pool take units from the largest holders only,
         so requests admitted last can be left with none while earlier ones
