@@ -493,10 +493,16 @@ class TestEndToEnd(_ControllerCase):
         # Enough regions that admissions leave requests uneven and units
         # move between them (their resident rows dropped, read again).
         self.NUM_REGIONS, self.MAX_REQS = 6, 8
-        stats = self._run(
-            use_triton=False, seed=6, steps=40, max_units=4, initial_reqs=2
-        )
-        self.assertGreater(stats["units_moved"], 0)
+        for use_triton, steps in ((False, 40), (True, 24)):
+            with self.subTest(use_triton=use_triton):
+                stats = self._run(
+                    use_triton=use_triton,
+                    seed=6,
+                    steps=steps,
+                    max_units=4,
+                    initial_reqs=2,
+                )
+                self.assertGreater(stats["units_moved"], 0)
 
     def _run_direct(self, use_triton, seed, max_units=1):
         # Prompts of 1-70 tokens on 24 slots: some fit and enter direct
