@@ -337,6 +337,16 @@ class TestReplayModels(unittest.TestCase):
         ours = replay.replay(t, lambda mp: OursLRU(40, 8, mp)).misses.sum()
         hs = replay.replay(t, lambda mp: HiSparseLRU(47, mp)).misses.sum()
         self.assertLessEqual(opt, min(ours, hs))
+        # Also from the policies' warmed state (--init prefix): OPT starts
+        # from it too, else a cold OPT can miss more than a warm LRU.
+        opt = replay.belady_misses(t, 48, "prefix").sum()
+        ours = replay.replay(t, lambda mp: OursLRU(40, 8, mp, "prefix")).misses.sum()
+        hs = replay.replay(t, lambda mp: HiSparseLRU(47, mp, "prefix")).misses.sum()
+        self.assertLessEqual(opt, min(ours, hs))
+        # The prompt's first positions picked again: warm, nothing to miss.
+        t = _tiny_trace([[0, 1, 2, 3], [0, 1, 2, 3]], [10, 11], 4)
+        self.assertEqual(replay.belady_misses(t, 5, "prefix").sum(), 0)
+        self.assertEqual(replay.belady_misses(t, 5).sum(), 4)
 
 
 class TestReferenceEngine(unittest.TestCase):

@@ -369,7 +369,7 @@ def run_sweep(
                 "lru_slots": H,
                 **summarize(res, trace, row_bytes),
             }
-            opt = result_from_misses(trace, belady_misses(trace, budget), warmup)
+            opt = result_from_misses(trace, belady_misses(trace, budget, init), warmup)
             out["opt"][str(budget)] = summarize(opt, trace, row_bytes)
         if budget - window >= K:
             C = budget - window
@@ -401,15 +401,20 @@ def run_sweep(
     return out
 
 
-def belady_misses(trace: NSATopkTrace, budget: int) -> np.ndarray:
+def belady_misses(trace: NSATopkTrace, budget: int, init: str = "cold") -> np.ndarray:
     """Misses of Belady's optimal replacement with ``budget`` rows, (S, L, B).
 
     A lower bound for every demand-loading policy with the same rows (ours at
-    any W, HiSparse): the newest token (``p == seq_len - 1``) has its own row
-    and is free, as in both policies; the other ``budget - 1`` rows are fully
-    flexible, all of a step's picks must be resident at that step, and the
-    resident not picked now whose next pick is furthest away is evicted first.
+    any W, HiSparse) that starts from the same state: the newest token
+    (``p == seq_len - 1``) has its own row and is free, as in both policies;
+    the other ``budget - 1`` rows are fully flexible, all of a step's picks
+    must be resident at that step, and the resident not picked now whose next
+    pick is furthest away is evicted first. ``init`` as the policies': with
+    ``prefix`` positions ``0 .. budget - 2`` start resident (a superset of
+    what the policies warm), else none do.
     """
+    if init not in ("cold", "prefix"):
+        raise ValueError(f"unknown init {init!r}")
     S, L, B, _ = trace.topk.shape
     slots = budget - 1
     out = np.zeros((S, L, B), dtype=np.int64)
@@ -432,6 +437,9 @@ def belady_misses(trace: NSATopkTrace, budget: int) -> np.ndarray:
                 next_after[i] = nxt
                 nxt[sets[i]] = i
             resident = np.empty(0, dtype=np.int64)
+            if init == "prefix":
+                first = int(trace.seq_lens[steps[0], b]) - 1
+                resident = np.arange(min(slots, first), dtype=np.int64)
             for i, s in enumerate(steps):
                 cur = sets[i]
                 out[s, li, b] = cur.size - np.isin(cur, resident).sum()
