@@ -19,7 +19,9 @@ import numpy as np  # noqa: E402
 import server_utils  # noqa: E402
 
 
-def decode_line(running, throughput, queue=0, misses=None, prefetched=None):
+def decode_line(
+    running, throughput, queue=0, misses=None, prefetched=None, units=None, moved=None
+):
     line = (
         f"[t] Decode batch, #running-req: {running}, #token: 9, token usage: 0.5, "
         f"cuda graph: True, gen throughput (token/s): {throughput}, "
@@ -31,6 +33,9 @@ def decode_line(running, throughput, queue=0, misses=None, prefetched=None):
             f", nsa-offload hit rate: 0.800, misses: {misses}, {extra}"
             "H2D: 3.00 GB/s, regions: 4/8"
         )
+    if units is not None:
+        line += f", extra units: {units} (0 of staging"
+        line += ")" if moved is None else f", {moved} moved)"
     return line
 
 
@@ -634,6 +639,24 @@ class TestDecodeLog(unittest.TestCase):
         self.assertAlmostEqual(m["itl_ms"], 1000.0 * 4 / 400.0)
         self.assertAlmostEqual(m["misses_per_req_layer_step"], 110.0)
         self.assertAlmostEqual(m["misses_per_step"], 4 * 3 * 110.0)
+        self.assertNotIn("units_moved", m)
+
+    def test_units_lent_and_moved(self):
+        lines = [
+            decode_line(3, 100.0, misses=10, units=4, moved=2),  # admitting
+            decode_line(3, 300.0, misses=10, units=6, moved=1),
+            decode_line(3, 300.0, misses=10, units=6, moved=0),
+            decode_line(3, 300.0, misses=10, units=7, moved=0),
+        ]
+        m = bench_server.server_metrics(
+            bench_server.parse_decode_lines("\n".join(lines)), interval=32, layers=3
+        )
+        self.assertEqual(m["units_moved"], 3)  # the whole run's
+        self.assertEqual(m["extra_units"], 6)  # median at the full batch
+        # Logs before units moved (no "moved" field): lent units only.
+        old = decode_line(3, 300.0, misses=10, units=5)
+        row = bench_server.parse_decode_lines(old)[0]
+        self.assertEqual((row["extra_units"], "units_moved" in row), (5, False))
 
 
 class TestRepeats(unittest.TestCase):

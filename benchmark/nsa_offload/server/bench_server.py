@@ -203,6 +203,8 @@ OFFLOAD_RE = re.compile(
     r"nsa-offload hit rate: ([0-9.]+), misses: (\d+), (?:prefetched: \d+, )?"
     r"H2D: ([0-9.]+) GB/s"
 )
+# Units lent (and, since 64f802f, moved between requests) per log interval.
+UNITS_RE = re.compile(r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?\)")
 STARTUP_RES = {
     "pre_load_avail_gib": re.compile(r"Load weight begin\. avail mem=([0-9.]+) GB"),
     "post_load_avail_gib": re.compile(r"Load weight end\..*avail mem=([0-9.]+) GB"),
@@ -467,6 +469,11 @@ def parse_decode_lines(text: str) -> List[dict]:
                 misses=int(o.group(2)),
                 h2d_gbps=float(o.group(3)),
             )
+        u = UNITS_RE.search(line)
+        if u:
+            row["extra_units"] = int(u.group(1))
+            if u.group(2) is not None:
+                row["units_moved"] = int(u.group(2))
         rows.append(row)
     return rows
 
@@ -491,6 +498,9 @@ def server_metrics(rows: List[dict], interval: int, layers: int) -> dict:
         and prev["queue"] == cur["queue"]
     ]
     out["clean_lines"] = len(clean)
+    if any("units_moved" in r for r in rows):
+        # Over the whole run: moves happen around admissions.
+        out["units_moved"] = sum(r.get("units_moved", 0) for r in rows)
     use = clean or [r for r in rows if r["running"] == peak][1:]
     out["lines_used"] = len(use)
     if not use:
@@ -504,6 +514,8 @@ def server_metrics(rows: List[dict], interval: int, layers: int) -> dict:
         out["misses_per_req_layer_step"] = misses / (interval * peak * layers)
         out["hit_rate"] = statistics.median(r["hit_rate"] for r in use)
         out["h2d_gbps"] = statistics.median(r["h2d_gbps"] for r in use)
+    if all("extra_units" in r for r in use):
+        out["extra_units"] = statistics.median(r["extra_units"] for r in use)
     return out
 
 
