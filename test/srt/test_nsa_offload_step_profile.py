@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import os
+import re
 import sys
 import tempfile
 import threading
@@ -88,6 +89,17 @@ class TestSummarize(unittest.TestCase):
             "hisparse",
         )
         self.assertEqual(step_profile.kernel_category("flash_fwd_kernel"), "other")
+
+    def test_every_offload_kernel_has_a_category(self):
+        # A kernel added to the offload without a category would hide in the
+        # model's time ("other").
+        src = BENCH_DIR.parents[1] / "python" / "sglang" / "srt" / "mem_cache"
+        names = set()
+        for path in src.glob("nsa_kv_offload_*.py"):
+            names |= set(re.findall(r"^\s*def (_\w+_kernel)\(", path.read_text(), re.M))
+        self.assertGreaterEqual(len(names), 10, sorted(names))
+        for name in sorted(names):
+            self.assertNotEqual(step_profile.kernel_category(name), "other", name)
 
     def test_per_step_sums(self):
         s = step_profile.summarize_events(two_steps(), steps=2)

@@ -6,9 +6,10 @@ forward steps (sglang's ``/start_profile``, CPU + GPU activities). This module
 reads the chrome trace it writes and sums, per profiled step:
 
 * GPU kernel time by category: the offload's swap (``_swap_layer_kernel``,
-  or the ``_swap_*_kernel`` four with LRU units),
-  its miss copy (``_gather_rows_kernel``), its new-token backup
-  (``_copy_rows_all_layers_kernel``), HiSparse's kernels, and everything else
+  the ``_swap_*_kernel`` four with LRU units, the ``_swap_multi_*`` ones in MTP
+  verify), its miss copy (``_gather_rows_kernel``), its new-token backup
+  (``_copy_rows_all_layers_kernel``) and window mapping
+  (``_map_new_tokens_kernel``), HiSparse's kernels, and everything else
   (the model). The cross-layer prefetch runs the same swap and copy kernels:
   they count in ``swap`` / ``h2d_copy`` (a CUDA-graph replay spreads even a
   single-stream forward over several streams, so streams tell nothing);
@@ -36,7 +37,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 # Kernel name fragments -> category (the first match wins).
 KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    # The fused swap and, with LRU units, its four split kernels.
+    # The fused swap and, with LRU units, its four split kernels; with
+    # several query tokens (MTP verify) the multi-token ones.
     (
         "swap",
         (
@@ -45,10 +47,15 @@ KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "_swap_count_kernel",
             "_swap_rank_kernel",
             "_swap_assign_kernel",
+            "_swap_multi_layer_kernel",
+            "_swap_multi_classify_kernel",
+            "_swap_multi_assign_kernel",
         ),
     ),
     ("h2d_copy", ("_gather_rows_kernel",)),
     ("backup", ("_copy_rows_all_layers_kernel",)),
+    # Once per step: the new tokens' locs mapped to their window rows.
+    ("map_new_tokens", ("_map_new_tokens_kernel",)),
     ("hisparse", ("load_cache_to_device_buffer", "hisparse")),
 )
 LAUNCH_CALLS = (
