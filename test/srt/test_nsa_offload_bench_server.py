@@ -84,6 +84,26 @@ class TestModelSelection(unittest.TestCase):
             server_utils.use_model("nope")
 
 
+class TestOffloadNamesMatchTheProduct(unittest.TestCase):
+    """server_utils keeps its own copy of the offload's env names and default
+    units (the tools do not import the patched sglang for them): a rename
+    there must not leave the benchmarks setting a variable nobody reads."""
+
+    def test_names(self):
+        from sglang.srt.arg_groups import nsa_kv_offload_args as product
+
+        for name in (
+            "ENV_EARLY_SWAP",
+            "ENV_CROSS_LAYER_PREFETCH",
+            "ENV_DIRECT_SLOTS",
+            "ENV_SPARE_REGIONS",
+            "ENV_UNPROVEN_PARALLEL",
+            "DEFAULT_MAX_UNITS",
+        ):
+            with self.subTest(name=name):
+                self.assertEqual(getattr(server_utils, name), getattr(product, name))
+
+
 class TestOverrideTraceLayers(unittest.TestCase):
     def test_generated_trace_holds_the_chosen_layers(self):
         import tempfile

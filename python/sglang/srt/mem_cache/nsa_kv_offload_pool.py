@@ -397,6 +397,11 @@ def offload_bytes_per_region(
     return num_layers * (rows * row_bytes + buffer_size * max_units * 6)
 
 
+def max_spare_regions(num_regions: int, max_units: int) -> int:
+    """What the request slots can borrow: ``max_units - 1`` extra units each."""
+    return num_regions * max(0, max_units - 1)
+
+
 def spare_region_count(
     leftover_bytes: int,
     num_layers: int,
@@ -407,13 +412,13 @@ def spare_region_count(
 ) -> int:
     """Spare regions the GPU bytes left after the locs pay for (the host pool
     or ``--max-total-tokens`` capped the locs), up to what the request slots
-    can borrow (``max_units - 1`` extra units each). A spare region is KV rows
+    can borrow (``max_spare_regions``). A spare region is KV rows
     only: the LRU state of every unit a request may hold is per request slot
     (``offload_bytes_per_region``)."""
     if max_units <= 1 or leftover_bytes <= 0:
         return 0
     fit = leftover_bytes // (num_layers * region_rows * row_bytes)
-    return int(min(fit, num_regions * (max_units - 1)))
+    return int(min(fit, max_spare_regions(num_regions, max_units)))
 
 
 def staging_reserve_rows(prefill_budget: int, num_regions: int, page_size: int) -> int:
@@ -638,7 +643,8 @@ class NSAKVOffloadPoolConfigurator:
             # Sized from the bytes of calculate_pool_sizes; never more than
             # the final request slots can borrow.
             num_spare_regions=min(
-                self._spare_regions_resolved, num_regions * (self.max_units - 1)
+                self._spare_regions_resolved,
+                max_spare_regions(num_regions, self.max_units),
             ),
         )
 

@@ -16,10 +16,9 @@ handed out as extra LRU units: a request may hold up to ``U`` units
 (:meth:`rebalance`), and gives its extra ones back, newest first, when an
 admission finds no free region; rebalancing also moves region units from the
 largest holders to the smallest until they differ by at most one. Other
-sources of idle rows can lend units too
-(:meth:`add_unit_source`: the coordinator adds idle prefill staging rows) and
-take them back when they need them (:meth:`reclaim_units_of`). A request's
-window stays in its region.
+sources of idle rows can lend units too (:meth:`add_unit_source`: the
+coordinator adds idle prefill staging rows) and take them back when they need
+them (:meth:`reclaim_units_of`). A request's window stays in its region.
 
 Per layer of a decode step the attention backend calls :meth:`swap_one_layer`:
 the LRU swap writes the page table (GPU rows in top-k order) and the miss list,
