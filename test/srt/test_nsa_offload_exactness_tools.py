@@ -785,6 +785,68 @@ class TestMultiGpuServers(unittest.TestCase):
         self.assertEqual(m["host_bytes_per_request_ratio"], 2.0)
 
 
+class TestLevelCase(unittest.TestCase):
+    # A decode-log line as the coordinator formats it with units.
+    LINE = (
+        "Decode batch, #running-req: 8, gen throughput (token/s): 900.00, "
+        "nsa-offload hit rate: 0.950, misses: 1200, H2D: 0.10 GB/s, "
+        "regions: 8/24, extra units: 16 (0 of staging, {moved} moved)\n"
+    )
+
+    def test_slots_units_and_moves_from_the_log(self):
+        with tempfile.TemporaryDirectory() as d:
+            args = exactness.parse_args(["--out", d])
+            flags, _ = exactness.server_args(
+                exactness.SERVERS["ours_bf16_level"], args, "/c"
+            )
+            base, _ = exactness.server_args(exactness.SERVERS["base_bf16"], args, "/c")
+            path = os.path.join(d, "log")
+            with open(path, "w") as f:
+                f.write(self.LINE.format(moved=3) + self.LINE.format(moved=4))
+            log = exactness.scan_log(path)
+        self.assertEqual(
+            flags[flags.index("--max-running-requests") + 1],
+            str(exactness.LEVEL_MAX_RUNNING),
+        )
+        self.assertGreater(exactness.LEVEL_MAX_RUNNING, args.concurrency)
+        self.assertEqual(base[base.index("--max-running-requests") + 1], "8")
+        self.assertEqual(
+            flags[flags.index("--nsa-kv-offload-max-units") + 1],
+            str(exactness.LEVEL_MAX_UNITS),
+        )
+        self.assertEqual(log["units_moved"], 7)
+        self.assertEqual(log["misses"], 2400)
+
+    def test_strict_only_when_the_control_is(self):
+        out = [[1, 2, 3]] * 4
+
+        def summary(control, level=out):
+            names = ("base_bf16", "ours_bf16_level")
+            result = {
+                "servers": {
+                    "base_bf16": {"seq": out, "concurrent": control},
+                    "ours_bf16_level": {"seq": out, "concurrent": level},
+                },
+                "specs": {n: exactness.SERVERS[n] for n in names},
+                "prompt_lens": [1, 2, 3, 4],
+                "nc_lens": [],
+                "code_commit": "abc",
+                "logs": {"ours_bf16_level": {"units_moved": 5}},
+            }
+            return exactness.summarize(result, "tiny")
+
+        s = summary(out, level=out[:3] + [[1, 2, 4]])
+        level = s["comparisons"]["ours_bf16_level"]["level"]
+        self.assertEqual((level["identical"], level["units_moved"]), (3, 5))
+        self.assertIn("tiny:ours_bf16_level:level", s["cases"])
+        self.assertEqual((s["identical"], s["total"]), (4 + 3, 4 + 4))
+        self.assertIn("3/4 identical, 5 units moved", exactness.summary_markdown(s))
+        # The control's batches differ from its batch-1 outputs: reported only.
+        s = summary([[9, 2, 3]] + out[1:])
+        self.assertIn("level_reported", s["comparisons"]["ours_bf16_level"])
+        self.assertNotIn("tiny:ours_bf16_level:level", s["cases"])
+
+
 class TestSweepSpec(unittest.TestCase):
     def test_fields_and_defaults(self):
         self.assertEqual(

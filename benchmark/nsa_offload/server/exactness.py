@@ -83,7 +83,13 @@ NC_MODES = {"step": (NC_PERIOD, 0), "persistent": (1, 0)}
 PARTIAL_EVERY = 8
 # Phases counted in ``identical`` / ``total``: batch 1 (seq, abort) and the
 # bf16 retraction case (see SERVERS).
-STRICT_PHASES = ("seq", "abort", "retract")
+STRICT_PHASES = ("seq", "abort", "retract", "level")
+# Leveling's server (``ours_bf16_level``): more request slots than the
+# concurrent phase fills and more units per request than the free regions
+# give everyone, so that admissions leave uneven holders and region units
+# move between requests (``units moved`` in its decode log).
+LEVEL_MAX_RUNNING = 24
+LEVEL_MAX_UNITS = 6
 # traces/nsa_topk_trace.py: the layer whose top-k the control corrupts.
 ENV_CORRUPT_LAYER = "SGLANG_NSA_TOPK_CORRUPT_LAYER"
 SORTED_TOPK_DIR = os.path.join(
@@ -168,6 +174,17 @@ SERVERS = {
     # only where the control is identical (the checkpoint is batch-invariant
     # under retraction), otherwise reported beside the control.
     "base_bf16_retract": dict(kv="bf16", retract=True),
+    # Unit leveling: its concurrent batches against the batch-1 outputs (bf16
+    # batches do not change the outputs on this checkpoint: the control is the
+    # no-offload server's own concurrent phase).
+    "ours_bf16_level": dict(
+        kv="bf16",
+        offload=["--nsa-kv-offload-max-units", str(LEVEL_MAX_UNITS)],
+        max_running=LEVEL_MAX_RUNNING,
+        base="base_bf16",
+        control="base_bf16",
+        batch_phase="level",
+    ),
     "ours_bf16_retract": dict(
         kv="bf16",
         offload=[],
@@ -328,7 +345,7 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
         "--max-total-tokens",
         str(args.max_total_tokens),
         "--max-running-requests",
-        str(args.concurrency),
+        str(spec.get("max_running", args.concurrency)),
         "--cuda-graph-max-bs",
         str(args.concurrency),
         "--context-length",
@@ -488,13 +505,17 @@ HOST_POOL_SCOPE = re.compile(
     r"host pool [0-9.]+ GB (shared by (\d+) attention-TP ranks|per rank)"
 )
 
+# The decode log's units: "extra units: N (M of staging, K moved)", K since the
+# last line (nsa_kv_offload_coordinator.py).
+UNITS_MOVED = re.compile(r"extra units: \d+ \(\d+ of staging, (\d+) moved\)")
+
 
 def scan_log(path: str) -> dict:
     """Retractions, errors and the offload's decode-log counters (summed over
     the run: misses are KV rows copied from host, all layers); the host pools
     the server's processes mapped (bytes per token of each) and their scope."""
     out = {"retractions": 0, "retracted_reqs": 0, "errors": 0, "offload_line": None}
-    misses, prefetched, min_hit = 0, 0, None
+    misses, prefetched, min_hit, moved = 0, 0, None, None
     pools, ranks_per_pool = [], None
     with open(path, errors="replace") as f:
         for line in f:
@@ -520,8 +541,13 @@ def scan_log(path: str) -> dict:
                 misses += int(line.split(" misses: ")[1].split(",")[0])
                 if " prefetched: " in line:
                     prefetched += int(line.split(" prefetched: ")[1].split(",")[0])
+                m = UNITS_MOVED.search(line)
+                if m:
+                    moved = (moved or 0) + int(m.group(1))
     if min_hit is not None:
         out.update(misses=misses, prefetched=prefetched, min_hit_rate=min_hit)
+    if moved is not None:
+        out["units_moved"] = moved
     if pools:
         out.update(host_pool_bytes_per_token=pools, host_pool_ranks=ranks_per_pool)
     return out
@@ -646,20 +672,26 @@ def summarize(result: dict, model: str) -> dict:
         control_name = spec.get("control") or SERVERS.get(name, {}).get("control")
         control = srv.get(control_name or "", {})
         if control_name and "concurrent" in res:
-            # The batches that retracted vs the batch-1 outputs, beside
-            # sglang's own retraction compared the same way (None: not run,
-            # the case is reported only).
-            retract = compare(res["concurrent"], base["seq"])
-            retract["retracted_reqs"] = res.get("retracted_reqs", {}).get("concurrent")
-            retract["control"] = None
+            # The concurrent batches (retracting ones, or ones whose units
+            # move) vs the batch-1 outputs, beside the control's batches
+            # compared the same way (None: not run, the case is reported only).
+            batched = compare(res["concurrent"], base["seq"])
+            batched["retracted_reqs"] = res.get("retracted_reqs", {}).get("concurrent")
+            batched["units_moved"] = (result.get("logs", {}).get(name) or {}).get(
+                "units_moved"
+            )
+            batched["control"] = None
             if "concurrent" in control:
-                retract["control"] = compare(control["concurrent"], base["seq"])
-                retract["control"]["retracted_reqs"] = control.get(
+                batched["control"] = compare(control["concurrent"], base["seq"])
+                batched["control"]["retracted_reqs"] = control.get(
                     "retracted_reqs", {}
                 ).get("concurrent")
-            c = retract["control"]
+            c = batched["control"]
             strict = c is not None and c["identical"] == c["total"]
-            rows["retract" if strict else "retract_reported"] = retract
+            phase = spec.get("batch_phase") or SERVERS.get(name, {}).get(
+                "batch_phase", "retract"
+            )
+            rows[phase if strict else f"{phase}_reported"] = batched
         if "seq_accept" in res and "seq_accept" in base:
             rows["accept"] = compare_accept(res["seq_accept"], base["seq_accept"])
         if "seq_again" in base:
@@ -864,6 +896,27 @@ def summary_markdown(summary: dict) -> str:
                 f"- {n}: {frac(r)} identical ({r['at_first_token']} differ at the "
                 f"first token), {r['retracted_reqs']} requests retracted; {control}: "
                 + ("strict" if phase == "retract" else "reported, not counted")
+            )
+    level = {
+        (n, phase): r[phase]
+        for n, r in summary["comparisons"].items()
+        for phase in ("level", "level_reported")
+        if phase in r
+    }
+    if level:
+        lines += [
+            "",
+            "Unit leveling (bf16: concurrent batches whose region units move vs "
+            "batch-1 outputs; strict where the no-offload server's own concurrent "
+            "batches, the control, are identical):",
+        ]
+        for (n, phase), r in level.items():
+            c = r["control"]
+            control = f"control {frac(c)}" if c else "control not run"
+            lines.append(
+                f"- {n}: {frac(r)} identical, {r['units_moved']} units moved; "
+                f"{control}: "
+                + ("strict" if phase == "level" else "reported, not counted")
             )
     if summary.get("seq_partial"):
         lines += ["", "Cut before their seq phase ended (reported, not counted):"]
