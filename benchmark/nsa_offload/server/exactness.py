@@ -1034,7 +1034,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="only rewrite summary.json/.md from --out's exactness.json",
     )
-    p.add_argument("--code-commit", help="with --report: the commit the run used")
+    p.add_argument(
+        "--code-commit",
+        help="the commit the run used (default: git's HEAD, which a device's "
+        "stale copy of .git can misname)",
+    )
     p.add_argument(
         "--merge",
         nargs="+",
@@ -1193,7 +1197,7 @@ def main(argv=None) -> int:
         "nc_layer": args.nc_layer,
         "prompt_lens": lengths,
         "nc_lens": nc_lens,
-        "code_commit": git_commit(),
+        "code_commit": args.code_commit or git_commit(),
         "servers": {},
         "specs": {},
         "logs": {},
