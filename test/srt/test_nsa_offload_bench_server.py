@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import unittest
 from pathlib import Path
 from unittest import mock
@@ -465,6 +466,34 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                  "--servers", "baseline_mtp,ours_mtp,ours,baseline_mtp"]
             )  # fmt: skip
         self.assertEqual(started, ["baseline_mtp", "ours_mtp", "ours"])
+
+    def test_reference_server_keeps_its_first_point(self):
+        # Four servers in a tight budget: the equal share is below the first
+        # point's estimate; the no-offload server keeps enough for it (every
+        # ratio divides by it), an offload server gets the equal share.
+        args = self._sized_args("--contexts", "32768", "--concurrency", "32")
+        need = bench_server.first_point_estimate_s(args)
+        shares = {}
+
+        def fake_measure(args, kind, server, share_end, layers):
+            shares[kind] = share_end - time.time()
+            return []
+
+        patches = (
+            mock.patch.object(bench_server, "BenchServer"),
+            mock.patch.object(bench_server, "parse_startup", return_value={}),
+            mock.patch.object(bench_server, "gpu_memory_mib", return_value=0),
+            mock.patch.object(bench_server, "num_model_layers", return_value=4),
+            mock.patch.object(bench_server, "measure", side_effect=fake_measure),
+        )
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            for kind in ("baseline", "ours"):
+                deadline = time.time() + 30 + 3 * 90 + 4 * need / 2 + 150
+                bench_server.bench_server(args, kind, deadline, 4, 90.0)
+        self.assertGreaterEqual(shares["baseline"], need - 1)
+        self.assertLess(shares["ours"], need)
 
     def test_mtp_server_flags(self):
         args = self._sized_args()

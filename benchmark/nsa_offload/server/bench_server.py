@@ -141,6 +141,8 @@ OURS_VARIANTS = {
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
+# The no-offload servers: the ratios' denominators.
+REFERENCE_KINDS = ("baseline", "baseline_mtp")
 # Whether "ours" runs the early swap (the server's default since
 # the runs that record this; before, "ours" was the inline swap and the
 # early one "ours_early").
@@ -739,7 +741,7 @@ def server_env(args, kind: str) -> Dict[str, str]:
         "SGLANG_NSA_TOPK_TRACE_SINKS": str(SINKS),
         "SGLANG_NSA_TOPK_TRACE_RECENT": str(RECENT),
     }
-    if args.baseline_fused_topk and kind in ("baseline", "baseline_mtp"):
+    if args.baseline_fused_topk and kind in REFERENCE_KINDS:
         # sglang's default: the top-k kernel maps positions to locs itself
         # (the offload always takes the positional top-k).
         env["SGLANG_NSA_FUSE_TOPK"] = "1"
@@ -1028,6 +1030,10 @@ def bench_server(
             # start-up (like this one's, plus stop) comes out of the budget.
             later = (servers_left - 1) * startup_guess
             share = (deadline - time.time() - 30 - later) / servers_left
+            if kind in REFERENCE_KINDS:
+                # Every ratio divides by it: its first point runs even if the
+                # servers after it get less time.
+                share = max(share, first_point_estimate_s(args))
             share_end = time.time() + max(share, 30.0)
             res["points"] = measure(args, kind, server, share_end, layers)
     except Exception as e:
@@ -1088,6 +1094,17 @@ def equal_batch_points(args) -> List[Tuple[int, int]]:
         for k in args.concurrency
         if cap is None or c * k <= cap
     ]
+
+
+def first_point_estimate_s(args) -> float:
+    """Seconds of the first equal-batch point (0 when there is none)."""
+    points = equal_batch_points(args)
+    if not points:
+        return 0.0
+    ctx, conc = points[0]
+    return point_estimate_s(
+        args, ctx, conc, args.repeats, args.prefill_rate_guess, bool(args.profile_steps)
+    )
 
 
 def point_estimate_s(
