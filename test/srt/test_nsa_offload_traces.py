@@ -325,6 +325,24 @@ class TestReplayModels(unittest.TestCase):
                 n += 1
         self.assertGreater(compared, 500)
 
+    def test_warm_newest_below_the_window(self):
+        # First step at n = 30, W = 4: positions below 26 warm, oldest first
+        # (slot i holds the i-th of them, the newest most recent).
+        m = OursLRU(lru_slots=8, window=4, max_pos=40, init="topk", top_k=5)
+        r = m.step(np.array([25, 21, 20, 27]), 30)
+        self.assertEqual((r.misses, r.lru_hits, r.window_hits), (1, 2, 1))
+        self.assertEqual(m.slot_pos[:5].tolist(), [21, 22, 23, 24, 25])
+        self.assertEqual(m.slot_pos[5].tolist(), 20)  # the miss: an empty slot
+        m = OursLRU(lru_slots=8, window=4, max_pos=40, init="newest")
+        m.step(np.array([29]), 30)
+        self.assertEqual(sorted(m.slot_pos.tolist()), list(range(18, 26)))
+        # A prompt shorter than the slots warms what it has.
+        m = HiSparseLRU(lru_slots=8, max_pos=40, init="newest")
+        m.step(np.array([3]), 6)
+        self.assertEqual(m.slot_pos.tolist(), [0, 1, 2, 3, 4, -1, -1, -1])
+        with self.assertRaises(ValueError):
+            OursLRU(8, 4, 40, init="warm")
+
     def test_belady(self):
         # Non-newest picks {0,1},{2,3},{0,4},{1,2}; 3 flexible rows (budget 4):
         # step 1 keeps 0 (needed at step 2) over 1, step 2 keeps 2 over 3.
@@ -343,6 +361,12 @@ class TestReplayModels(unittest.TestCase):
         ours = replay.replay(t, lambda mp: OursLRU(40, 8, mp, "prefix")).misses.sum()
         hs = replay.replay(t, lambda mp: HiSparseLRU(47, mp, "prefix")).misses.sum()
         self.assertLessEqual(opt, min(ours, hs))
+        # The newest positions warmed (every slot, or the top-k of them).
+        for init in ("newest", "topk"):
+            opt = replay.belady_misses(t, 48, init).sum()
+            ours = replay.replay(t, lambda mp: OursLRU(40, 8, mp, init, top_k=32))
+            hs = replay.replay(t, lambda mp: HiSparseLRU(47, mp, init, top_k=32))
+            self.assertLessEqual(opt, min(ours.misses.sum(), hs.misses.sum()))
         # The prompt's first positions picked again: warm, nothing to miss.
         t = _tiny_trace([[0, 1, 2, 3], [0, 1, 2, 3]], [10, 11], 4)
         self.assertEqual(replay.belady_misses(t, 5, "prefix").sum(), 0)
@@ -363,9 +387,9 @@ class TestReferenceEngine(unittest.TestCase):
         self.assertEqual(res["status"], "exact", res)
         self.assertEqual(res["engine_misses"], sum(TINY_OURS_MISSES))
         t = _random_trace(11, K=32, sorted_rows=False)
-        for init in ("cold", "prefix"):
+        for init in replay.INITS:
             res = replay.engine_check(t, 40, 6, init=init, engine_path=self.path)
-            self.assertEqual(res["status"], "exact", res)
+            self.assertEqual(res["status"], "exact", (init, res))
 
 
 class TestEmbeddedTrace(unittest.TestCase):

@@ -70,6 +70,19 @@ DEFAULT_WARMUP = 8
 DIST_EDGES = (0, 1, 16, 64, 256, 512, 1024)
 DIST_LABELS = ("0", "1-15", "16-63", "64-255", "256-511", "512-1023", ">=1024")
 LRU_CACHE_STATE_REL = Path("python/sglang/srt/mem_cache/lru_cache_state.py")
+# LRU state at a request's first decode step: empty; positions 0 .. C - 1
+# (HiSparse's colocated admission); every slot filled with the newest positions
+# below the first step's window; the newest top-k of them (what the server's
+# admission warms: SparseCacheController.warm_tokens).
+INITS = ("cold", "prefix", "newest", "topk")
+
+
+def warm_count(init: str, slots: int, top_k: int) -> int:
+    """Positions ``init`` warms below the first step's window (prefix: 0, set
+    up front instead)."""
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r}")
+    return {"newest": slots, "topk": min(top_k, slots)}.get(init, 0)
 
 
 @dataclass
@@ -91,20 +104,28 @@ class _LRUBase:
     Positions stand in for token locs (a bijection within a request).
     """
 
-    def __init__(self, lru_slots: int, max_pos: int, init: str):
+    def __init__(self, lru_slots: int, max_pos: int, init: str, top_k: int = 2048):
         self.C = int(lru_slots)
         self.slot_pos = np.full(self.C, -1, dtype=np.int64)
         self.pos_to_slot = np.full(max_pos + 1, -1, dtype=np.int64)
         # order[0] is the least recently used slot.
         self.order = np.arange(self.C, dtype=np.int64)
+        # Positions warmed at the first step, below its window (INITS).
+        self._warm_pending = warm_count(init, self.C, top_k)
         if init == "prefix":
             # Slot i holds position i, LRU first (HiSparse's colocated admission;
             # for ours, warm_request over positions 0..C-1 gives the same state).
             m = min(self.C, max_pos + 1)
             self.slot_pos[:m] = np.arange(m)
             self.pos_to_slot[:m] = np.arange(m)
-        elif init != "cold":
-            raise ValueError(f"unknown init {init!r}")
+
+    def _warm_below(self, below: int) -> None:
+        """At the first step: the newest warmed positions below ``below``,
+        oldest first, as one swap of a fresh state (the engine's warm_request:
+        position i of them in slot i, the newest most recent)."""
+        k, self._warm_pending = min(self._warm_pending, below), 0
+        if k > 0:
+            self._swap(np.arange(below - k, below, dtype=np.int64), hits_mru=True)
 
     def _lookup(self, p: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         if p.size and p.max() >= self.pos_to_slot.size:
@@ -153,14 +174,17 @@ class OursLRU(_LRUBase):
         max_pos: int,
         init: str = "cold",
         hits_mru: bool = True,
+        top_k: int = 2048,
     ):
-        super().__init__(lru_slots, max_pos, init)
+        super().__init__(lru_slots, max_pos, init, top_k)
         self.W = int(window)
         # hits_mru=False: misses most recent, the engine's first tie rule (a
         # what-if kept for comparison).
         self.hits_mru = hits_mru
 
     def step(self, pos: np.ndarray, n: int, want_plan: bool = False) -> StepResult:
+        if self._warm_pending:
+            self._warm_below(max(0, n - self.W))
         pos = np.asarray(pos, dtype=np.int64)
         valid = (pos >= 0) & (pos < n)
         in_win = valid & (pos >= n - self.W)
@@ -185,11 +209,15 @@ class OursLRU(_LRUBase):
 class HiSparseLRU(_LRUBase):
     """Upstream HiSparse swap-in of one (layer, request): ``H`` LRU slots + newest row."""
 
-    def __init__(self, lru_slots: int, max_pos: int, init: str = "cold"):
-        super().__init__(lru_slots, max_pos, init)
+    def __init__(
+        self, lru_slots: int, max_pos: int, init: str = "cold", top_k: int = 2048
+    ):
+        super().__init__(lru_slots, max_pos, init, top_k)
 
     def step(self, pos: np.ndarray, n: int, want_plan: bool = False) -> StepResult:
         pos = np.asarray(pos, dtype=np.int64)
+        if self._warm_pending:
+            self._warm_below(max(0, n - 1))
         # Padding: the kernel's TOKEN_HIT sentinel equals -1, so -1 entries are
         # never loaded (with seq_len > H >= K the indexer emits no padding).
         valid = (pos >= 0) & (pos < n)
@@ -364,7 +392,9 @@ def run_sweep(
         t0 = time.time()
         if budget - 1 >= K:
             H = budget - 1
-            res = replay(trace, lambda mp, H=H: HiSparseLRU(H, mp, init), warmup=warmup)
+            res = replay(
+                trace, lambda mp, H=H: HiSparseLRU(H, mp, init, K), warmup=warmup
+            )
             out["hisparse"][str(budget)] = {
                 "lru_slots": H,
                 **summarize(res, trace, row_bytes),
@@ -375,7 +405,7 @@ def run_sweep(
             C = budget - window
             res = replay(
                 trace,
-                lambda mp, C=C: OursLRU(C, window, mp, init, hits_mru=False),
+                lambda mp, C=C: OursLRU(C, window, mp, init, hits_mru=False, top_k=K),
                 warmup=warmup,
             )
             out["ours_hits_mru"][str(budget)] = {
@@ -389,7 +419,9 @@ def run_sweep(
             if C < K:
                 continue
             res = replay(
-                trace, lambda mp, C=C, w=w: OursLRU(C, w, mp, init), warmup=warmup
+                trace,
+                lambda mp, C=C, w=w: OursLRU(C, w, mp, init, top_k=K),
+                warmup=warmup,
             )
             out["ours"][str(budget)][str(w)] = {
                 "lru_slots": C,
@@ -411,12 +443,13 @@ def belady_misses(trace: NSATopkTrace, budget: int, init: str = "cold") -> np.nd
     must be resident at that step, and the resident not picked now whose next
     pick is furthest away is evicted first. ``init`` as the policies': with
     ``prefix`` positions ``0 .. budget - 2`` start resident (a superset of
-    what the policies warm), else none do.
+    what the policies warm); ``newest`` / ``topk`` the newest ``budget - 1`` /
+    top-k positions below the first step's newest token (a superset of the
+    policies' below their window); ``cold`` none.
     """
-    if init not in ("cold", "prefix"):
-        raise ValueError(f"unknown init {init!r}")
     S, L, B, _ = trace.topk.shape
     slots = budget - 1
+    warm = warm_count(init, slots, trace.top_k)
     out = np.zeros((S, L, B), dtype=np.int64)
     never = np.iinfo(np.int32).max
     for b in range(B):
@@ -437,9 +470,11 @@ def belady_misses(trace: NSATopkTrace, budget: int, init: str = "cold") -> np.nd
                 next_after[i] = nxt
                 nxt[sets[i]] = i
             resident = np.empty(0, dtype=np.int64)
+            first = int(trace.seq_lens[steps[0], b]) - 1
             if init == "prefix":
-                first = int(trace.seq_lens[steps[0], b]) - 1
                 resident = np.arange(min(slots, first), dtype=np.int64)
+            elif warm:
+                resident = np.arange(max(0, first - warm), first, dtype=np.int64)
             for i, s in enumerate(steps):
                 cur = sets[i]
                 out[s, li, b] = cur.size - np.isin(cur, resident).sum()
@@ -576,6 +611,11 @@ def engine_check(
                     state.warm_request(
                         range(L), int(b), torch.from_numpy(req_to_token[b, :m].copy())
                     )
+                below = max(0, int(trace.seq_lens[s, b]) - W)
+                k = min(warm_count(init, C, trace.top_k), below)
+                if k > 0:
+                    locs = req_to_token[b, below - k : below].copy()
+                    state.warm_request(range(L), int(b), torch.from_numpy(locs))
                 admitted[b] = True
         if cols.size == 0:
             continue
@@ -597,7 +637,9 @@ def engine_check(
             for j, b in enumerate(cols):
                 key = (li, int(b))
                 if key not in models:
-                    models[key] = OursLRU(C, W, int(max_len[b]), init)
+                    models[key] = OursLRU(
+                        C, W, int(max_len[b]), init, top_k=trace.top_k
+                    )
                 r = models[key].step(trace.topk[s, li, b], int(seq[j]), want_plan=True)
                 base = int(b) * R
                 exp_pt = np.where(r.rows >= 0, base + r.rows, -1)
@@ -1047,9 +1089,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--init",
-        choices=["cold", "prefix"],
+        choices=list(INITS),
         default="cold",
-        help="LRU state at the first decode step: cold or prefix (warmed)",
+        help="LRU state at the first decode step: cold; prefix (positions 0 .. "
+        "C - 1); newest (every slot, the newest positions below the window); "
+        "topk (the newest top-k of them: the server's admission)",
     )
     p.add_argument(
         "--warmup",
