@@ -53,6 +53,7 @@ import torch
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.managers.nsa_kv_offload_coordinator import (
     NSAKVOffloadCoordinator,
+    check_warm_units,
     create_nsa_kv_offload_allocator,
     create_nsa_kv_offload_coordinator,
     nsa_kv_offload_pool_kwargs,
@@ -1942,6 +1943,74 @@ class TestPDDecodeLifecycleDefaults(TestPDDecodeLifecycleUnits):
     """The same with the early swap, as a PD decode server runs without MTP."""
 
     EARLY_SWAP = True
+
+
+class TestPDDecodeWarmUnits(unittest.TestCase):
+    """SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1: a PD decode request is warmed after
+    the rebalance has granted its units, into every slot it holds."""
+
+    def _first_step_misses(self, warm_units):
+        h = _Harness(
+            self,
+            kv_fp8=True,
+            seed=4,
+            kv_arrives_in_host=True,
+            num_regions=4,
+            max_units=4,
+            coordinator_kwargs={"early_swap": True, "warm_units": warm_units},
+        )
+        a, b = h.new_req(), h.new_req()
+        h.transfer(a, 300)
+        h.transfer(b, 190)
+        # Two free regions: one unit each, 2 x C slots. The first step reads
+        # the oldest positions those slots hold (300: from 37; 190: all),
+        # none of which one unit's top-k warm-up covers.
+        slots = 2 * h.C
+
+        def oldest(n, first_step=False):
+            lo = max(0, n - h.W - slots)
+            out = torch.full((h.K,), -1, dtype=torch.int64)
+            out[: h.K] = torch.arange(lo, lo + h.K)
+            return out
+
+        h.pick_topk = oldest
+        h.decode_step([a, b])
+        misses = h.controller.get_stats()["misses"]
+        del h.pick_topk  # the harness' own top-k again
+        self.assertEqual(
+            [len(h.controller._req_units[r.req_pool_idx]) for r in (a, b)], [1, 1]
+        )
+        for _ in range(4):
+            h.decode_step([a, b])
+        h.finish(a)
+        c = h.new_req()
+        h.transfer(c, 250)
+        h.decode_step([b, c], first_step_of=(c,))
+        h.decode_step([b, c])
+        h.finish(b)
+        h.finish(c)
+        h.check_no_leaks()
+        return misses
+
+    def test_granted_units_are_warm(self):
+        self.assertEqual(self._first_step_misses(warm_units=True), 0)
+        # Without it only the newest top-k below the window is warm.
+        self.assertEqual(self._first_step_misses(warm_units=False), 2 * 2 * 64)
+
+    def test_refused_where_it_does_not_apply(self):
+        check = check_warm_units
+        check(False, False, 1, 4, True)  # off: nothing to check
+        check(True, True, 4, 1, False)
+        for args, flag in (
+            ((True, False, 4, 1, False), "--disaggregation-mode decode"),
+            ((True, True, 1, 1, False), "--nsa-kv-offload-max-units"),
+            ((True, True, 4, 4, False), "--speculative-algorithm"),
+            ((True, True, 4, 1, True), "DIRECT_SLOTS"),
+        ):
+            with self.assertRaises(ValueError) as ctx:
+                check(*args)
+            self.assertIn(flag, str(ctx.exception))
+            self.assertIn("SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1", str(ctx.exception))
 
 
 class TestPDDecodeTransferTarget(unittest.TestCase):

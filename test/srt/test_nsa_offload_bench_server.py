@@ -98,6 +98,7 @@ class TestOffloadNamesMatchTheProduct(unittest.TestCase):
             "ENV_CROSS_LAYER_PREFETCH",
             "ENV_DIRECT_SLOTS",
             "ENV_SPARE_REGIONS",
+            "ENV_WARM_UNITS",
             "ENV_UNPROVEN_PARALLEL",
             "DEFAULT_MAX_UNITS",
         ):
@@ -442,6 +443,19 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                      "--servers", "baseline_mtp,ours_mtp", "--mtp-spec-v2"]
                 )  # fmt: skip
         self.assertIn("--mtp-spec-v2", str(ctx.exception))
+        # Warm units: a PD decode server only (the offload refuses it elsewhere).
+        self.assertEqual(
+            bench_server.server_env(args, "ours_warm")[
+                "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
+            ],
+            "1",
+        )
+        with tempfile.TemporaryDirectory() as out:
+            with self.assertRaises(SystemExit) as ctx:
+                bench_server.main(
+                    ["--out", out, "--topk", "override", "--servers", "ours_warm"]
+                )
+        self.assertIn("--pd-decode", str(ctx.exception))
 
     def test_servers_start_in_the_order_asked(self):
         # A tight budget must reach the pair named first (not SERVER_KINDS').

@@ -89,6 +89,7 @@ from server_utils import (  # noqa: E402
     ENV_EARLY_SWAP,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
+    ENV_WARM_UNITS,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
     PD_DECODE_FAKE_ARGS,
@@ -117,6 +118,7 @@ SERVER_KINDS = (
     "ours_early",
     "ours_inline",
     "ours_direct",
+    "ours_warm",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -138,6 +140,7 @@ OURS_VARIANTS = {
     "ours_early": "P4_early",
     "ours_inline": "P4_inline",
     "ours_direct": "P4_direct",
+    "ours_warm": "P4_warm",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -159,6 +162,7 @@ LABELS = {
     "ours_early": "ours, early swap",
     "ours_inline": "ours, inline swap",
     "ours_direct": "ours, direct slots",
+    "ours_warm": "ours, warm units",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -718,6 +722,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_early": ours,
         "ours_inline": ours,
         "ours_direct": ours,
+        "ours_warm": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -731,6 +736,7 @@ VARIANT_ENV = {
     "ours_early": {ENV_EARLY_SWAP: "1"},
     "ours_inline": {ENV_EARLY_SWAP: "0"},
     "ours_direct": {ENV_DIRECT_SLOTS: "1"},
+    "ours_warm": {ENV_WARM_UNITS: "1"},
 }
 
 
@@ -1842,6 +1848,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_fixed": "tab:cyan",
         "ours_wide": "navy",
         "ours_direct": "goldenrod",
+        "ours_warm": "tab:gray",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
     }
@@ -2098,7 +2105,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "cross-layer prefetch (ours_prefetch_early: on the early swap's stream); "
         "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on); side by side with "
-        "ours; baseline_mtp, ours_mtp: with MTP, --mtp-steps); started one "
+        "ours; ours_warm: ours with the experimental warm units, --pd-decode "
+        "only; baseline_mtp, ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )
     p.add_argument(
@@ -2396,6 +2404,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.pd_decode and args.mtp_spec_v2 and any(k.endswith("_mtp") for k in kinds):
         # The offload refuses spec v2 on a PD decode server (docs/MTP.md).
         raise SystemExit("--pd-decode with --mtp-spec-v2: drop one")
+    if "ours_warm" in kinds and not args.pd_decode:
+        # The offload refuses warm units without a PD decode server.
+        raise SystemExit("--servers ours_warm needs --pd-decode")
     layers = num_model_layers()
     if args.mem_fraction_static is None:
         args.mem_fraction_static, how = mem_fraction_for_budget(args.kv_budget_gib)

@@ -62,6 +62,10 @@ ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
 # Experimental spare regions (read by the pool configurator): GPU bytes the
 # host pool leaves without locs become regions lent to requests as units.
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
+# Experimental warm units (read by the coordinator): a PD decode request is
+# warmed after its units are granted, into every slot it holds, instead of one
+# unit's top-k rows at admission.
+ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):

@@ -60,6 +60,7 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
+    ENV_WARM_UNITS,
     early_swap_enabled,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
@@ -102,6 +103,30 @@ def _pad_rows(page_table: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([page_table, pad])
 
 
+def check_warm_units(
+    warm_units: bool,
+    kv_arrives_in_host: bool,
+    max_units: int,
+    max_query_tokens: int,
+    direct_slots: bool,
+) -> None:
+    """``ENV_WARM_UNITS`` applies to PD decode admissions with units, one
+    query token per request; refused elsewhere rather than ignored."""
+    if not warm_units:
+        return
+    why = None
+    if not kv_arrives_in_host:
+        why = "needs --disaggregation-mode decode (the KV arrives in host memory)"
+    elif max_units <= 1:
+        why = "needs --nsa-kv-offload-max-units above 1"
+    elif max_query_tokens > 1:
+        why = "does not support MTP target verify (--speculative-algorithm)"
+    elif direct_slots:
+        why = f"does not combine with {ENV_DIRECT_SLOTS}=1"
+    if why:
+        raise ValueError(f"NSA KV offload: {ENV_WARM_UNITS}=1 {why}")
+
+
 class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     def __init__(
         self,
@@ -121,7 +146,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         max_query_tokens: int = 1,
         early_swap: bool = False,
         direct_slots: bool = False,
+        warm_units: bool = False,
     ):
+        check_warm_units(
+            warm_units, kv_arrives_in_host, max_units, max_query_tokens, direct_slots
+        )
         if cross_layer_prefetch and max_query_tokens > 1:
             # The prefetch swaps one top-k row per request.
             raise ValueError(
@@ -135,6 +164,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         self.kv_pool = kv_pool
         self.kv_arrives_in_host = kv_arrives_in_host
+        # Admissions in prepare_decode warm after the rebalance (warm_admitted).
+        self.warm_units = warm_units
         # The ranks of an attention-TP group share one host pool; its first
         # rank writes it, every rank warms admissions from its staging rows.
         self.shares_host_pool = host_pool_group is not None
@@ -249,6 +280,15 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 "start on a side stream after its indexer; %s=0 turns it off).",
                 ENV_EARLY_SWAP,
             )
+        if warm_units:
+            logger.info(
+                "NSA KV offload: warm units on (experimental, %s=1): a PD decode "
+                "request is warmed after its units are granted, into up to %d "
+                "rows per layer instead of %d.",
+                ENV_WARM_UNITS,
+                max_units * buffer_size,
+                min(top_k, buffer_size),
+            )
         self.producer_stream = None
         self._last_log_tic = time.perf_counter()
         self.metrics = None  # NSAKVOffloadMetricsCollector with --enable-metrics
@@ -309,12 +349,16 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     def is_admitted(self, req: Req) -> bool:
         return self.controller.is_admitted(req.req_pool_idx)
 
-    def admit(self, req: Req, num_tokens: int) -> None:
+    def admit(
+        self, req: Req, num_tokens: int, defer_warm: bool = False
+    ) -> Optional[torch.Tensor]:
         """Back up the prompt (unless the KV transfer already put it in host
-        memory), give ``req`` a region and free its staging rows."""
+        memory), give ``req`` a region and free its staging rows. With
+        ``defer_warm`` (the KV in host memory only) nothing is warmed yet:
+        returns the prompt's locs for ``controller.warm_admitted``."""
         r = req.req_pool_idx
         if self.controller.is_admitted(r):
-            return
+            return None
         self._wait_producer()
         locs = self.req_to_token[r, :num_tokens].to(torch.int64)
         rows = None
@@ -323,7 +367,9 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             # The host writer only, when the host pool is shared.
             self.controller.backup_prefilled_request(rows, locs)
         base = self.controller.admit_request(
-            r, prefix_locs=locs, prefix_rows=rows if self.shares_host_pool else None
+            r,
+            prefix_locs=None if defer_warm else locs,
+            prefix_rows=rows if self.shares_host_pool else None,
         )
         if base is None:
             raise RuntimeError(
@@ -333,6 +379,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         # Later forwards wait for the backup before writing staging rows again.
         self.allocator.release_staging(locs)
+        return locs if defer_warm else None
 
     def admit_prefilled_batch(self, batch: ScheduleBatch, chunked_req) -> None:
         """Right after a prefill forward is enqueued: admit every request whose
@@ -351,10 +398,17 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     def prepare_decode(self, batch: ScheduleBatch) -> None:
         """After ``prepare_for_decode`` allocated ``out_cache_loc`` and advanced
         ``seq_lens``: admit new requests and map the new tokens to ring rows."""
+        to_warm = []
         for i, req in enumerate(batch.reqs):
             if not self.is_admitted(req):
-                self.admit(req, int(batch.seq_lens_cpu[i]) - 1)
+                locs = self.admit(
+                    req, int(batch.seq_lens_cpu[i]) - 1, defer_warm=self.warm_units
+                )
+                if locs is not None:
+                    to_warm.append((req.req_pool_idx, locs))
         self._rebalance_if_wanted()
+        for r, locs in to_warm:
+            self.controller.warm_admitted(r, locs)
         self.lru.map_new_tokens(
             batch.req_pool_indices,
             batch.seq_lens,
@@ -723,6 +777,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
         early_swap=early_swap_enabled(),
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
+        warm_units=get_bool_env_var(ENV_WARM_UNITS),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(

@@ -308,7 +308,8 @@ class LRUCacheState:
         """Install ``locs`` as resident in request ``r`` for each of ``layers``.
 
         ``locs`` is ``(n,)`` (same locs in every layer) or ``(len(layers), n)``;
-        ``-1`` entries are ignored, the others must be unique, ``n <= C``. Each
+        ``-1`` entries are ignored, the others must be unique, ``n`` at most
+        the slots request ``r`` holds (its units x C: the caller's to keep). Each
         layer is one swap step over ``locs``: locs already resident are hits,
         the others take LRU victims in order, and recency follows the tie rule
         (the last loc ends up most recent). Counters are not touched.
@@ -322,8 +323,8 @@ class LRUCacheState:
         locs = locs.to(device=self.device, dtype=torch.int64)
         if locs.dim() == 1:
             locs = locs.unsqueeze(0).expand(len(layers), -1)
-        if locs.shape[1] > self.buffer_size:
-            raise ValueError("warm_request: more locs than a unit's LRU slots")
+        if locs.shape[1] > self.max_units * self.buffer_size:
+            raise ValueError("warm_request: more locs than a request's LRU slots")
         req = self._as_index(r)[:1]
         base = self._region_base_buf[req].long()
         rows = []

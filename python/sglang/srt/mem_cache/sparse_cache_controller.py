@@ -561,6 +561,15 @@ class SparseCacheController:
             self._warm_request(r, base, prefix_locs, warm_tokens, prefix_rows)
         return base
 
+    def warm_admitted(self, req_pool_idx: int, prefix_locs: torch.Tensor) -> None:
+        """Warm a request admitted without ``prefix_locs`` once its units are
+        granted: the first step's window rows and the newest positions below
+        it, into every slot it holds (one copy; a PD decode request's KV is in
+        host memory only, and these rows are its first steps' likely reads)."""
+        r = int(req_pool_idx)
+        units = 1 + len(self._req_units[r])
+        self._warm_request(r, self._req_base[r], prefix_locs, units * self.buffer_size)
+
     def _warm_request(
         self,
         r: int,
@@ -580,6 +589,9 @@ class SparseCacheController:
                     f"{source.numel()} prefix rows for {prefix_locs.numel()} locs"
                 )
         n = prefix_locs.numel()
+        # Every slot the request holds: one unit at admission, more when it is
+        # warmed after its units are granted (warm_admitted).
+        slots = C * (1 + len(self._req_units[r]))
         # The first decode step has seq_len n + 1: its window is [n + 1 - W, n].
         win_start = max(0, n + 1 - W)
         pos = torch.arange(win_start, n, dtype=torch.int64, device=self.device)
@@ -588,7 +600,7 @@ class SparseCacheController:
 
         if warm_tokens is None:
             warm_tokens = self.warm_tokens
-        num_warm = max(0, min(warm_tokens, C, win_start))
+        num_warm = max(0, min(warm_tokens, slots, win_start))
         if self.lru.direct_slots and win_start <= C:
             # Every position below the window, oldest first: on a fresh
             # admission position p takes slot p (direct mode).
