@@ -567,8 +567,9 @@ class SparseCacheController:
         it, into every slot it holds (one copy; a PD decode request's KV is in
         host memory only, and these rows are its first steps' likely reads)."""
         r = int(req_pool_idx)
-        units = 1 + len(self._req_units[r])
-        self._warm_request(r, self._req_base[r], prefix_locs, units * self.buffer_size)
+        # _warm_request caps this at the slots the request holds.
+        most = self.max_units * self.buffer_size
+        self._warm_request(r, self._req_base[r], prefix_locs, most)
 
     def _warm_request(
         self,
