@@ -1354,6 +1354,19 @@ class _Harness:
                 f"{pos[bad].tolist()} read wrong KV",
             )
 
+    def replace_and_drain(self, done, kept, prompt_len=250):
+        """PD decode: ``done`` finishes, a new request of ``prompt_len``
+        tokens arrives beside ``kept``, both decode, then everything ends
+        without a leak."""
+        self.finish(done)
+        new = self.new_req()
+        self.transfer(new, prompt_len)
+        self.decode_step([kept, new], first_step_of=(new,))
+        self.decode_step([kept, new])
+        self.finish(kept)
+        self.finish(new)
+        self.check_no_leaks()
+
     def finish(self, req):
         """Finish, abort or retract: sglang's ``release_kv_cache`` (ChunkCache:
         radix cache off) drops the offload state of ``req``, then frees its
@@ -1872,14 +1885,7 @@ class TestPDDecodeLifecycle(unittest.TestCase):
         for step in range(8):
             h.decode_step([a, b], pad_rows=step % 2)
         self.assertGreater(h.controller.get_stats()["misses"], 0)
-        h.finish(a)
-        c = h.new_req()
-        h.transfer(c, 250)
-        h.decode_step([b, c], first_step_of=(c,))
-        h.decode_step([b, c])
-        h.finish(b)
-        h.finish(c)
-        h.check_no_leaks()
+        h.replace_and_drain(a, b)
 
     def test_retract_and_resume(self):
         # sglang's PD decode retraction keeps a request's KV in CPU memory
@@ -1982,14 +1988,7 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
         )
         for _ in range(4):
             h.decode_step([a, b])
-        h.finish(a)
-        c = h.new_req()
-        h.transfer(c, 250)
-        h.decode_step([b, c], first_step_of=(c,))
-        h.decode_step([b, c])
-        h.finish(b)
-        h.finish(c)
-        h.check_no_leaks()
+        h.replace_and_drain(a, b)
         return misses
 
     def test_granted_units_are_warm(self):

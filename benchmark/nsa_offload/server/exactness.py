@@ -872,52 +872,46 @@ def summary_markdown(summary: dict) -> str:
                 f"{r.get('flipped_later', '-')} | "
                 f"{r['changed_before_corruption']} | {r['rows_corrupted']} |"
             )
-    retract = {
-        (n, phase): r[phase]
-        for n, r in summary["comparisons"].items()
-        for phase in ("retract", "retract_reported")
-        if phase in r
-    }
-    if retract:
-        lines += [
-            "",
-            "Forced retraction (bf16: retracting batches vs batch-1 outputs; strict "
-            "where sglang's own retraction, the control, is identical):",
-        ]
-        for (n, phase), r in retract.items():
-            c = r["control"]
-            control = (
-                f"control {frac(c)} ({c['at_first_token']} at the first token), "
-                f"{c['retracted_reqs']} retracted"
-                if c
-                else "control not run"
+
+    def batched_phase(phase: str, title: str, detail) -> List[str]:
+        """The concurrent batches of ``phase``'s servers vs batch-1 outputs,
+        strict where their control's batches agree (``detail``: one server's
+        figures)."""
+        rows = {
+            (n, p): r[p]
+            for n, r in summary["comparisons"].items()
+            for p in (phase, f"{phase}_reported")
+            if p in r
+        }
+        out = ["", title] if rows else []
+        for (n, p), r in rows.items():
+            out.append(
+                f"- {n}: {detail(r, r['control'])}: "
+                + ("strict" if p == phase else "reported, not counted")
             )
-            lines.append(
-                f"- {n}: {frac(r)} identical ({r['at_first_token']} differ at the "
-                f"first token), {r['retracted_reqs']} requests retracted; {control}: "
-                + ("strict" if phase == "retract" else "reported, not counted")
-            )
-    level = {
-        (n, phase): r[phase]
-        for n, r in summary["comparisons"].items()
-        for phase in ("level", "level_reported")
-        if phase in r
-    }
-    if level:
-        lines += [
-            "",
-            "Unit leveling (bf16: concurrent batches whose region units move vs "
-            "batch-1 outputs; strict where the no-offload server's own concurrent "
-            "batches, the control, are identical):",
-        ]
-        for (n, phase), r in level.items():
-            c = r["control"]
-            control = f"control {frac(c)}" if c else "control not run"
-            lines.append(
-                f"- {n}: {frac(r)} identical, {r['units_moved']} units moved; "
-                f"{control}: "
-                + ("strict" if phase == "level" else "reported, not counted")
-            )
+        return out
+
+    lines += batched_phase(
+        "retract",
+        "Forced retraction (bf16: retracting batches vs batch-1 outputs; strict "
+        "where sglang's own retraction, the control, is identical):",
+        lambda r, c: f"{frac(r)} identical ({r['at_first_token']} differ at the "
+        f"first token), {r['retracted_reqs']} requests retracted; "
+        + (
+            f"control {frac(c)} ({c['at_first_token']} at the first token), "
+            f"{c['retracted_reqs']} retracted"
+            if c
+            else "control not run"
+        ),
+    )
+    lines += batched_phase(
+        "level",
+        "Unit leveling (bf16: concurrent batches whose region units move vs "
+        "batch-1 outputs; strict where the no-offload server's own concurrent "
+        "batches, the control, are identical):",
+        lambda r, c: f"{frac(r)} identical, {r['units_moved']} units moved; "
+        + (f"control {frac(c)}" if c else "control not run"),
+    )
     if summary.get("seq_partial"):
         lines += ["", "Cut before their seq phase ended (reported, not counted):"]
         for n, c in summary["seq_partial"].items():
