@@ -427,6 +427,34 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         args._handle_decode_nsa_kv_offload()
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
 
+    def test_warm_units_only_where_they_apply(self):
+        # Experimental warm units: a PD decode server with units, no MTP.
+        env = {nsa_kv_offload_args.ENV_WARM_UNITS: "1"}
+        with mock.patch.dict(os.environ, env):
+            self._server_args(
+                disaggregation_mode="decode"
+            )._handle_decode_nsa_kv_offload()
+            for message, overrides in (
+                ("needs --disaggregation-mode decode", {}),
+                (
+                    "needs --nsa-kv-offload-max-units above 1",
+                    dict(disaggregation_mode="decode", nsa_kv_offload_max_units=1),
+                ),
+            ):
+                with self.subTest(message=message):
+                    self._assert_rejected(
+                        f"SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 {message}", **overrides
+                    )
+        direct = dict(env, **{nsa_kv_offload_args.ENV_DIRECT_SLOTS: "1"})
+        with mock.patch.dict(os.environ, direct):
+            self._assert_rejected(
+                "does not combine with SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS=1",
+                disaggregation_mode="decode",
+            )
+        refusal = nsa_kv_offload_args.warm_units_refusal
+        self.assertIsNone(refusal(True, 4, False, False))
+        self.assertIn("--speculative-algorithm", refusal(True, 4, True, False))
+
     def test_reject_pd_decode_radix_cache(self):
         self._assert_rejected(
             "--disaggregation-decode-enable-radix-cache is not supported",

@@ -9,7 +9,7 @@ not handle, naming the offending flags, before any GPU memory is touched.
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import psutil
 
@@ -137,6 +137,22 @@ class NSAKVOffloadRankLayout:
 
 def _fail(message: str) -> None:
     raise ValueError(f"--enable-decode-nsa-kv-offload: {message}")
+
+
+def warm_units_refusal(
+    pd_decode: bool, max_units: int, speculative: bool, direct_slots: bool
+) -> Optional[str]:
+    """Why ``ENV_WARM_UNITS=1`` cannot apply (None: it can): it warms PD decode
+    admissions into the units a request holds, one query token per request."""
+    if not pd_decode:
+        return "needs --disaggregation-mode decode (the KV arrives in host memory)"
+    if max_units <= 1:
+        return "needs --nsa-kv-offload-max-units above 1"
+    if speculative:
+        return "does not support MTP target verify (--speculative-algorithm)"
+    if direct_slots:
+        return f"does not combine with {ENV_DIRECT_SLOTS}=1"
+    return None
 
 
 def nsa_kv_offload_default_buffer_size(index_topk: int, query_tokens: int) -> int:
@@ -377,6 +393,18 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at most "
             f"{_MAX_LRU_SLOTS} (LRU slot ids are int16): use at most {units_fit}."
         )
+
+    from sglang.srt.utils import get_bool_env_var
+
+    if get_bool_env_var(ENV_WARM_UNITS):
+        why = warm_units_refusal(
+            server_args.disaggregation_mode == "decode",
+            server_args.nsa_kv_offload_max_units,
+            server_args.speculative_algorithm is not None,
+            get_bool_env_var(ENV_DIRECT_SLOTS),
+        )
+        if why:
+            _fail(f"{ENV_WARM_UNITS}=1 {why}.")
 
     pinnable_gb = pinnable_host_memory_gb(layout.host_pools_per_node)
     host_pool_gb = server_args.nsa_kv_offload_host_pool_gb

@@ -62,6 +62,7 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_EARLY_SWAP,
     ENV_WARM_UNITS,
     early_swap_enabled,
+    warm_units_refusal,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
@@ -103,30 +104,6 @@ def _pad_rows(page_table: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([page_table, pad])
 
 
-def check_warm_units(
-    warm_units: bool,
-    kv_arrives_in_host: bool,
-    max_units: int,
-    max_query_tokens: int,
-    direct_slots: bool,
-) -> None:
-    """``ENV_WARM_UNITS`` applies to PD decode admissions with units, one
-    query token per request; refused elsewhere rather than ignored."""
-    if not warm_units:
-        return
-    why = None
-    if not kv_arrives_in_host:
-        why = "needs --disaggregation-mode decode (the KV arrives in host memory)"
-    elif max_units <= 1:
-        why = "needs --nsa-kv-offload-max-units above 1"
-    elif max_query_tokens > 1:
-        why = "does not support MTP target verify (--speculative-algorithm)"
-    elif direct_slots:
-        why = f"does not combine with {ENV_DIRECT_SLOTS}=1"
-    if why:
-        raise ValueError(f"NSA KV offload: {ENV_WARM_UNITS}=1 {why}")
-
-
 class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     def __init__(
         self,
@@ -148,9 +125,12 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         direct_slots: bool = False,
         warm_units: bool = False,
     ):
-        check_warm_units(
-            warm_units, kv_arrives_in_host, max_units, max_query_tokens, direct_slots
-        )
+        if warm_units:
+            why = warm_units_refusal(
+                kv_arrives_in_host, max_units, max_query_tokens > 1, direct_slots
+            )
+            if why:
+                raise ValueError(f"NSA KV offload: {ENV_WARM_UNITS}=1 {why}")
         if cross_layer_prefetch and max_query_tokens > 1:
             # The prefetch swaps one top-k row per request.
             raise ValueError(
