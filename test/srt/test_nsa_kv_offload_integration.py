@@ -1974,16 +1974,14 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
 
         def oldest(n, first_step=False):
             lo = max(0, n - h.W - slots)
-            out = torch.full((h.K,), -1, dtype=torch.int64)
-            out[: h.K] = torch.arange(lo, lo + h.K)
-            return out
+            return torch.arange(lo, lo + h.K)
 
         h.pick_topk = oldest
         h.decode_step([a, b])
         misses = h.controller.get_stats()["misses"]
         del h.pick_topk  # the harness' own top-k again
         self.assertEqual(
-            [len(h.controller._req_units[r.req_pool_idx]) for r in (a, b)], [1, 1]
+            [h.controller.num_units(r.req_pool_idx) for r in (a, b)], [2, 2]
         )
         for _ in range(4):
             h.decode_step([a, b])
@@ -1992,7 +1990,8 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
 
     def test_granted_units_are_warm(self):
         self.assertEqual(self._first_step_misses(warm_units=True), 0)
-        # Without it only the newest top-k below the window is warm.
+        # Without it only the newest top-k below the window is warm: every
+        # entry of both requests misses, in both layers (K = 64).
         self.assertEqual(self._first_step_misses(warm_units=False), 2 * 2 * 64)
 
     def test_refused_where_it_does_not_apply(self):
