@@ -2001,6 +2001,44 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
         self.assertIn("SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 needs", str(ctx.exception))
 
 
+class TestPDDecodeLeveling(unittest.TestCase):
+    """Two PD requests admitted together into a pool a running request's
+    units fill: the rebalance moves region units to them, reads stay exact."""
+
+    def test_burst_admission_moves_units(self):
+        for warm_units in (False, True):
+            with self.subTest(warm_units=warm_units):
+                h = _Harness(
+                    self,
+                    kv_fp8=True,
+                    seed=5,
+                    kv_arrives_in_host=True,
+                    num_regions=6,
+                    max_reqs=3,
+                    max_units=4,
+                    coordinator_kwargs={
+                        "early_swap": True,
+                        "warm_units": warm_units,
+                    },
+                )
+                units = h.controller.num_units
+                a, b, c = h.new_req(), h.new_req(), h.new_req()
+                h.transfer(a, 300)
+                h.decode_step([a], first_step_of=(a,))
+                self.assertEqual(units(a.req_pool_idx), 4)  # 3 of 5 free regions
+                h.decode_step([a])
+                h.transfer(b, 260)
+                h.transfer(c, 200)
+                h.decode_step([a, b, c], first_step_of=(b, c))
+                # b and c took the two free regions; a gave 2 of its 3 units.
+                self.assertEqual([units(r.req_pool_idx) for r in (a, b, c)], [2, 2, 2])
+                self.assertEqual(h.controller.units_moved, 2)
+                for _ in range(4):
+                    h.decode_step([a, b, c])
+                h.finish(a)
+                h.replace_and_drain(b, c)
+
+
 class TestPDDecodeTransferTarget(unittest.TestCase):
     def test_kv_manager_registers_the_host_pool(self):
         # Patch 0005: DecodePreallocQueue._init_kv_manager gives the KV transfer
