@@ -94,6 +94,7 @@ from server_utils import (  # noqa: E402
     HISPARSE_CONFIG,
     PD_DECODE_FAKE_ARGS,
     SHAPES,
+    UNITS_RE,
     VOCAB_SIZE,
     Server,
     git_commit,
@@ -209,8 +210,6 @@ OFFLOAD_RE = re.compile(
     r"nsa-offload hit rate: ([0-9.]+), misses: (\d+), (?:prefetched: \d+, )?"
     r"H2D: ([0-9.]+) GB/s"
 )
-# Units lent (and, since 64f802f, moved between requests) per log interval.
-UNITS_RE = re.compile(r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?\)")
 STARTUP_RES = {
     "pre_load_avail_gib": re.compile(r"Load weight begin\. avail mem=([0-9.]+) GB"),
     "post_load_avail_gib": re.compile(r"Load weight end\..*avail mem=([0-9.]+) GB"),

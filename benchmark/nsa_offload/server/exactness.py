@@ -67,6 +67,7 @@ from server_utils import (
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     SHAPES,
+    UNITS_RE,
     Server,
     git_commit,
     mtp_args,
@@ -86,8 +87,9 @@ PARTIAL_EVERY = 8
 STRICT_PHASES = ("seq", "abort", "retract", "level")
 # Leveling's server (``ours_bf16_level``): more request slots than the
 # concurrent phase fills and more units per request than the free regions
-# give everyone, so that admissions leave uneven holders and region units
-# move between requests (``units moved`` in its decode log).
+# give everyone, meant to leave uneven holders whose region units move (its
+# decode log's ``units moved``; on the H200 the staging units lent beside
+# them kept every request within one unit: 0 moved).
 LEVEL_MAX_RUNNING = 24
 LEVEL_MAX_UNITS = 6
 # traces/nsa_topk_trace.py: the layer whose top-k the control corrupts.
@@ -505,10 +507,6 @@ HOST_POOL_SCOPE = re.compile(
     r"host pool [0-9.]+ GB (shared by (\d+) attention-TP ranks|per rank)"
 )
 
-# The decode log's units: "extra units: N (M of staging, K moved)", K since the
-# last line (nsa_kv_offload_coordinator.py).
-UNITS_MOVED = re.compile(r"extra units: \d+ \(\d+ of staging, (\d+) moved\)")
-
 
 def scan_log(path: str) -> dict:
     """Retractions, errors and the offload's decode-log counters (summed over
@@ -541,9 +539,9 @@ def scan_log(path: str) -> dict:
                 misses += int(line.split(" misses: ")[1].split(",")[0])
                 if " prefetched: " in line:
                     prefetched += int(line.split(" prefetched: ")[1].split(",")[0])
-                m = UNITS_MOVED.search(line)
-                if m:
-                    moved = (moved or 0) + int(m.group(1))
+                m = UNITS_RE.search(line)
+                if m and m.group(2) is not None:
+                    moved = (moved or 0) + int(m.group(2))
     if min_hit is not None:
         out.update(misses=misses, prefetched=prefetched, min_hit_rate=min_hit)
     if moved is not None:

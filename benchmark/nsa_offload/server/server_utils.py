@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -65,6 +66,9 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
+# The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
+# since 64f802f the units moved between requests over the log interval.
+UNITS_RE = re.compile(r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?\)")
 # The server flags of the two-GPU shapes: attention TP, DP attention.
 SHAPES = {
     "tp2": ["--tp-size", "2"],

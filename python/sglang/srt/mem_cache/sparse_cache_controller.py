@@ -592,7 +592,7 @@ class SparseCacheController:
         n = prefix_locs.numel()
         # Every slot the request holds: one unit at admission, more when it is
         # warmed after its units are granted (warm_admitted).
-        slots = C * (1 + len(self._req_units[r]))
+        slots = C * self.num_units(r)
         # The first decode step has seq_len n + 1: its window is [n + 1 - W, n].
         win_start = max(0, n + 1 - W)
         pos = torch.arange(win_start, n, dtype=torch.int64, device=self.device)
