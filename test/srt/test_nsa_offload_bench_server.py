@@ -345,6 +345,29 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                 self.assertEqual(env.get(self.ENV_VAR), prefetch)
                 self.assertEqual(env.get(early), schedule)
 
+    def test_hisparse_budget_of_its_own(self):
+        argv = ["--out", "/tmp/x", "--servers", "baseline,ours,hisparse"]
+        args = bench_server.parse_args(argv + ["--kv-budget-gib", "60"])
+        args.record = False
+        args.host_pool_gb = 8
+        args.max_running_requests = 4
+        args.mem_fraction_static = 0.5
+
+        def fraction(flags):
+            return flags[flags.index("--mem-fraction-static") + 1]
+
+        specs = bench_server.server_specs(args)
+        self.assertEqual(fraction(specs["hisparse"]), "0.5")
+        args.hisparse_kv_budget_gib = 14
+        specs = bench_server.server_specs(args)
+        self.assertEqual(fraction(specs["baseline"]), "0.5")
+        self.assertEqual(fraction(specs["ours"]), "0.5")
+        want = bench_server.mem_fraction_for_budget(14)[0]
+        self.assertEqual(fraction(specs["hisparse"]), str(want))
+        self.assertLess(want, bench_server.mem_fraction_for_budget(60)[0])
+        # One flag each: sglang would take the last one.
+        self.assertEqual(specs["hisparse"].count("--mem-fraction-static"), 1)
+
     def test_mtp_servers_are_the_pair_with_the_mtp_flags(self):
         argv = ["--out", "/tmp/x", "--servers", "baseline_mtp,ours_mtp,ours"]
         args = bench_server.parse_args(argv + ["--mtp-steps", "2"])

@@ -709,9 +709,13 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     if args.max_units is not None:
         ours += [units, str(args.max_units)]
     mtp = mtp_args(args.mtp_steps, spec_v2=args.mtp_spec_v2)
+    his_common = common
+    if args.hisparse_kv_budget_gib is not None:
+        his_fraction = mem_fraction_for_budget(args.hisparse_kv_budget_gib)[0]
+        his_common = ["--mem-fraction-static", str(his_fraction)] + common[2:]
     return {
         "baseline": common + slots,
-        "hisparse": common + slots + HISPARSE_ARGS,
+        "hisparse": his_common + slots + HISPARSE_ARGS,
         "ours": ours,
         "ours_fixed": fixed,
         "ours_wide": wide,
@@ -1533,7 +1537,9 @@ def render_markdown(results: List[dict]) -> str:
             "at capacity one); "
             f"decode log every {cfg['decode_log_interval']} steps; "
             f"{cfg['layers']} layers. Started {cfg['started']}, "
-            f"{cfg['wall_s']:.0f} s." + _interleave_note(cfg, srv),
+            f"{cfg['wall_s']:.0f} s."
+            + _hisparse_budget_note(cfg)
+            + _interleave_note(cfg, srv),
             "",
             "| server | start (s) | pools GPU (GiB) | KV tokens / locs | request slots "
             + "".join(f"| cap. {c // 1024}K " for c in CAPACITY_CONTEXTS)
@@ -1627,6 +1633,17 @@ def render_markdown(results: List[dict]) -> str:
             out.append(line)
         out.append("")
     return "\n".join(out)
+
+
+def _hisparse_budget_note(cfg: dict) -> str:
+    budget = cfg.get("hisparse_kv_budget_gib")
+    if budget is None:
+        return ""
+    return (
+        f" HiSparse runs at a {budget} GiB budget (its host pool is "
+        f"{HISPARSE_CONFIG['host_to_device_ratio']}x its device pool): its "
+        "capacity columns are at that budget."
+    )
 
 
 def _interleave_note(cfg: dict, srv: dict) -> str:
@@ -2224,6 +2241,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="GPU memory for the KV pools of every server (sets "
         "--mem-fraction-static); ~ a 61-layer model's KV budget x 3/61",
     )
+    p.add_argument(
+        "--hisparse-kv-budget-gib",
+        type=float,
+        help="HiSparse's KV budget instead of --kv-budget-gib: it pins "
+        "host_to_device_ratio x its device pool in host memory, more than the "
+        "host has at a large budget (its ITL at an equal batch does not need it)",
+    )
     p.add_argument("--mem-fraction-static", type=float, help="overrides the budget")
     p.add_argument(
         "--max-running-requests",
@@ -2459,6 +2483,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "repeats": args.repeats,
             "interleave": args.interleave,
             "kv_budget_gib": args.kv_budget_gib,
+            "hisparse_kv_budget_gib": args.hisparse_kv_budget_gib,
             "mem_fraction_static": args.mem_fraction_static,
             "mem_fraction_how": how,
             "max_running_requests": args.max_running_requests,
