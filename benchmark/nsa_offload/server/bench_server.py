@@ -120,6 +120,7 @@ SERVER_KINDS = (
     "ours_inline",
     "ours_direct",
     "ours_warm",
+    "ours_warm_prefetch",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -142,6 +143,7 @@ OURS_VARIANTS = {
     "ours_inline": "P4_inline",
     "ours_direct": "P4_direct",
     "ours_warm": "P4_warm",
+    "ours_warm_prefetch": "P4_warm_prefetch",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -164,6 +166,7 @@ LABELS = {
     "ours_inline": "ours, inline swap",
     "ours_direct": "ours, direct slots",
     "ours_warm": "ours, warm units",
+    "ours_warm_prefetch": "ours, warm units + prefetch",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -726,6 +729,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_inline": ours,
         "ours_direct": ours,
         "ours_warm": ours,
+        "ours_warm_prefetch": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -740,6 +744,7 @@ VARIANT_ENV = {
     "ours_inline": {ENV_EARLY_SWAP: "0"},
     "ours_direct": {ENV_DIRECT_SLOTS: "1"},
     "ours_warm": {ENV_WARM_UNITS: "1"},
+    "ours_warm_prefetch": {ENV_WARM_UNITS: "1", ENV_CROSS_LAYER_PREFETCH: "1"},
 }
 
 
@@ -1864,7 +1869,8 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_fixed": "tab:cyan",
         "ours_wide": "navy",
         "ours_direct": "goldenrod",
-        "ours_warm": "tab:gray",
+        "ours_warm": "maroon",
+        "ours_warm_prefetch": "teal",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
     }
@@ -2122,7 +2128,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on); side by side with "
         "ours; ours_warm: ours with the experimental warm units, --pd-decode "
-        "only; baseline_mtp, ours_mtp: with MTP, --mtp-steps); started one "
+        "only (ours_warm_prefetch: with the prefetch too); baseline_mtp, ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )
     p.add_argument(
@@ -2427,9 +2433,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.pd_decode and args.mtp_spec_v2 and any(k.endswith("_mtp") for k in kinds):
         # The offload refuses spec v2 on a PD decode server (docs/MTP.md).
         raise SystemExit("--pd-decode with --mtp-spec-v2: drop one")
-    if "ours_warm" in kinds and not args.pd_decode:
+    warm = [k for k in kinds if ENV_WARM_UNITS in VARIANT_ENV.get(k, {})]
+    if warm and not args.pd_decode:
         # The offload refuses warm units without a PD decode server.
-        raise SystemExit("--servers ours_warm needs --pd-decode")
+        raise SystemExit(f"--servers {','.join(warm)} needs --pd-decode")
     layers = num_model_layers()
     if args.mem_fraction_static is None:
         args.mem_fraction_static, how = mem_fraction_for_budget(args.kv_budget_gib)
