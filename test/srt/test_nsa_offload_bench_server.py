@@ -516,7 +516,7 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         need = bench_server.first_point_estimate_s(args)
         shares = {}
 
-        def fake_measure(args, kind, server, share_end, layers):
+        def fake_measure(args, kind, server, share_end, layers, keep_first):
             shares[kind] = share_end - time.time()
             return []
 
@@ -535,6 +535,32 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                 bench_server.bench_server(args, kind, deadline, 4, 90.0)
         self.assertGreaterEqual(shares["baseline"], need - 1)
         self.assertLess(shares["ours"], need)
+
+    def test_first_point_runs_after_the_warm_up(self):
+        # The H200 run of 17529c5 skipped the no-offload point: its share was
+        # the first point's estimate, and the warm-up ate a second of it.
+        args = self._sized_args("--contexts", "32768", "--concurrency", "32")
+        need = bench_server.first_point_estimate_s(args)
+        server = mock.Mock()
+        server.proc.poll.return_value = None
+        run = {"client": {}, "decode_log": [], "num_errors": 0}
+        patches = (
+            mock.patch.object(bench_server, "warm_up"),
+            mock.patch.object(bench_server, "parse_startup", return_value={}),
+            mock.patch.object(bench_server, "run_point", return_value=run),
+            mock.patch.object(bench_server, "summarize_point"),
+            mock.patch.object(bench_server, "measured_prefill_rate", return_value=1.0),
+        )
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            for keep_first in (True, False):
+                with self.subTest(keep_first=keep_first):
+                    share_end = time.time() + need - 1
+                    points = bench_server.measure(
+                        args, "baseline", server, share_end, 4, keep_first
+                    )
+                    self.assertEqual("skipped" in points[0], not keep_first)
 
     def test_mtp_server_flags(self):
         args = self._sized_args()

@@ -1049,7 +1049,9 @@ def bench_server(
                 # servers after it get less time.
                 share = max(share, first_point_estimate_s(args))
             share_end = time.time() + max(share, 30.0)
-            res["points"] = measure(args, kind, server, share_end, layers)
+            res["points"] = measure(
+                args, kind, server, share_end, layers, kind in REFERENCE_KINDS
+            )
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         log(f"[{kind}] FAILED: {res['error']}")
@@ -1177,7 +1179,17 @@ def measured_prefill_rate(point: dict, fallback: float) -> float:
     return point["prefill_tok_s"]
 
 
-def measure(args, kind: str, server: Server, share_end: float, layers: int):
+def measure(
+    args,
+    kind: str,
+    server: Server,
+    share_end: float,
+    layers: int,
+    keep_first: bool = False,
+):
+    """The server's points until ``share_end``; ``keep_first``: its first
+    point runs whatever the clock says (the no-offload server's: every ratio
+    divides by it, and its warm-up already ate into the share)."""
     points: List[dict] = []
     warm_up(args, kind, server)
     recorder_ok = args.record
@@ -1203,7 +1215,7 @@ def measure(args, kind: str, server: Server, share_end: float, layers: int):
         est = point_estimate_s(args, ctx, conc, reps, prefill_rate, profiled)
         if cap is not None and conc > cap:
             point["skipped"] = f"concurrency {conc} > capacity {cap}"
-        elif time.time() + est > share_end:
+        elif time.time() + est > share_end and not (keep_first and i == 0):
             point["skipped"] = f"time budget (needs ~{est:.0f} s)"
         if server.proc.poll() is not None:
             point["skipped"] = f"server exited with {server.proc.returncode}"
