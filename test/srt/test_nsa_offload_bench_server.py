@@ -1163,6 +1163,11 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_model/run_model/bench_server_model.json",
         "rank_speed/run_early_reported/bench_server_override.json",
         "rank_speed/run_early_model/bench_server_model.json",
+        # A 86 GiB budget: batch 64 (at 30K) and 128K x 8, HiSparse beside.
+        "rank_model/run_reported_86gib/bench_server_override.json",
+        # The experimental warm units (spare regions, 7 units).
+        "rank_speed/run_warm_pd/bench_server_override.json",
+        "rank_speed/run_warm_86gib/bench_server_override.json",
     )
 
     def test_summaries_match_the_runs(self):
@@ -1180,4 +1185,12 @@ class TestCommittedRankSummaries(unittest.TestCase):
         self.assertGreater(model["p5_h2d_gbps"], 1.0)
         self.assertEqual(
             set(computed["rank_speed"]["traces"]), {"model", "reported", "pessimistic"}
+        )
+        # The warm units' ratios come from their own server kind (ours_warm).
+        warm = computed["rank_speed"]["p4_itl_overhead_warm_units"]
+        self.assertIn("reported:30720x64", warm)
+        self.assertLess(warm["reported:30720x64"], 0.5)
+        self.assertNotEqual(
+            warm["reported:30720x64"],
+            computed["rank_speed"]["p4_itl_overhead"]["reported:30720x64"],
         )

@@ -1981,7 +1981,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     and ``rank_speed`` (results/rank_speed/summary.json: ITL per trace, the
     swap's GPU time per layer from the step profile, HiSparse's ITL). The ITL
     overheads are the early swap's, ours' default (``*_inline``: the inline
-    swap's), whichever server kind ran it in each run."""
+    swap's), whichever server kind ran it in each run;
+    ``p4_itl_overhead_warm_units``: the experimental warm units' (ours_warm)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -1989,6 +1990,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     speed = {
         "p4_itl_overhead": {},
         "p4_itl_overhead_inline": {},
+        "p4_itl_overhead_warm_units": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2014,6 +2016,9 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
                 speed["p4_itl_overhead" + suffix].update(overheads)
                 if name == "model":
                     model["p4_itl_overhead" + suffix].update(_overheads(targets[key]))
+        if "P4_warm" in targets:
+            warm = _overheads(targets["P4_warm"], name + ":")
+            speed["p4_itl_overhead_warm_units"].update(warm)
         if "hisparse" in srv and "baseline" in srv:
             his = _p4(srv["baseline"], srv["hisparse"])
             speed["hisparse_itl_overhead"].update(_overheads(his, name + ":"))
