@@ -15,6 +15,8 @@
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
+# The device's copy of .git can be stale: prefix the step with CODE_COMMIT=<hash of
+# the tree sent> so that the results name the code that ran (server_utils.git_commit).
 # Results go under $OUT. A cold machine compiles kernels for ~150-210 s
 # at each first server start: end the first warm call with "savejit" and carry
 # the returned jitcache-extra/ folder as .devwheels/jitcache-extra/ afterwards.
