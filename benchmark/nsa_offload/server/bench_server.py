@@ -2145,7 +2145,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on); side by side with "
         "ours; ours_warm: ours with the experimental warm units, --pd-decode "
-        "only (ours_warm_prefetch: with the prefetch too); baseline_mtp, ours_mtp: with MTP, --mtp-steps); started one "
+        "only (ours_warm_prefetch: with the prefetch too); baseline_mtp, "
+        "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )
     p.add_argument(
