@@ -314,12 +314,7 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
     ENV_VAR = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 
     def test_same_flags_plus_the_env_var(self):
-        argv = ["--out", "/tmp/x", "--servers", "baseline,ours,ours_prefetch"]
-        args = bench_server.parse_args(argv)
-        args.record = False
-        args.host_pool_gb = 8
-        args.max_running_requests = 4
-        args.mem_fraction_static = 0.03
+        args = self._sized_args("--servers", "baseline,ours,ours_prefetch")
         specs = bench_server.server_specs(args)
         self.assertEqual(specs["ours_prefetch"], specs["ours"])
         self.assertEqual(
@@ -346,11 +341,9 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                 self.assertEqual(env.get(early), schedule)
 
     def test_hisparse_budget_of_its_own(self):
-        argv = ["--out", "/tmp/x", "--servers", "baseline,ours,hisparse"]
-        args = bench_server.parse_args(argv + ["--kv-budget-gib", "60"])
-        args.record = False
-        args.host_pool_gb = 8
-        args.max_running_requests = 4
+        args = self._sized_args(
+            "--servers", "baseline,ours,hisparse", "--kv-budget-gib", "60"
+        )
         args.mem_fraction_static = 0.5
 
         def fraction(flags):
@@ -369,12 +362,9 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         self.assertEqual(specs["hisparse"].count("--mem-fraction-static"), 1)
 
     def test_mtp_servers_are_the_pair_with_the_mtp_flags(self):
-        argv = ["--out", "/tmp/x", "--servers", "baseline_mtp,ours_mtp,ours"]
-        args = bench_server.parse_args(argv + ["--mtp-steps", "2"])
-        args.record = False
-        args.host_pool_gb = 8
-        args.max_running_requests = 4
-        args.mem_fraction_static = 0.03
+        args = self._sized_args(
+            "--servers", "baseline_mtp,ours_mtp,ours", "--mtp-steps", "2"
+        )
         specs = bench_server.server_specs(args)
         mtp = [
             "--speculative-algorithm",
@@ -402,15 +392,10 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         self.assertEqual(bench_server.server_env(args, "ours_mtp")[gate], "1")
         self.assertNotIn(gate, bench_server.server_env(args, "baseline_mtp"))
         with self.assertRaises(SystemExit):  # 1-3 steps (docs/MTP.md)
-            bench_server.parse_args(argv + ["--mtp-steps", "4"])
+            self._sized_args("--mtp-steps", "4")
 
     def test_two_gpu_shape_on_every_server(self):
-        argv = ["--out", "/tmp/x", "--servers", "baseline,ours,hisparse"]
-        args = bench_server.parse_args(argv + ["--shape", "dp2"])
-        args.record = False
-        args.host_pool_gb = 8
-        args.max_running_requests = 4
-        args.mem_fraction_static = 0.03
+        args = self._sized_args("--servers", "baseline,ours,hisparse", "--shape", "dp2")
         dp = ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"]
         for kind, flags in bench_server.server_specs(args).items():
             at = flags.index("--tp-size")
