@@ -256,6 +256,7 @@ class TestDecodeNSAKVOffload(CustomTestCase):
         "offload_fixed": "ours_fp8_1unit",
         "offload_prefetch": "ours_fp8_prefetch",
         "offload_inline": "ours_fp8_inline",
+        "offload_warm": "ours_fp8_warm",
     }
     PORT_OFFSET = 0
     MTP = False  # the seq phase also records each request's accept counts
@@ -451,6 +452,11 @@ class TestDecodeNSAKVOffload(CustomTestCase):
     def test_inline_swap_outputs_identical(self):
         # The swap schedule other than the default (early) one.
         self._assert_offload_identical("offload_inline")
+
+    def test_warm_units_outputs_identical(self):
+        # Experimental warm units: each request is warmed into every slot its
+        # units give it at its first decode step (batch 1: the most units).
+        self._assert_offload_identical("offload_warm")
 
     def test_concurrent_load_finishes(self):
         # Batch composition follows timing here: no output comparison (with

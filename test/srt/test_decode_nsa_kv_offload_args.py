@@ -428,23 +428,28 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
 
     def test_warm_units_only_where_they_apply(self):
-        # Experimental warm units: a PD decode server with units, no MTP.
+        # Experimental warm units: PD decode or colocated, with units, no MTP,
+        # no host pool shared by attention-TP ranks.
         env = {nsa_kv_offload_args.ENV_WARM_UNITS: "1"}
         with mock.patch.dict(os.environ, env):
-            self._server_args(
-                disaggregation_mode="decode"
-            )._handle_decode_nsa_kv_offload()
-            for message, overrides in (
-                ("needs --disaggregation-mode decode", {}),
-                (
-                    "needs --nsa-kv-offload-max-units above 1",
-                    dict(disaggregation_mode="decode", nsa_kv_offload_max_units=1),
-                ),
-            ):
-                with self.subTest(message=message):
-                    self._assert_rejected(
-                        f"SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 {message}", **overrides
-                    )
+            for overrides in ({}, dict(disaggregation_mode="decode")):
+                with self.subTest(**overrides):
+                    self._server_args(**overrides)._handle_decode_nsa_kv_offload()
+            self._assert_rejected(
+                "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 needs "
+                "--nsa-kv-offload-max-units above 1",
+                nsa_kv_offload_max_units=1,
+            )
+            with self._with_unproven_parallel(True):
+                # DP attention: a pool per rank; attention TP: one shared.
+                self._server_args(
+                    tp_size=8, dp_size=8, enable_dp_attention=True
+                )._handle_decode_nsa_kv_offload()
+                self._assert_rejected(
+                    "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 does not combine with a "
+                    "host pool shared by attention-TP ranks",
+                    tp_size=2,
+                )
         direct = dict(env, **{nsa_kv_offload_args.ENV_DIRECT_SLOTS: "1"})
         with mock.patch.dict(os.environ, direct):
             self._assert_rejected(
@@ -452,8 +457,8 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 disaggregation_mode="decode",
             )
         refusal = nsa_kv_offload_args.warm_units_refusal
-        self.assertIsNone(refusal(True, 4, False, False))
-        self.assertIn("--speculative-algorithm", refusal(True, 4, True, False))
+        self.assertIsNone(refusal(4, False, False, False))
+        self.assertIn("--speculative-algorithm", refusal(4, True, False, False))
 
     def test_reject_pd_decode_radix_cache(self):
         self._assert_rejected(

@@ -1186,6 +1186,10 @@ class _Harness:
                 bool((self.allocator.page_to_staging_row[locs // PAGE] == -1).all())
             )
             self.check_host(locs)
+            if r in self.co._deferred_warm:
+                # Warm units: the window rows load after the next rebalance,
+                # in prepare_decode (the decode steps' reads check them).
+                continue
             # The first decode step's window rows hold the newest prompt tokens.
             pos = torch.arange(max(0, n + 1 - self.W), n, device=DEVICE)
             rows = base + self.C + pos % self.W
@@ -1951,22 +1955,31 @@ class TestPDDecodeLifecycleDefaults(TestPDDecodeLifecycleUnits):
 
 
 class TestPDDecodeWarmUnits(unittest.TestCase):
-    """SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1: a PD decode request is warmed after
-    the rebalance has granted its units, into every slot it holds."""
+    """SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1: a request (PD decode: its KV
+    transferred; colocated: prefilled) is warmed after the rebalance has
+    granted its units, into every slot it holds."""
 
-    def _first_step_misses(self, warm_units):
+    def _first_step_misses(self, warm_units, colocated=False):
         h = _Harness(
             self,
             kv_fp8=True,
             seed=4,
-            kv_arrives_in_host=True,
+            kv_arrives_in_host=not colocated,
             num_regions=4,
             max_units=4,
             coordinator_kwargs={"early_swap": True, "warm_units": warm_units},
         )
         a, b = h.new_req(), h.new_req()
-        h.transfer(a, 300)
-        h.transfer(b, 190)
+        if colocated:
+            h.prefill([(a, 300), (b, 190)])
+            # Admitted at the prefill, warmed only in the first prepare_decode.
+            self.assertEqual(
+                sorted(h.co._deferred_warm) if warm_units else [],
+                sorted([a.req_pool_idx, b.req_pool_idx]) if warm_units else [],
+            )
+        else:
+            h.transfer(a, 300)
+            h.transfer(b, 190)
         # Two free regions: one unit each, 2 x C slots. The first step reads
         # the oldest positions those slots hold (300: from 37; 190: all),
         # none of which one unit's top-k warm-up covers.
@@ -1985,20 +1998,49 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
         )
         for _ in range(4):
             h.decode_step([a, b])
-        h.replace_and_drain(a, b)
+        if colocated:
+            h.finish(a)
+            h.finish(b)
+            h.check_no_leaks()
+        else:
+            h.replace_and_drain(a, b)
         return misses
 
     def test_granted_units_are_warm(self):
-        self.assertEqual(self._first_step_misses(warm_units=True), 0)
-        # Without it only the newest top-k below the window is warm: every
-        # entry of both requests misses, in both layers (K = 64).
-        self.assertEqual(self._first_step_misses(warm_units=False), 2 * 2 * 64)
+        for colocated in (False, True):
+            with self.subTest(colocated=colocated):
+                self.assertEqual(self._first_step_misses(True, colocated), 0)
+                # Without it only the newest top-k below the window is warm:
+                # every entry of both requests misses, in both layers (K = 64).
+                self.assertEqual(self._first_step_misses(False, colocated), 2 * 2 * 64)
+
+    def test_finished_at_prefill_is_not_warmed(self):
+        h = _Harness(
+            self,
+            kv_fp8=True,
+            seed=6,
+            num_regions=4,
+            max_units=4,
+            coordinator_kwargs={"warm_units": True},
+        )
+        a, b = h.new_req(), h.new_req()
+        h.prefill([(a, 200), (b, 150)])
+        h.finish(a)  # e.g. max_new_tokens 1: released before any decode step
+        self.assertEqual(list(h.co._deferred_warm), [b.req_pool_idx])
+        for _ in range(3):
+            h.decode_step([b])
+        self.assertEqual(h.co._deferred_warm, {})
+        h.finish(b)
+        h.check_no_leaks()
 
     def test_refused_where_it_does_not_apply(self):
         # The coordinator refuses what ServerArgs would have (direct use).
         with self.assertRaises(ValueError) as ctx:
-            _Harness(self, max_units=4, coordinator_kwargs={"warm_units": True})
-        self.assertIn("SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 needs", str(ctx.exception))
+            _Harness(self, max_units=1, coordinator_kwargs={"warm_units": True})
+        self.assertIn(
+            "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 needs --nsa-kv-offload-max-units",
+            str(ctx.exception),
+        )
 
 
 class TestPDDecodeLeveling(unittest.TestCase):

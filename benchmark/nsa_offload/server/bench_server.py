@@ -2144,8 +2144,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "cross-layer prefetch (ours_prefetch_early: on the early swap's stream); "
         "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on); side by side with "
-        "ours; ours_warm: ours with the experimental warm units, --pd-decode "
-        "only (ours_warm_prefetch: with the prefetch too); baseline_mtp, "
+        "ours; ours_warm: ours with the experimental warm units "
+        "(ours_warm_prefetch: with the prefetch too); baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )
@@ -2451,10 +2451,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.pd_decode and args.mtp_spec_v2 and any(k.endswith("_mtp") for k in kinds):
         # The offload refuses spec v2 on a PD decode server (docs/MTP.md).
         raise SystemExit("--pd-decode with --mtp-spec-v2: drop one")
-    warm = [k for k in kinds if ENV_WARM_UNITS in VARIANT_ENV.get(k, {})]
-    if warm and not args.pd_decode:
-        # The offload refuses warm units without a PD decode server.
-        raise SystemExit(f"--servers {','.join(warm)} needs --pd-decode")
     layers = num_model_layers()
     if args.mem_fraction_static is None:
         args.mem_fraction_static, how = mem_fraction_for_budget(args.kv_budget_gib)

@@ -66,6 +66,7 @@ from server_utils import (
     ENV_EARLY_SWAP,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
+    ENV_WARM_UNITS,
     SHAPES,
     UNITS_RE,
     Server,
@@ -163,6 +164,13 @@ SERVERS = {
     "ours_fp8_spare": dict(
         offload=[],
         env={ENV_SPARE_REGIONS: "1"},
+        base="base_fp8",
+    ),
+    # Warm units: each request warmed into every slot its units (the idle
+    # regions: batch 1 holds the most) give it, after the rebalance.
+    "ours_fp8_warm": dict(
+        offload=[],
+        env={ENV_WARM_UNITS: "1"},
         base="base_fp8",
     ),
     "base_bf16": dict(kv="bf16"),

@@ -140,18 +140,24 @@ def _fail(message: str) -> None:
 
 
 def warm_units_refusal(
-    pd_decode: bool, max_units: int, speculative: bool, direct_slots: bool
+    max_units: int, speculative: bool, direct_slots: bool, shared_host_pool: bool
 ) -> Optional[str]:
-    """Why ``ENV_WARM_UNITS=1`` cannot apply (None: it can): it warms PD decode
-    admissions into the units a request holds, one query token per request."""
-    if not pd_decode:
-        return "needs --disaggregation-mode decode (the KV arrives in host memory)"
+    """Why ``ENV_WARM_UNITS=1`` cannot apply (None: it can): it warms each
+    admitted request, after the rebalance, into every slot its units give it,
+    one query token per request, from host memory."""
     if max_units <= 1:
         return "needs --nsa-kv-offload-max-units above 1"
     if speculative:
         return "does not support MTP target verify (--speculative-algorithm)"
     if direct_slots:
         return f"does not combine with {ENV_DIRECT_SLOTS}=1"
+    if shared_host_pool:
+        # Such a rank warms from its prefill staging rows, which are free
+        # again by the time the units are granted.
+        return (
+            "does not combine with a host pool shared by attention-TP ranks "
+            "(--tp-size above the DP-attention size)"
+        )
     return None
 
 
@@ -398,10 +404,10 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
 
     if get_bool_env_var(ENV_WARM_UNITS):
         why = warm_units_refusal(
-            server_args.disaggregation_mode == "decode",
             server_args.nsa_kv_offload_max_units,
             server_args.speculative_algorithm is not None,
             get_bool_env_var(ENV_DIRECT_SLOTS),
+            layout.ranks_per_pool > 1,
         )
         if why:
             _fail(f"{ENV_WARM_UNITS}=1 {why}.")

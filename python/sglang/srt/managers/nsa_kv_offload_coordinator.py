@@ -53,7 +53,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Dict, Optional
 
 import torch
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
@@ -127,7 +127,10 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     ):
         if warm_units:
             why = warm_units_refusal(
-                kv_arrives_in_host, max_units, max_query_tokens > 1, direct_slots
+                max_units,
+                max_query_tokens > 1,
+                direct_slots,
+                host_pool_group is not None,
             )
             if why:
                 raise ValueError(f"NSA KV offload: {ENV_WARM_UNITS}=1 {why}")
@@ -144,8 +147,10 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         self.kv_pool = kv_pool
         self.kv_arrives_in_host = kv_arrives_in_host
-        # Admissions in prepare_decode warm after the rebalance (warm_admitted).
+        # Admissions warm after the next rebalance (warm_admitted), in
+        # prepare_decode: req_pool_idx -> the prompt's locs until then.
         self.warm_units = warm_units
+        self._deferred_warm: Dict[int, torch.Tensor] = {}
         # The ranks of an attention-TP group share one host pool; its first
         # rank writes it, every rank warms admissions from its staging rows.
         self.shares_host_pool = host_pool_group is not None
@@ -262,8 +267,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         if warm_units:
             logger.info(
-                "NSA KV offload: warm units on (experimental, %s=1): a PD decode "
-                "request is warmed after its units are granted, into up to %d "
+                "NSA KV offload: warm units on (experimental, %s=1): a request "
+                "is warmed after its units are granted, into up to %d "
                 "rows per layer instead of %d.",
                 ENV_WARM_UNITS,
                 max_units * buffer_size,
@@ -334,8 +339,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     ) -> Optional[torch.Tensor]:
         """Back up the prompt (unless the KV transfer already put it in host
         memory), give ``req`` a region and free its staging rows. With
-        ``defer_warm`` (the KV in host memory only) nothing is warmed yet:
-        returns the prompt's locs for ``controller.warm_admitted``."""
+        ``defer_warm`` (warm units) nothing is warmed yet: returns the
+        prompt's locs for ``controller.warm_admitted`` after the rebalance."""
         r = req.req_pool_idx
         if self.controller.is_admitted(r):
             return None
@@ -367,7 +372,13 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         The copies are ordered after that forward on the GPU."""
         for req in batch.reqs:
             if req is not chunked_req and not self.is_admitted(req):
-                self.admit(req, len(req.fill_ids))
+                self._admit_for_decode(req, len(req.fill_ids))
+
+    def _admit_for_decode(self, req: Req, num_tokens: int) -> None:
+        """Admit ``req``; with warm units its warm-up waits for prepare_decode."""
+        locs = self.admit(req, num_tokens, defer_warm=self.warm_units)
+        if locs is not None:
+            self._deferred_warm[req.req_pool_idx] = locs
 
     def _rebalance_if_wanted(self) -> None:
         if self.controller.wants_rebalance():
@@ -378,17 +389,15 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     def prepare_decode(self, batch: ScheduleBatch) -> None:
         """After ``prepare_for_decode`` allocated ``out_cache_loc`` and advanced
         ``seq_lens``: admit new requests and map the new tokens to ring rows."""
-        to_warm = []
         for i, req in enumerate(batch.reqs):
             if not self.is_admitted(req):
-                locs = self.admit(
-                    req, int(batch.seq_lens_cpu[i]) - 1, defer_warm=self.warm_units
-                )
-                if locs is not None:
-                    to_warm.append((req.req_pool_idx, locs))
+                self._admit_for_decode(req, int(batch.seq_lens_cpu[i]) - 1)
         self._rebalance_if_wanted()
-        for r, locs in to_warm:
+        # Warm units: the backups and transfers of these prompts are ordered
+        # before the warm copies (side-stream issue order).
+        for r, locs in self._deferred_warm.items():
             self.controller.warm_admitted(r, locs)
+        self._deferred_warm.clear()
         self.lru.map_new_tokens(
             batch.req_pool_indices,
             batch.seq_lens,
@@ -414,6 +423,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         r = req.req_pool_idx
         if r is None or not self.controller.is_admitted(r):
             return
+        self._deferred_warm.pop(r, None)  # finished at its prefill
         self._wait_producer()
         self.controller.release_request(r)
 

@@ -564,8 +564,10 @@ class SparseCacheController:
     def warm_admitted(self, req_pool_idx: int, prefix_locs: torch.Tensor) -> None:
         """Warm a request admitted without ``prefix_locs`` once its units are
         granted: the first step's window rows and the newest positions below
-        it, into every slot it holds (one copy; a PD decode request's KV is in
-        host memory only, and these rows are its first steps' likely reads)."""
+        it, into every slot it holds (one copy from host memory, where a PD
+        request's KV arrived and a prefilled request's backup, issued before
+        on the same side stream, lands; these rows are its first steps' likely
+        reads)."""
         r = int(req_pool_idx)
         # _warm_request caps this at the slots the request holds.
         most = self.max_units * self.buffer_size
