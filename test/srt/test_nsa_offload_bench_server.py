@@ -1094,6 +1094,16 @@ class TestInterleavedRuns(unittest.TestCase):
         )
         self.assertFalse(p4["met"])  # +10.000...1% (float) is not <= 10%
 
+    def test_hisparse_records_its_own_budget(self):
+        argv = ["--contexts", "4096", "--concurrency", "1", "--repeats", "1"]
+        result, _, _ = self._bench(argv + ["--hisparse-kv-budget-gib", "14"], 1e12)
+        srv = result["servers"]
+        self.assertEqual(srv["baseline"]["mem_fraction_static"], 0.03)
+        self.assertEqual(
+            srv["hisparse"]["mem_fraction_static"],
+            bench_server.mem_fraction_for_budget(14)[0],
+        )
+
     def test_time_budget_cuts_rounds_before_points(self):
         # 2 servers, 20000 tokens: the planner says ~243 s a round, a round
         # takes 80 s. With a 410 s share the first round starts on the

@@ -1273,6 +1273,8 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
                 # budget is a larger share of what is left.
                 fraction, how = mem_fraction_for_budget(args.kv_budget_gib)
             spec = server_specs(args, fraction)[kind]
+            # HiSparse may have a budget of its own (--hisparse-kv-budget-gib).
+            fraction = float(spec[spec.index("--mem-fraction-static") + 1])
             env = server_env(args, kind)
             res = {"kind": kind, "args": spec, "env": env, "points": []}
             res.update(mem_fraction_static=fraction, mem_fraction_how=how)
