@@ -154,13 +154,34 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             nsa_kv_offload_max_units=0,
         )
         self._assert_rejected(
-            "use at most 2",
+            "use at most 2, or set SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS=1",
             nsa_kv_offload_gpu_buffer_size=12288,
             nsa_kv_offload_max_units=3,
         )
         self._assert_rejected(
             "--nsa-kv-offload-gpu-buffer-size (40000) must be at most 32767",
             nsa_kv_offload_gpu_buffer_size=40000,
+        )
+
+    def test_wide_slot_ids_take_more_units(self):
+        # Experimental int32 slot ids: units x buffer above 32767, with a
+        # warning; the pool sizes the wider ids (2 more bytes per slot id).
+        env = {nsa_kv_offload_args.ENV_WIDE_SLOT_IDS: "1"}
+        with mock.patch.dict(os.environ, env):
+            args = self._server_args(nsa_kv_offload_max_units=24)
+            with self.assertLogs(nsa_kv_offload_args.logger, "WARNING") as logs:
+                args._handle_decode_nsa_kv_offload()
+        self.assertEqual(args.nsa_kv_offload_max_units, 24)
+        self.assertIn("int32 LRU slot ids for 24 units", "".join(logs.output))
+        from sglang.srt.mem_cache import nsa_kv_offload_pool as pool
+
+        self.assertEqual(pool.lru_slot_id_bytes(4096, 7), 2)
+        self.assertEqual(pool.lru_slot_id_bytes(4096, 8), 4)
+        self.assertEqual(
+            pool.offload_bytes_per_region(61, 656, 4096, 64, 24)
+            - pool.offload_bytes_per_region(61, 656, 4096, 64, 7)
+            - 61 * 4096 * (24 - 7) * 6,
+            61 * 4096 * 24 * 2,
         )
 
     def test_bf16_with_flashmla_sparse_accepted(self):

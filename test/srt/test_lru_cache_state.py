@@ -12,6 +12,7 @@ import random
 import unittest
 from dataclasses import dataclass
 from typing import List
+from unittest import mock
 
 import torch
 
@@ -490,7 +491,16 @@ class TestLRUCacheStateBasics(unittest.TestCase):
         with self.assertRaises(ValueError):
             LRUCacheState(1, 2, 10, 8, 8, 4, device=DEVICE, use_triton=False)
         with self.assertRaises(ValueError):
-            LRUCacheState(1, 2, 10, 1 << 15, 8, 4, device=DEVICE, use_triton=False)
+            LRUCacheState(1, 2, 10, 1 << 31, 8, 4, device=DEVICE, use_triton=False)
+        # Slot ids: int16 while units x buffer fit (the default sizes), int32
+        # beyond (SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS=1).
+        self.assertEqual(lru_mod.lru_slot_dtype(32767), torch.int16)
+        self.assertEqual(lru_mod.lru_slot_dtype(32768), torch.int32)
+        s = LRUCacheState(1, 2, 10, 8192, 8, 4, max_units=4, device=DEVICE)
+        self.assertEqual(s.loc_to_slot.dtype, torch.int32)
+        self.assertEqual(s.lru_order.dtype, torch.int32)
+        self.assertEqual(s.lru_order[0, 0, -1].item(), 32767)
+        self.assertEqual(s.lru_order.shape[-1], 32768)
 
     def test_default_use_triton(self):
         s = LRUCacheState(1, 2, 10, 8, 2, 4, device=DEVICE)
@@ -717,6 +727,73 @@ class TestTritonMatchesReference(unittest.TestCase):
         # units too, and both must leave the same state (and match the model).
         cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
         run_sim(self, cfg, (True, "fused", False), steps=30, seed=8)
+
+
+class TestWideSlotIds(unittest.TestCase):
+    """int32 slot ids (units x buffer above 32767) through every swap path:
+    the small shapes here forced to int32, against the model."""
+
+    def _run(self, impls, seed):
+        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
+        int32 = mock.patch.object(lru_mod, "lru_slot_dtype", lambda n: torch.int32)
+        with int32:
+            sim = run_sim(self, cfg, impls, steps=30, seed=seed)
+        for state in sim.states:
+            self.assertEqual(state.loc_to_slot.dtype, torch.int32)
+            self.assertEqual(state.lru_order.dtype, torch.int32)
+
+    def test_reference(self):
+        self._run((False,), seed=9)
+
+    @unittest.skipUnless(TRITON_OK, "Triton unavailable")
+    def test_split_and_fused_kernels(self):
+        self._run((True, "fused", False), seed=10)
+
+    def test_slot_ids_above_int16(self):
+        # 5 units of 8192 LRU slots: ids up to 40959. 17 steps of fresh
+        # positions fill 34816 of them; reading positions held in slots above
+        # 32767 again must hit in every engine (an id cut to int16 would read
+        # as not resident) with the same rows.
+        C, K, W, U = 8192, 2048, 8, 5
+        n = 17 * K + W + 1
+        impls = (False, True) if TRITON_OK else (False,)
+        states = [
+            LRUCacheState(
+                num_layers=1,
+                max_num_reqs=1,
+                num_locs=n + 1,
+                buffer_size=C,
+                recent_window=W,
+                top_k=K,
+                max_units=U,
+                device=DEVICE,
+                use_triton=use_triton,
+            )
+            for use_triton in impls
+        ]
+        r2t = torch.arange(n, dtype=torch.int32, device=DEVICE).view(1, -1)
+        one = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+        seq = torch.full((1,), n, dtype=torch.int64, device=DEVICE)
+        plans = []
+        for state in states:
+            self.assertEqual(state.loc_to_slot.dtype, torch.int32)
+            state.admit_request(0, 0)
+            for u in range(1, U):
+                state.grow_request(0, u, C + W + (u - 1) * C)
+            misses = []
+            for step in list(range(17)) + [3]:
+                topk = torch.arange(step * K, (step + 1) * K, device=DEVICE)
+                before = int(state.counters[0, 2])
+                plan = state.swap_layer(0, topk.view(1, -1), one, seq, r2t)
+                misses.append(int(state.counters[0, 2]) - before)
+            # Every fresh step misses all K; the re-read of step 3, none: its
+            # positions sit in slots above 32767 (the units grown last are
+            # filled first).
+            self.assertEqual(misses, [K] * 17 + [0])
+            self.assertGreater(int(state.loc_to_slot[0, 3 * K : 4 * K].min()), 32767)
+            plans.append(plan_rows(plan, 1))
+        for other in plans[1:]:
+            self.assertEqual(other, plans[0])
 
 
 class TestDirectSlots(unittest.TestCase):

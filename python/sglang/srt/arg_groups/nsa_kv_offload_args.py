@@ -26,7 +26,8 @@ NSA_KV_OFFLOAD_PAGE_SIZE = 64
 # (free decode regions, idle prefill staging), so the capacity at full load is
 # that of one; four covered the batch sizes measured (docs/ELASTIC_BUFFER.md).
 DEFAULT_MAX_UNITS = 4
-# LRU slot ids of a request are int16 (loc_to_slot, lru_order).
+# LRU slot ids of a request are int16 (loc_to_slot, lru_order) unless
+# ENV_WIDE_SLOT_IDS=1 makes them int32.
 _MAX_LRU_SLOTS = 32767
 
 # The NSA backends run on the GPU with the offload, the only ones accepted:
@@ -62,10 +63,13 @@ ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
 # Experimental spare regions (read by the pool configurator): GPU bytes the
 # host pool leaves without locs become regions lent to requests as units.
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
-# Experimental warm units (read by the coordinator): a PD decode request is
-# warmed after its units are granted, into every slot it holds, instead of one
-# unit's top-k rows at admission.
+# Experimental warm units (read by the coordinator): a request is warmed after
+# its units are granted, into every slot it holds, instead of one unit's top-k
+# rows at admission.
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
+# Experimental wide slot ids: int32 LRU slot ids, so that units x buffer may
+# exceed 32767 (more units per request: long contexts on idle GPU memory).
+ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):
@@ -394,10 +398,22 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
     elif max_units < 1:
         _fail(f"--nsa-kv-offload-max-units ({max_units}) must be at least 1.")
     elif max_units > units_fit:
-        _fail(
-            f"--nsa-kv-offload-max-units ({max_units}) x "
-            f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at most "
-            f"{_MAX_LRU_SLOTS} (LRU slot ids are int16): use at most {units_fit}."
+        from sglang.srt.utils import get_bool_env_var
+
+        if not get_bool_env_var(ENV_WIDE_SLOT_IDS):
+            _fail(
+                f"--nsa-kv-offload-max-units ({max_units}) x "
+                f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at most "
+                f"{_MAX_LRU_SLOTS} (LRU slot ids are int16): use at most "
+                f"{units_fit}, or set {ENV_WIDE_SLOT_IDS}=1 (experimental int32 "
+                "slot ids)."
+            )
+        logger.warning(
+            "Decode NSA KV offload: %s=1, int32 LRU slot ids for %d units x %d "
+            "rows (experimental: CPU-tested, not yet run on a GPU).",
+            ENV_WIDE_SLOT_IDS,
+            max_units,
+            buffer_size,
         )
 
     from sglang.srt.utils import get_bool_env_var

@@ -75,6 +75,13 @@ def default_use_triton(device: torch.device) -> bool:
     return device.type == "cpu" and _swap_kernel_is_interpreted()
 
 
+def lru_slot_dtype(num_slots: int) -> torch.dtype:
+    """dtype of a request's LRU slot ids (``loc_to_slot``, ``lru_order``):
+    int16 while its ``units x buffer_size`` slots fit (the default sizes),
+    int32 beyond (``SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS=1``)."""
+    return torch.int16 if num_slots <= torch.iinfo(torch.int16).max else torch.int32
+
+
 class LRUCacheState:
     """GPU residency and recency of the LRU slots of every (layer, request).
 
@@ -127,9 +134,9 @@ class LRUCacheState:
         if direct_slots and max_query_tokens > 1:
             # A verify's positions are not one chain per slot range.
             raise ValueError("direct_slots needs max_query_tokens = 1")
-        if buffer_size * max_units > torch.iinfo(torch.int16).max:
+        if buffer_size * max_units > torch.iinfo(torch.int32).max:
             raise ValueError(
-                "buffer_size x max_units must fit int16 (loc_to_slot, lru_order)"
+                "buffer_size x max_units must fit int32 (loc_to_slot, lru_order)"
             )
         self.num_layers = num_layers
         self.max_num_reqs = max_num_reqs
@@ -149,14 +156,16 @@ class LRUCacheState:
         self.device = torch.device(device)
         L, C, dev = num_layers, self.num_slots, self.device
         self._sink_req = max_num_reqs
+        # Slot ids (loc_to_slot, lru_order): int16 while a request's slots fit.
+        self.slot_dtype = lru_slot_dtype(C)
         self._loc_to_slot_buf = torch.full(
-            (L, num_locs + 1), -1, dtype=torch.int16, device=dev
+            (L, num_locs + 1), -1, dtype=self.slot_dtype, device=dev
         )
         self._slot_loc_buf = torch.full(
             (L, max_num_reqs + 1, C), -1, dtype=torch.int32, device=dev
         )
         self._lru_buf = (
-            torch.arange(C, dtype=torch.int16, device=dev)
+            torch.arange(C, dtype=self.slot_dtype, device=dev)
             .repeat(L, max_num_reqs + 1, 1)
             .contiguous()
         )

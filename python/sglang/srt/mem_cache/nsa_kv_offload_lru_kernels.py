@@ -140,7 +140,7 @@ if _HAS_TRITON:
         # -> gather across threads).
         tl.store(
             loc_to_slot_ptr + old_loc,
-            tl.full([BLOCK], -1, tl.int16),
+            tl.full([BLOCK], -1, loc_to_slot_ptr.dtype.element_ty),
             mask=taken & (old_loc >= 0),
         )
         tl.store(victims_row + ev_rank, order, mask=taken)
@@ -151,7 +151,11 @@ if _HAS_TRITON:
     ):
         # Phase 3: each miss takes the victim of its rank (both maps).
         victim = tl.load(victims_row + rank, mask=miss, other=0)
-        tl.store(loc_to_slot_ptr + loc, victim.to(tl.int16), mask=miss)
+        tl.store(
+            loc_to_slot_ptr + loc,
+            victim.to(loc_to_slot_ptr.dtype.element_ty),
+            mask=miss,
+        )
         tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
         return victim
 
@@ -240,7 +244,9 @@ if _HAS_TRITON:
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
         hit, miss, miss_rank, num_misses = _split_lookups(lookup, cur)
         slot = tl.where(hit, cur, pos)
-        tl.store(loc_to_slot_ptr + loc, pos.to(tl.int16), mask=miss)
+        tl.store(
+            loc_to_slot_ptr + loc, pos.to(loc_to_slot_ptr.dtype.element_ty), mask=miss
+        )
         tl.store(slot_loc_ptr + r * C + pos, loc, mask=miss)
         slot_row, rows = _entry_rows(
             slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
@@ -277,9 +283,9 @@ if _HAS_TRITON:
         req_to_token_ptr,
         req_to_token_stride,
         num_real_ptr,
-        loc_to_slot_ptr,  # (N + 1,) int16, this layer
+        loc_to_slot_ptr,  # (N + 1,) int16 (int32: wide slot ids), this layer
         slot_loc_ptr,  # (max_reqs + 1, C) int32, this layer
-        lru_ptr,  # (max_reqs + 1, C) int16, this layer
+        lru_ptr,  # (max_reqs + 1, C) int16 (int32: wide slot ids), this layer
         unit_base_ptr,  # (max_reqs + 1, U) int32, unit 0 = the region
         capacity_ptr,  # (max_reqs + 1,) int32
         counters_ptr,  # (3,) int64, this layer
@@ -385,7 +391,9 @@ if _HAS_TRITON:
         # Every thread has read lru_order (the scans above synchronize, the
         # barrier makes it explicit) before the in-place permutation.
         tl.debug_barrier()
-        tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
+        tl.store(
+            lru_ptr + r * C + new_pos, order.to(lru_ptr.dtype.element_ty), mask=mask_c
+        )
 
         # Phase 3: misses take their victims; page table in top-k order.
         victim = _take_victims(
@@ -653,7 +661,7 @@ if _HAS_TRITON:
         hit_flags_ptr,
         ev_count_ptr,
         victims_ptr,  # (rows, K) int32 scratch
-        new_lru_ptr,  # (rows, C) int16 scratch
+        new_lru_ptr,  # (rows, C) scratch, lru_ptr's dtype
         sink_req,
         row_direct_ptr,  # (rows,) int8 scratch: rows swapped in direct mode
         K: tl.constexpr,
@@ -727,7 +735,9 @@ if _HAS_TRITON:
         _evict_victims(
             loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C0
         )
-        tl.store(new_lru_row + new_pos, order.to(tl.int16), mask=mask)
+        tl.store(
+            new_lru_row + new_pos, order.to(new_lru_row.dtype.element_ty), mask=mask
+        )
         return tl.sum(ev_i, axis=0)
 
     @triton.jit(

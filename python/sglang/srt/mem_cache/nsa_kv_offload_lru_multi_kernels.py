@@ -86,7 +86,11 @@ if _HAS_TRITON:
             new = lookup & (cur == -1)
             new_i = new.to(tl.int32)
             rank = num_misses + tl.cumsum(new_i, axis=0) - new_i
-            tl.store(loc_to_slot_ptr + loc, (-2 - rank).to(tl.int16), mask=new)
+            tl.store(
+                loc_to_slot_ptr + loc,
+                (-2 - rank).to(loc_to_slot_ptr.dtype.element_ty),
+                mask=new,
+            )
             tl.store(
                 flags_row + cur,
                 tl.full([BLOCK_K], 1, tl.int8),
@@ -277,7 +281,9 @@ if _HAS_TRITON:
             loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C
         )
         tl.debug_barrier()
-        tl.store(lru_ptr + r * C + new_pos, order.to(tl.int16), mask=mask_c)
+        tl.store(
+            lru_ptr + r * C + new_pos, order.to(lru_ptr.dtype.element_ty), mask=mask_c
+        )
 
         _assign_query_rows(
             topk_ptr,

@@ -93,6 +93,7 @@ class TritonLRUSwap:
         self.device = state.device
         self.top_k = state.top_k
         self.num_slots = state.num_slots
+        self.slot_dtype = state.slot_dtype
         self.buffer_size = state.buffer_size
         self.recent_window = state.recent_window
         self.max_units = state.max_units
@@ -469,7 +470,7 @@ class TritonLRUSwap:
             self._evictable_counts = torch.zeros(
                 (rows, self.max_units), dtype=torch.int32, device=dev
             )
-            self._new_lru = torch.zeros((rows, C), dtype=torch.int16, device=dev)
+            self._new_lru = torch.zeros((rows, C), dtype=self.slot_dtype, device=dev)
             self._row_direct = torch.zeros((rows,), dtype=torch.int8, device=dev)
             self._scratch += [
                 self._entry_slots,

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.lru_cache_state import lru_slot_dtype
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
 
@@ -377,10 +378,17 @@ def _round_up(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-def offload_bytes_per_loc(num_layers: int, indexer_bytes: int) -> int:
+def lru_slot_id_bytes(buffer_size: int, max_units: int) -> int:
+    """Bytes of one LRU slot id (``lru_slot_dtype``)."""
+    return lru_slot_dtype(buffer_size * max_units).itemsize
+
+
+def offload_bytes_per_loc(
+    num_layers: int, indexer_bytes: int, slot_id_bytes: int = 2
+) -> int:
     """GPU bytes per logical token loc: indexer keys, the LRU residency map
-    (int16 per layer) and ``loc_to_row`` (int64)."""
-    return num_layers * (indexer_bytes + 2) + 8
+    (a slot id per layer: ``lru_slot_id_bytes``) and ``loc_to_row`` (int64)."""
+    return num_layers * (indexer_bytes + slot_id_bytes) + 8
 
 
 def offload_bytes_per_region(
@@ -391,10 +399,11 @@ def offload_bytes_per_region(
     max_units: int = 1,
 ) -> int:
     """GPU bytes per request slot: its KV region plus its LRU state
-    (``slot_loc`` int32 and ``lru_order`` int16 per LRU slot and layer, for
-    all the units a request may hold)."""
+    (``slot_loc`` int32 and an ``lru_order`` slot id per LRU slot and layer,
+    for all the units a request may hold)."""
     rows = buffer_size + recent_window
-    return num_layers * (rows * row_bytes + buffer_size * max_units * 6)
+    slot_bytes = 4 + lru_slot_id_bytes(buffer_size, max_units)
+    return num_layers * (rows * row_bytes + buffer_size * max_units * slot_bytes)
 
 
 def max_spare_regions(num_regions: int, max_units: int) -> int:
@@ -464,7 +473,10 @@ def compute_offload_pool_sizes(
     ) * row_bytes + num_regions * offload_bytes_per_region(
         num_layers, row_bytes, buffer_size, recent_window, max_units
     )
-    per_loc = offload_bytes_per_loc(num_layers, indexer_bytes) + draft_bytes_per_loc
+    per_loc = offload_bytes_per_loc(
+        num_layers, indexer_bytes, lru_slot_id_bytes(buffer_size, max_units)
+    )
+    per_loc += draft_bytes_per_loc
     host_capacity = host_pool_bytes // (num_layers * row_bytes)
     num_locs = min((available_bytes - fixed) // per_loc, host_capacity)
     if max_total_tokens is not None:
