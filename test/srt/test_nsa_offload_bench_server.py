@@ -99,6 +99,7 @@ class TestOffloadNamesMatchTheProduct(unittest.TestCase):
             "ENV_DIRECT_SLOTS",
             "ENV_SPARE_REGIONS",
             "ENV_WARM_UNITS",
+            "ENV_WIDE_SLOT_IDS",
             "ENV_UNPROVEN_PARALLEL",
             "DEFAULT_MAX_UNITS",
         ):
@@ -339,6 +340,18 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                 env = bench_server.server_env(args, kind)
                 self.assertEqual(env.get(self.ENV_VAR), prefetch)
                 self.assertEqual(env.get(early), schedule)
+
+    def test_more_units_than_int16_slot_ids_set_the_wide_ids(self):
+        wide = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
+        args = self._sized_args("--servers", "baseline,ours,ours_warm")
+        for max_units, want in ((None, None), (7, None), (24, "1")):
+            args.max_units = max_units
+            with self.subTest(max_units=max_units):
+                self.assertEqual(bench_server.server_env(args, "ours").get(wide), want)
+                self.assertEqual(
+                    bench_server.server_env(args, "ours_warm").get(wide), want
+                )
+                self.assertNotIn(wide, bench_server.server_env(args, "baseline"))
 
     def test_hisparse_budget_of_its_own(self):
         args = self._sized_args(

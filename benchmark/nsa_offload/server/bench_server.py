@@ -90,6 +90,7 @@ from server_utils import (  # noqa: E402
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
+    ENV_WIDE_SLOT_IDS,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
     PD_DECODE_FAKE_ARGS,
@@ -100,6 +101,7 @@ from server_utils import (  # noqa: E402
     git_commit,
     model_weights_gib,
     mtp_args,
+    needs_wide_slot_ids,
     num_model_layers,
     offload_max_units,
     use_model,
@@ -773,6 +775,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
         env[ENV_EARLY_SWAP] = "1" if args.mtp_swap == "early" else "0"
     if args.spare_regions and kind in OFFLOAD_KINDS:
         env[ENV_SPARE_REGIONS] = "1"
+    if needs_wide_slot_ids(args.max_units, args.buffer_size) and kind in OFFLOAD_KINDS:
+        env[ENV_WIDE_SLOT_IDS] = "1"  # more units than int16 slot ids allow
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:

@@ -66,6 +66,7 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
+ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
 # The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
 # since 64f802f the units moved between requests over the log interval.
 UNITS_RE = re.compile(r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?\)")
@@ -129,6 +130,11 @@ def offload_max_units(max_units: Optional[int], buffer_size: Optional[int]) -> i
     if max_units is not None:
         return max_units
     return min(DEFAULT_MAX_UNITS, widest_units(buffer_size))
+
+
+def needs_wide_slot_ids(max_units: Optional[int], buffer_size: Optional[int]) -> bool:
+    """Whether ``max_units`` needs the offload's int32 slot ids."""
+    return max_units is not None and max_units > widest_units(buffer_size)
 
 
 def widest_units(buffer_size: Optional[int]) -> int:
