@@ -386,6 +386,8 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size})."
         )
     check_nsa_kv_offload_speculative(server_args, index_topk)
+    from sglang.srt.utils import get_bool_env_var
+
     units_fit = _MAX_LRU_SLOTS // buffer_size
     if units_fit < 1:
         _fail(
@@ -398,8 +400,6 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
     elif max_units < 1:
         _fail(f"--nsa-kv-offload-max-units ({max_units}) must be at least 1.")
     elif max_units > units_fit:
-        from sglang.srt.utils import get_bool_env_var
-
         if not get_bool_env_var(ENV_WIDE_SLOT_IDS):
             _fail(
                 f"--nsa-kv-offload-max-units ({max_units}) x "
@@ -415,8 +415,6 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             max_units,
             buffer_size,
         )
-
-    from sglang.srt.utils import get_bool_env_var
 
     if get_bool_env_var(ENV_WARM_UNITS):
         why = warm_units_refusal(
