@@ -190,6 +190,15 @@ class TestGatherRows(unittest.TestCase):
     def test_full_counts_bf16(self):
         self._case(BF16_ROW_BYTES, 2, 48, [48, 48], block_rows=8)
 
+    def test_default_grid_loops_at_large_batch(self):
+        # Past DEFAULT_MAX_GATHER_PROGRAMS // bs programs per row, each program
+        # copies several tiles: 160 rows x 2 programs of 4-row tiles here, so
+        # rows with up to 64 misses need every tile of the loop.
+        bs, k = 160, 64
+        self.assertLess(skc.DEFAULT_MAX_GATHER_PROGRAMS // bs, k // 4)
+        counts = [(7 * b) % (k + 1) for b in range(bs)]
+        self._case(FP8_ROW_BYTES, bs, k, counts, num_dst=sum(counts) + 8, block_rows=4)
+
     def test_tuning_knobs(self):
         counts = [0, 5, 40, 64]
         for word_bytes in (2, 4, 8):

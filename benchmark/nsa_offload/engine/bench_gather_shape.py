@@ -69,6 +69,11 @@ def parse_args():
         default="4,16,64",
         help="comma-separated mean rows per request (uniform 0..2x mean)",
     )
+    p.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated launch variants to time (default: all)",
+    )
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--plans", type=int, default=16, help="random plans cycled")
     return p.parse_args()
@@ -158,6 +163,9 @@ def make_plans(n_plans, host_rows, dev_rows, bs, mean, sort_src, dev, gen):
 
 VARIANTS = {
     "default": {},
+    # One program per tile of the (bs, K) plan: the default before the cap
+    # (gather_rows clamps programs_per_row to the tile count).
+    "tile_grid": {"programs_per_row": 1 << 30},
     "ppr8": {"programs_per_row": 8},
     "ppr16_br8": {"programs_per_row": 16, "block_rows": 8},
     "br8": {"block_rows": 8},
@@ -207,7 +215,9 @@ def main():
                     args.plans, rows, dev_rows, bs, mean, sort_src, dev, gen
                 )
                 for vname, kw in VARIANTS.items():
-                    if bs == 1 and vname not in ("default", "ppr8"):
+                    if vname not in args.variants.split(","):
+                        continue
+                    if bs == 1 and vname not in ("default", "tile_grid", "ppr8"):
                         continue
                     if sort_src and vname != "default":
                         continue

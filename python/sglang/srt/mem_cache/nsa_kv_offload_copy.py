@@ -36,6 +36,14 @@ DEFAULT_WORD_BYTES = 4
 DEFAULT_BLOCK_ROWS = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_ALL_LAYER_BLOCK_ROWS = 8
+# At most this many programs per gather launch by default: a decode step's
+# plan is (bs, K) but holds ~K / 100 misses per row, and at batch 64 a grid of
+# one program per tile (8192, nearly all empty) made the copy ~20-35% slower
+# from a large host pool on the H200 (bench_gather_shape.py,
+# results/rank_speed/gather_shape/); batch 1-8 keep one program per tile.
+DEFAULT_MAX_GATHER_PROGRAMS = 1024
+# ... with each program looping over at most this many tiles (static loop).
+MAX_GATHER_ITERS = 8
 
 # Layout of the int64 counters tensor the kernels add to (on the device).
 COUNTER_H2D_ROWS = 0  # rows moved host -> device (one row = one token, one layer)
@@ -295,9 +303,11 @@ def gather_rows(
         count: ``(bs,)`` integer tensor on the launch device.
         counters: optional int64 device tensor; the kernel adds the rows moved to
             ``counters[counter_idx]`` and the bytes to ``counters[counter_idx + 1]``.
-        programs_per_row: second grid dimension; defaults to ``ceil(K / block_rows)``
-            (each program copies at most one tile). Smaller values make each
-            program loop over several tiles.
+        programs_per_row: second grid dimension; defaults to
+            ``ceil(K / block_rows)`` (each program copies at most one tile)
+            capped at ``DEFAULT_MAX_GATHER_PROGRAMS // bs`` programs, but no
+            fewer than keep each program's loop within ``MAX_GATHER_ITERS``
+            tiles. Smaller values make each program loop over more tiles.
     """
     bs, k = src_idx.shape
     assert dst_idx.shape == (bs, k), (src_idx.shape, dst_idx.shape)
@@ -312,7 +322,9 @@ def gather_rows(
     head, tail = _split_row(row_words, split_tail)
     num_tiles = triton.cdiv(k, block_rows)
     if programs_per_row is None:
-        programs_per_row = num_tiles
+        programs_per_row = max(
+            DEFAULT_MAX_GATHER_PROGRAMS // bs, triton.cdiv(num_tiles, MAX_GATHER_ITERS)
+        )
     programs_per_row = max(1, min(programs_per_row, num_tiles))
     num_iters = triton.cdiv(num_tiles, programs_per_row)
     stats = counters is not None
