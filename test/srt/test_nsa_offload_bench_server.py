@@ -1169,6 +1169,10 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # The experimental warm units (spare regions, 7 units).
         "rank_speed/run_warm_pd/bench_server_override.json",
         "rank_speed/run_warm_86gib/bench_server_override.json",
+        # Warm units again: 30K x 64 profiled; 128K x 8 with 24 units (int32
+        # slot ids).
+        "rank_speed/run_profile_64/bench_server_override.json",
+        "rank_speed/run_wide_128k/bench_server_override.json",
     )
 
     def test_summaries_match_the_runs(self):

@@ -120,6 +120,31 @@ class TestSummarize(unittest.TestCase):
         self.assertEqual(s["streams"], 3)
         self.assertAlmostEqual(s["host_step_ms"], 0.35)
 
+    def test_layer_profile(self):
+        # Two layers: top-k ends at 50, attention at 100 (gap 50), then
+        # top-k ends at 260, attention at 290 (gap 30); the swap and copy on
+        # a side stream between them.
+        attn = "void sm90::decode::flash_fwd_splitkv_mla_fp8_sparse_kernel"
+        events = [
+            kernel("topk_kernel", 0, 50),
+            kernel("_swap_rank_kernel", 50, 20, SIDE),
+            kernel("_gather_rows_kernel", 70, 25, SIDE),
+            kernel(attn, 100, 80),
+            kernel("_topk_override_kernel", 200, 60),
+            kernel("_gather_rows_kernel", 260, 15, SIDE),
+            kernel(attn, 290, 80),
+        ]
+        p = step_profile.layer_profile(events, layers_per_step=2)
+        self.assertEqual((p["layers"], p["steps"]), (2, 1.0))
+        self.assertEqual(p["topk_to_attention_us"]["median"], 50)
+        self.assertEqual(p["topk_to_attention_us"]["p10"], 30)
+        self.assertEqual(
+            p["offload_us_per_layer"],
+            {"_gather_rows_kernel": 20.0, "_swap_rank_kernel": 10.0},
+        )
+        self.assertEqual(p["top_kernels_us_per_layer"][attn], 80)
+        self.assertIn("error", step_profile.layer_profile(two_steps(), 1))
+
     def test_no_kernels(self):
         s = step_profile.summarize_events([runtime("cudaLaunchKernel", 3)], steps=4)
         self.assertIn("error", s)

@@ -187,6 +187,59 @@ def shared_host_time(base_events: List[dict], other_events: List[dict], steps: i
     return sum(a[k][1] for k in same) / n, sum(b[k][1] for k in same) / n
 
 
+# The last kernel before a layer's swap (the indexer's top-k, or the
+# benchmark's override of it) and the sparse decode attention that reads the
+# swapped rows.
+TOPK_KERNELS = ("_topk_override_kernel", "topk_kernel")
+ATTENTION_KERNEL = "flash_fwd_splitkv_mla"
+
+
+def layer_profile(events: List[dict], layers_per_step: int) -> dict:
+    """Per layer: GPU us by kernel name (the offload's own and the largest
+    others), and the median gap from the end of the layer's top-k to the
+    start of its attention: what the swap adds to the layer when it does not
+    hide behind the query side's kernels."""
+    kernels = sorted(
+        (e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"),
+        key=lambda e: float(e["ts"]),
+    )
+    attention = [
+        i for i, e in enumerate(kernels) if ATTENTION_KERNEL in e.get("name", "")
+    ]
+    if not attention:
+        return {"error": "no sparse decode attention kernels in the trace"}
+    per_name: Dict[str, float] = {}
+    for e in kernels:
+        name = e.get("name", "")
+        per_name[name] = per_name.get(name, 0.0) + float(e.get("dur", 0))
+    # Layers profiled: attention launches (one per layer, MTP verify aside).
+    n = len(attention)
+    gaps = []
+    start = 0
+    for i in attention:
+        topk_end = None
+        for e in kernels[start:i]:
+            if any(t in e.get("name", "") for t in TOPK_KERNELS):
+                topk_end = float(e["ts"]) + float(e["dur"])
+        if topk_end is not None:
+            gaps.append(float(kernels[i]["ts"]) - topk_end)
+        start = i + 1
+    gaps.sort()
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])
+    offload = {k: v for k, v in top if kernel_category(k) != "other"}
+    return {
+        "layers": n,
+        "steps": round(n / max(layers_per_step, 1), 2),
+        "topk_to_attention_us": {
+            "median": round(gaps[len(gaps) // 2], 2) if gaps else None,
+            "p10": round(gaps[len(gaps) // 10], 2) if gaps else None,
+            "p90": round(gaps[9 * len(gaps) // 10], 2) if gaps else None,
+        },
+        "offload_us_per_layer": {k: round(v / n, 2) for k, v in offload.items()},
+        "top_kernels_us_per_layer": {k[:80]: round(v / n, 2) for k, v in top[:12]},
+    }
+
+
 def main(argv=None) -> None:
     import argparse
 
@@ -205,7 +258,18 @@ def main(argv=None) -> None:
     diff.add_argument(
         "--steps", type=int, required=True, help="decode steps the trace covers"
     )
+    per_layer = sub.add_parser(
+        "layers", help="per-layer kernel times and the top-k -> attention gap"
+    )
+    per_layer.add_argument("trace", help="torch profiler trace of a server")
+    per_layer.add_argument(
+        "--layers", type=int, default=61, help="model layers (for steps profiled)"
+    )
     args = p.parse_args(argv)
+    if args.cmd == "layers":
+        result = layer_profile(load_trace_events(args.trace), args.layers)
+        print(json.dumps({"trace": os.path.basename(args.trace), **result}, indent=1))
+        return
     if args.cmd == "summary":
         print(json.dumps(summarize_trace(args.trace, args.steps), indent=1))
         return

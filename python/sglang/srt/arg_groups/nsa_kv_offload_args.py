@@ -410,7 +410,8 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
             )
         logger.warning(
             "Decode NSA KV offload: %s=1, int32 LRU slot ids for %d units x %d "
-            "rows (experimental: CPU-tested, not yet run on a GPU).",
+            "rows (experimental: 2 more bytes per token and layer for the "
+            "slot map, and per slot and layer for the LRU order).",
             ENV_WIDE_SLOT_IDS,
             max_units,
             buffer_size,
