@@ -192,8 +192,9 @@ class TestGatherRows(unittest.TestCase):
 
     def test_default_grid_loops_at_large_batch(self):
         # Past DEFAULT_MAX_GATHER_PROGRAMS // bs programs per row, each program
-        # copies several tiles: 160 rows x 2 programs of 4-row tiles here, so
-        # rows with up to 64 misses need every tile of the loop.
+        # copies several tiles: 6 programs per row here, each looping over up
+        # to 3 of the 16 four-row tiles, so rows with up to 64 misses need
+        # every pass of the loop.
         bs, k = 160, 64
         self.assertLess(skc.DEFAULT_MAX_GATHER_PROGRAMS // bs, k // 4)
         counts = [(7 * b) % (k + 1) for b in range(bs)]

@@ -52,7 +52,9 @@ PAGE = 4096
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--row-bytes", type=int, default=656)
+    p.add_argument(
+        "--row-bytes", type=int, default=656, help="bytes of one KV row (656: fp8)"
+    )
     p.add_argument(
         "--pool-rows",
         default="262144,2259968,16777216",
@@ -63,7 +65,9 @@ def parse_args():
         default="register_default,register_thp,register_nothp,torch",
         help="comma-separated pin methods (torch only at the middle size)",
     )
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument(
+        "--batch", type=int, default=64, help="requests per copy (the plan's rows)"
+    )
     p.add_argument(
         "--mean-rows",
         default="4,16,64",
@@ -74,7 +78,9 @@ def parse_args():
         default=",".join(VARIANTS),
         help="comma-separated launch variants to time (default: all)",
     )
-    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument(
+        "--repeats", type=int, default=40, help="timed copies per point (median)"
+    )
     p.add_argument("--plans", type=int, default=16, help="random plans cycled")
     return p.parse_args()
 

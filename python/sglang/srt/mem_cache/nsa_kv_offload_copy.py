@@ -38,7 +38,7 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_ALL_LAYER_BLOCK_ROWS = 8
 # At most this many programs per gather launch by default: a decode step's
 # plan is (bs, K) but holds ~K / 100 misses per row, and at batch 64 a grid of
-# one program per tile (8192, nearly all empty) made the copy ~20-35% slower
+# one program per tile (8192, nearly all empty) made the copy ~10-35% slower
 # from a large host pool on the H200 (bench_gather_shape.py,
 # results/rank_speed/gather_shape/); batch 1-8 keep one program per tile.
 DEFAULT_MAX_GATHER_PROGRAMS = 1024
