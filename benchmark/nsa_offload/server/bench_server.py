@@ -675,9 +675,8 @@ def ours_auto_slots(
 
 
 def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[str]]:
-    common = [
-        "--mem-fraction-static",
-        str(mem_fraction or args.mem_fraction_static),
+    # Every server's flags but its KV budget (--mem-fraction-static, first).
+    rest = [
         "--cuda-graph-max-bs",
         str(args.max_running_requests),
         "--decode-log-interval",
@@ -686,16 +685,18 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     if args.interleave:
         # Servers waiting for their turn block on their sockets instead of
         # spinning a core each (every server alike).
-        common.append("--sleep-on-idle")
+        rest.append("--sleep-on-idle")
     if args.shape:
-        common += SHAPES[args.shape]
+        rest += SHAPES[args.shape]
     if args.pd_decode:
         # Every output reserved at admission: sglang's default (512) would
         # over-admit and retract, which a no-offload NSA decode server cannot.
-        common += PD_DECODE_FAKE_ARGS + [
+        rest += PD_DECODE_FAKE_ARGS + [
             "--num-reserved-decode-tokens",
             str(max(512, args.new_tokens)),
         ]
+    fraction = mem_fraction or args.mem_fraction_static
+    common = ["--mem-fraction-static", str(fraction)] + rest
     slots = ["--max-running-requests", str(args.max_running_requests)]
     # --offload-default-slots: the offload servers size their request slots
     # (= decode regions) themselves, and idle regions are lent as units.
@@ -714,10 +715,9 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     if args.max_units is not None:
         ours += [units, str(args.max_units)]
     mtp = mtp_args(args.mtp_steps, spec_v2=args.mtp_spec_v2)
-    his_common = common
     if args.hisparse_kv_budget_gib is not None:
-        his_fraction = mem_fraction_for_budget(args.hisparse_kv_budget_gib)[0]
-        his_common = ["--mem-fraction-static", str(his_fraction)] + common[2:]
+        fraction = mem_fraction_for_budget(args.hisparse_kv_budget_gib)[0]
+    his_common = ["--mem-fraction-static", str(fraction)] + rest
     return {
         "baseline": common + slots,
         "hisparse": his_common + slots + HISPARSE_ARGS,
