@@ -217,6 +217,7 @@ class Sim:
 
     def __init__(self, test, cfg: SimConfig, states, model, seed: int):
         self.test, self.cfg, self.states, self.model = test, cfg, states, model
+        self.deferred_states = []  # states whose swaps defer their reorder
         self.rng = random.Random(seed)
         self.free_locs = list(range(cfg.num_locs))
         self.rng.shuffle(self.free_locs)
@@ -444,7 +445,21 @@ class Sim:
                 torch.full((rows, k), 777, dtype=torch.int32, device=DEVICE),
                 torch.full((rows,), 777, dtype=torch.int32, device=DEVICE),
             )
-        plan = state.swap_layer(layer, topk, rpi, seq_lens, r2t, num_real, out=out)
+        defer = any(state is s for s in self.deferred_states)
+        plan = state.swap_layer(
+            layer, topk, rpi, seq_lens, r2t, num_real, out=out, defer_reorder=defer
+        )
+        if defer and state.swap_backend.reorder_pending:
+            # The plan is final before the reorder; the state refuses changes.
+            before = plan_rows(plan, bs)
+            with self.test.assertRaisesRegex(RuntimeError, "finish_reorder"):
+                state.release_request(inp.req_pool_indices[0])
+            state.finish_reorder()
+            self.test.assertEqual(plan_rows(plan, bs), before)
+        if state.use_triton and state.swap_backend.split_by_unit:
+            # The reorder leaves the hit flags zero for the next select.
+            flags = state.swap_backend._hit_flags
+            self.test.assertEqual(int(flags.ne(0).sum()), 0)
         self.test.assertEqual(tuple(plan.page_table.shape), (bs, state.top_k))
         if out is not None:
             self.test.assertEqual(plan.page_table.data_ptr(), out.page_table.data_ptr())
@@ -452,8 +467,13 @@ class Sim:
 
 
 def impl_state(cfg, impl) -> LRUCacheState:
-    """``impl``: False (reference), True (Triton) or "fused" (Triton, the
-    one-program swap even with units)."""
+    """``impl``: False (reference), True (Triton), "fused" (Triton, the
+    one-program swap even with units) or "deferred" (Triton, every swap's
+    reorder deferred, the victim scan in blocks of 8 lru positions)."""
+    if impl == "deferred":
+        state = new_state(cfg, True)
+        state.swap_backend.SELECT_BLOCK = 8
+        return state
     if impl == "fused":
         state = new_state(cfg, True)
         state.swap_backend = TritonLRUSwap(
@@ -469,6 +489,7 @@ def run_sim(test, cfg: SimConfig, use_triton, steps: int, seed: int) -> Sim:
     states = [impl_state(cfg, u) for u in use_triton]
     model = LRUModel(cfg.layers, cfg.C, cfg.W, max_units=cfg.units)
     sim = Sim(test, cfg, states, model, seed)
+    sim.deferred_states = [s for s, u in zip(states, use_triton) if u == "deferred"]
     for _ in range(steps):
         sim.step()
     for state in states:
@@ -721,6 +742,12 @@ class TestTritonMatchesReference(unittest.TestCase):
     def test_units_non_pow2_full_pressure(self):
         cfg = SimConfig(C=40, K=40, W=4, units=4, max_batch=3, p_keep=0.3, p_recent=0.3)
         self._run(cfg, steps=30, seed=7)
+
+    def test_units_deferred_reorder_multi_block_scan(self):
+        # The select kernel finds victims a block at a time (8 positions:
+        # most swaps scan several); the reorder runs after the plan is read.
+        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.4)
+        run_sim(self, cfg, (False, True, "deferred"), steps=30, seed=9)
 
     def test_units_split_kernels_match_fused(self):
         # With units the swap runs split by unit; the fused kernel handles

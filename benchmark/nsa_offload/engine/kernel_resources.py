@@ -105,6 +105,7 @@ def swap_kernels(
 ):
     """(name, kernel, constexprs, num_warps) as LRUCacheState launches them."""
     from sglang.srt.mem_cache import nsa_kv_offload_lru_kernels as lru
+    from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
     C0, C = buffer_size, buffer_size * units
     num_warps = min(16, max(4, triton.next_power_of_2(C) // 256))
@@ -131,21 +132,31 @@ def swap_kernels(
     if units > 1:
         out += [
             (
-                "classify",
-                lru._swap_classify_kernel,
-                dict(chunk, K=top_k, W=window, BLOCK_K=block_k),
+                "select",
+                lru._swap_select_kernel,
+                dict(
+                    shape,
+                    K=top_k,
+                    W=window,
+                    BLOCK_K=block_k,
+                    BLOCK_S=min(
+                        TritonLRUSwap.SELECT_BLOCK, triton.next_power_of_2(C)
+                    ),
+                ),
             ),
             ("count", lru._swap_count_kernel, chunk),
             (
-                "rank",
+                "reorder_rank",
                 lru._swap_rank_kernel,
-                dict(chunk, K=top_k, BLOCK_U=triton.next_power_of_2(units)),
+                dict(
+                    chunk,
+                    K=top_k,
+                    BLOCK_U=triton.next_power_of_2(units),
+                    EVICT=False,
+                    CLEAR_FLAGS=True,
+                ),
             ),
-            (
-                "assign",
-                lru._swap_assign_kernel,
-                dict(chunk, K=top_k, W=window, BLOCK_K=block_k),
-            ),
+            ("copy_order", lru._swap_copy_order_kernel, chunk),
         ]
     # The same kernels with the direct-slots path compiled in.
     out += [

@@ -6,7 +6,7 @@ forward steps (sglang's ``/start_profile``, CPU + GPU activities). This module
 reads the chrome trace it writes and sums, per profiled step:
 
 * GPU kernel time by category: the offload's swap (``_swap_layer_kernel``,
-  the ``_swap_*_kernel`` four with LRU units, the ``_swap_multi_*`` ones in MTP
+  the select and reorder kernels with LRU units, the ``_swap_multi_*`` ones in MTP
   verify), its miss copy (``_gather_rows_kernel``), its new-token backup
   (``_copy_rows_all_layers_kernel``) and window mapping
   (``_map_new_tokens_kernel``), HiSparse's kernels, and everything else
@@ -37,15 +37,18 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 # Kernel name fragments -> category (the first match wins).
 KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    # The fused swap and, with LRU units, its four split kernels; with
-    # several query tokens (MTP verify) the multi-token ones.
+    # The fused swap and, with LRU units, the select kernel and the three of
+    # the reorder (the classify and assign kernels: before the select kernel);
+    # with several query tokens (MTP verify) the multi-token ones.
     (
         "swap",
         (
             "_swap_layer_kernel",
+            "_swap_select_kernel",
             "_swap_classify_kernel",
             "_swap_count_kernel",
             "_swap_rank_kernel",
+            "_swap_copy_order_kernel",
             "_swap_assign_kernel",
             "_swap_multi_layer_kernel",
             "_swap_multi_classify_kernel",

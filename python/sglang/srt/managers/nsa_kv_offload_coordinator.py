@@ -50,6 +50,7 @@ See docs/ENGINE.md (swap semantics) and docs/INTEGRATION.md (hook points).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from contextlib import nullcontext
@@ -454,13 +455,18 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         if not self.early_swap:
             return
         mode = forward_batch.forward_mode
+        first, last = self._layer_range
+        # A decode swap's recency update (lru_order only) runs after its
+        # event, beside the attention; the next layer's swap, later on this
+        # stream, joins it. The last layer's has no later swap to join it
+        # into the forward stream, so it runs before the event.
+        defer_reorder = mode.is_decode() and layer_id < last
         if mode.is_decode():
-            swap = self._swap_into_plan
+            swap = functools.partial(self._swap_into_plan, defer_reorder=defer_reorder)
         elif mode.is_target_verify() and self.max_query_tokens > 1:
             swap = self._verify_swap_into_plan
         else:
             return
-        first, last = self._layer_range
         if layer_id == first:
             self._early_page_tables.clear()  # nothing carried over a forward
         prefetch = self.cross_layer_prefetch and mode.is_decode() and layer_id < last
@@ -480,6 +486,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             staged = self._stage_prefetch(topk_positions) if prefetch else None
             if stream is not None:
                 self._swap_done[layer_id - first].record(stream)
+            if defer_reorder:
+                self.controller.finish_lru_reorder()
             if prefetch:
                 self._prefetch(layer_id + 1, staged, forward_batch)
         self._early_page_tables[layer_id] = page_table
@@ -499,7 +507,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         return _pad_rows(page_table, rows)
 
     def _swap_into_plan(
-        self, layer_id: int, topk_positions: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        layer_id: int,
+        topk_positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        defer_reorder: bool = False,
     ) -> torch.Tensor:
         if layer_id == self._layer_range[0]:
             self._count_real_rows(forward_batch.out_cache_loc)
@@ -513,6 +525,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             self.req_to_token,
             self.num_real_reqs,
             out=out,
+            defer_lru_reorder=defer_reorder,
         )
 
     def swap_decode_layer(

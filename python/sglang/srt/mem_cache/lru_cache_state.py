@@ -236,6 +236,7 @@ class LRUCacheState:
         ``lru_order = arange(U x C)``. ``r`` must not hold resident locs (fresh,
         or released since its last admission).
         """
+        self.swap_backend.check_settled("admit_request")
         r = self._as_index(r)
         if isinstance(base, torch.Tensor):
             base = base.to(device=self.device, dtype=torch.int32).reshape(-1)
@@ -250,6 +251,7 @@ class LRUCacheState:
 
     def release_request(self, r: IndexLike) -> None:
         """Drop every resident loc of request(s) ``r`` in every layer."""
+        self.swap_backend.check_settled("release_request")
         r = self._as_index(r)
         locs = self._slot_loc_buf[:, r, :].reshape(self.num_layers, -1).long()
         # Empty slots (-1) go to the sink loc.
@@ -266,6 +268,7 @@ class LRUCacheState:
         caller has installed positions ``0 .. num_positions - 1`` (those below
         its first window) with one :meth:`warm_request` of a fresh admission,
         which puts position ``p`` in slot ``p``."""
+        self.swap_backend.check_settled("enter_direct")
         if not self.direct_slots:
             raise ValueError("enter_direct: the state was built without direct_slots")
         if num_positions > self.buffer_size:
@@ -279,6 +282,7 @@ class LRUCacheState:
         """Give request ``r`` unit ``unit`` (its next one: it holds ``unit``
         units now) at GPU row ``base``. The unit's empty slots move to the LRU
         end of every layer's order, so misses fill them before evicting."""
+        self.swap_backend.check_settled("grow_request")
         if not 1 <= unit < self.max_units:
             raise ValueError(f"unit {unit} not in [1, {self.max_units})")
         C = self.buffer_size
@@ -296,6 +300,7 @@ class LRUCacheState:
         the locs its slots hold stop being resident in every layer (the host
         pool keeps every token, so nothing is copied). Slots beyond the
         capacity are never victims; the order keeps them where they are."""
+        self.swap_backend.check_settled("shrink_request")
         if not 1 <= unit < self.max_units:
             raise ValueError(f"unit {unit} not in [1, {self.max_units})")
         C = self.buffer_size
@@ -326,6 +331,7 @@ class LRUCacheState:
         Returns ``(len(layers), n)`` int32 GPU rows now holding each loc (-1 for
         ignored entries); the caller fills the newly installed rows.
         """
+        self.swap_backend.check_settled("warm_request")
         if isinstance(layers, int):
             layers = [layers]
         layers = list(layers)
@@ -403,6 +409,7 @@ class LRUCacheState:
         out: Optional[LayerSwapPlan] = None,
         counters: Optional[torch.Tensor] = None,
         num_query_tokens: int = 1,
+        defer_reorder: bool = False,
     ) -> LayerSwapPlan:
         """Swap one layer for a batch: page table in top-k order + copy plan.
 
@@ -420,6 +427,11 @@ class LRUCacheState:
         has a page-table row per query token (``(bs * q, K)``) and one copy
         list per request (``(bs, q * K)``, each missing loc once); rows of
         ``out`` count as above (page table: ``bs * q``). See ``docs/MTP.md``.
+
+        ``defer_reorder``: the plan is final when this returns, but the
+        recency update (``lru_order``) of a one-token swap with units waits
+        for :meth:`finish_reorder`, so a caller can put it after the miss
+        copy; until then the state refuses every other change.
         """
         q = num_query_tokens
         if not 1 <= q <= self.max_query_tokens:
@@ -442,7 +454,13 @@ class LRUCacheState:
             out,
             counters,
             q,
+            defer_reorder=defer_reorder,
         )
+
+    def finish_reorder(self) -> None:
+        """Launch the deferred recency update of the last swap (on the
+        current stream); nothing when none is pending."""
+        self.swap_backend.finish_reorder()
 
     def plan_view(
         self, bs: int, out: Optional[LayerSwapPlan], num_query_tokens: int = 1

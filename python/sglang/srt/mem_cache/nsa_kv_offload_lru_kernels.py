@@ -418,27 +418,37 @@ if _HAS_TRITON:
 
     # Split swap for U > 1 units (C = U x C0 slots): the fused kernel walks
     # all C slots in one program, which costs U times the one-unit swap. Here
-    # the walk is spread over U programs per row, one per C0-position chunk of
-    # lru_order; the cross-chunk rank prefix goes through per-row counts, so
-    # the row's phases become kernels (same semantics, same results):
-    #   _swap_classify_kernel (bs,): phase 1; hit flags and each entry's slot
-    #     (-1 if none) to scratch, the row's miss count to miss_count.
-    #   _swap_count_kernel (bs, U): evictable slots per chunk.
-    #   _swap_rank_kernel (bs, U): phase 2 with the chunk's rank offset; the
-    #     permuted order goes to scratch (other chunks still read theirs).
-    #   _swap_assign_kernel (bs, U): chunk u copies the new order back; chunk 0
-    #     does phase 3.
+    # the swap is cut where the attention stops needing it:
+    #   _swap_select_kernel (bs,): phases 1 and 3 of the fused kernel, with
+    #     phase 2 cut down to choosing the victims: a scan of lru_order from
+    #     its least recent end, a block at a time, until num_misses evictable
+    #     slots are found (one block in steady state: hits are rare there).
+    #     The page table and the copy list are final when it ends.
+    #   the reorder, which only lru_order and the hit flags feel, so it may run
+    #   after the miss copy, beside the attention (TritonLRUSwap's
+    #   defer_reorder), as long as it runs before the next swap on the stream:
+    #   _swap_count_kernel (bs, U): evictable slots per chunk (a chunk = C0
+    #     positions of lru_order);
+    #   _swap_rank_kernel (bs, U): the chunk's new positions with its rank
+    #     offset, to scratch (other chunks still read theirs); clears the
+    #     chunk's hit flags, so the next select finds them zero;
+    #   _swap_copy_order_kernel (bs, U): the new order back into lru_order.
+    # Same victims, same order, same maps as the fused kernel: the first
+    # num_misses evictable slots in lru order are the victims in both.
     @triton.jit(
         do_not_specialize_on_alignment=[
             "req_pool_ptr",
             "seq_lens_ptr",
             "num_real_ptr",
             "loc_to_slot_ptr",
+            "unit_base_ptr",
+            "capacity_ptr",
             "counters_ptr",
             "miss_count_ptr",
+            "direct_ptr",
         ]
     )
-    def _swap_classify_kernel(
+    def _swap_select_kernel(
         topk_ptr,
         topk_stride,
         req_pool_ptr,
@@ -447,20 +457,21 @@ if _HAS_TRITON:
         req_to_token_stride,
         num_real_ptr,
         loc_to_slot_ptr,
+        slot_loc_ptr,
+        lru_ptr,
+        unit_base_ptr,
+        capacity_ptr,
         counters_ptr,
         page_table_ptr,
         page_table_stride,
-        miss_count_ptr,
-        hit_flags_ptr,  # (rows, C) int8 scratch
-        cur_ptr,  # (rows, K) int32 scratch: slot of each entry, -1 if none
-        sink_req,
-        slot_loc_ptr,
-        unit_base_ptr,
-        capacity_ptr,
         miss_src_ptr,
         miss_src_stride,
         miss_dst_ptr,
         miss_dst_stride,
+        miss_count_ptr,
+        hit_flags_ptr,  # (rows, C) int8 scratch, zero on entry (the reorder clears it)
+        victims_ptr,  # (rows, K) int32 scratch
+        sink_req,
         direct_ptr,  # (max_reqs + 1,) int8: requests in direct mode
         row_direct_ptr,  # (rows,) int8 scratch: rows swapped in direct mode
         K: tl.constexpr,
@@ -469,42 +480,43 @@ if _HAS_TRITON:
         U: tl.constexpr,
         W: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        BLOCK_C0: tl.constexpr,
+        BLOCK_S: tl.constexpr,  # lru positions scanned per step of the victim scan
         DIRECT: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         offs_k = tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
+        pt_row = page_table_ptr + b * page_table_stride
         if b >= tl.load(num_real_ptr):
-            pt_row = page_table_ptr + b * page_table_stride
             tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
             tl.store(miss_count_ptr + b, 0)
             return
         r = _request_row(req_pool_ptr, b, sink_req)
         n = tl.load(seq_lens_ptr + b).to(tl.int32)
+        base = tl.load(unit_base_ptr + r * U)
+        capacity = tl.load(capacity_ptr + r)
+        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
+        pos = pos.to(tl.int32)
         go_direct = False
         if DIRECT:
-            go_direct = _direct_fits(
-                direct_ptr, r, n, tl.load(capacity_ptr + r), True, W
-            )
-            # The kernels after this one skip the row.
+            go_direct = _direct_fits(direct_ptr, r, n, capacity, True, W)
+            # The reorder kernels skip the row.
             tl.store(row_direct_ptr + b, go_direct.to(tl.int8))
         if go_direct:
-            pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
             _direct_row(
-                pos.to(tl.int32),
+                pos,
                 n,
                 offs_k,
                 mask_k,
                 r,
-                tl.load(unit_base_ptr + r * U),
+                base,
                 req_to_token_ptr,
                 req_to_token_stride,
                 loc_to_slot_ptr,
                 slot_loc_ptr,
                 unit_base_ptr,
                 counters_ptr,
-                page_table_ptr + b * page_table_stride,
+                pt_row,
                 miss_src_ptr + b * miss_src_stride,
                 miss_dst_ptr + b * miss_dst_stride,
                 miss_count_ptr + b,
@@ -514,68 +526,86 @@ if _HAS_TRITON:
                 W,
             )
             return
-        _classify_row(
-            topk_ptr + b * topk_stride,
-            n,
-            r,
-            req_to_token_ptr,
-            req_to_token_stride,
-            loc_to_slot_ptr,
-            counters_ptr,
-            miss_count_ptr + b,
-            hit_flags_ptr + b.to(tl.int64) * C,
-            cur_ptr + b.to(tl.int64) * K,
-            K,
-            C0,
-            U,
-            W,
-            BLOCK_K,
-            BLOCK_C0,
-        )
+        flags_row = hit_flags_ptr + b.to(tl.int64) * C
+        victims_row = victims_ptr + b.to(tl.int64) * K
 
-    @triton.jit
-    def _classify_row(
-        topk_row,
-        n,
-        r,
-        req_to_token_ptr,
-        req_to_token_stride,
-        loc_to_slot_ptr,
-        counters_ptr,
-        miss_count_at,
-        flags_row,
-        cur_row,
-        K: tl.constexpr,
-        C0: tl.constexpr,
-        U: tl.constexpr,
-        W: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_C0: tl.constexpr,
-    ):
-        # Phase 1 of a split walk: hit flags and each entry's slot (-1 if
-        # none) to scratch, the row's miss count and the layer's counters.
-        offs_k = tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        pos = tl.load(topk_row + offs_k, mask=mask_k, other=-1).to(tl.int32)
-        _zero_flags_by_unit(flags_row, C0, U, BLOCK_C0)
+        # Phase 1: classify; hit flags by slot for the scan (and the reorder).
         in_window, lookup, loc = _classify_topk(
             pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
         )
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
-        cur = tl.where(lookup, cur, -1)
-        hit = cur >= 0
-        num_misses = tl.sum((lookup & (cur < 0)).to(tl.int32), axis=0)
-        tl.debug_barrier()
+        hit, miss, miss_rank, num_misses = _split_lookups(lookup, cur)
         tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
-        tl.store(cur_row + offs_k, cur, mask=mask_k)
-        tl.store(miss_count_at, num_misses)
+        tl.debug_barrier()
+
+        # Phase 2, victims only: the first num_misses evictable slots.
+        _scan_victims(
+            lru_ptr + r * C,
+            slot_loc_ptr + r * C,
+            flags_row,
+            loc_to_slot_ptr,
+            victims_row,
+            capacity,
+            num_misses,
+            C,
+            BLOCK_S,
+        )
+        tl.debug_barrier()
+
+        # Phase 3: misses take their victims; page table in top-k order.
+        victim = _take_victims(
+            victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
+        )
+        slot = tl.where(hit, cur, victim)
+        slot_row, rows = _entry_rows(
+            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
+        )
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(
+            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
+        )
+        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
+        tl.store(miss_count_ptr + b, num_misses)
         _add_counters(
             counters_ptr,
             tl.sum(hit.to(tl.int32), axis=0),
             tl.sum(in_window.to(tl.int32), axis=0),
             num_misses,
         )
-        return num_misses
+
+    @triton.jit
+    def _scan_victims(
+        order_row,
+        slot_loc_row,
+        flags_row,
+        loc_to_slot_ptr,
+        victims_row,
+        capacity,
+        num_misses,
+        C: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
+        # Walks lru_order from position 0 a block at a time until num_misses
+        # evictable (owned, not hit) slots are ranked or the order ends; the
+        # taken ones are evicted and go to scratch by rank.
+        offs = tl.arange(0, BLOCK_S)
+        found = num_misses * 0
+        start = num_misses * 0
+        while (found < num_misses) & (start < C):
+            p = start + offs
+            mask = p < C
+            order = tl.load(order_row + p, mask=mask, other=0).to(tl.int32)
+            flag = tl.load(flags_row + order, mask=mask, other=1)
+            evictable = mask & (flag == 0) & (order < capacity)
+            ev_i = evictable.to(tl.int32)
+            ev_rank = found + tl.cumsum(ev_i, axis=0) - ev_i
+            taken = evictable & (ev_rank < num_misses)
+            old_loc = tl.load(slot_loc_row + order, mask=taken, other=-1)
+            _evict_victims(
+                loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_S
+            )
+            found += tl.sum(ev_i, axis=0)
+            start += BLOCK_S
 
     @triton.jit
     def _chunk_evictable(
@@ -622,7 +652,7 @@ if _HAS_TRITON:
         u = tl.program_id(1)
         skip = b >= tl.load(num_real_ptr)
         if DIRECT:
-            # Rows the classify kernel swapped in direct mode.
+            # Rows the select kernel swapped in direct mode.
             skip = skip | (tl.load(row_direct_ptr + b) != 0)
         if skip:
             return
@@ -671,12 +701,16 @@ if _HAS_TRITON:
         BLOCK_U: tl.constexpr,
         BLOCK_C0: tl.constexpr,
         DIRECT: tl.constexpr = False,
+        # The multi-token swap evicts here; the one-token select kernel has
+        # evicted already, and its reorder leaves the hit flags zero.
+        EVICT: tl.constexpr = True,
+        CLEAR_FLAGS: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         u = tl.program_id(1)
         skip = b >= tl.load(num_real_ptr)
         if DIRECT:
-            # Rows the classify kernel swapped in direct mode.
+            # Rows the select kernel swapped in direct mode.
             skip = skip | (tl.load(row_direct_ptr + b) != 0)
         if skip:
             return
@@ -687,6 +721,13 @@ if _HAS_TRITON:
         order, evictable = _chunk_evictable(
             b, r, lru_ptr, capacity_ptr, hit_flags_ptr, p, mask, C
         )
+        if CLEAR_FLAGS:
+            # Every slot is in one chunk's order: the row ends all zero.
+            tl.store(
+                hit_flags_ptr + b.to(tl.int64) * C + order,
+                tl.zeros([BLOCK_C0], tl.int8),
+                mask=mask,
+            )
         offs_u = tl.arange(0, BLOCK_U)
         counts = tl.load(ev_count_ptr + b * U + offs_u, mask=offs_u < U, other=0)
         _rank_chunk(
@@ -704,6 +745,7 @@ if _HAS_TRITON:
             mask,
             C,
             BLOCK_C0,
+            EVICT,
         )
 
     @triton.jit
@@ -722,62 +764,37 @@ if _HAS_TRITON:
         mask,
         C: tl.constexpr,
         BLOCK_C0: tl.constexpr,
+        EVICT: tl.constexpr = True,
     ):
         # Phase 2 of a split walk on one chunk (lru positions p), ``before``
-        # evictable slots ahead of it: victims by rank, the chunk's new order
-        # to scratch; returns the chunk's evictable count.
+        # evictable slots ahead of it: the chunk's new order to scratch and,
+        # with EVICT, its victims by rank; returns the chunk's evictable count.
         ev_i = evictable.to(tl.int32)
         ev_rank = before + tl.cumsum(ev_i, axis=0) - ev_i
         new_pos, taken = _lru_new_positions(
             evictable, ev_rank, p, num_misses, num_evictable
         )
-        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
-        _evict_victims(
-            loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C0
-        )
+        if EVICT:
+            old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
+            _evict_victims(
+                loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C0
+            )
         tl.store(
             new_lru_row + new_pos, order.to(new_lru_row.dtype.element_ty), mask=mask
         )
         return tl.sum(ev_i, axis=0)
 
-    @triton.jit(
-        do_not_specialize_on_alignment=[
-            "req_pool_ptr",
-            "seq_lens_ptr",
-            "num_real_ptr",
-            "loc_to_slot_ptr",
-            "unit_base_ptr",
-        ]
-    )
-    def _swap_assign_kernel(
-        topk_ptr,
-        topk_stride,
+    @triton.jit(do_not_specialize_on_alignment=["req_pool_ptr", "num_real_ptr"])
+    def _swap_copy_order_kernel(
         req_pool_ptr,
-        seq_lens_ptr,
-        req_to_token_ptr,
-        req_to_token_stride,
         num_real_ptr,
-        loc_to_slot_ptr,
-        slot_loc_ptr,
         lru_ptr,
-        unit_base_ptr,
-        page_table_ptr,
-        page_table_stride,
-        miss_src_ptr,
-        miss_src_stride,
-        miss_dst_ptr,
-        miss_dst_stride,
-        cur_ptr,
-        victims_ptr,
         new_lru_ptr,
         sink_req,
         row_direct_ptr,  # (rows,) int8 scratch: rows swapped in direct mode
-        K: tl.constexpr,
         C: tl.constexpr,
         C0: tl.constexpr,
         U: tl.constexpr,
-        W: tl.constexpr,
-        BLOCK_K: tl.constexpr,
         BLOCK_C0: tl.constexpr,
         DIRECT: tl.constexpr = False,
     ):
@@ -785,78 +802,11 @@ if _HAS_TRITON:
         u = tl.program_id(1)
         skip = b >= tl.load(num_real_ptr)
         if DIRECT:
-            # Rows the classify kernel swapped in direct mode.
             skip = skip | (tl.load(row_direct_ptr + b) != 0)
         if skip:
             return
         r = _request_row(req_pool_ptr, b, sink_req)
         _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
-        if u == 0:
-            _assign_row(
-                topk_ptr + b * topk_stride,
-                tl.load(seq_lens_ptr + b).to(tl.int32),
-                r,
-                req_to_token_ptr,
-                req_to_token_stride,
-                loc_to_slot_ptr,
-                slot_loc_ptr,
-                unit_base_ptr,
-                page_table_ptr + b * page_table_stride,
-                miss_src_ptr + b * miss_src_stride,
-                miss_dst_ptr + b * miss_dst_stride,
-                cur_ptr + b.to(tl.int64) * K,
-                victims_ptr + b.to(tl.int64) * K,
-                K,
-                C,
-                C0,
-                U,
-                W,
-                BLOCK_K,
-            )
-
-    @triton.jit
-    def _assign_row(
-        topk_row,
-        n,
-        r,
-        req_to_token_ptr,
-        req_to_token_stride,
-        loc_to_slot_ptr,
-        slot_loc_ptr,
-        unit_base_ptr,
-        pt_row,
-        miss_src_row,
-        miss_dst_row,
-        cur_row,
-        victims_row,
-        K: tl.constexpr,
-        C: tl.constexpr,
-        C0: tl.constexpr,
-        U: tl.constexpr,
-        W: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-    ):
-        # Phase 3 of a split walk, as in the fused kernel, from phase 1's
-        # scratch: misses take their victims; page table in top-k order.
-        offs_k = tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        base = tl.load(unit_base_ptr + r * U)
-        pos = tl.load(topk_row + offs_k, mask=mask_k, other=-1).to(tl.int32)
-        in_window, lookup, loc = _classify_topk(
-            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
-        )
-        cur = tl.load(cur_row + offs_k, mask=mask_k, other=-1)
-        hit, miss, miss_rank, _ = _split_lookups(lookup, cur)
-        victim = _take_victims(
-            victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
-        )
-        slot = tl.where(hit, cur, victim)
-        slot_row, rows = _entry_rows(
-            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
-        )
-        tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(miss_src_row + miss_rank, loc.to(tl.int64), mask=miss)
-        tl.store(miss_dst_row + miss_rank, slot_row, mask=miss)
 
     # One variant for every batch size and slice offset (see above).
     @triton.jit(

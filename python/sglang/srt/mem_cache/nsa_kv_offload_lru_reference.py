@@ -86,7 +86,9 @@ class ReferenceLRUSwap:
         out: Optional[LayerSwapPlan],
         counters: Optional[torch.Tensor],
         num_query_tokens: int = 1,
+        defer_reorder: bool = False,
     ) -> LayerSwapPlan:
+        # The whole swap at once: nothing is ever deferred.
         work = prepare_layer_swap(
             state,
             layer,
@@ -103,6 +105,12 @@ class ReferenceLRUSwap:
         return post_process_layer_swap(
             state, work, page_table, out=out, counters=counters
         )
+
+    def check_settled(self, what: str) -> None:
+        pass
+
+    def finish_reorder(self) -> None:
+        pass
 
     def map_new_tokens(
         self,

@@ -3,8 +3,9 @@ under ``TRITON_INTERPRET=1``).
 
 :class:`TritonLRUSwap` launches the kernels of ``nsa_kv_offload_lru_kernels``: one fused
 kernel per layer (``_swap_layer_kernel``), or, with units (``max_units > 1``),
-the same swap split by unit into four kernels (``_swap_classify_kernel``
-...), plus the per-step new-token mapping. Several query tokens per request
+the select kernel (page table and copy list) and the three reorder kernels
+(``lru_order``, split by unit; ``defer_reorder`` lets them wait until after
+the miss copy), plus the per-step new-token mapping. Several query tokens per request
 (MTP target verify) run the kernels of ``nsa_kv_offload_lru_multi_kernels``.
 Semantics: ``docs/ENGINE.md``, ``docs/MTP.md``; the pure-torch reference in
 ``nsa_kv_offload_lru_reference`` is bit-exact with it.
@@ -27,11 +28,11 @@ if _HAS_TRITON:
     import triton
     from sglang.srt.mem_cache.nsa_kv_offload_lru_kernels import (
         _map_new_tokens_kernel,
-        _swap_assign_kernel,
-        _swap_classify_kernel,
+        _swap_copy_order_kernel,
         _swap_count_kernel,
         _swap_layer_kernel,
         _swap_rank_kernel,
+        _swap_select_kernel,
     )
     from sglang.srt.mem_cache.nsa_kv_offload_lru_multi_kernels import (
         _swap_multi_assign_kernel,
@@ -65,8 +66,8 @@ def check_triton_usable(device: torch.device) -> None:
 class TritonLRUSwap:
     """The swap backend of ``LRUCacheState`` on CUDA.
 
-    ``split_by_unit`` (default: with units) runs the swap as the four kernels
-    split by unit; ``False`` runs the one-program fused kernel even with units
+    ``split_by_unit`` (default: with units) runs the swap as the select kernel
+    and the reorder split by unit; ``False`` runs the one-program fused kernel even with units
     (benchmarks and tests compare the two). ``multi_split`` is the same choice
     for swaps of several query tokens per request (default: split with units,
     or when one program would walk more than ``FUSED_MAX_SLOTS`` slots).
@@ -79,6 +80,9 @@ class TritonLRUSwap:
     # spills; at 8192 slots (16 per thread) it spills (kernel_resources.py,
     # sm_90), the split kernels do not.
     FUSED_MAX_SLOTS = 4096
+    # lru positions the select kernel scans per step for victims: misses are
+    # found near the least recent end, one block in steady state.
+    SELECT_BLOCK = 1024
 
     def __init__(
         self,
@@ -121,6 +125,8 @@ class TritonLRUSwap:
         )
         self._scratch_rows = 0
         self._retired_scratch = []
+        # The reorder of the last split swap, when its caller deferred it.
+        self._pending_reorder = None
         self._alloc_scratch(max_batch_size or state.max_num_reqs)
 
     def map_new_tokens(
@@ -157,7 +163,9 @@ class TritonLRUSwap:
         out: Optional[LayerSwapPlan],
         counters: Optional[torch.Tensor],
         num_query_tokens: int = 1,
+        defer_reorder: bool = False,
     ) -> LayerSwapPlan:
+        self.check_settled("swap_layer")
         q = num_query_tokens
         bs, k = topk_pos.shape[0] // q, topk_pos.shape[1]
         assert k == self.top_k, f"top-k width {k} != {self.top_k}"
@@ -194,6 +202,8 @@ class TritonLRUSwap:
             self._split_swap(
                 state, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
             )
+            if not defer_reorder:
+                self.finish_reorder()
             return plan
         _swap_layer_kernel[(bs,)](
             *self._fused_args(
@@ -223,32 +233,60 @@ class TritonLRUSwap:
         counters: torch.Tensor,
         plan: LayerSwapPlan,
     ) -> None:
-        # The swap with units as four kernels (see _swap_classify_kernel);
-        # batch and plan_rows as swap_layer builds them.
-        bs, U = batch[0].shape[0], self.max_units
+        # The swap with units: the select kernel leaves the page table and
+        # the copy list final; the reorder (pending until finish_reorder)
+        # moves lru_order and clears the hit flags. batch and plan_rows as
+        # swap_layer builds them.
+        bs = batch[0].shape[0]
         shape = self._chunk_shape()
-        _swap_classify_kernel[(bs,)](
+        _swap_select_kernel[(bs,)](
             *batch,
             loc_to_slot,
-            counters,
-            plan.page_table,
-            plan.page_table.stride(0),
-            plan.miss_count,
-            self._hit_flags,
-            self._entry_slots,
-            state._sink_req,
             slot_loc,
+            lru,
             state._unit_base_buf,
             state._capacity_buf,
-            *plan_rows[2:],
+            counters,
+            *plan_rows,
+            plan.miss_count,
+            self._hit_flags,
+            self._victims,
+            state._sink_req,
             state._direct_buf,
             self._row_direct,
             K=self.top_k,
+            C=shape["C"],
+            C0=shape["C0"],
+            U=shape["U"],
             W=self.recent_window,
             BLOCK_K=self.block_k,
+            BLOCK_S=min(self.SELECT_BLOCK, self.block_c),
             DIRECT=self.direct,
-            **shape,
+            num_warps=self.num_warps,
         )
+        self._pending_reorder = (state, batch, loc_to_slot, slot_loc, lru, plan)
+
+    @property
+    def reorder_pending(self) -> bool:
+        return self._pending_reorder is not None
+
+    def check_settled(self, what: str) -> None:
+        """Refuse ``what`` while a deferred reorder has not been launched:
+        it would read or write an lru_order that is not final."""
+        if self._pending_reorder is not None:
+            raise RuntimeError(
+                f"{what}: the LRU reorder of the last swap is still deferred; "
+                "call finish_reorder() first"
+            )
+
+    def finish_reorder(self) -> None:
+        """Launch the reorder of the last split swap (``lru_order`` and the hit
+        flags), on the current stream; nothing when none is pending."""
+        if self._pending_reorder is None:
+            return
+        state, batch, loc_to_slot, slot_loc, lru, plan = self._pending_reorder
+        self._pending_reorder = None
+        shape = self._chunk_shape()
         self._count_and_rank(
             state,
             batch,
@@ -259,22 +297,15 @@ class TritonLRUSwap:
             plan,
             shape,
             direct=self.direct,
+            evict=False,
         )
-        _swap_assign_kernel[(bs, U)](
-            *batch,
-            loc_to_slot,
-            slot_loc,
+        _swap_copy_order_kernel[(batch[0].shape[0], self.max_units)](
+            batch[2],
+            batch[6],
             lru,
-            state._unit_base_buf,
-            *plan_rows,
-            self._entry_slots,
-            self._victims,
             self._new_lru,
             state._sink_req,
             self._row_direct,
-            K=self.top_k,
-            W=self.recent_window,
-            BLOCK_K=self.block_k,
             DIRECT=self.direct,
             **shape,
         )
@@ -366,11 +397,13 @@ class TritonLRUSwap:
         plan: LayerSwapPlan,
         chunk: dict,
         direct: bool = False,
+        evict: bool = True,
     ) -> None:
-        # Phase 2 of the split swap, one- and multi-token alike: per-chunk
-        # evictable counts, then ranks and victims (victims rows of
-        # victims_width: K, or Q x K with Q query tokens); with direct, rows
-        # the classify kernel swapped in direct mode are skipped.
+        # Phase 2 of the split swap: per-chunk evictable counts, then ranks
+        # and the new lru_order. The multi-token swap evicts here (victims
+        # rows of victims_width: Q x K with Q query tokens); the one-token
+        # reorder (evict=False) only reorders and clears the hit flags. With
+        # direct, rows the select kernel swapped in direct mode are skipped.
         bs, req_pool_indices, num_real = plan.miss_count.shape[0], batch[2], batch[6]
         U = self.max_units
         _swap_count_kernel[(bs, U)](
@@ -402,6 +435,8 @@ class TritonLRUSwap:
             K=victims_width,
             BLOCK_U=_next_pow2(U),
             DIRECT=direct,
+            EVICT=evict,
+            CLEAR_FLAGS=not evict,
             **chunk,
         )
 
@@ -456,7 +491,11 @@ class TritonLRUSwap:
         # captured CUDA graphs may still point at them.
         if self._scratch_rows:
             self._retired_scratch.append(self._scratch)
+        self.check_settled("growing the scratch")
         dev, K, C = self.device, self.top_k, self.num_slots
+        # Zeroed here; the fused and multi-token kernels zero a row before
+        # they use it, the one-token reorder clears what its select set (a
+        # state runs one or the other: one query token or several).
         self._hit_flags = torch.zeros((rows, C), dtype=torch.int8, device=dev)
         # Victims by rank: up to Q x K misses per request with Q query tokens
         # (the one-token kernels use rows of K).
@@ -466,14 +505,12 @@ class TritonLRUSwap:
         self._scratch = [self._hit_flags, self._victims]
         if self._split_scratch:
             # The split swap's hand-over between its kernels.
-            self._entry_slots = torch.zeros((rows, K), dtype=torch.int32, device=dev)
             self._evictable_counts = torch.zeros(
                 (rows, self.max_units), dtype=torch.int32, device=dev
             )
             self._new_lru = torch.zeros((rows, C), dtype=self.slot_dtype, device=dev)
             self._row_direct = torch.zeros((rows,), dtype=torch.int8, device=dev)
             self._scratch += [
-                self._entry_slots,
                 self._evictable_counts,
                 self._new_lru,
                 self._row_direct,

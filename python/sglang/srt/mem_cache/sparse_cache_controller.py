@@ -409,6 +409,7 @@ class SparseCacheController:
         num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
         out: Optional[LayerSwapPlan] = None,
         num_query_tokens: int = 1,
+        defer_lru_reorder: bool = False,
     ) -> torch.Tensor:
         """LRU swap of one layer + load of its misses; returns the page table.
 
@@ -417,12 +418,24 @@ class SparseCacheController:
         ``out`` passes preallocated plan buffers (CUDA-graph capture). With
         ``num_query_tokens = q > 1`` (MTP target verify) ``topk_pos`` and the
         page table have ``q`` rows per request (``LRUCacheState.swap_layer``).
+        ``defer_lru_reorder``: the recency update waits for
+        :meth:`finish_lru_reorder` (the caller's to call before anything else
+        touches the LRU state), so it can run after the miss copy.
         """
         swap_args = (topk_pos, req_pool_indices, seq_lens, req_to_token, num_real_reqs)
         plan = self._swap_and_load(
-            layer_id, swap_args, out, counters=None, num_query_tokens=num_query_tokens
+            layer_id,
+            swap_args,
+            out,
+            counters=None,
+            num_query_tokens=num_query_tokens,
+            defer_reorder=defer_lru_reorder,
         )
         return plan.page_table
+
+    def finish_lru_reorder(self) -> None:
+        """Launch the deferred recency update of the last swap (current stream)."""
+        self.lru.finish_reorder()
 
     def prefetch_one_layer(
         self, layer_id: int, *swap_args, out: Optional[LayerSwapPlan] = None
@@ -435,7 +448,7 @@ class SparseCacheController:
         self._swap_and_load(layer_id, swap_args, out, counters=counters)
 
     def _swap_and_load(
-        self, layer_id, swap_args, out, counters, num_query_tokens=1
+        self, layer_id, swap_args, out, counters, num_query_tokens=1, defer_reorder=False
     ) -> LayerSwapPlan:
         plan = self.lru.swap_layer(
             self._local_layer(layer_id),
@@ -443,6 +456,7 @@ class SparseCacheController:
             out=out,
             counters=counters,
             num_query_tokens=num_query_tokens,
+            defer_reorder=defer_reorder,
         )
         self.load_tokens_h2d_one_layer(layer_id, plan)
         return plan
