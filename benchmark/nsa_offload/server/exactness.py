@@ -1233,9 +1233,19 @@ def main(argv=None) -> int:
     lock = threading.Lock()
 
     def save():
+        # Servers run in threads that add keys to their own results without
+        # the lock: a dump that meets one mid-iteration is tried again.
         with lock:
+            for attempt in range(50):
+                try:
+                    text = json.dumps(result)
+                    break
+                except RuntimeError:
+                    if attempt == 49:
+                        raise
+                    time.sleep(0.02)
             with open(os.path.join(args.out, "exactness.json"), "w") as f:
-                json.dump(result, f)
+                f.write(text)
 
     def run_stage(plan):
         """plan: (name, spec, checkpoint dir) of servers to run."""

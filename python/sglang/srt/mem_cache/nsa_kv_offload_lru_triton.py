@@ -193,7 +193,7 @@ class TritonLRUSwap:
         )
         # With several query tokens per swap allowed, every swap (one query
         # token too) reads the shorter window (read_window): multi kernels.
-        if q > 1 or self.always_multi_token or self.max_query_tokens > 1:
+        if q > 1 or self.multi_token:
             self.multi_token_swap(
                 state, q, batch, plan_rows, loc_to_slot, slot_loc, lru, counters, plan
             )
@@ -265,6 +265,11 @@ class TritonLRUSwap:
             num_warps=self.num_warps,
         )
         self._pending_reorder = (state, batch, loc_to_slot, slot_loc, lru, plan)
+
+    @property
+    def multi_token(self) -> bool:
+        """Whether every swap runs the multi-token kernels."""
+        return self.always_multi_token or self.max_query_tokens > 1
 
     @property
     def reorder_pending(self) -> bool:
