@@ -243,7 +243,18 @@ class TestExactnessAccounting(unittest.TestCase):
                     {"ours_fp8_heavy": {"seq": out[:-1] + [[9]]}},
                     resumed={"servers": ["base_fp8", "ours_fp8"]},
                 ),
+                # ours_fp8 again (new code), its run cut before "concurrent".
+                call(
+                    "c3b",
+                    {"ours_fp8": {"seq": out, "error": "cut"}},
+                    resumed={"servers": ["base_fp8", "ours_fp8_heavy"]},
+                ),
             ]
+            with open(calls[0]) as f:
+                c1 = json.load(f)
+            c1["servers"]["ours_fp8"]["concurrent"] = out
+            with open(calls[0], "w") as f:
+                json.dump(c1, f)
             merged_dir = os.path.join(d, "merged")
             exactness.main(["--out", merged_dir, "--report", "--merge", *calls])
             with open(os.path.join(merged_dir, "summary.json")) as f:
@@ -251,8 +262,12 @@ class TestExactnessAccounting(unittest.TestCase):
             self.assertEqual(
                 [c["ran"] for c in summary["merged_from"]],
                 [["base_fp8", "ours_fp8"], ["base_fp8 (negative control)"],
-                 ["ours_fp8_heavy"]],
+                 ["ours_fp8_heavy"], ["ours_fp8"]],
             )  # fmt: skip
+            with open(os.path.join(merged_dir, "exactness.json")) as f:
+                ours = json.load(f)["servers"]["ours_fp8"]
+            # c4 replaced c1's record: no concurrent outputs of the old code.
+            self.assertEqual(sorted(ours), ["error", "seq"])
             n = len(out)
             heavy = summary["comparisons"]["ours_fp8_heavy"]["seq"]
             self.assertEqual((heavy["identical"], heavy["total"]), (n - 1, n))
@@ -273,7 +288,7 @@ class TestExactnessAccounting(unittest.TestCase):
             with open(os.path.join(again, "summary.json")) as f:
                 self.assertEqual(
                     [c["code_commit"] for c in json.load(f)["merged_from"]],
-                    ["c1", "c2", "c3", "c4"],
+                    ["c1", "c2", "c3", "c3b", "c4"],
                 )
             # Another call's prompts (another seed) are refused; so is
             # --merge without --report.

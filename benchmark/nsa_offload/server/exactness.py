@@ -982,8 +982,9 @@ def parse_sweep(text: str) -> List[tuple]:
 def merge_runs(paths: List[str]) -> dict:
     """One result from several calls' exactness.json (the same prompts and
     weights, e.g. one rank server per device call): a server's keys from a
-    later file update the earlier ones' (an --nc-only call adds the control to
-    the outputs kept from before). Records which call ran what, at which code."""
+    later --nc-only file update the earlier ones' (it adds the control to
+    the outputs kept from before), a server run again replaces its earlier
+    record. Records which call ran what, at which code."""
     runs = []
     for path in paths:
         with open(path) as f:
@@ -1008,7 +1009,12 @@ def merge_runs(paths: List[str]) -> dict:
                 f"{n} (negative control)" for n in run["config"]["servers"].split(",")
             ]
         for name, res in run["servers"].items():
-            merged["servers"].setdefault(name, {}).update(res)
+            if name in ran:
+                # Run again: nothing of its earlier run stays (a case the new
+                # run did not reach must not show the old code's outputs).
+                merged["servers"][name] = dict(res)
+            else:
+                merged["servers"].setdefault(name, {}).update(res)
         merged["specs"].update(run["specs"])
         merged["logs"].update(run["logs"])
         if run.get("merged_from") and not run.get("resumed"):
