@@ -79,7 +79,7 @@ class TestSummarize(unittest.TestCase):
         self.assertEqual(
             step_profile.kernel_category("_swap_layer_kernel_0d1d"), "swap"
         )
-        # With LRU units the swap runs as four kernels.
+        # With LRU units the swap runs as several kernels.
         for part in ("classify", "count", "rank", "assign"):
             self.assertEqual(
                 step_profile.kernel_category(f"_swap_{part}_kernel"), "swap"
