@@ -1642,6 +1642,38 @@ class TestEarlySwap(unittest.TestCase):
                 stats = self._assert_same_as_inline(max_units=units)
                 self.assertGreater(stats["misses"], 0)
 
+    def test_recency_update_deferred_past_the_event_but_the_last_layer(self):
+        # Every decode layer but the last defers its LRU reorder and finishes
+        # it within begin_layer_swap, after its page table is recorded; the
+        # state is settled whenever the hook returns.
+        h = _Harness(
+            self, layers=3, num_regions=3, max_reqs=3, max_units=3,
+            coordinator_kwargs={"early_swap": True},
+        )  # fmt: skip
+        ctrl, calls = h.controller, []
+        swap, finish = ctrl.swap_one_layer, ctrl.finish_lru_reorder
+
+        def record_swap(layer_id, *args, defer_lru_reorder=False, **kwargs):
+            calls.append((layer_id, defer_lru_reorder))
+            return swap(layer_id, *args, defer_lru_reorder=defer_lru_reorder, **kwargs)
+
+        def record_finish():
+            calls.append("finish")
+            finish()
+
+        a = h.new_req()
+        h.prefill([(a, 300)])
+        with mock.patch.object(ctrl, "swap_one_layer", record_swap), mock.patch.object(
+            ctrl, "finish_lru_reorder", record_finish
+        ):
+            h.decode_step([a], first_step_of=(a,))
+            h.decode_step([a])
+        per_step = [(0, True), "finish", (1, True), "finish", (2, False)]
+        self.assertEqual(calls, per_step * 2)
+        ctrl.lru.swap_backend.check_settled("after the step")  # nothing pending
+        h.finish(a)
+        h.check_no_leaks()
+
     def test_idle_and_extend_stay_inline(self):
         # (MTP verify: test_nsa_kv_offload_mtp_verify, early and inline.)
         h = _Harness(self, coordinator_kwargs={"early_swap": True})

@@ -139,9 +139,7 @@ def swap_kernels(
                     K=top_k,
                     W=window,
                     BLOCK_K=block_k,
-                    BLOCK_S=min(
-                        TritonLRUSwap.SELECT_BLOCK, triton.next_power_of_2(C)
-                    ),
+                    BLOCK_S=min(TritonLRUSwap.SELECT_BLOCK, triton.next_power_of_2(C)),
                 ),
             ),
             ("count", lru._swap_count_kernel, chunk),

@@ -448,7 +448,13 @@ class SparseCacheController:
         self._swap_and_load(layer_id, swap_args, out, counters=counters)
 
     def _swap_and_load(
-        self, layer_id, swap_args, out, counters, num_query_tokens=1, defer_reorder=False
+        self,
+        layer_id,
+        swap_args,
+        out,
+        counters,
+        num_query_tokens=1,
+        defer_reorder=False,
     ) -> LayerSwapPlan:
         plan = self.lru.swap_layer(
             self._local_layer(layer_id),
