@@ -552,7 +552,9 @@ if _HAS_TRITON:
         )
         tl.debug_barrier()
 
-        # Phase 3: misses take their victims; page table in top-k order.
+        # Phase 3: misses take their victims; page table in top-k order (as
+        # in the fused kernel, inline: through a shared helper the fused one
+        # spills at 16 warps, kernel_resources.py).
         victim = _take_victims(
             victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
         )
