@@ -2,8 +2,11 @@
 kernels split by unit, and both against one unit.
 
 A request with ``U`` units has ``U x C`` LRU slots per layer; the fused kernel
-walks them all in one program per request, the split swap spreads the walk
-over ``U`` programs (``TritonLRUSwap(split_by_unit=...)``). For each batch size and
+walks them all in one program per request, the split swap runs one select
+kernel per request (page table and copy list) and spreads the recency walk
+over ``U`` programs (``TritonLRUSwap(split_by_unit=...)``); on CUDA one more
+replay under the torch profiler gives each split kernel's time, the select
+kernel's being what stands before the miss copy. For each batch size and
 ``U``, every request holds all ``U`` units and decodes at ``--ctx`` tokens
 with a top-k that keeps ``--keep`` of the previous step's positions (the rest
 fresh, uniform). ``--steps`` swaps with distinct top-k inputs are captured in
@@ -114,7 +117,29 @@ def run_point(args, bs: int, units: int, tops: torch.Tensor) -> dict:
             "hits_per_row": c[0] / (tops.shape[0] * bs),
         }
     res["mismatched_replays"] = mismatches
+    if "split" in graphs and DEVICE.type == "cuda":
+        res["split"]["kernel_us_per_swap"] = kernel_times(
+            graphs["split"], tops.shape[0]
+        )
     return res
+
+
+def kernel_times(graph: "_Steps", steps: int) -> dict:
+    """GPU time per swap of each kernel in one replay (torch profiler): the
+    select kernel is what stands before the miss copy; the reorder's kernels
+    (count, rank, copy order) may run beside the attention."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+    out = {}
+    for e in prof.key_averages():
+        if e.key.startswith("_swap"):
+            total = getattr(e, "device_time_total", None)
+            if total is None:
+                total = e.cuda_time_total
+            out[e.key] = round(total / steps, 2)
+    return out
 
 
 class _Steps:
@@ -251,9 +276,9 @@ def main():
         f"{args.repeats} replays; {args.ctx}-token requests holding every unit, "
         f"top-k {args.top_k} keeping {args.keep:.0%} of the previous step.",
         "",
-        "| batch | units (LRU rows) | fused us | split us | misses per row "
-        "| split = fused |",
-        "|---:|---:|---:|---:|---:|---|",
+        "| batch | units (LRU rows) | fused us | split us | of it: select us "
+        "(before the copy) | misses per row | split = fused |",
+        "|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         split = r.get("split")
@@ -263,9 +288,11 @@ def main():
         same = "-" if not split else ("yes" if r["mismatched_replays"] == 0 else "NO")
         if split and not split["misses_per_row"]:
             same += " (no misses: hits only)"
+        select = (split or {}).get("kernel_us_per_swap", {}).get("_swap_select_kernel")
         lines.append(
             f"| {r['batch']} | {r['units']} ({r['units'] * args.buffer_size}) "
-            f"| {' | '.join(us)} | {r['fused']['misses_per_row']:.0f} | {same} |"
+            f"| {' | '.join(us)} | {'-' if select is None else f'{select:.1f}'} "
+            f"| {r['fused']['misses_per_row']:.0f} | {same} |"
         )
     with open(os.path.join(args.out, "bench_swap_units.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
