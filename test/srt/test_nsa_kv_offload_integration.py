@@ -1644,7 +1644,7 @@ class TestEarlySwap(unittest.TestCase):
 
     def test_recency_update_deferred_past_the_event_but_the_last_layer(self):
         # Every decode layer but the last defers its LRU reorder and finishes
-        # it within begin_layer_swap, after its page table is recorded; the
+        # it within begin_layer_swap, before the next layer's swap; the
         # state is settled whenever the hook returns.
         h = _Harness(
             self, layers=3, num_regions=3, max_reqs=3, max_units=3,

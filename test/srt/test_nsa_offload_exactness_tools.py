@@ -266,7 +266,7 @@ class TestExactnessAccounting(unittest.TestCase):
             )  # fmt: skip
             with open(os.path.join(merged_dir, "exactness.json")) as f:
                 ours = json.load(f)["servers"]["ours_fp8"]
-            # c4 replaced c1's record: no concurrent outputs of the old code.
+            # c3b replaced c1's record: no concurrent outputs of the old code.
             self.assertEqual(sorted(ours), ["error", "seq"])
             n = len(out)
             heavy = summary["comparisons"]["ours_fp8_heavy"]["seq"]

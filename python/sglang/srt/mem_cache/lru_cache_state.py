@@ -36,9 +36,10 @@ graph. The swap backend is chosen once, at construction: on CUDA (or under
 ``TRITON_INTERPRET=1``) ``nsa_kv_offload_lru_triton.TritonLRUSwap`` runs one
 fused Triton kernel per layer (with units: a select kernel for the page table
 and copy list, then the recency update split by unit, which may be deferred:
-``swap_layer(defer_reorder=True)``); else ``nsa_kv_offload_lru_reference.ReferenceLRUSwap``, the
-pure-torch reference of the same semantics (bit-exact; it backs the CPU
-tests). Both read and write the sink-padded buffers of this class.
+``swap_layer(defer_reorder=True)``); else
+``nsa_kv_offload_lru_reference.ReferenceLRUSwap``, the pure-torch reference
+of the same semantics (bit-exact; it backs the CPU tests). Both read and
+write the sink-padded buffers of this class.
 
 Callers guarantee: top-k positions unique apart from padding; token locs unique
 across live requests; a request is released before its pool index is admitted

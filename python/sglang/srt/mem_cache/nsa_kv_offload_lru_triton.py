@@ -5,8 +5,8 @@ under ``TRITON_INTERPRET=1``).
 kernel per layer (``_swap_layer_kernel``), or, with units (``max_units > 1``),
 the select kernel (page table and copy list) and the three reorder kernels
 (``lru_order``, split by unit; ``defer_reorder`` lets them wait until after
-the miss copy), plus the per-step new-token mapping. Several query tokens per request
-(MTP target verify) run the kernels of ``nsa_kv_offload_lru_multi_kernels``.
+the miss copy), plus the per-step new-token mapping. Several query tokens per
+request (MTP target verify) run the kernels of ``nsa_kv_offload_lru_multi_kernels``.
 Semantics: ``docs/ENGINE.md``, ``docs/MTP.md``; the pure-torch reference in
 ``nsa_kv_offload_lru_reference`` is bit-exact with it.
 """
@@ -67,10 +67,11 @@ class TritonLRUSwap:
     """The swap backend of ``LRUCacheState`` on CUDA.
 
     ``split_by_unit`` (default: with units) runs the swap as the select kernel
-    and the reorder split by unit; ``False`` runs the one-program fused kernel even with units
-    (benchmarks and tests compare the two). ``multi_split`` is the same choice
-    for swaps of several query tokens per request (default: split with units,
-    or when one program would walk more than ``FUSED_MAX_SLOTS`` slots).
+    and the reorder split by unit; ``False`` runs the one-program fused kernel
+    even with units (benchmarks and tests compare the two). ``multi_split`` is
+    the same choice for swaps of several query tokens per request (default:
+    split with units, or when one program would walk more than
+    ``FUSED_MAX_SLOTS`` slots).
     Multi-token kernels run every swap of a state with ``max_query_tokens > 1``
     (its read window is shorter); ``always_multi_token`` runs them for one
     query token of a one-token state too (tests: the two must agree).
@@ -494,9 +495,9 @@ class TritonLRUSwap:
         # Per-batch-row scratch of the kernels, shared by all layers: swaps of
         # one state must run on one stream. Old buffers stay alive because
         # captured CUDA graphs may still point at them.
+        self.check_settled("growing the scratch")
         if self._scratch_rows:
             self._retired_scratch.append(self._scratch)
-        self.check_settled("growing the scratch")
         dev, K, C = self.device, self.top_k, self.num_slots
         # Zeroed here; the fused and multi-token kernels zero a row before
         # they use it, the one-token reorder clears what its select set (a
