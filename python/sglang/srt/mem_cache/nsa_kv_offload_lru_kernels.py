@@ -703,10 +703,10 @@ if _HAS_TRITON:
         BLOCK_U: tl.constexpr,
         BLOCK_C0: tl.constexpr,
         DIRECT: tl.constexpr = False,
-        # The multi-token swap evicts here; the one-token select kernel has
-        # evicted already, and its reorder leaves the hit flags zero.
-        EVICT: tl.constexpr = True,
-        CLEAR_FLAGS: tl.constexpr = False,
+        # The multi-token swap evicts here. REORDER_ONLY: the one-token
+        # select kernel has evicted already; the reorder leaves the hit flags
+        # zero for the next select.
+        REORDER_ONLY: tl.constexpr = False,
     ):
         b = tl.program_id(0)
         u = tl.program_id(1)
@@ -723,7 +723,7 @@ if _HAS_TRITON:
         order, evictable = _chunk_evictable(
             b, r, lru_ptr, capacity_ptr, hit_flags_ptr, p, mask, C
         )
-        if CLEAR_FLAGS:
+        if REORDER_ONLY:
             # Every slot is in one chunk's order: the row ends all zero.
             tl.store(
                 hit_flags_ptr + b.to(tl.int64) * C + order,
@@ -747,7 +747,7 @@ if _HAS_TRITON:
             mask,
             C,
             BLOCK_C0,
-            EVICT,
+            not REORDER_ONLY,
         )
 
     @triton.jit

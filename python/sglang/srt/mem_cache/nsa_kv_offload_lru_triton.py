@@ -303,7 +303,7 @@ class TritonLRUSwap:
             plan,
             shape,
             direct=self.direct,
-            evict=False,
+            reorder_only=True,
         )
         _swap_copy_order_kernel[(batch[0].shape[0], self.max_units)](
             batch[2],
@@ -403,12 +403,12 @@ class TritonLRUSwap:
         plan: LayerSwapPlan,
         chunk: dict,
         direct: bool = False,
-        evict: bool = True,
+        reorder_only: bool = False,
     ) -> None:
         # Phase 2 of the split swap: per-chunk evictable counts, then ranks
         # and the new lru_order. The multi-token swap evicts here (victims
         # rows of victims_width: Q x K with Q query tokens); the one-token
-        # reorder (evict=False) only reorders and clears the hit flags. With
+        # reorder (reorder_only) only reorders and clears the hit flags. With
         # direct, rows the select kernel swapped in direct mode are skipped.
         bs, req_pool_indices, num_real = plan.miss_count.shape[0], batch[2], batch[6]
         U = self.max_units
@@ -441,8 +441,7 @@ class TritonLRUSwap:
             K=victims_width,
             BLOCK_U=_next_pow2(U),
             DIRECT=direct,
-            EVICT=evict,
-            CLEAR_FLAGS=not evict,
+            REORDER_ONLY=reorder_only,
             **chunk,
         )
 
