@@ -1173,7 +1173,38 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # slot ids).
         "rank_speed/run_profile_64/bench_server_override.json",
         "rank_speed/run_wide_128k/bench_server_override.json",
+        # Warm units with the select kernel (13094cf), 30K x 32/64 profiled:
+        # two device calls merged (--merge-calls).
+        "rank_speed/run_select_64/bench_server_override.json",
     )
+
+    def test_merged_run_is_its_calls(self):
+        run = self.RESULTS / "rank_speed" / "run_select_64"
+        calls = []
+        for name in ("call2_baseline.json", "call3_ours_warm.json"):
+            with open(run / "calls" / name) as f:
+                calls.append(json.load(f))
+        with open(run / "bench_server_override.json") as f:
+            committed = json.load(f)
+        merged = bench_server.merge_calls(calls)
+        self.assertEqual(json.loads(json.dumps(merged)), committed)
+        self.assertEqual(merged["config"]["servers"], ["baseline", "ours_warm"])
+        # ours_warm's points were all skipped in the first call: the second's count.
+        warm = merged["servers"]["ours_warm"]
+        self.assertIs(warm, calls[1]["servers"]["ours_warm"])
+        self.assertIn(
+            "Merged from 2 device calls", bench_server.render_markdown([merged])
+        )
+        # Not one measurement: another flag.
+        other = json.loads(json.dumps(calls[1]))
+        other["config"]["kv_budget_gib"] = 60.0
+        with self.assertRaisesRegex(ValueError, "kv_budget_gib"):
+            bench_server.merge_calls([calls[0], other])
+        # A server measured in two calls: which one counts is not clear.
+        with self.assertRaisesRegex(ValueError, "baseline"):
+            bench_server.merge_calls([calls[0], calls[0]])
+        with self.assertRaisesRegex(ValueError, "at least two"):
+            bench_server.merge_calls(calls[:1])
 
     def test_summaries_match_the_runs(self):
         runs = []

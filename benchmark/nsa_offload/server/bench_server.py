@@ -1562,7 +1562,8 @@ def render_markdown(results: List[dict]) -> str:
             f"{cfg['layers']} layers. Started {cfg['started']}, "
             f"{cfg['wall_s']:.0f} s."
             + _hisparse_budget_note(cfg)
-            + _interleave_note(cfg, srv),
+            + _interleave_note(cfg, srv)
+            + _merged_calls_note(cfg),
             "",
             "| server | start (s) | pools GPU (GiB) | KV tokens / locs | request slots "
             + "".join(f"| cap. {c // 1024}K " for c in CAPACITY_CONTEXTS)
@@ -2091,6 +2092,86 @@ def mtp_speed_summary(results: List[dict]) -> Optional[dict]:
     }
 
 
+# The config keys that name one device call, not the measurement: calls of
+# one measurement differ only in these.
+CALL_CONFIG_KEYS = ("command", "started", "wall_s", "servers", "concurrency")
+
+
+def _measured_points(res: dict) -> int:
+    return sum(1 for p in res.get("points", []) if "skipped" not in p)
+
+
+def _merged_calls_note(cfg: dict) -> str:
+    calls = cfg.get("merged_calls")
+    if not calls:
+        return ""
+    parts = [
+        f"{', '.join(c['servers_measured']) or 'nothing'} from the call started "
+        f"{c['started']}"
+        for c in calls
+    ]
+    return (
+        f" Merged from {len(calls)} device calls of the same flags "
+        f"(`--merge-calls`): {'; '.join(parts)}."
+    )
+
+
+def merge_calls(results: List[dict]) -> dict:
+    """One run from the calls of one measurement that the device split (its
+    machine lost between servers, a budget that skipped a server's points):
+    every config key but ``CALL_CONFIG_KEYS`` must agree; each server comes
+    from the call that measured the most of its points (a tie between calls
+    that both measured it is refused); the calls' commands and start times
+    stay under ``config["merged_calls"]``."""
+    if len(results) < 2:
+        raise ValueError("merging needs the JSONs of at least two calls")
+    first = results[0]["config"]
+    for r in results[1:]:
+        for key in sorted(set(first) | set(r["config"])):
+            if key in CALL_CONFIG_KEYS:
+                continue
+            if first.get(key) != r["config"].get(key):
+                raise ValueError(
+                    f"config key {key!r} differs between the calls "
+                    f"({first.get(key)!r} vs {r['config'].get(key)!r}): "
+                    "not one measurement"
+                )
+    servers: Dict[str, dict] = {}
+    for r in results:
+        for kind, res in r["servers"].items():
+            old = servers.get(kind)
+            n = _measured_points(res)
+            if old is not None and n and n == _measured_points(old):
+                raise ValueError(
+                    f"server {kind!r} measured {n} point(s) in two calls: "
+                    "which one counts is not clear"
+                )
+            if old is None or n > _measured_points(old):
+                servers[kind] = res
+    config = dict(first)
+    config["servers"] = [k for k in SERVER_KINDS if k in servers]
+    concurrency: List[int] = []
+    for r in results:
+        for c in r["config"]["concurrency"]:
+            if c not in concurrency:
+                concurrency.append(c)
+    config["concurrency"] = concurrency
+    config["merged_calls"] = [
+        {
+            "command": r["config"].get("command"),
+            "started": r["config"].get("started"),
+            "servers_measured": [
+                k for k, res in r["servers"].items() if servers[k] is res
+            ],
+        }
+        for r in results
+    ]
+    config["command"] = " ; ".join(str(r["config"].get("command")) for r in results)
+    merged = {"config": config, "servers": servers}
+    merged["targets"] = evaluate_targets(merged)
+    return merged
+
+
 def write_report(results: List[dict], out_dir: str) -> None:
     md = render_markdown(results)
     path = os.path.join(out_dir, "bench_server.md")
@@ -2390,7 +2471,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         metavar="JSON",
         help="render the table and PNGs of earlier runs (no GPU)",
     )
+    p.add_argument(
+        "--merge-calls",
+        action="store_true",
+        help="with --plot-only: the JSONs are device calls of one measurement "
+        "(same flags, servers split between them): write them as one run, "
+        "bench_server_<topk>.json in --out, each server from the call "
+        "that measured it",
+    )
     args = p.parse_args(argv)
+    if args.merge_calls and not args.plot_only:
+        p.error("--merge-calls goes with --plot-only")
     if args.profile_steps and args.record and not args.plot_only:
         # The recorder's ring would hold the profiled run, not the point's.
         p.error("--profile-steps needs --no-record")
@@ -2433,6 +2524,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 results.append(json.load(f))
         out = args.out or os.path.dirname(os.path.abspath(args.plot_only[0]))
         os.makedirs(out, exist_ok=True)
+        if args.merge_calls:
+            try:
+                merged = merge_calls(results)
+            except ValueError as e:
+                raise SystemExit(f"--merge-calls: {e}")
+            results = [merged]
+            path = os.path.join(out, f"bench_server_{merged['config']['topk']}.json")
+            with open(path, "w") as f:
+                json.dump(merged, f, indent=1)
+            log(f"wrote {path}")
         write_report(results, out)
         return 0
     if not args.out:
