@@ -35,19 +35,28 @@ if [ "${1:-}" = install-a ]; then
   if [ -d $W/jitcache-extra ]; then mkdir -p /tmp/jit-parts && cp $W/jitcache-extra/part-* /tmp/jit-parts/; fi
   exit 0
 fi
+# The ninja-built JIT caches (tvm-ffi, flashinfer) count as stale when their
+# sources are newer: pip writes the wheels' sources now, tar restores the
+# cached objects' old times. (Seen 2026-12-03: the tvm-ffi kernels of the
+# carried caches, same hashed names, built again on each fresh machine, in a
+# rank server's first CUDA-graph capture of 150-180 s; that this stops it is
+# not yet measured.) They take the time of .jit-stamp (after pip, before .wheels-b): "savejit"
+# packs only what is newer than .wheels-b, built here.
+touch_jit() { find ~/.cache/tvm-ffi ~/.cache/flashinfer -type f -exec touch -r /tmp/site/.jit-stamp {} + 2>/dev/null; }
 if [ ! -f /tmp/site/.wheels-b ]; then
-  $PIP $W/wheels-b/*.whl && tar xzf $W/jitcache-h200.tgz -C ~ && touch /tmp/site/.wheels-b || exit 1
+  $PIP $W/wheels-b/*.whl && touch /tmp/site/.jit-stamp && tar xzf $W/jitcache-h200.tgz -C ~ || exit 1
   # JIT caches saved by an earlier "savejit" step (Triton MoE kernels etc.):
   # carry .devwheels/jitcache-extra (a folder of archive parts; older: one
   # jitcache-extra.tgz) to skip ~2 min of compiling per start.
   [ -f $W/jitcache-extra.tgz ] && tar xzf $W/jitcache-extra.tgz -C ~
   [ -d $W/jitcache-extra ] && cat $W/jitcache-extra/part-* | tar xzf - -C ~
   [ -d /tmp/jit-parts ] && cat /tmp/jit-parts/part-* | tar xzf - -C ~
+  touch_jit; sleep 1; touch /tmp/site/.wheels-b
 fi
 # What a rank-sized (61-layer) server compiles beyond that (../shared/DEVICE.md),
 # on top of jitcache-h200.tgz; carried in a later call if need be.
 if [ -f $W/jitcache-rank-h200.tgz ] && [ ! -f /tmp/site/.jit-rank ]; then
-  tar xzf $W/jitcache-rank-h200.tgz -C ~ && touch /tmp/site/.jit-rank
+  tar xzf $W/jitcache-rank-h200.tgz -C ~ && touch_jit && touch /tmp/site/.jit-rank
 fi
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # torch.compile's cache under ~ too, so that "savejit" can carry it.

@@ -784,6 +784,29 @@ class TestRepeats(unittest.TestCase):
         )
 
 
+class TestPointEstimate(unittest.TestCase):
+    ARGV = "--quick --topk override --no-record --profile-steps 16 --out /tmp/x"
+
+    def test_pd_decode_plans_without_a_prefill(self):
+        # run_select_64/: at 30K x 64 a PD decode point (2 runs + a profiled
+        # one) took 45 s; the prefill guess planned ~165 s and the budget
+        # skipped it.
+        pd = bench_server.parse_args((self.ARGV + " --pd-decode").split())
+        colo = bench_server.parse_args(self.ARGV.split())
+        self.assertEqual(pd.prefill_rate_guess, bench_server.PD_ADMIT_RATE_GUESS)
+        self.assertEqual(colo.prefill_rate_guess, bench_server.PREFILL_RATE_GUESS)
+        est = lambda a: bench_server.point_estimate_s(
+            a, 30720, 64, 2, a.prefill_rate_guess, True
+        )
+        self.assertLess(est(pd), 90)
+        self.assertGreater(est(pd), 45)
+        self.assertGreater(est(colo), 150)
+        given = bench_server.parse_args(
+            (self.ARGV + " --pd-decode --prefill-rate-guess 5000").split()
+        )
+        self.assertEqual(given.prefill_rate_guess, 5000.0)
+
+
 class TestInterleave(unittest.TestCase):
     @staticmethod
     def point(itls, interleaved=True):

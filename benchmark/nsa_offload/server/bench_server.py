@@ -1127,6 +1127,13 @@ def first_point_estimate_s(args) -> float:
     )
 
 
+# Tokens/s a point's requests take to start, before the first measurement:
+# a prefill on the rank model; a PD decode server's fake transfer plus the
+# offload's admission (warm units: ~330K tok/s at 30K x 64, run_select_64/).
+PREFILL_RATE_GUESS = 40000.0
+PD_ADMIT_RATE_GUESS = 200000.0
+
+
 def point_estimate_s(
     args, ctx: int, conc: int, runs: int, prefill_rate: float, profiled=False
 ) -> float:
@@ -2430,8 +2437,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--prefill-rate-guess",
         type=float,
-        default=40000.0,
-        help="prefill tokens/s assumed before the first measurement (plans the rounds)",
+        default=None,
+        help="prefill tokens/s assumed before the first measurement (plans the "
+        f"rounds; default {PREFILL_RATE_GUESS:.0f}, with --pd-decode "
+        f"{PD_ADMIT_RATE_GUESS:.0f}: no prefill, only the fake transfer and "
+        "the offload's admission)",
     )
     p.add_argument(
         "--no-record",
@@ -2480,6 +2490,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "that measured it",
     )
     args = p.parse_args(argv)
+    if args.prefill_rate_guess is None:
+        args.prefill_rate_guess = (
+            PD_ADMIT_RATE_GUESS if args.pd_decode else PREFILL_RATE_GUESS
+        )
     if args.merge_calls and not args.plot_only:
         p.error("--merge-calls goes with --plot-only")
     if args.profile_steps and args.record and not args.plot_only:
