@@ -457,6 +457,57 @@ class TestServerArgsToPools(TinyConfigDirCase):
         bf16.kv_cache_dtype = torch.bfloat16
         self.assertEqual(NSAKVOffloadPoolConfigurator(bf16).row_bytes, 1152)
 
+    def test_pools_take_what_sglangs_pool_takes(self):
+        # sglang's own pool counts tokens by a nominal 576 B fp8 row and
+        # allocates 656 B ones: with the offload on, the same
+        # --mem-fraction-static must give the pools that footprint, not 11% less.
+        from sglang.srt.model_executor.pool_configurator import (
+            DefaultPoolConfigurator,
+        )
+
+        available = 1 << 30
+        for dtype, backend in (
+            ("fp8_e4m3", "flashmla_kv"),
+            ("bfloat16", "flashmla_sparse"),
+        ):
+            with self.subTest(dtype=dtype):
+                args = self._server_args(
+                    kv_cache_dtype=dtype, nsa_decode_backend=backend
+                )
+                mr = self._model_runner(args, available)
+                mr.kv_cache_dtype = (
+                    torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.bfloat16
+                )
+                mr.spec_algorithm = SimpleNamespace(is_dflash=lambda: False)
+                mr.use_mla_backend = True
+                with mock.patch(
+                    "sglang.srt.model_executor.pool_configurator."
+                    "get_attention_tp_size",
+                    return_value=1,
+                ):
+                    upstream = DefaultPoolConfigurator(mr)
+                ours = NSAKVOffloadPoolConfigurator(mr)
+                tokens = available // upstream._cell_size
+                real_cell = 3 * (ours.row_bytes + ours.indexer_bytes)
+                self.assertEqual(ours.budget_bytes(available), tokens * real_cell)
+                if dtype == "bfloat16":
+                    # Its row is what sglang counts: the budget as given.
+                    self.assertEqual(ours.row_bytes, 1152)
+                    self.assertLessEqual(available - tokens * real_cell, real_cell)
+                else:
+                    self.assertEqual(ours.row_bytes, 656)
+                    ratio = ours.budget_bytes(available) / available
+                    self.assertAlmostEqual(ratio, (656 + 132) / (576 + 132), places=4)
+                # The pools are sized from that footprint.
+                mr.is_hybrid_swa = False
+                with mock.patch.object(
+                    NSAKVOffloadPoolConfigurator,
+                    "compute_sizes",
+                    wraps=ours.compute_sizes,
+                ) as sized:
+                    ours.calculate_pool_sizes(available, PAGE)
+                self.assertEqual(sized.call_args.args[0], ours.budget_bytes(available))
+
     def test_pd_decode_has_no_staging(self):
         # The prefill server writes KV into the host pool: no staging rows, so
         # the same budget holds more token locs than a colocated server's.

@@ -406,6 +406,17 @@ def offload_bytes_per_region(
     return num_layers * (rows * row_bytes + buffer_size * max_units * slot_bytes)
 
 
+def sglang_pool_footprint(
+    available_bytes: int, nominal_cell_bytes: int, real_cell_bytes: int
+) -> int:
+    """GPU bytes sglang's own NSA pool takes for ``available_bytes``: it
+    counts ``available_bytes // nominal_cell_bytes`` tokens, its nominal cell
+    being (kv_lora_rank + qk_rope_head_dim) KV elements plus the indexer keys
+    per layer, and allocates each a ``real_cell_bytes`` cell (the fp8
+    FlashMLA row is 656 B, not 576: ~11% more than the budget)."""
+    return available_bytes // nominal_cell_bytes * real_cell_bytes
+
+
 def max_spare_regions(num_regions: int, max_units: int) -> int:
     """What the request slots can borrow: ``max_units - 1`` extra units each."""
     return num_regions * max(0, max_units - 1)
@@ -546,6 +557,11 @@ class NSAKVOffloadPoolConfigurator:
         self.indexer_bytes = (
             index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
         )
+        # The KV row sglang's pool sizing counts (see sglang_pool_footprint).
+        mc = mr.model_config
+        self.nominal_row_bytes = (
+            mc.kv_lora_rank + mc.qk_rope_head_dim
+        ) * torch._utils._element_size(mr.kv_cache_dtype)
         self.buffer_size = self.geometry.buffer_size
         self.recent_window = self.geometry.recent_window
         self.host_pool_bytes = int(sa.nsa_kv_offload_host_pool_gb * (1 << 30))
@@ -616,10 +632,31 @@ class NSAKVOffloadPoolConfigurator:
         sizes.geometry = self.geometry
         return sizes
 
+    def budget_bytes(self, available_bytes: int) -> int:
+        """The GPU bytes the offload's pools take: what sglang's own pool
+        would take for the same ``--mem-fraction-static``, so that a server
+        with the offload on uses the GPU memory it would use without."""
+        return sglang_pool_footprint(
+            available_bytes,
+            self.num_layers * (self.nominal_row_bytes + self.indexer_bytes),
+            self.num_layers * (self.row_bytes + self.indexer_bytes),
+        )
+
     def calculate_pool_sizes(
         self, available_bytes: int, page_size: int
     ) -> NSAKVOffloadMemoryPoolConfig:
-        sizes = self.compute_sizes(available_bytes, page_size)
+        budget = self.budget_bytes(available_bytes)
+        if budget != available_bytes:
+            logger.info(
+                "NSA KV offload: pools sized to %.2f GB, what sglang's own pool "
+                "takes for the %.2f GB that --mem-fraction-static leaves (it "
+                "counts %d B KV rows and allocates %d B ones).",
+                budget / (1 << 30),
+                available_bytes / (1 << 30),
+                self.nominal_row_bytes,
+                self.row_bytes,
+            )
+        sizes = self.compute_sizes(budget, page_size)
         self._num_regions_resolved = sizes.num_regions
         self._spare_regions_resolved = sizes.num_spare_regions
         return NSAKVOffloadMemoryPoolConfig(
