@@ -180,6 +180,10 @@ ROW_BYTES = 656  # fp8 FlashMLA KV row of one token, one layer
 # profile, git history 5a9b9c1:benchmark/nsa_offload/results/h200_bench_server_s6/).
 MISS_COPY_BYTES_PER_S = 48e9
 INDEXER_BYTES = 132  # fp8 indexer key + fp32 scale
+# The fp8 row sglang's pool sizing counts (kv_lora_rank + rope dims, one byte
+# each); the offload's budget is what that pool really allocates
+# (NSAKVOffloadPoolConfigurator.budget_bytes).
+NOMINAL_ROW_BYTES = 576
 # sglang's weight memory beyond the bf16 tensors: 0.51 GiB seen on the H200
 # for the tiny model, whose tensors are 0.30 GiB.
 WEIGHTS_OVERHEAD_GIB = 0.21
@@ -663,8 +667,14 @@ def ours_auto_slots(
     regions; not counted here: about one request fewer at that point), per
     logical loc the indexer key, LRU map and loc->row entry; the LRU state
     of every unit a request may hold). A PD decode server stages nothing:
-    its KV transfer writes into host memory."""
-    budget = budget_gib * (1 << 30)
+    its KV transfer writes into host memory. The budget: what sglang's own
+    pool takes for ``budget_gib`` (its 576 B nominal row, 656 B allocated)."""
+    budget = (
+        budget_gib
+        * (1 << 30)
+        * (ROW_BYTES + INDEXER_BYTES)
+        / (NOMINAL_ROW_BYTES + INDEXER_BYTES)
+    )
     staging = (163840 + 2 * 16384 + 64 * PAGE_SIZE) * layers * ROW_BYTES
     if pd_decode:
         staging = 0
