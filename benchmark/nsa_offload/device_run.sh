@@ -40,8 +40,8 @@ fi
 # cached objects' old times. (Seen 2026-12-03: the tvm-ffi kernels of the
 # carried caches, same hashed names, built again on each fresh machine, in a
 # rank server's first CUDA-graph capture of 150-180 s; that this stops it is
-# not yet measured.) They take the time of .jit-stamp (after pip, before .wheels-b): "savejit"
-# packs only what is newer than .wheels-b, built here.
+# not yet measured.) They take the time of .jit-stamp (after pip, before
+# .wheels-b): "savejit" packs only what is newer than .wheels-b, built here.
 touch_jit() { find ~/.cache/tvm-ffi ~/.cache/flashinfer -type f -exec touch -r /tmp/site/.jit-stamp {} + 2>/dev/null; }
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && touch /tmp/site/.jit-stamp && tar xzf $W/jitcache-h200.tgz -C ~ || exit 1

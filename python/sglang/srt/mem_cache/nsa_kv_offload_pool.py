@@ -646,7 +646,7 @@ class NSAKVOffloadPoolConfigurator:
         self, available_bytes: int, page_size: int
     ) -> NSAKVOffloadMemoryPoolConfig:
         budget = self.budget_bytes(available_bytes)
-        if budget != available_bytes:
+        if self.nominal_row_bytes != self.row_bytes:
             logger.info(
                 "NSA KV offload: pools sized to %.2f GB, what sglang's own pool "
                 "takes for the %.2f GB that --mem-fraction-static leaves (it "
