@@ -499,7 +499,6 @@ class TestServerArgsToPools(TinyConfigDirCase):
                     ratio = ours.budget_bytes(available) / available
                     self.assertAlmostEqual(ratio, (656 + 132) / (576 + 132), places=4)
                 # The pools are sized from that footprint.
-                mr.is_hybrid_swa = False
                 with mock.patch.object(
                     NSAKVOffloadPoolConfigurator,
                     "compute_sizes",
