@@ -235,17 +235,6 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
                     self.assertEqual(enabled(), expected)
 
-    def test_swap_priority_default(self):
-        env = nsa_kv_offload_args.ENV_SWAP_PRIORITY
-        clean = {k: v for k, v in os.environ.items() if k != env}
-        for value, expected in ((None, True), ("", True), ("0", False), ("1", True)):
-            with self.subTest(value=value):
-                extra = {} if value is None else {env: value}
-                with mock.patch.dict(os.environ, {**clean, **extra}, clear=True):
-                    self.assertEqual(
-                        nsa_kv_offload_args.swap_priority_enabled(), expected
-                    )
-
     def test_reject_unsupported_speculative_decoding(self):
         # MTP's supported settings start (test_nsa_kv_offload_speculative_args).
         self._assert_rejected(

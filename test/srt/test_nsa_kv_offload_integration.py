@@ -1650,7 +1650,7 @@ class TestEarlySwap(unittest.TestCase):
     """``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP``: the swap starts when the model
     hands the top-k over, the backend's hook only collects it."""
 
-    def _run(self, early_swap, max_units=1, prefetch=False, swap_priority=True):
+    def _run(self, early_swap, max_units=1, prefetch=False):
         h = _Harness(
             self,
             layers=3,
@@ -1659,10 +1659,7 @@ class TestEarlySwap(unittest.TestCase):
             max_reqs=3,
             max_units=max_units,
             cross_layer_prefetch=prefetch,
-            coordinator_kwargs={
-                "early_swap": early_swap,
-                "swap_priority": swap_priority,
-            },
+            coordinator_kwargs={"early_swap": early_swap},
         )
         a, b = h.new_req(), h.new_req()
         h.prefill([(a, 300), (b, 220)])
@@ -1681,28 +1678,13 @@ class TestEarlySwap(unittest.TestCase):
         return h.page_tables, stats
 
     def _assert_same_as_inline(self, **kwargs) -> dict:
-        # On CUDA the early swap runs on a high-priority stream with the
-        # reorder and the prefetch on a second one, or (swap_priority off)
-        # all on one stream.
         inline, inline_stats = self._run(False, **kwargs)
-        for swap_priority in (True, False):
-            early, early_stats = self._run(True, swap_priority=swap_priority, **kwargs)
-            self.assertEqual(len(early), len(inline))
-            for e, i in zip(early, inline):
-                self.assertTrue(torch.equal(e, i))
-            self.assertEqual(early_stats, inline_stats)
+        early, early_stats = self._run(True, **kwargs)
+        self.assertEqual(len(early), len(inline))
+        for e, i in zip(early, inline):
+            self.assertTrue(torch.equal(e, i))
+        self.assertEqual(early_stats, inline_stats)
         return early_stats
-
-    @unittest.skipUnless(DEVICE == "cuda", "CUDA streams")
-    def test_swap_stream_runs_first(self):
-        co = _Harness(self, coordinator_kwargs={"early_swap": True}).co
-        self.assertLess(co._swap_stream.priority, co._background_stream.priority)
-        self.assertEqual(co._background_stream.priority, 0)
-        off = _Harness(
-            self, coordinator_kwargs={"early_swap": True, "swap_priority": False}
-        ).co
-        self.assertEqual(off._swap_stream.priority, 0)
-        self.assertIsNone(off._background_stream)
 
     def test_same_page_tables_and_copies_as_the_inline_swap(self):
         for units in (1, 3):

@@ -99,7 +99,6 @@ class TestOffloadNamesMatchTheProduct(unittest.TestCase):
             "ENV_DIRECT_SLOTS",
             "ENV_SPARE_REGIONS",
             "ENV_WARM_UNITS",
-            "ENV_SWAP_PRIORITY",
             "ENV_WIDE_SLOT_IDS",
             "ENV_UNPROVEN_PARALLEL",
             "DEFAULT_MAX_UNITS",

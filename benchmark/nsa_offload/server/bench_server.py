@@ -88,7 +88,6 @@ from server_utils import (  # noqa: E402
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_SPARE_REGIONS,
-    ENV_SWAP_PRIORITY,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
     ENV_WIDE_SLOT_IDS,
@@ -124,7 +123,6 @@ SERVER_KINDS = (
     "ours_direct",
     "ours_warm",
     "ours_warm_prefetch",
-    "ours_warm_one_stream",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -148,7 +146,6 @@ OURS_VARIANTS = {
     "ours_direct": "P4_direct",
     "ours_warm": "P4_warm",
     "ours_warm_prefetch": "P4_warm_prefetch",
-    "ours_warm_one_stream": "P4_warm_one_stream",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -172,7 +169,6 @@ LABELS = {
     "ours_direct": "ours, direct slots",
     "ours_warm": "ours, warm units",
     "ours_warm_prefetch": "ours, warm units + prefetch",
-    "ours_warm_one_stream": "ours, warm units, swap at normal priority",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -746,7 +742,6 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_direct": ours,
         "ours_warm": ours,
         "ours_warm_prefetch": ours,
-        "ours_warm_one_stream": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -762,7 +757,6 @@ VARIANT_ENV = {
     "ours_direct": {ENV_DIRECT_SLOTS: "1"},
     "ours_warm": {ENV_WARM_UNITS: "1"},
     "ours_warm_prefetch": {ENV_WARM_UNITS: "1", ENV_CROSS_LAYER_PREFETCH: "1"},
-    "ours_warm_one_stream": {ENV_WARM_UNITS: "1", ENV_SWAP_PRIORITY: "0"},
 }
 
 
@@ -1913,7 +1907,6 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_direct": "goldenrod",
         "ours_warm": "maroon",
         "ours_warm_prefetch": "teal",
-        "ours_warm_one_stream": "salmon",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
     }
@@ -2256,9 +2249,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on); side by side with "
         "ours; ours_warm: ours with the experimental warm units "
-        "(ours_warm_prefetch: with the prefetch too; ours_warm_one_stream: "
-        "its early swap on one normal-priority stream, the default before "
-        "the high-priority swap stream); baseline_mtp, "
+        "(ours_warm_prefetch: with the prefetch too); baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )

@@ -57,11 +57,6 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # copy start on a side stream as soon as its top-k exists, beside the query
 # projection and rope, instead of right before its attention.
 ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
-# With the early swap, its select and miss copy on a high-priority stream (the
-# attention waits for them; the query side beside them has slack) and the
-# deferred recency update and the prefetch on a normal-priority one. On unless
-# "0" (swap_priority_enabled).
-ENV_SWAP_PRIORITY = "SGLANG_NSA_KV_OFFLOAD_SWAP_PRIORITY"
 # Experimental direct slots (read by the coordinator): a request whose context
 # fits its LRU slots keeps position p in slot p and swaps without the LRU walk.
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
@@ -89,23 +84,13 @@ def host_memory_reserve_gb(total_bytes: int) -> float:
     return max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * total_bytes / GB)
 
 
-def _on_unless_zero(env: str) -> bool:
-    from sglang.srt.utils import get_bool_env_var
-
-    return os.environ.get(env, "") == "" or get_bool_env_var(env)
-
-
 def early_swap_enabled() -> bool:
     """Whether decode and verify layers swap early (``ENV_EARLY_SWAP``): on
     unless the variable is "0" (every variant, MTP verify and the prefetch on
     the swap's stream included, ran exact on the H200)."""
-    return _on_unless_zero(ENV_EARLY_SWAP)
+    from sglang.srt.utils import get_bool_env_var
 
-
-def swap_priority_enabled() -> bool:
-    """Whether the early swap's select and copy run on a high-priority stream
-    (``ENV_SWAP_PRIORITY``): on unless the variable is "0"."""
-    return _on_unless_zero(ENV_SWAP_PRIORITY)
+    return os.environ.get(ENV_EARLY_SWAP, "") == "" or get_bool_env_var(ENV_EARLY_SWAP)
 
 
 def pinnable_host_memory_gb(num_host_pools: int) -> float:

@@ -33,10 +33,7 @@ pool, LRU state, regions, copies) and connects it to sglang's scheduling:
   (``begin_layer_swap``); its swap and miss copy run on a side stream
   beside the query projection, rope and the new tokens' KV write, and the
   backend's swap hook only waits for them. Same kernels, same inputs: the
-  outputs are the inline swap's. Its select and miss copy, which the
-  attention waits for, run on a high-priority stream; the deferred recency
-  update and the prefetch on one of normal priority
-  (``SGLANG_NSA_KV_OFFLOAD_SWAP_PRIORITY=0``: all on one stream);
+  outputs are the inline swap's;
 * optional direct slots (``SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS=1``,
   experimental): a request whose prompt fits one unit's slots is warmed
   whole and swaps without the LRU walk while its context fits
@@ -64,10 +61,8 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
-    ENV_SWAP_PRIORITY,
     ENV_WARM_UNITS,
     early_swap_enabled,
-    swap_priority_enabled,
     warm_units_refusal,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
@@ -95,10 +90,6 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
-
-# CUDA stream priority of the early swap's select and miss copy: lower runs
-# first; torch maps it to the device's highest.
-_HIGH_PRIORITY = -1
 
 # While idle, the metrics are refreshed at most this often (sglang checks
 # its pools at every idle scheduler iteration).
@@ -134,7 +125,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         early_swap: bool = False,
         direct_slots: bool = False,
         warm_units: bool = False,
-        swap_priority: bool = True,
     ):
         if warm_units:
             why = warm_units_refusal(
@@ -269,26 +259,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         # Page tables of the layers whose swap began early, by layer id
         # (host bookkeeping: set and taken within one forward, or capture).
         self._early_page_tables = {}
-        # With swap_priority, the work off the critical path (deferred
-        # recency updates, prefetches) on a stream of its own: the layer whose
-        # swap started it is in _background_layer until the next swap joins it.
-        self._background_stream = self._background_done = None
-        self._background_layer = None
         if early_swap:
-            self._swap_stream, self._swap_done = self._side_stream(
-                _HIGH_PRIORITY if swap_priority else 0
-            )
-            if swap_priority and self._swap_stream is not None:
-                self._background_stream, self._background_done = self._side_stream()
+            self._swap_stream, self._swap_done = self._side_stream()
             logger.info(
                 "NSA KV offload: early swap on (each layer's swap and miss copy "
-                "start on a side stream after its indexer, %s; %s=0 turns it "
-                "off).",
-                (
-                    "at high priority"
-                    if swap_priority
-                    else f"at normal priority ({ENV_SWAP_PRIORITY}=0)"
-                ),
+                "start on a side stream after its indexer; %s=0 turns it off).",
                 ENV_EARLY_SWAP,
             )
         if warm_units:
@@ -324,14 +299,13 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             ),
         )
 
-    def _side_stream(self, priority: int = 0):
-        """A second CUDA stream (lower ``priority`` runs first) and one event
-        per layer of this rank (both None off CUDA: the work then runs
-        inline)."""
+    def _side_stream(self):
+        """A second CUDA stream and one event per layer of this rank (both
+        None off CUDA: the work then runs inline)."""
         if torch.device(self.device).type != "cuda":
             return None, None
         events = [torch.cuda.Event() for _ in range(self.kv_pool.layer_num)]
-        return torch.cuda.Stream(self.device, priority=priority), events
+        return torch.cuda.Stream(self.device), events
 
     def _new_plan_buffers(self, rows: int, k: int, q: int = 1) -> LayerSwapPlan:
         """For ``rows`` requests of up to ``q`` query tokens: a page-table row
@@ -495,7 +469,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             return
         if layer_id == first:
             self._early_page_tables.clear()  # nothing carried over a forward
-            self._background_layer = None
         prefetch = self.cross_layer_prefetch and mode.is_decode() and layer_id < last
         # On CUDA the side stream starts after the top-k; it also runs the
         # first layer's real-row counts, which the forward stream reads only
@@ -504,32 +477,19 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         # nothing it reads is freed early, and CUDA-graph capture sees the
         # fork joined. The prefetch reads a copy of the top-k made before that
         # join; the next layer's swap, later on this stream, joins it (the
-        # last layer has none). Elsewhere all of it runs inline. With a
-        # background stream the reorder and the prefetch run there, after the
-        # event, and the next layer's swap waits for them instead.
-        stream, background = self._swap_stream, self._background_stream
+        # last layer has none). Elsewhere all of it runs inline.
+        stream = self._swap_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-            if self._background_layer is not None:
-                stream.wait_event(self._background_done[self._background_layer - first])
-                self._background_layer = None
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             page_table = swap(layer_id, topk_positions, forward_batch)
             staged = self._stage_prefetch(topk_positions) if prefetch else None
             if stream is not None:
                 self._swap_done[layer_id - first].record(stream)
-        if background is not None and (defer_reorder or prefetch):
-            background.wait_event(self._swap_done[layer_id - first])
-            self._background_layer = layer_id
-        else:
-            background = stream
-        with torch.cuda.stream(background) if background is not None else nullcontext():
             if defer_reorder:
                 self.controller.finish_lru_reorder()
             if prefetch:
                 self._prefetch(layer_id + 1, staged, forward_batch)
-            if self._background_layer == layer_id:
-                self._background_done[layer_id - first].record(background)
         self._early_page_tables[layer_id] = page_table
 
     def _take_early_page_table(
@@ -819,7 +779,6 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
         early_swap=early_swap_enabled(),
-        swap_priority=swap_priority_enabled(),
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         warm_units=get_bool_env_var(ENV_WARM_UNITS),
         max_units=geometry.max_units,
