@@ -37,11 +37,12 @@ if [ "${1:-}" = install-a ]; then
 fi
 # The ninja-built JIT caches (tvm-ffi, flashinfer) count as stale when their
 # sources are newer: pip writes the wheels' sources now, tar restores the
-# cached objects' old times. (Seen 2026-12-03: the tvm-ffi kernels of the
-# carried caches, same hashed names, built again on each fresh machine, in a
-# rank server's first CUDA-graph capture of 150-180 s; that this stops it is
-# not yet measured.) They take the time of .jit-stamp (after pip, before
-# .wheels-b): "savejit" packs only what is newer than .wheels-b, built here.
+# cached objects' old times: the tvm-ffi kernels of the carried caches, same
+# hashed names, were built again on each fresh machine. They take the time of
+# .jit-stamp (after pip, before .wheels-b): "savejit" packs only what is newer
+# than .wheels-b, built here. A rank server's first CUDA-graph capture on a
+# fresh machine: 148-164 s before, 116.7 s with it, 12.5 s warm (some builds
+# remain; results/rank_speed/run_budget_29ec250/).
 touch_jit() { find ~/.cache/tvm-ffi ~/.cache/flashinfer -type f -exec touch -r /tmp/site/.jit-stamp {} + 2>/dev/null; }
 if [ ! -f /tmp/site/.wheels-b ]; then
   $PIP $W/wheels-b/*.whl && touch /tmp/site/.jit-stamp && tar xzf $W/jitcache-h200.tgz -C ~ || exit 1

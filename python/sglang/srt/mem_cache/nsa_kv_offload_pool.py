@@ -648,8 +648,8 @@ class NSAKVOffloadPoolConfigurator:
         budget = self.budget_bytes(available_bytes)
         if self.nominal_row_bytes != self.row_bytes:
             logger.info(
-                "NSA KV offload: pools sized to %.2f GB, what sglang's own pool "
-                "takes for the %.2f GB that --mem-fraction-static leaves (it "
+                "NSA KV offload: pools sized to %.2f GiB, what sglang's own pool "
+                "takes for the %.2f GiB that --mem-fraction-static leaves (it "
                 "counts %d B KV rows and allocates %d B ones).",
                 budget / (1 << 30),
                 available_bytes / (1 << 30),
