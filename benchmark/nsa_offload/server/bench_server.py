@@ -87,6 +87,7 @@ from server_utils import (  # noqa: E402
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
+    ENV_LATE_REORDER,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
@@ -123,6 +124,7 @@ SERVER_KINDS = (
     "ours_direct",
     "ours_warm",
     "ours_warm_prefetch",
+    "ours_warm_late",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -146,6 +148,7 @@ OURS_VARIANTS = {
     "ours_direct": "P4_direct",
     "ours_warm": "P4_warm",
     "ours_warm_prefetch": "P4_warm_prefetch",
+    "ours_warm_late": "P4_warm_late",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -169,6 +172,7 @@ LABELS = {
     "ours_direct": "ours, direct slots",
     "ours_warm": "ours, warm units",
     "ours_warm_prefetch": "ours, warm units + prefetch",
+    "ours_warm_late": "ours, warm units + late reorder",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -742,6 +746,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_direct": ours,
         "ours_warm": ours,
         "ours_warm_prefetch": ours,
+        "ours_warm_late": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -757,6 +762,7 @@ VARIANT_ENV = {
     "ours_direct": {ENV_DIRECT_SLOTS: "1"},
     "ours_warm": {ENV_WARM_UNITS: "1"},
     "ours_warm_prefetch": {ENV_WARM_UNITS: "1", ENV_CROSS_LAYER_PREFETCH: "1"},
+    "ours_warm_late": {ENV_WARM_UNITS: "1", ENV_LATE_REORDER: "1"},
 }
 
 
@@ -1907,6 +1913,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_direct": "goldenrod",
         "ours_warm": "maroon",
         "ours_warm_prefetch": "teal",
+        "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
     }
@@ -2006,7 +2013,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     swap's GPU time per layer from the step profile, HiSparse's ITL). The ITL
     overheads are the early swap's, ours' default (``*_inline``: the inline
     swap's), whichever server kind ran it in each run;
-    ``p4_itl_overhead_warm_units``: the experimental warm units' (ours_warm)."""
+    ``p4_itl_overhead_warm_units``: the experimental warm units' (ours_warm),
+    ``p4_itl_overhead_warm_late``: with the late reorder too (ours_warm_late)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2015,6 +2023,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead": {},
         "p4_itl_overhead_inline": {},
         "p4_itl_overhead_warm_units": {},
+        "p4_itl_overhead_warm_late": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2040,9 +2049,12 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
                 speed["p4_itl_overhead" + suffix].update(overheads)
                 if name == "model":
                     model["p4_itl_overhead" + suffix].update(_overheads(targets[key]))
-        if "P4_warm" in targets:
-            warm = _overheads(targets["P4_warm"], name + ":")
-            speed["p4_itl_overhead_warm_units"].update(warm)
+        for key, out in (
+            ("P4_warm", "p4_itl_overhead_warm_units"),
+            ("P4_warm_late", "p4_itl_overhead_warm_late"),
+        ):
+            if key in targets:
+                speed[out].update(_overheads(targets[key], name + ":"))
         if "hisparse" in srv and "baseline" in srv:
             his = _p4(srv["baseline"], srv["hisparse"])
             speed["hisparse_itl_overhead"].update(_overheads(his, name + ":"))
@@ -2249,7 +2261,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on); side by side with "
         "ours; ours_warm: ours with the experimental warm units "
-        "(ours_warm_prefetch: with the prefetch too); baseline_mtp, "
+        "(ours_warm_prefetch: with the prefetch too; ours_warm_late: with the "
+        "experimental late reorder); baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )
