@@ -217,6 +217,43 @@ class TestGatherRows(unittest.TestCase):
                         seed=word_bytes + block_rows,
                     )
 
+    def test_flat_grid_tiles_span_batch_rows(self):
+        # flat_programs: every row's list as one; tiles start mid-row and span
+        # several rows (counts not multiples of block_rows, zeros between),
+        # fewer programs than tiles so each loops.
+        counts = [3, 0, 5, 1, 0, 0, 7, 2, 16, 0, 9]
+        for programs in (1, 2, 3, 64):
+            with self.subTest(flat_programs=programs):
+                self._case(
+                    FP8_ROW_BYTES,
+                    len(counts),
+                    16,
+                    counts,
+                    block_rows=4,
+                    flat_programs=programs,
+                    seed=programs,
+                )
+
+    def test_flat_grid_random_counts(self):
+        g = torch.Generator().manual_seed(7)
+        for trial in range(4):
+            bs = int(torch.randint(1, 40, (1,), generator=g))
+            counts = torch.randint(0, 9, (bs,), generator=g).tolist()
+            with self.subTest(trial=trial, bs=bs):
+                self._case(
+                    FP8_ROW_BYTES,
+                    bs,
+                    8,
+                    counts,
+                    num_dst=sum(counts) + 4,
+                    block_rows=8,
+                    flat_programs=1 + trial * 5,
+                    seed=trial,
+                )
+
+    def test_flat_grid_all_zero_counts(self):
+        self._case(FP8_ROW_BYTES, 3, 32, [0, 0, 0], flat_programs=4)
+
     def test_strided_index_rows(self):
         # Plans may be views of larger CUDA-graph buffers (row stride > K).
         row_bytes, bs, k = FP8_ROW_BYTES, 3, 16

@@ -87,6 +87,7 @@ from server_utils import (  # noqa: E402
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
+    ENV_GATHER_PROGRAMS,
     ENV_LATE_REORDER,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
@@ -125,6 +126,7 @@ SERVER_KINDS = (
     "ours_warm",
     "ours_warm_prefetch",
     "ours_warm_late",
+    "ours_warm_flat",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -149,6 +151,7 @@ OURS_VARIANTS = {
     "ours_warm": "P4_warm",
     "ours_warm_prefetch": "P4_warm_prefetch",
     "ours_warm_late": "P4_warm_late",
+    "ours_warm_flat": "P4_warm_flat",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -173,6 +176,7 @@ LABELS = {
     "ours_warm": "ours, warm units",
     "ours_warm_prefetch": "ours, warm units + prefetch",
     "ours_warm_late": "ours, warm units + late reorder",
+    "ours_warm_flat": "ours, warm units + flat miss copy",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -747,6 +751,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_warm": ours,
         "ours_warm_prefetch": ours,
         "ours_warm_late": ours,
+        "ours_warm_flat": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -763,6 +768,8 @@ VARIANT_ENV = {
     "ours_warm": {ENV_WARM_UNITS: "1"},
     "ours_warm_prefetch": {ENV_WARM_UNITS: "1", ENV_CROSS_LAYER_PREFETCH: "1"},
     "ours_warm_late": {ENV_WARM_UNITS: "1", ENV_LATE_REORDER: "1"},
+    # 16 programs: a quarter of the SMs batch 64's per-request grid held.
+    "ours_warm_flat": {ENV_WARM_UNITS: "1", ENV_GATHER_PROGRAMS: "16"},
 }
 
 
@@ -1914,6 +1921,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm": "maroon",
         "ours_warm_prefetch": "teal",
         "ours_warm_late": "darkorange",
+        "ours_warm_flat": "olivedrab",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
     }
@@ -2024,6 +2032,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_inline": {},
         "p4_itl_overhead_warm_units": {},
         "p4_itl_overhead_warm_late": {},
+        "p4_itl_overhead_warm_flat": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2052,6 +2061,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         for key, out in (
             ("P4_warm", "p4_itl_overhead_warm_units"),
             ("P4_warm_late", "p4_itl_overhead_warm_late"),
+            ("P4_warm_flat", "p4_itl_overhead_warm_flat"),
         ):
             if key in targets:
                 speed[out].update(_overheads(targets[key], name + ":"))
@@ -2262,7 +2272,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "forced on / off (ours: the server's default, on); side by side with "
         "ours; ours_warm: ours with the experimental warm units "
         "(ours_warm_prefetch: with the prefetch too; ours_warm_late: with the "
-        "experimental late reorder); baseline_mtp, "
+        "experimental late reorder; ours_warm_flat: with the experimental flat "
+        "miss copy, 16 programs); baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )

@@ -74,6 +74,10 @@ ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
 # decode layer's LRU recency update waits for the forward stream to reach the
 # attention instead of starting beside the query projection and rope.
 ENV_LATE_REORDER = "SGLANG_NSA_KV_OFFLOAD_LATE_REORDER"
+# Experimental flat miss copy (read by the coordinator): N programs share all
+# requests' misses instead of a grid per request, so that the copy's waits on
+# host reads hold at most N SMs beside the forward stream.
+ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):
@@ -95,6 +99,17 @@ def early_swap_enabled() -> bool:
     from sglang.srt.utils import get_bool_env_var
 
     return os.environ.get(ENV_EARLY_SWAP, "") == "" or get_bool_env_var(ENV_EARLY_SWAP)
+
+
+def gather_programs_from_env() -> Optional[int]:
+    """The flat miss copy's program count (``ENV_GATHER_PROGRAMS``), None
+    when unset: the copy's default grid."""
+    value = os.environ.get(ENV_GATHER_PROGRAMS, "")
+    if value == "":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{ENV_GATHER_PROGRAMS}={value!r}: expected an integer >= 1")
+    return int(value)
 
 
 def pinnable_host_memory_gb(num_host_pools: int) -> float:

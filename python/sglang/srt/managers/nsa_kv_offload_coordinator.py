@@ -61,9 +61,11 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
+    ENV_GATHER_PROGRAMS,
     ENV_LATE_REORDER,
     ENV_WARM_UNITS,
     early_swap_enabled,
+    gather_programs_from_env,
     warm_units_refusal,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
@@ -127,6 +129,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         direct_slots: bool = False,
         warm_units: bool = False,
         late_reorder: bool = False,
+        copy_flat_programs: Optional[int] = None,
     ):
         if warm_units:
             why = warm_units_refusal(
@@ -220,7 +223,16 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             host_writer=host_writer,
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
+            copy_flat_programs=copy_flat_programs,
         )
+        if copy_flat_programs is not None:
+            logger.info(
+                "NSA KV offload: flat miss copy (experimental, %s=%d): %d "
+                "programs share every request's misses.",
+                ENV_GATHER_PROGRAMS,
+                copy_flat_programs,
+                copy_flat_programs,
+            )
         # Query tokens per request of a target-verify forward (1: no MTP).
         self.max_query_tokens = max_query_tokens
         self.lru = self.controller.lru
@@ -808,6 +820,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         warm_units=get_bool_env_var(ENV_WARM_UNITS),
         late_reorder=get_bool_env_var(ENV_LATE_REORDER),
+        copy_flat_programs=gather_programs_from_env(),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(

@@ -175,6 +175,7 @@ class SparseCacheController:
         copy_block_rows: int = DEFAULT_BLOCK_ROWS,
         copy_num_warps: int = DEFAULT_NUM_WARPS,
         copy_word_bytes: Optional[int] = None,
+        copy_flat_programs: Optional[int] = None,
         max_units: int = 1,
         host_writer: bool = True,
         max_query_tokens: int = 1,
@@ -235,6 +236,7 @@ class SparseCacheController:
                 word_bytes=copy_word_bytes,
                 block_rows=copy_block_rows,
                 num_warps=copy_num_warps,
+                flat_programs=copy_flat_programs,
             )
             if self.use_triton_copy
             else gather_rows_reference
