@@ -1646,11 +1646,51 @@ class TestCrossLayerPrefetchEarlySwap(TestCrossLayerPrefetch):
     EARLY_SWAP = True
 
 
+class TestFlatMissCopy(unittest.TestCase):
+    """``SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS``: a few programs share every
+    request's misses; the harness checks each page table's rows against the
+    KV written (a miss loaded wrong or not at all fails it)."""
+
+    def test_same_page_tables_and_copies_as_the_default_grid(self):
+        for early_swap, units in ((False, 1), (True, 3)):
+            runs = []
+            for programs in (None, 3):
+                h = _Harness(
+                    self,
+                    layers=2,
+                    seed=11,
+                    num_regions=3,
+                    max_reqs=3,
+                    max_units=units,
+                    coordinator_kwargs={
+                        "early_swap": early_swap,
+                        "copy_flat_programs": programs,
+                    },
+                )
+                a, b = h.new_req(), h.new_req()
+                h.prefill([(a, 300), (b, 220)])
+                h.decode_step([a, b], first_step_of=(a, b))
+                for step in range(4):
+                    h.decode_step([a, b], pad_rows=step % 2)
+                stats = h.controller.get_stats()
+                h.finish(a)
+                h.finish(b)
+                h.check_no_leaks()
+                runs.append((h.page_tables, stats))
+            with self.subTest(early_swap=early_swap, max_units=units):
+                (default, default_stats), (flat, flat_stats) = runs
+                self.assertGreater(flat_stats["misses"], 0)
+                self.assertEqual(flat_stats, default_stats)
+                self.assertEqual(len(flat), len(default))
+                for x, y in zip(flat, default):
+                    self.assertTrue(torch.equal(x, y))
+
+
 class TestEarlySwap(unittest.TestCase):
     """``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP``: the swap starts when the model
     hands the top-k over, the backend's hook only collects it."""
 
-    def _run(self, early_swap, max_units=1, prefetch=False, late_reorder=False):
+    def _run(self, early_swap, max_units=1, prefetch=False):
         h = _Harness(
             self,
             layers=3,
@@ -1659,10 +1699,7 @@ class TestEarlySwap(unittest.TestCase):
             max_reqs=3,
             max_units=max_units,
             cross_layer_prefetch=prefetch,
-            coordinator_kwargs={
-                "early_swap": early_swap,
-                "late_reorder": late_reorder,
-            },
+            coordinator_kwargs={"early_swap": early_swap},
         )
         a, b = h.new_req(), h.new_req()
         h.prefill([(a, 300), (b, 220)])
@@ -1680,9 +1717,9 @@ class TestEarlySwap(unittest.TestCase):
         h.check_no_leaks()
         return h.page_tables, stats
 
-    def _assert_same_as_inline(self, late_reorder=False, **kwargs) -> dict:
+    def _assert_same_as_inline(self, **kwargs) -> dict:
         inline, inline_stats = self._run(False, **kwargs)
-        early, early_stats = self._run(True, late_reorder=late_reorder, **kwargs)
+        early, early_stats = self._run(True, **kwargs)
         self.assertEqual(len(early), len(inline))
         for e, i in zip(early, inline):
             self.assertTrue(torch.equal(e, i))
@@ -1693,12 +1730,6 @@ class TestEarlySwap(unittest.TestCase):
         for units in (1, 3):
             with self.subTest(max_units=units):
                 stats = self._assert_same_as_inline(max_units=units)
-                self.assertGreater(stats["misses"], 0)
-
-    def test_late_reorder_same_page_tables_and_copies_as_the_inline_swap(self):
-        for units in (1, 3):
-            with self.subTest(max_units=units):
-                stats = self._assert_same_as_inline(late_reorder=True, max_units=units)
                 self.assertGreater(stats["misses"], 0)
 
     def test_recency_update_deferred_past_the_event_but_the_last_layer(self):
@@ -1732,59 +1763,6 @@ class TestEarlySwap(unittest.TestCase):
         ctrl.lru.swap_backend.check_settled("after the step")  # nothing pending
         h.finish(a)
         h.check_no_leaks()
-
-    def test_late_reorder_waits_for_the_page_table_hand_over(self):
-        # SGLANG_NSA_KV_OFFLOAD_LATE_REORDER: the deferred reorder is launched
-        # when the backend takes the layer's page table (after the forward
-        # stream joins the swap), still before the next layer's swap.
-        h = _Harness(
-            self, layers=3, num_regions=3, max_reqs=3, max_units=3,
-            coordinator_kwargs={"early_swap": True, "late_reorder": True},
-        )  # fmt: skip
-        self.assertTrue(h.co.late_reorder)
-        ctrl, co, calls = h.controller, h.co, []
-        swap, finish = ctrl.swap_one_layer, ctrl.finish_lru_reorder
-        take = co._take_early_page_table
-
-        def record_swap(layer_id, *args, defer_lru_reorder=False, **kwargs):
-            calls.append((layer_id, defer_lru_reorder))
-            return swap(layer_id, *args, defer_lru_reorder=defer_lru_reorder, **kwargs)
-
-        def record_finish():
-            calls.append("finish")
-            finish()
-
-        def record_take(layer_id, rows):
-            calls.append(("take", layer_id))
-            return take(layer_id, rows)
-
-        a = h.new_req()
-        h.prefill([(a, 300)])
-        with mock.patch.object(ctrl, "swap_one_layer", record_swap), mock.patch.object(
-            ctrl, "finish_lru_reorder", record_finish
-        ), mock.patch.object(co, "_take_early_page_table", record_take):
-            h.decode_step([a], first_step_of=(a,))
-            h.decode_step([a])
-        per_step = [
-            (0, True), ("take", 0), "finish",
-            (1, True), ("take", 1), "finish",
-            (2, False), ("take", 2),
-        ]  # fmt: skip
-        self.assertEqual(calls, per_step * 2)
-        self.assertIsNone(co._late_reorder_layer)
-        ctrl.lru.swap_backend.check_settled("after the step")
-        h.finish(a)
-        h.check_no_leaks()
-
-    def test_late_reorder_off_with_the_prefetch(self):
-        # The prefetch swaps the next layer right after this layer's swap:
-        # it needs the reorder settled there.
-        h = _Harness(
-            self, layers=3, num_regions=3, max_reqs=3, max_units=3,
-            cross_layer_prefetch=True,
-            coordinator_kwargs={"early_swap": True, "late_reorder": True},
-        )  # fmt: skip
-        self.assertFalse(h.co.late_reorder)
 
     def test_idle_and_extend_stay_inline(self):
         # (MTP verify: test_nsa_kv_offload_mtp_verify, early and inline.)

@@ -143,6 +143,12 @@ class TestSummarize(unittest.TestCase):
             {"_gather_rows_kernel": 20.0, "_swap_rank_kernel": 10.0},
         )
         self.assertEqual(p["top_kernels_us_per_layer"][attn], 80)
+        # Between top-k and attention: the gather in both layers (median of
+        # 25 and 15: the upper one), the rank in one of two (half: kept).
+        self.assertEqual(
+            p["topk_to_attention_kernels_us"],
+            {"_swap_rank_kernel": 20.0, "_gather_rows_kernel": 25.0},
+        )
         self.assertIn("error", step_profile.layer_profile(two_steps(), 1))
 
     def test_no_kernels(self):

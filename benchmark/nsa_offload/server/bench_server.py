@@ -88,7 +88,6 @@ from server_utils import (  # noqa: E402
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
-    ENV_LATE_REORDER,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
@@ -125,7 +124,6 @@ SERVER_KINDS = (
     "ours_direct",
     "ours_warm",
     "ours_warm_prefetch",
-    "ours_warm_late",
     "ours_warm_flat",
     "ours_units",
     "hisparse",
@@ -150,7 +148,6 @@ OURS_VARIANTS = {
     "ours_direct": "P4_direct",
     "ours_warm": "P4_warm",
     "ours_warm_prefetch": "P4_warm_prefetch",
-    "ours_warm_late": "P4_warm_late",
     "ours_warm_flat": "P4_warm_flat",
     "ours_units": "P4_units",
 }
@@ -175,7 +172,6 @@ LABELS = {
     "ours_direct": "ours, direct slots",
     "ours_warm": "ours, warm units",
     "ours_warm_prefetch": "ours, warm units + prefetch",
-    "ours_warm_late": "ours, warm units + late reorder",
     "ours_warm_flat": "ours, warm units + flat miss copy",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
@@ -750,7 +746,6 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_direct": ours,
         "ours_warm": ours,
         "ours_warm_prefetch": ours,
-        "ours_warm_late": ours,
         "ours_warm_flat": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
@@ -767,7 +762,6 @@ VARIANT_ENV = {
     "ours_direct": {ENV_DIRECT_SLOTS: "1"},
     "ours_warm": {ENV_WARM_UNITS: "1"},
     "ours_warm_prefetch": {ENV_WARM_UNITS: "1", ENV_CROSS_LAYER_PREFETCH: "1"},
-    "ours_warm_late": {ENV_WARM_UNITS: "1", ENV_LATE_REORDER: "1"},
     # 16 programs: a quarter of the SMs batch 64's per-request grid held.
     "ours_warm_flat": {ENV_WARM_UNITS: "1", ENV_GATHER_PROGRAMS: "16"},
 }
@@ -1920,7 +1914,6 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_direct": "goldenrod",
         "ours_warm": "maroon",
         "ours_warm_prefetch": "teal",
-        "ours_warm_late": "darkorange",
         "ours_warm_flat": "olivedrab",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
@@ -2022,7 +2015,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     overheads are the early swap's, ours' default (``*_inline``: the inline
     swap's), whichever server kind ran it in each run;
     ``p4_itl_overhead_warm_units``: the experimental warm units' (ours_warm),
-    ``p4_itl_overhead_warm_late``: with the late reorder too (ours_warm_late)."""
+    ``p4_itl_overhead_warm_flat``: with the flat miss copy too (ours_warm_flat)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2031,7 +2024,6 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead": {},
         "p4_itl_overhead_inline": {},
         "p4_itl_overhead_warm_units": {},
-        "p4_itl_overhead_warm_late": {},
         "p4_itl_overhead_warm_flat": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
@@ -2060,7 +2052,6 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
                     model["p4_itl_overhead" + suffix].update(_overheads(targets[key]))
         for key, out in (
             ("P4_warm", "p4_itl_overhead_warm_units"),
-            ("P4_warm_late", "p4_itl_overhead_warm_late"),
             ("P4_warm_flat", "p4_itl_overhead_warm_flat"),
         ):
             if key in targets:
@@ -2271,9 +2262,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "ours_early / ours_inline: ours with the early swap "
         "forced on / off (ours: the server's default, on); side by side with "
         "ours; ours_warm: ours with the experimental warm units "
-        "(ours_warm_prefetch: with the prefetch too; ours_warm_late: with the "
-        "experimental late reorder; ours_warm_flat: with the experimental flat "
-        "miss copy, 16 programs); baseline_mtp, "
+        "(ours_warm_prefetch: with the prefetch too; ours_warm_flat: with the "
+        "experimental flat miss copy, 16 programs); baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )

@@ -7,7 +7,7 @@ reads the chrome trace it writes and sums, per profiled step:
 
 * GPU kernel time by category: the offload's swap (``_swap_layer_kernel``,
   the select and reorder kernels with LRU units, the ``_swap_multi_*`` ones in MTP
-  verify), its miss copy (``_gather_rows_kernel``), its new-token backup
+  verify), its miss copy (``_gather_rows_kernel``, flat: ``_gather_rows_flat_kernel``), its new-token backup
   (``_copy_rows_all_layers_kernel``) and window mapping
   (``_map_new_tokens_kernel``), HiSparse's kernels, and everything else
   (the model). The cross-layer prefetch runs the same swap and copy kernels:
@@ -55,7 +55,7 @@ KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
             "_swap_multi_assign_kernel",
         ),
     ),
-    ("h2d_copy", ("_gather_rows_kernel",)),
+    ("h2d_copy", ("_gather_rows_kernel", "_gather_rows_flat_kernel")),
     ("backup", ("_copy_rows_all_layers_kernel",)),
     # Once per step: the new tokens' locs mapped to their window rows.
     ("map_new_tokens", ("_map_new_tokens_kernel",)),
@@ -218,6 +218,9 @@ def layer_profile(events: List[dict], layers_per_step: int) -> dict:
     # Layers profiled: attention launches (one per layer, MTP verify aside).
     n = len(attention)
     gaps = []
+    # Kernels that start between the top-k's end and the attention's start,
+    # by name: their durations (the offload's own run on its side stream).
+    window: Dict[str, List[float]] = {}
     start = 0
     for i in attention:
         topk_end = None
@@ -226,6 +229,10 @@ def layer_profile(events: List[dict], layers_per_step: int) -> dict:
                 topk_end = float(e["ts"]) + float(e["dur"])
         if topk_end is not None:
             gaps.append(float(kernels[i]["ts"]) - topk_end)
+            for e in kernels[start:i]:
+                if float(e["ts"]) >= topk_end:
+                    name = e.get("name", "")[:60]
+                    window.setdefault(name, []).append(float(e["dur"]))
         start = i + 1
     gaps.sort()
     top = sorted(per_name.items(), key=lambda kv: -kv[1])
@@ -239,6 +246,14 @@ def layer_profile(events: List[dict], layers_per_step: int) -> dict:
             "p90": round(gaps[9 * len(gaps) // 10], 2) if gaps else None,
         },
         "offload_us_per_layer": {k: round(v / n, 2) for k, v in offload.items()},
+        # Median duration over the layers that ran it (in at least half of
+        # them): a forward kernel slowed beside the offload's shows against
+        # the no-offload server's.
+        "topk_to_attention_kernels_us": {
+            k: round(sorted(v)[len(v) // 2], 2)
+            for k, v in window.items()
+            if len(v) * 2 >= len(gaps)
+        },
         "top_kernels_us_per_layer": {k[:80]: round(v / n, 2) for k, v in top[:12]},
     }
 

@@ -70,10 +70,6 @@ ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 # Experimental wide slot ids: int32 LRU slot ids, so that units x buffer may
 # exceed 32767 (more units per request: long contexts on idle GPU memory).
 ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
-# Experimental late reorder (read by the coordinator, early swap only): a
-# decode layer's LRU recency update waits for the forward stream to reach the
-# attention instead of starting beside the query projection and rope.
-ENV_LATE_REORDER = "SGLANG_NSA_KV_OFFLOAD_LATE_REORDER"
 # Experimental flat miss copy (read by the coordinator): N programs share all
 # requests' misses instead of a grid per request, so that the copy's waits on
 # host reads hold at most N SMs beside the forward stream.

@@ -62,7 +62,6 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
-    ENV_LATE_REORDER,
     ENV_WARM_UNITS,
     early_swap_enabled,
     gather_programs_from_env,
@@ -128,7 +127,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         early_swap: bool = False,
         direct_slots: bool = False,
         warm_units: bool = False,
-        late_reorder: bool = False,
         copy_flat_programs: Optional[int] = None,
     ):
         if warm_units:
@@ -227,10 +225,9 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         )
         if copy_flat_programs is not None:
             logger.info(
-                "NSA KV offload: flat miss copy (experimental, %s=%d): %d "
+                "NSA KV offload: flat miss copy (experimental, %s=%d): that many "
                 "programs share every request's misses.",
                 ENV_GATHER_PROGRAMS,
-                copy_flat_programs,
                 copy_flat_programs,
             )
         # Query tokens per request of a target-verify forward (1: no MTP).
@@ -279,18 +276,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 "NSA KV offload: early swap on (each layer's swap and miss copy "
                 "start on a side stream after its indexer; %s=0 turns it off).",
                 ENV_EARLY_SWAP,
-            )
-        # The late reorder needs the early swap's hand-over and runs after the
-        # forward stream joins it; the prefetch needs the reorder before it.
-        self.late_reorder = late_reorder and early_swap and not cross_layer_prefetch
-        # The layer whose deferred reorder waits for the forward stream.
-        self._late_reorder_layer = None
-        if self.late_reorder:
-            logger.info(
-                "NSA KV offload: late reorder on (experimental, %s=1): each decode "
-                "layer's LRU recency update starts when the forward stream reaches "
-                "its attention.",
-                ENV_LATE_REORDER,
             )
         if warm_units:
             logger.info(
@@ -512,9 +497,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             staged = self._stage_prefetch(topk_positions) if prefetch else None
             if stream is not None:
                 self._swap_done[layer_id - first].record(stream)
-            if defer_reorder and self.late_reorder:
-                self._late_reorder_layer = layer_id  # _take_early_page_table
-            elif defer_reorder:
+            if defer_reorder:
                 self.controller.finish_lru_reorder()
             if prefetch:
                 self._prefetch(layer_id + 1, staged, forward_batch)
@@ -532,16 +515,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             torch.cuda.current_stream().wait_event(
                 self._swap_done[layer_id - self._layer_range[0]]
             )
-        if self._late_reorder_layer == layer_id:
-            # After everything the forward stream queued before this layer's
-            # attention; the next layer's swap, later on the side stream,
-            # joins it.
-            self._late_reorder_layer = None
-            stream = self._swap_stream
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
-                self.controller.finish_lru_reorder()
         return _pad_rows(page_table, rows)
 
     def _swap_into_plan(
@@ -819,7 +792,6 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         early_swap=early_swap_enabled(),
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         warm_units=get_bool_env_var(ENV_WARM_UNITS),
-        late_reorder=get_bool_env_var(ENV_LATE_REORDER),
         copy_flat_programs=gather_programs_from_env(),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
