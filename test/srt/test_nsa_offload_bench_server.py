@@ -499,10 +499,12 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
             )  # fmt: skip
         self.assertEqual(started, ["baseline_mtp", "ours_mtp", "ours"])
 
-    def test_reference_server_keeps_its_first_point(self):
+    def test_started_server_keeps_its_first_point(self):
         # Four servers in a tight budget: the equal share is below the first
-        # point's estimate; the no-offload server keeps enough for it (every
-        # ratio divides by it), an offload server gets the equal share.
+        # point's estimate; a started server keeps enough for it when the
+        # time left allows (the runs of 83c5b32 and 88de4e2 started an
+        # offload server only to skip its one point), the later servers get
+        # what is left, or no start at all.
         args = self._sized_args("--contexts", "32768", "--concurrency", "32")
         need = bench_server.first_point_estimate_s(args)
         shares = {}
@@ -519,13 +521,19 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
             mock.patch.object(bench_server, "measure", side_effect=fake_measure),
         )
         with contextlib.ExitStack() as stack:
-            for p in patches:
-                stack.enter_context(p)
+            mocks = [stack.enter_context(p) for p in patches]
             for kind in ("baseline", "ours"):
                 deadline = time.time() + 30 + 3 * 90 + 4 * need / 2 + 150
                 bench_server.bench_server(args, kind, deadline, 4, 90.0)
+            self.assertEqual(mocks[0].call_count, 2)
+            # Too little left for a start and the first point: not started.
+            deadline = time.time() + 90 + need + 20
+            res = bench_server.bench_server(args, "ours_warm", deadline, 1, 90.0)
+            self.assertEqual(mocks[0].call_count, 2)
         self.assertGreaterEqual(shares["baseline"], need - 1)
-        self.assertLess(shares["ours"], need)
+        self.assertGreaterEqual(shares["ours"], need - 1)
+        self.assertNotIn("ours_warm", shares)
+        self.assertTrue(res["error"].startswith("skipped: time budget"), res)
 
     def test_first_point_runs_after_the_warm_up(self):
         # The H200 run of 17529c5 skipped the no-offload point: its share was
@@ -1199,6 +1207,11 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # Warm units with the select kernel (13094cf), 30K x 32/64 profiled:
         # two device calls merged (--merge-calls).
         "rank_speed/run_select_64/bench_server_override.json",
+        # Warm units with 8 units (int32 slot ids) and spare regions: 30K x 32
+        # whole in its units, 30K x 64 (3a29ee0); 30K x 64 again (88de4e2,
+        # its flat-copy server skipped by the time budget).
+        "rank_speed/run_units8_64/bench_server_override.json",
+        "rank_speed/run_flat_control/bench_server_override.json",
     )
 
     def test_merged_run_is_its_calls(self):

@@ -1045,8 +1045,13 @@ def bench_server(
     res: dict = {"kind": kind, "args": spec, "env": env, "points": []}
     remaining = deadline - time.time()
     start_timeout = min(args.start_timeout, remaining - 60)
-    if remaining < 150:
-        res["error"] = "skipped: time budget exhausted before start"
+    first = first_point_estimate_s(args)
+    if not start_fits(remaining, startup_guess, first):
+        res["error"] = (
+            f"skipped: time budget ({remaining:.0f} s left for a start of "
+            f"~{startup_guess:.0f} s and a first point of ~{first:.0f} s)"
+        )
+        log(f"[{kind}] {res['error']}")
         return res
     if args.record and os.path.exists(record_path(args, kind)):
         os.remove(record_path(args, kind))
@@ -1065,10 +1070,11 @@ def bench_server(
             # start-up (like this one's, plus stop) comes out of the budget.
             later = (servers_left - 1) * startup_guess
             share = (deadline - time.time() - 30 - later) / servers_left
-            if kind in REFERENCE_KINDS:
-                # Every ratio divides by it: its first point runs even if the
-                # servers after it get less time.
-                share = max(share, first_point_estimate_s(args))
+            if kind in REFERENCE_KINDS or deadline - time.time() - 30 >= first:
+                # A started server measures its first point even if the
+                # servers after it get less time (or none: start_fits); every
+                # ratio divides by the reference's.
+                share = max(share, first)
             share_end = time.time() + max(share, 30.0)
             res["points"] = measure(
                 args, kind, server, share_end, layers, kind in REFERENCE_KINDS
@@ -1131,6 +1137,12 @@ def equal_batch_points(args) -> List[Tuple[int, int]]:
         for k in args.concurrency
         if cap is None or c * k <= cap
     ]
+
+
+def start_fits(remaining_s: float, startup_guess_s: float, first_point_s: float):
+    """Whether a server's start-up and first point fit in the time left: one
+    started only to skip its points costs its start-up for nothing."""
+    return remaining_s >= startup_guess_s + first_point_s + 30
 
 
 def first_point_estimate_s(args) -> float:
