@@ -1341,9 +1341,15 @@ class _Harness:
                     [self.pick_topk(r.seq_len, r in first_step_of) for r in reqs]
                     + [self.pick_topk(8) for _ in range(pad_rows)]
                 ).to(DEVICE, torch.int32)
-            # The model hands the indexer's top-k over (the early swap starts
-            # there), the layer writes its new KV (window row), then attends.
+            # The model hands the indexer's top-k over, and again after its
+            # query rope (the early swap starts at one of the two), the
+            # layer writes its new KV (window row), then attends.
             nsa_offload_hooks.begin_layer_swap(fb, layer, topk)
+            started = layer in self.co._early_page_tables
+            self.t.assertEqual(
+                started, self.co.early_swap and not self.co.swap_after_rope
+            )
+            nsa_offload_hooks.begin_layer_swap(fb, layer, topk, after_rope=True)
             self.t.assertEqual(layer in self.co._early_page_tables, self.co.early_swap)
             self.write_kv_layer(layer, out)
             page_table = nsa_offload_hooks.decode_page_table(self.co, fb, layer, topk)
@@ -1690,7 +1696,7 @@ class TestEarlySwap(unittest.TestCase):
     """``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP``: the swap starts when the model
     hands the top-k over, the backend's hook only collects it."""
 
-    def _run(self, early_swap, max_units=1, prefetch=False):
+    def _run(self, early_swap, max_units=1, prefetch=False, after_rope=False):
         h = _Harness(
             self,
             layers=3,
@@ -1699,7 +1705,10 @@ class TestEarlySwap(unittest.TestCase):
             max_reqs=3,
             max_units=max_units,
             cross_layer_prefetch=prefetch,
-            coordinator_kwargs={"early_swap": early_swap},
+            coordinator_kwargs={
+                "early_swap": early_swap,
+                "swap_after_rope": after_rope,
+            },
         )
         a, b = h.new_req(), h.new_req()
         h.prefill([(a, 300), (b, 220)])
@@ -1717,9 +1726,9 @@ class TestEarlySwap(unittest.TestCase):
         h.check_no_leaks()
         return h.page_tables, stats
 
-    def _assert_same_as_inline(self, **kwargs) -> dict:
+    def _assert_same_as_inline(self, after_rope=False, **kwargs) -> dict:
         inline, inline_stats = self._run(False, **kwargs)
-        early, early_stats = self._run(True, **kwargs)
+        early, early_stats = self._run(True, after_rope=after_rope, **kwargs)
         self.assertEqual(len(early), len(inline))
         for e, i in zip(early, inline):
             self.assertTrue(torch.equal(e, i))
@@ -1731,6 +1740,21 @@ class TestEarlySwap(unittest.TestCase):
             with self.subTest(max_units=units):
                 stats = self._assert_same_as_inline(max_units=units)
                 self.assertGreater(stats["misses"], 0)
+
+    def test_swap_after_rope_same_as_the_inline_swap(self):
+        # SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE: the swap starts at the
+        # model's second hand-over (after the query rope), with the prefetch
+        # too; the harness checks that only that one starts it.
+        for units, prefetch in ((1, False), (3, False), (3, True)):
+            with self.subTest(max_units=units, prefetch=prefetch):
+                stats = self._assert_same_as_inline(
+                    after_rope=True, max_units=units, prefetch=prefetch
+                )
+                self.assertGreater(stats["misses"], 0)
+
+    def test_swap_after_rope_needs_the_early_swap(self):
+        h = _Harness(self, coordinator_kwargs={"swap_after_rope": True})
+        self.assertFalse(h.co.swap_after_rope)  # inline: the backend's hook
 
     def test_recency_update_deferred_past_the_event_but_the_last_layer(self):
         # Every decode layer but the last defers its LRU reorder and finishes

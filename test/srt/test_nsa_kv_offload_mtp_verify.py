@@ -173,9 +173,11 @@ class _MTPHarness(_Harness):
                 ]
                 + [self.pick_topk(8) for _ in range(pad_reqs * q)]
             ).to(DEVICE, torch.int32)
-            # The model hands the top-k over (the early swap starts there),
-            # the layer writes the q tokens' KV, then attends.
+            # The model hands the top-k over after its indexer and after its
+            # query rope (the early swap starts at one of the two), the layer
+            # writes the q tokens' KV, then attends.
             nsa_offload_hooks.begin_layer_swap(fb, layer, topk)
+            nsa_offload_hooks.begin_layer_swap(fb, layer, topk, after_rope=True)
             self.t.assertEqual(layer in self.co._early_page_tables, self.co.early_swap)
             self.write_kv_layer(layer, out)
             if layer in backend_layers:

@@ -474,6 +474,15 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         env = bench_server.server_env(args, "ours_warm_prefetch")
         self.assertEqual(env["SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"], "1")
         self.assertEqual(env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"], "1")
+        # The contention trials of issue 20, each on the warm units.
+        for kind, var, value in (
+            ("ours_warm_flat", "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS", "16"),
+            ("ours_warm_rope", "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE", "1"),
+        ):
+            env = bench_server.server_env(args, kind)
+            self.assertEqual(
+                (env[var], env["SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"]), (value, "1")
+            )
 
     def test_servers_start_in_the_order_asked(self):
         # A tight budget must reach the pair named first (not SERVER_KINDS').

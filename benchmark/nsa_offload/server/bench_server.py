@@ -89,6 +89,7 @@ from server_utils import (  # noqa: E402
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
     ENV_SPARE_REGIONS,
+    ENV_SWAP_AFTER_ROPE,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
     ENV_WIDE_SLOT_IDS,
@@ -125,6 +126,7 @@ SERVER_KINDS = (
     "ours_warm",
     "ours_warm_prefetch",
     "ours_warm_flat",
+    "ours_warm_rope",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -149,6 +151,7 @@ OURS_VARIANTS = {
     "ours_warm": "P4_warm",
     "ours_warm_prefetch": "P4_warm_prefetch",
     "ours_warm_flat": "P4_warm_flat",
+    "ours_warm_rope": "P4_warm_rope",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -173,6 +176,7 @@ LABELS = {
     "ours_warm": "ours, warm units",
     "ours_warm_prefetch": "ours, warm units + prefetch",
     "ours_warm_flat": "ours, warm units + flat miss copy",
+    "ours_warm_rope": "ours, warm units, swap after rope",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -747,6 +751,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_warm": ours,
         "ours_warm_prefetch": ours,
         "ours_warm_flat": ours,
+        "ours_warm_rope": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -764,6 +769,7 @@ VARIANT_ENV = {
     "ours_warm_prefetch": {ENV_WARM_UNITS: "1", ENV_CROSS_LAYER_PREFETCH: "1"},
     # 16 programs: a quarter of the SMs batch 64's per-request grid held.
     "ours_warm_flat": {ENV_WARM_UNITS: "1", ENV_GATHER_PROGRAMS: "16"},
+    "ours_warm_rope": {ENV_WARM_UNITS: "1", ENV_SWAP_AFTER_ROPE: "1"},
 }
 
 
@@ -1927,6 +1933,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm": "maroon",
         "ours_warm_prefetch": "teal",
         "ours_warm_flat": "olivedrab",
+        "ours_warm_rope": "sienna",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
     }
@@ -2027,7 +2034,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     overheads are the early swap's, ours' default (``*_inline``: the inline
     swap's), whichever server kind ran it in each run;
     ``p4_itl_overhead_warm_units``: the experimental warm units' (ours_warm),
-    ``p4_itl_overhead_warm_flat``: with the flat miss copy too (ours_warm_flat)."""
+    ``p4_itl_overhead_warm_flat``: with the flat miss copy too (ours_warm_flat),
+    ``p4_itl_overhead_warm_rope``: with the swap after the rope (ours_warm_rope)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2037,6 +2045,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_inline": {},
         "p4_itl_overhead_warm_units": {},
         "p4_itl_overhead_warm_flat": {},
+        "p4_itl_overhead_warm_rope": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2065,6 +2074,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         for key, out in (
             ("P4_warm", "p4_itl_overhead_warm_units"),
             ("P4_warm_flat", "p4_itl_overhead_warm_flat"),
+            ("P4_warm_rope", "p4_itl_overhead_warm_rope"),
         ):
             if key in targets:
                 speed[out].update(_overheads(targets[key], name + ":"))
@@ -2275,7 +2285,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "forced on / off (ours: the server's default, on); side by side with "
         "ours; ours_warm: ours with the experimental warm units "
         "(ours_warm_prefetch: with the prefetch too; ours_warm_flat: with the "
-        "experimental flat miss copy, 16 programs); baseline_mtp, "
+        "experimental flat miss copy, 16 programs; ours_warm_rope: the swap "
+        "starting after the query rope); baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )

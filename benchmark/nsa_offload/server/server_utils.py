@@ -68,6 +68,7 @@ ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
 ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
+ENV_SWAP_AFTER_ROPE = "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE"
 # The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
 # since 64f802f the units moved between requests over the log interval.
 UNITS_RE = re.compile(r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?\)")

@@ -74,6 +74,10 @@ ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
 # requests' misses instead of a grid per request, so that the copy's waits on
 # host reads hold at most N SMs beside the forward stream.
 ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
+# Experimental (read by the coordinator, early swap only): a layer's swap
+# starts after its query rope instead of right after its indexer, so that the
+# swap's kernels do not share the SMs with the query's absorb GEMM and rope.
+ENV_SWAP_AFTER_ROPE = "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):

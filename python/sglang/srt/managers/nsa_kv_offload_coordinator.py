@@ -62,6 +62,7 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
+    ENV_SWAP_AFTER_ROPE,
     ENV_WARM_UNITS,
     early_swap_enabled,
     gather_programs_from_env,
@@ -128,6 +129,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         direct_slots: bool = False,
         warm_units: bool = False,
         copy_flat_programs: Optional[int] = None,
+        swap_after_rope: bool = False,
     ):
         if warm_units:
             why = warm_units_refusal(
@@ -270,11 +272,19 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         # Page tables of the layers whose swap began early, by layer id
         # (host bookkeeping: set and taken within one forward, or capture).
         self._early_page_tables = {}
+        # Where the early swap starts (nsa_offload_hooks.begin_layer_swap):
+        # after the layer's indexer, or after its query rope.
+        self.swap_after_rope = early_swap and swap_after_rope
         if early_swap:
             self._swap_stream, self._swap_done = self._side_stream()
             logger.info(
                 "NSA KV offload: early swap on (each layer's swap and miss copy "
-                "start on a side stream after its indexer; %s=0 turns it off).",
+                "start on a side stream after its %s; %s=0 turns it off).",
+                (
+                    f"query rope, experimental {ENV_SWAP_AFTER_ROPE}=1"
+                    if self.swap_after_rope
+                    else "indexer"
+                ),
                 ENV_EARLY_SWAP,
             )
         if warm_units:
@@ -793,6 +803,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         warm_units=get_bool_env_var(ENV_WARM_UNITS),
         copy_flat_programs=gather_programs_from_env(),
+        swap_after_rope=get_bool_env_var(ENV_SWAP_AFTER_ROPE),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(

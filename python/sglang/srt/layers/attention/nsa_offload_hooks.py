@@ -31,15 +31,19 @@ def use_positional_topk(
 
 
 def begin_layer_swap(
-    forward_batch: ForwardBatch, layer_id: int, topk_positions: torch.Tensor
+    forward_batch: ForwardBatch,
+    layer_id: int,
+    topk_positions: torch.Tensor,
+    after_rope: bool = False,
 ) -> None:
-    """The model, right after a layer's indexer: with the early swap
-    (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP=1``), start the layer's decode or
-    verify swap now; ``decode_page_table`` / ``verify_page_table`` collect
-    it. Reached through the forward's attention backend (a draft model's has
-    no offload)."""
+    """The model, right after a layer's indexer and again after its query
+    rope (``after_rope``): with the early swap (``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP``,
+    on by default), start the layer's decode or verify swap at the one of the
+    two the coordinator starts at (``swap_after_rope``);
+    ``decode_page_table`` / ``verify_page_table`` collect it. Reached through
+    the forward's attention backend (a draft model's has no offload)."""
     offload = getattr(forward_batch.attn_backend, "nsa_kv_offload", None)
-    if offload is not None:
+    if offload is not None and offload.swap_after_rope == after_rope:
         offload.begin_layer_swap(layer_id, topk_positions, forward_batch)
 
 
