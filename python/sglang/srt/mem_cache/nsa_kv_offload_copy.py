@@ -173,6 +173,14 @@ def _copy_indexed_tiles(
 
 
 @triton.jit
+def _count_rows(counters_ptr, COUNTER_IDX: tl.constexpr, rows, ROW_BYTES: tl.constexpr):
+    # Rows and bytes moved, into the counters tensor (COUNTER_* layout).
+    rows = rows.to(tl.int64)
+    tl.atomic_add(counters_ptr + COUNTER_IDX, rows)
+    tl.atomic_add(counters_ptr + COUNTER_IDX + 1, rows * ROW_BYTES)
+
+
+@triton.jit
 def _gather_rows_kernel(
     src_ptr,
     dst_ptr,
@@ -198,10 +206,7 @@ def _gather_rows_kernel(
 
     if STATS:
         if pid == 0:
-            tl.atomic_add(counters_ptr + COUNTER_IDX, count.to(tl.int64))
-            tl.atomic_add(
-                counters_ptr + COUNTER_IDX + 1, count.to(tl.int64) * ROW_BYTES
-            )
+            _count_rows(counters_ptr, COUNTER_IDX, count, ROW_BYTES)
 
     _copy_indexed_tiles(
         src_ptr,
@@ -252,10 +257,7 @@ def _gather_rows_flat_kernel(
 
     if STATS:
         if pid == 0:
-            tl.atomic_add(counters_ptr + COUNTER_IDX, total.to(tl.int64))
-            tl.atomic_add(
-                counters_ptr + COUNTER_IDX + 1, total.to(tl.int64) * ROW_BYTES
-            )
+            _count_rows(counters_ptr, COUNTER_IDX, total, ROW_BYTES)
 
     num_tiles = tl.cdiv(total, BLOCK_ROWS)
     tile = pid + total * 0  # a tensor: the loop runs in the interpreter too
