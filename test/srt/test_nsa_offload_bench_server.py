@@ -1223,6 +1223,22 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_speed/run_flat_control/bench_server_override.json",
     )
 
+    def test_every_committed_server_kind_renders(self):
+        # --plot-only re-renders any committed run: a server kind retired
+        # since (ours_units, ours_warm_late) keeps its label and colour.
+        for path in sorted(self.RESULTS.glob("rank_*/*/bench_server_*.json")):
+            with open(path) as f:
+                kinds = set(json.load(f)["servers"])
+            with self.subTest(run=str(path.relative_to(self.RESULTS))):
+                self.assertLessEqual(kinds, set(bench_server.LABELS))
+        with tempfile.TemporaryDirectory() as out:
+            run = (
+                self.RESULTS / "rank_speed/run_late_reorder/bench_server_override.json"
+            )
+            bench_server.main(["--plot-only", str(run), "--out", out])
+            with open(os.path.join(out, "bench_server.md")) as f:
+                self.assertIn("ours, warm units + late reorder vs no offload", f.read())
+
     def test_merged_run_is_its_calls(self):
         run = self.RESULTS / "rank_speed" / "run_select_64"
         calls = []

@@ -127,6 +127,7 @@ SERVER_KINDS = (
     "ours_warm_prefetch",
     "ours_warm_flat",
     "ours_warm_rope",
+    "ours_warm_late",
     "ours_units",
     "hisparse",
     "baseline_mtp",
@@ -139,7 +140,8 @@ MTP_COMPARISONS = {
     "mtp_vs_no_mtp": ("ours_mtp", "ours"),  # what MTP buys the offload
 }
 # Variants of ours measured side by side with it, each with its own P4 line.
-# ours_units (session 9, before units became ours' default) is only read.
+# ours_units (session 9, before units became ours' default) and ours_warm_late
+# (the late reorder of 83c5b32, removed in 07bce18) are only read.
 OURS_VARIANTS = {
     "ours_fixed": "P4_fixed",
     "ours_wide": "P4_wide",
@@ -152,6 +154,7 @@ OURS_VARIANTS = {
     "ours_warm_prefetch": "P4_warm_prefetch",
     "ours_warm_flat": "P4_warm_flat",
     "ours_warm_rope": "P4_warm_rope",
+    "ours_warm_late": "P4_warm_late",
     "ours_units": "P4_units",
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
@@ -161,7 +164,8 @@ REFERENCE_KINDS = ("baseline", "baseline_mtp")
 # the runs that record this; before, "ours" was the inline swap and the
 # early one "ours_early").
 OURS_EARLY_SWAP_DEFAULT = True
-RUNNABLE_KINDS = tuple(k for k in SERVER_KINDS if k != "ours_units")
+READ_ONLY_KINDS = ("ours_units", "ours_warm_late")
+RUNNABLE_KINDS = tuple(k for k in SERVER_KINDS if k not in READ_ONLY_KINDS)
 LABELS = {
     "baseline": "no offload",
     "hisparse": "HiSparse",
@@ -177,6 +181,7 @@ LABELS = {
     "ours_warm_prefetch": "ours, warm units + prefetch",
     "ours_warm_flat": "ours, warm units + flat miss copy",
     "ours_warm_rope": "ours, warm units, swap after rope",
+    "ours_warm_late": "ours, warm units + late reorder",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
     "ours_mtp": "ours + MTP",
@@ -1934,6 +1939,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_prefetch": "teal",
         "ours_warm_flat": "olivedrab",
         "ours_warm_rope": "sienna",
+        "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
     }
@@ -2612,6 +2618,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(
             "--servers ours_units: units are ours' default now (--max-units N "
             "sets them); ours_fixed runs ours with one unit"
+        )
+    if "ours_warm_late" in asked:
+        raise SystemExit(
+            "--servers ours_warm_late: the late reorder was removed (07bce18, "
+            "no gain: results/rank_speed/run_late_reorder/)"
         )
     # In the order asked: with a tight --time-budget-s the pair to compare
     # goes first (a cold server's JIT can take minutes).
