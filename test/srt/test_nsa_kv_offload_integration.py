@@ -1652,6 +1652,49 @@ class TestCrossLayerPrefetchEarlySwap(TestCrossLayerPrefetch):
     EARLY_SWAP = True
 
 
+def _swap_scenario(test, max_units=1, prefetch=False, **coordinator_kwargs):
+    """Two requests decode (one step padded in two), one finishes, a third
+    joins and decodes beside the other (a step with one top-k for every
+    layer): the page tables and the controller's counters."""
+    h = _Harness(
+        test,
+        layers=3,
+        seed=9,
+        num_regions=3,
+        max_reqs=3,
+        max_units=max_units,
+        cross_layer_prefetch=prefetch,
+        coordinator_kwargs=coordinator_kwargs,
+    )
+    a, b = h.new_req(), h.new_req()
+    h.prefill([(a, 300), (b, 220)])
+    h.decode_step([a, b], first_step_of=(a, b))
+    for step in range(6):
+        h.decode_step([a, b], pad_rows=step % 2)
+    h.finish(a)
+    c = h.new_req()
+    h.prefill([(c, 260)])
+    h.decode_step([b, c], first_step_of=(c,))
+    h.decode_step([b, c], shared_topk=True)
+    stats = h.controller.get_stats()
+    h.finish(b)
+    h.finish(c)
+    h.check_no_leaks()
+    return h.page_tables, stats
+
+
+def _assert_same_swaps(test, reference: dict, variant: dict, **kwargs) -> dict:
+    """The scenario's page tables and counters with the coordinator settings
+    ``variant`` equal those with ``reference``; the variant's counters."""
+    ref, ref_stats = _swap_scenario(test, **kwargs, **reference)
+    got, got_stats = _swap_scenario(test, **kwargs, **variant)
+    test.assertEqual(len(got), len(ref))
+    for x, y in zip(got, ref):
+        test.assertTrue(torch.equal(x, y))
+    test.assertEqual(got_stats, ref_stats)
+    return got_stats
+
+
 class TestFlatMissCopy(unittest.TestCase):
     """``SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS``: a few programs share every
     request's misses; the harness checks each page table's rows against the
@@ -1659,81 +1702,23 @@ class TestFlatMissCopy(unittest.TestCase):
 
     def test_same_page_tables_and_copies_as_the_default_grid(self):
         for early_swap, units in ((False, 1), (True, 3)):
-            runs = []
-            for programs in (None, 3):
-                h = _Harness(
-                    self,
-                    layers=2,
-                    seed=11,
-                    num_regions=3,
-                    max_reqs=3,
-                    max_units=units,
-                    coordinator_kwargs={
-                        "early_swap": early_swap,
-                        "copy_flat_programs": programs,
-                    },
-                )
-                a, b = h.new_req(), h.new_req()
-                h.prefill([(a, 300), (b, 220)])
-                h.decode_step([a, b], first_step_of=(a, b))
-                for step in range(4):
-                    h.decode_step([a, b], pad_rows=step % 2)
-                stats = h.controller.get_stats()
-                h.finish(a)
-                h.finish(b)
-                h.check_no_leaks()
-                runs.append((h.page_tables, stats))
             with self.subTest(early_swap=early_swap, max_units=units):
-                (default, default_stats), (flat, flat_stats) = runs
+                flat_stats = _assert_same_swaps(
+                    self,
+                    {"early_swap": early_swap},
+                    {"early_swap": early_swap, "copy_flat_programs": 3},
+                    max_units=units,
+                )
                 self.assertGreater(flat_stats["misses"], 0)
-                self.assertEqual(flat_stats, default_stats)
-                self.assertEqual(len(flat), len(default))
-                for x, y in zip(flat, default):
-                    self.assertTrue(torch.equal(x, y))
 
 
 class TestEarlySwap(unittest.TestCase):
     """``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP``: the swap starts when the model
     hands the top-k over, the backend's hook only collects it."""
 
-    def _run(self, early_swap, max_units=1, prefetch=False, after_rope=False):
-        h = _Harness(
-            self,
-            layers=3,
-            seed=9,
-            num_regions=3,
-            max_reqs=3,
-            max_units=max_units,
-            cross_layer_prefetch=prefetch,
-            coordinator_kwargs={
-                "early_swap": early_swap,
-                "swap_after_rope": after_rope,
-            },
-        )
-        a, b = h.new_req(), h.new_req()
-        h.prefill([(a, 300), (b, 220)])
-        h.decode_step([a, b], first_step_of=(a, b))
-        for step in range(6):
-            h.decode_step([a, b], pad_rows=step % 2)
-        h.finish(a)
-        c = h.new_req()
-        h.prefill([(c, 260)])
-        h.decode_step([b, c], first_step_of=(c,))
-        h.decode_step([b, c], shared_topk=True)
-        stats = h.controller.get_stats()
-        h.finish(b)
-        h.finish(c)
-        h.check_no_leaks()
-        return h.page_tables, stats
-
     def _assert_same_as_inline(self, after_rope=False, **kwargs) -> dict:
-        inline, inline_stats = self._run(False, **kwargs)
-        early, early_stats = self._run(True, after_rope=after_rope, **kwargs)
-        self.assertEqual(len(early), len(inline))
-        for e, i in zip(early, inline):
-            self.assertTrue(torch.equal(e, i))
-        self.assertEqual(early_stats, inline_stats)
-        return early_stats
+        early = {"early_swap": True, "swap_after_rope": after_rope}
+        return _assert_same_swaps(self, {"early_swap": False}, early, **kwargs)
 
     def test_same_page_tables_and_copies_as_the_inline_swap(self):
         for units in (1, 3):
