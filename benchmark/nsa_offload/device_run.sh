@@ -33,6 +33,8 @@ if [ "${1:-}" = install-a ]; then
   $PIP $W/wheels-a*/*.whl && echo "installed: $(ls $W | grep wheels-a)" || exit 1
   # A JIT cache carried with wheels-a waits here for the wheels-b call.
   if [ -d $W/jitcache-extra ]; then mkdir -p /tmp/jit-parts && cp $W/jitcache-extra/part-* /tmp/jit-parts/; fi
+  # So does the rank model's cache when the wheels-b call has no room for it.
+  if [ -f $W/jitcache-rank-h200.tgz ]; then cp $W/jitcache-rank-h200.tgz /tmp/jit-rank.tgz; fi
   exit 0
 fi
 # The ninja-built JIT caches (tvm-ffi, flashinfer) count as stale when their
@@ -56,9 +58,11 @@ if [ ! -f /tmp/site/.wheels-b ]; then
 fi
 # What a rank-sized (61-layer) server compiles beyond that (../shared/DEVICE.md),
 # on top of jitcache-h200.tgz; carried in a later call if need be.
-if [ -f $W/jitcache-rank-h200.tgz ] && [ ! -f /tmp/site/.jit-rank ]; then
-  tar xzf $W/jitcache-rank-h200.tgz -C ~ && touch_jit && touch /tmp/site/.jit-rank
-fi
+for rank_jit in $W/jitcache-rank-h200.tgz /tmp/jit-rank.tgz; do
+  if [ -f $rank_jit ] && [ ! -f /tmp/site/.jit-rank ]; then
+    tar xzf $rank_jit -C ~ && touch_jit && touch /tmp/site/.jit-rank
+  fi
+done
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # torch.compile's cache under ~ too, so that "savejit" can carry it.
 export TORCHINDUCTOR_CACHE_DIR=$HOME/.cache/torchinductor
