@@ -70,6 +70,19 @@ class LRUModel:
     def enter_direct(self, r: int) -> None:
         self.direct.add(r)
 
+    def warm_direct(self, layers: Sequence[int], r: int, locs) -> List[List[int]]:
+        """Direct mode's warm-up of a request holding nothing: position p
+        (``locs[p]``) into slot p of each layer, then direct mode."""
+        assert len(locs) <= len(self.units[r]) * self.C
+        for layer in layers:
+            for p, loc in enumerate(locs):
+                assert self.slot_loc[layer, r][p] == -1, "slot taken"
+                assert loc not in self.loc_to_slot[layer], "loc resident"
+                self.loc_to_slot[layer][loc] = p
+                self.slot_loc[layer, r][p] = loc
+        self.enter_direct(r)
+        return [[self.row(r, p) for p in range(len(locs))] for _ in layers]
+
     def grow(self, r: int, base: int) -> None:
         """Add a unit at ``base``; its (empty) slots go to the LRU end."""
         lo = len(self.units[r]) * self.C

@@ -489,15 +489,16 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                     "host pool shared by attention-TP ranks",
                     tp_size=2,
                 )
+        # Direct slots combine with them: a request that fits its units
+        # enters direct mode when it is warmed.
         direct = dict(env, **{nsa_kv_offload_args.ENV_DIRECT_SLOTS: "1"})
         with mock.patch.dict(os.environ, direct):
-            self._assert_rejected(
-                "does not combine with SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS=1",
-                disaggregation_mode="decode",
-            )
+            self._server_args(
+                disaggregation_mode="decode"
+            )._handle_decode_nsa_kv_offload()
         refusal = nsa_kv_offload_args.warm_units_refusal
-        self.assertIsNone(refusal(4, False, False, False))
-        self.assertIn("--speculative-algorithm", refusal(4, True, False, False))
+        self.assertIsNone(refusal(4, False, False))
+        self.assertIn("--speculative-algorithm", refusal(4, True, False))
 
     def test_reject_pd_decode_radix_cache(self):
         self._assert_rejected(

@@ -235,6 +235,7 @@ class Sim:
         self.reqs = {}  # r -> {"locs": [...], "region": int, "prev": {layer: [...]}}
         self.steps = 0
         self.direct_entered = 0
+        self.direct_units_entered = 0  # of those, past one unit's slots
 
     # -- lifecycle
 
@@ -259,8 +260,11 @@ class Sim:
             else:
                 state.admit_request(r, base)
         self.model.admit(r, base)
-        if cfg.direct and n + 1 - cfg.W <= cfg.C and rng.random() < cfg.p_direct:
+        below_window = max(0, n + 1 - cfg.W)
+        if cfg.direct and below_window <= cfg.C and rng.random() < cfg.p_direct:
             self.warm_direct(r)
+        elif cfg.direct and cfg.units > 1 and rng.random() < cfg.p_direct:
+            self.warm_direct_units(r, below_window)
         elif rng.random() < cfg.p_warm:
             self.warm(r)
 
@@ -279,6 +283,30 @@ class Sim:
                 rows = state.warm_request(range(self.cfg.layers), r, arg)
                 self.test.assertEqual(rows.cpu().tolist(), expect)
             state.enter_direct(r, len(older))
+
+    def warm_direct_units(self, r: int, below_window: int) -> None:
+        """As the controller warms a request after its units are granted
+        (warm units): when the positions below its first window fit what it
+        holds then, each in its own slot across the units (warm_direct)."""
+        cfg, rng = self.cfg, self.rng
+        units = self.reqs[r]["units"]
+        want = rng.randint(1, cfg.units - 1)
+        while len(units) < want and self.free_units:
+            units.append(self.free_units.pop())
+            for state in self.states:
+                state.grow_request(r, len(units), units[-1])
+            self.model.grow(r, units[-1])
+        if below_window > (len(units) + 1) * cfg.C:
+            return
+        older = self.reqs[r]["locs"][:below_window]
+        layers = list(range(cfg.layers))
+        expect = self.model.warm_direct(layers, r, older)
+        self.direct_entered += 1
+        self.direct_units_entered += below_window > cfg.C
+        for state in self.states:
+            arg = torch.tensor(older, dtype=torch.int64, device=DEVICE)
+            rows = state.warm_direct(layers, r, arg)
+            self.test.assertEqual(rows.cpu().tolist(), expect)
 
     def warm(self, r: int) -> None:
         cfg, rng = self.cfg, self.rng
@@ -901,6 +929,63 @@ class TestDirectSlots(unittest.TestCase):
         )
         sim = run_sim(self, cfg, (True, "fused", False), steps=40, seed=12)
         self.assertGreater(sim.direct_entered, 3)
+        self.assertGreater(sim.model.direct_ended, 0)
+
+    def test_warm_direct_across_units(self):
+        # A 21-token prompt on units of 8 slots, warmed after two more units
+        # were granted: positions 0..17 (below the first window) in slots
+        # 0..17 of the region, unit 1 and unit 2.
+        cfg = SimConfig(layers=2, C=8, K=4, W=4, max_reqs=2, units=3, direct=True)
+        r2t = (10 + torch.arange(40, dtype=torch.int32, device=DEVICE)).repeat(2, 1)
+        for impl in self._impls():
+            with self.subTest(impl=impl):
+                state = impl_state(cfg, impl)
+                state.admit_request(0, 100)
+                state.grow_request(0, 1, 200)
+                state.grow_request(0, 2, 300)
+                order = state.lru_order[:, 0].tolist()
+                rows = state.warm_direct(range(2), 0, r2t[0, :18].long())
+                expect = [100 + p for p in range(8)] + [200 + p for p in range(8)]
+                expect += [300, 301]
+                self.assertEqual(rows.tolist(), [expect, expect])
+                self.assertEqual(state.direct[0].item(), 1)
+                self.assertEqual(
+                    state.slot_loc[1, 0, :18].tolist(), list(range(10, 28))
+                )
+                self.assertEqual(state.loc_to_slot[0, 27].item(), 17)
+                # Length 22: positions 0..17 through the slots, 18..21 the
+                # window; no miss, the order untouched.
+                plan = self._swap(state, [17, 3, 21, 9], 22, r2t)
+                self.assertEqual(plan.page_table[0].tolist(), [301, 103, 109, 201])
+                self.assertEqual(int(plan.miss_count[0]), 0)
+                # Length 23: position 18 left the window, a miss into slot 18.
+                plan = self._swap(state, [18, 0, -1, -1], 23, r2t)
+                self.assertEqual(plan.page_table[0].tolist(), [302, 100, -1, -1])
+                self.assertEqual(int(plan.miss_count[0]), 1)
+                self.assertEqual(plan.miss_src_loc[0, 0].item(), 28)
+                self.assertEqual(plan.miss_dst_row[0, 0].item(), 302)
+                self.assertEqual(state.lru_order[:, 0].tolist(), order)
+                # The last unit taken back: 19 positions below the window no
+                # longer fit 16 slots, direct mode ends at the next swap.
+                state.shrink_request(0, 2)
+                self._swap(state, [0, 1, -1, -1], 23, r2t)
+                self.assertEqual(state.direct[0].item(), 0)
+                state.release_request(0)
+                # More positions than the slots the request holds.
+                state.admit_request(0, 100)
+                with self.assertRaisesRegex(ValueError, "exceed the 8 slots"):
+                    state.warm_direct(0, 0, r2t[0, :9].long())
+                self.assertEqual(state.direct[0].item(), 0)
+
+    def test_warm_direct_across_units_against_model(self):
+        # Prompts up to 3 units long, some warmed whole across the units they
+        # were granted (warm units with direct slots); shrinks end it.
+        impls = (False, True, "fused") if TRITON_OK else (False,)
+        cfg = SimConfig(
+            C=32, K=16, W=4, units=3, max_prompt=90, direct=True, p_direct=0.7
+        )
+        sim = run_sim(self, cfg, impls, steps=50, seed=21)
+        self.assertGreater(sim.direct_units_entered, 2)
         self.assertGreater(sim.model.direct_ended, 0)
 
 

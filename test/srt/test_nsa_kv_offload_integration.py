@@ -2145,6 +2145,52 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
                 # every entry of both requests misses, in both layers (K = 64).
                 self.assertEqual(self._first_step_misses(False, colocated), 2 * 2 * 64)
 
+    def test_direct_slots_across_granted_units(self):
+        # With direct slots too, a request whose positions below its first
+        # window fit the units it was granted is warmed position p into
+        # slot p and swaps without the LRU walk; one that does not fit stays
+        # on the LRU swap. Reads stay exact (the harness checks them).
+        for colocated in (False, True):
+            with self.subTest(colocated=colocated):
+                h = _Harness(
+                    self,
+                    kv_fp8=True,
+                    seed=7,
+                    kv_arrives_in_host=not colocated,
+                    num_regions=4,
+                    max_units=4,
+                    coordinator_kwargs={
+                        "early_swap": True,
+                        "warm_units": True,
+                        "direct_slots": True,
+                    },
+                )
+                a, b = h.new_req(), h.new_req()
+                # Two units each (2 x 128 slots): 300 tokens do not fit, 190 do.
+                if colocated:
+                    h.prefill([(a, 300), (b, 190)])
+                else:
+                    h.transfer(a, 300)
+                    h.transfer(b, 190)
+                h.decode_step([a, b])
+                lru = h.controller.lru
+                direct = [int(lru.direct[r.req_pool_idx]) for r in (a, b)]
+                self.assertEqual(direct, [0, 1])
+                rb = b.req_pool_idx
+                self.assertEqual(
+                    lru.slot_loc[0, rb, :150].tolist(),
+                    h.co.req_to_token[rb, :150].tolist(),
+                )
+                for _ in range(4):
+                    h.decode_step([a, b])
+                self.assertEqual(int(lru.direct[rb]), 1)
+                if colocated:
+                    h.finish(a)
+                    h.finish(b)
+                    h.check_no_leaks()
+                else:
+                    h.replace_and_drain(a, b)
+
     def test_finished_at_prefill_is_not_warmed(self):
         h = _Harness(
             self,

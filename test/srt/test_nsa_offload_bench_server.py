@@ -478,6 +478,7 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         for kind, var, value in (
             ("ours_warm_flat", "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS", "16"),
             ("ours_warm_rope", "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE", "1"),
+            ("ours_warm_direct", "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS", "1"),
         ):
             env = bench_server.server_env(args, kind)
             self.assertEqual(
@@ -1221,6 +1222,11 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # its flat-copy server skipped by the time budget).
         "rank_speed/run_units8_64/bench_server_override.json",
         "rank_speed/run_flat_control/bench_server_override.json",
+        # 30K x 64 at 0e53f8c, one machine: the flat miss copy and the swap
+        # after the rope, then warm units alone (the flat one's second call
+        # skipped by the time budget).
+        "rank_speed/run_flat_rope_64/bench_server_override.json",
+        "rank_speed/run_warm_control_64/bench_server_override.json",
     )
 
     def test_every_committed_server_kind_renders(self):

@@ -127,6 +127,7 @@ SERVER_KINDS = (
     "ours_warm_prefetch",
     "ours_warm_flat",
     "ours_warm_rope",
+    "ours_warm_direct",
     "ours_warm_late",
     "ours_units",
     "hisparse",
@@ -154,6 +155,7 @@ OURS_VARIANTS = {
     "ours_warm_prefetch": "P4_warm_prefetch",
     "ours_warm_flat": "P4_warm_flat",
     "ours_warm_rope": "P4_warm_rope",
+    "ours_warm_direct": "P4_warm_direct",
     "ours_warm_late": "P4_warm_late",
     "ours_units": "P4_units",
 }
@@ -187,6 +189,7 @@ LABELS = {
     "ours_warm_prefetch": "ours, warm units + prefetch",
     "ours_warm_flat": "ours, warm units + flat miss copy",
     "ours_warm_rope": "ours, warm units, swap after rope",
+    "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_late": "ours, warm units + late reorder",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
@@ -763,6 +766,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_warm_prefetch": ours,
         "ours_warm_flat": ours,
         "ours_warm_rope": ours,
+        "ours_warm_direct": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -781,6 +785,8 @@ VARIANT_ENV = {
     # 16 programs: a quarter of the SMs batch 64's per-request grid held.
     "ours_warm_flat": {ENV_WARM_UNITS: "1", ENV_GATHER_PROGRAMS: "16"},
     "ours_warm_rope": {ENV_WARM_UNITS: "1", ENV_SWAP_AFTER_ROPE: "1"},
+    # A request whose context fits its warm units swaps without the LRU walk.
+    "ours_warm_direct": {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1"},
 }
 
 
@@ -1945,6 +1951,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_prefetch": "teal",
         "ours_warm_flat": "olivedrab",
         "ours_warm_rope": "sienna",
+        "ours_warm_direct": "darkgreen",
         "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
@@ -2047,7 +2054,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     swap's), whichever server kind ran it in each run;
     ``p4_itl_overhead_warm_units``: the experimental warm units' (ours_warm),
     ``p4_itl_overhead_warm_flat``: with the flat miss copy too (ours_warm_flat),
-    ``p4_itl_overhead_warm_rope``: with the swap after the rope (ours_warm_rope)."""
+    ``p4_itl_overhead_warm_rope``: with the swap after the rope (ours_warm_rope),
+    ``p4_itl_overhead_warm_direct``: with direct slots too (ours_warm_direct)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2058,6 +2066,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_warm_units": {},
         "p4_itl_overhead_warm_flat": {},
         "p4_itl_overhead_warm_rope": {},
+        "p4_itl_overhead_warm_direct": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2087,6 +2096,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
             ("P4_warm", "p4_itl_overhead_warm_units"),
             ("P4_warm_flat", "p4_itl_overhead_warm_flat"),
             ("P4_warm_rope", "p4_itl_overhead_warm_rope"),
+            ("P4_warm_direct", "p4_itl_overhead_warm_direct"),
         ):
             if key in targets:
                 speed[out].update(_overheads(targets[key], name + ":"))
@@ -2298,7 +2308,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "ours; ours_warm: ours with the experimental warm units "
         "(ours_warm_prefetch: with the prefetch too; ours_warm_flat: with the "
         "experimental flat miss copy, 16 programs; ours_warm_rope: the swap "
-        "starting after the query rope); baseline_mtp, "
+        "starting after the query rope; ours_warm_direct: with direct slots, "
+        "a request whose context fits its units skips the LRU walk); "
+        "baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
     )

@@ -64,6 +64,7 @@ from server_utils import (
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
+    ENV_GATHER_PROGRAMS,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
@@ -171,6 +172,19 @@ SERVERS = {
     "ours_fp8_warm": dict(
         offload=[],
         env={ENV_WARM_UNITS: "1"},
+        base="base_fp8",
+    ),
+    # Warm units with direct slots: a prompt that fits the units it was
+    # granted is warmed position p into slot p, swaps without the LRU walk.
+    "ours_fp8_warm_direct": dict(
+        offload=[],
+        env={ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1"},
+        base="base_fp8",
+    ),
+    # The flat miss copy (16 programs for every request's misses).
+    "ours_fp8_flat": dict(
+        offload=[],
+        env={ENV_GATHER_PROGRAMS: "16"},
         base="base_fp8",
     ),
     "base_bf16": dict(kv="bf16"),

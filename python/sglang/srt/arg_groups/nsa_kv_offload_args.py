@@ -163,7 +163,7 @@ def _fail(message: str) -> None:
 
 
 def warm_units_refusal(
-    max_units: int, speculative: bool, direct_slots: bool, shared_host_pool: bool
+    max_units: int, speculative: bool, shared_host_pool: bool
 ) -> Optional[str]:
     """Why ``ENV_WARM_UNITS=1`` cannot apply (None: it can): it warms each
     admitted request, after the rebalance, into every slot its units give it,
@@ -172,8 +172,6 @@ def warm_units_refusal(
         return "needs --nsa-kv-offload-max-units above 1"
     if speculative:
         return "does not support MTP target verify (--speculative-algorithm)"
-    if direct_slots:
-        return f"does not combine with {ENV_DIRECT_SLOTS}=1"
     if shared_host_pool:
         # Such a rank warms from its prefill staging rows, which are free
         # again by the time the units are granted.
@@ -440,7 +438,6 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
         why = warm_units_refusal(
             server_args.nsa_kv_offload_max_units,
             server_args.speculative_algorithm is not None,
-            get_bool_env_var(ENV_DIRECT_SLOTS),
             layout.ranks_per_pool > 1,
         )
         if why:

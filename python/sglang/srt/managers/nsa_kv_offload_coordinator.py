@@ -135,7 +135,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             why = warm_units_refusal(
                 max_units,
                 max_query_tokens > 1,
-                direct_slots,
                 host_pool_group is not None,
             )
             if why:

@@ -56,6 +56,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import (
     ReferenceLRUSwap,
     assign_slots,
     reorder_lru,
+    slot_rows,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import (
     _HAS_TRITON,
@@ -268,17 +269,54 @@ class LRUCacheState:
     def enter_direct(self, r: int, num_positions: int) -> None:
         """Request ``r`` swaps in direct mode from its next swap on. The
         caller has installed positions ``0 .. num_positions - 1`` (those below
-        its first window) with one :meth:`warm_request` of a fresh admission,
-        which puts position ``p`` in slot ``p``."""
+        its first window) in slots ``0 .. num_positions - 1``: with one
+        :meth:`warm_request` of a fresh one-unit admission (it fills slots in
+        order) or with :meth:`warm_direct`."""
         self.swap_backend.check_settled("enter_direct")
         if not self.direct_slots:
             raise ValueError("enter_direct: the state was built without direct_slots")
-        if num_positions > self.buffer_size:
+        if num_positions > self.num_slots:
             raise ValueError(
-                f"enter_direct: {num_positions} positions exceed a unit's "
-                f"{self.buffer_size} slots"
+                f"enter_direct: {num_positions} positions exceed a request's "
+                f"{self.num_slots} slots ({self.max_units} units)"
             )
         self._direct_buf[r] = 1
+
+    def warm_direct(
+        self, layers: Union[int, range, Sequence[int]], r: int, locs: torch.Tensor
+    ) -> torch.Tensor:
+        """Direct mode's warm-up: position ``p`` (loc ``locs[p]``, every
+        position below the first window) into slot ``p`` of each of
+        ``layers``, across the units request ``r`` holds, then direct mode.
+
+        ``r`` must hold no resident loc (a fresh admission, its units granted
+        or not) and at least ``len(locs)`` slots; its LRU order is left as its
+        units left it (direct mode does not read it). Returns
+        ``(len(layers), n)`` int32 GPU rows; the caller fills them.
+        """
+        self.swap_backend.check_settled("warm_direct")
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        locs = locs.reshape(-1).to(device=self.device, dtype=torch.int64)
+        n = locs.numel()
+        # Host-side admission work: one read of the capacity.
+        capacity = int(self._capacity_buf[r])
+        if n > capacity:
+            raise ValueError(
+                f"warm_direct: {n} positions exceed the {capacity} slots "
+                f"request {r} holds"
+            )
+        self.enter_direct(r, n)
+        req = self._as_index(r)[:1]
+        slot = torch.arange(n, dtype=torch.int64, device=self.device)
+        layer_idx = torch.tensor(layers, dtype=torch.int64, device=self.device)
+        self._loc_to_slot_buf[layer_idx[:, None], locs[None, :]] = slot.to(
+            self.slot_dtype
+        )
+        self._slot_loc_buf[layer_idx[:, None], req, slot[None, :]] = locs.to(
+            torch.int32
+        )
+        rows = slot_rows(self, req, slot[None, :])
+        return rows.expand(len(layers), n).to(torch.int32)
 
     def grow_request(self, r: int, unit: int, base: int) -> None:
         """Give request ``r`` unit ``unit`` (its next one: it holds ``unit``

@@ -626,15 +626,18 @@ class SparseCacheController:
         if warm_tokens is None:
             warm_tokens = self.warm_tokens
         num_warm = max(0, min(warm_tokens, slots, win_start))
-        if self.lru.direct_slots and win_start <= C:
-            # Every position below the window, oldest first: on a fresh
-            # admission position p takes slot p (direct mode).
+        direct = self.lru.direct_slots and win_start <= slots
+        if direct:
+            # Every position below the window: position p in slot p, across
+            # the units it holds (direct mode; nothing is resident yet).
             num_warm = win_start
-            self.lru.enter_direct(r, win_start)
+            if num_warm == 0:
+                self.lru.enter_direct(r, 0)
         if num_warm > 0:
             # Oldest first: the newest token ends up most recently used.
             warm_locs = prefix_locs[win_start - num_warm : win_start]
-            warm_rows = self.lru.warm_request(range(self.layer_num), r, warm_locs)
+            warm = self.lru.warm_direct if direct else self.lru.warm_request
+            warm_rows = warm(range(self.layer_num), r, warm_locs)
             warm_src = source[win_start - num_warm : win_start]
             locs.append(warm_src.unsqueeze(0).expand(self.layer_num, -1))
             rows.append(warm_rows.to(torch.int64))
