@@ -2090,27 +2090,43 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
     transferred; colocated: prefilled) is warmed after the rebalance has
     granted its units, into every slot it holds."""
 
-    def _first_step_misses(self, warm_units, colocated=False):
+    def _start(self, colocated, seed, lens, **coordinator_kwargs):
+        """A harness with 4 regions and up to 4 units per request, and
+        requests of ``lens`` tokens, prefilled or transferred."""
         h = _Harness(
             self,
             kv_fp8=True,
-            seed=4,
+            seed=seed,
             kv_arrives_in_host=not colocated,
             num_regions=4,
             max_units=4,
-            coordinator_kwargs={"early_swap": True, "warm_units": warm_units},
+            coordinator_kwargs=dict(early_swap=True, **coordinator_kwargs),
         )
-        a, b = h.new_req(), h.new_req()
+        reqs = [h.new_req() for _ in lens]
         if colocated:
-            h.prefill([(a, 300), (b, 190)])
+            h.prefill(list(zip(reqs, lens)))
+        else:
+            for req, n in zip(reqs, lens):
+                h.transfer(req, n)
+        return h, reqs
+
+    @staticmethod
+    def _finish(h, colocated, a, b):
+        if colocated:
+            h.finish(a)
+            h.finish(b)
+            h.check_no_leaks()
+        else:
+            h.replace_and_drain(a, b)
+
+    def _first_step_misses(self, warm_units, colocated=False):
+        h, (a, b) = self._start(colocated, 4, (300, 190), warm_units=warm_units)
+        if colocated:
             # Admitted at the prefill, warmed only in the first prepare_decode.
             self.assertEqual(
                 sorted(h.co._deferred_warm) if warm_units else [],
                 sorted([a.req_pool_idx, b.req_pool_idx]) if warm_units else [],
             )
-        else:
-            h.transfer(a, 300)
-            h.transfer(b, 190)
         # Two free regions: one unit each, 2 x C slots. The first step reads
         # the oldest positions those slots hold (300: from 37; 190: all),
         # none of which one unit's top-k warm-up covers.
@@ -2129,12 +2145,7 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
         )
         for _ in range(4):
             h.decode_step([a, b])
-        if colocated:
-            h.finish(a)
-            h.finish(b)
-            h.check_no_leaks()
-        else:
-            h.replace_and_drain(a, b)
+        self._finish(h, colocated, a, b)
         return misses
 
     def test_granted_units_are_warm(self):
@@ -2152,26 +2163,10 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
         # on the LRU swap. Reads stay exact (the harness checks them).
         for colocated in (False, True):
             with self.subTest(colocated=colocated):
-                h = _Harness(
-                    self,
-                    kv_fp8=True,
-                    seed=7,
-                    kv_arrives_in_host=not colocated,
-                    num_regions=4,
-                    max_units=4,
-                    coordinator_kwargs={
-                        "early_swap": True,
-                        "warm_units": True,
-                        "direct_slots": True,
-                    },
-                )
-                a, b = h.new_req(), h.new_req()
                 # Two units each (2 x 128 slots): 300 tokens do not fit, 190 do.
-                if colocated:
-                    h.prefill([(a, 300), (b, 190)])
-                else:
-                    h.transfer(a, 300)
-                    h.transfer(b, 190)
+                h, (a, b) = self._start(
+                    colocated, 7, (300, 190), warm_units=True, direct_slots=True
+                )
                 h.decode_step([a, b])
                 lru = h.controller.lru
                 direct = [int(lru.direct[r.req_pool_idx]) for r in (a, b)]
@@ -2184,12 +2179,7 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
                 for _ in range(4):
                     h.decode_step([a, b])
                 self.assertEqual(int(lru.direct[rb]), 1)
-                if colocated:
-                    h.finish(a)
-                    h.finish(b)
-                    h.check_no_leaks()
-                else:
-                    h.replace_and_drain(a, b)
+                self._finish(h, colocated, a, b)
 
     def test_finished_at_prefill_is_not_warmed(self):
         h = _Harness(
