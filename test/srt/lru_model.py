@@ -72,9 +72,11 @@ class LRUModel:
 
     def warm_direct(self, layers: Sequence[int], r: int, locs) -> List[List[int]]:
         """Direct mode's warm-up of a request holding nothing: position p
-        (``locs[p]``) into slot p of each layer, then direct mode."""
+        (``locs[p]``) into slot p of each layer, its order slot order, then
+        direct mode."""
         assert len(locs) <= len(self.units[r]) * self.C
         for layer in layers:
+            self.lru_order[layer, r] = list(range(self.num_slots))
             for p, loc in enumerate(locs):
                 assert self.slot_loc[layer, r][p] == -1, "slot taken"
                 assert loc not in self.loc_to_slot[layer], "loc resident"

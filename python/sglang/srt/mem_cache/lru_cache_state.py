@@ -290,8 +290,9 @@ class LRUCacheState:
         ``layers``, across the units request ``r`` holds, then direct mode.
 
         ``r`` must hold no resident loc (a fresh admission, its units granted
-        or not) and at least ``len(locs)`` slots; its LRU order is left as its
-        units left it (direct mode does not read it). Returns
+        or not) and at least ``len(locs)`` slots. Its LRU order becomes slot
+        order (direct mode does not read it): should decode outgrow the slots,
+        the LRU swap then evicts the oldest positions first. Returns
         ``(len(layers), n)`` int32 GPU rows; the caller fills them.
         """
         self.swap_backend.check_settled("warm_direct")
@@ -315,6 +316,7 @@ class LRUCacheState:
         self._slot_loc_buf[layer_idx[:, None], req, slot[None, :]] = locs.to(
             torch.int32
         )
+        self._lru_buf[layer_idx, req] = self._arange_c.to(self._lru_buf.dtype)
         rows = slot_rows(self, req, slot[None, :])
         return rows.expand(len(layers), n).to(torch.int32)
 
