@@ -7,9 +7,11 @@ buffers are then both CPU tensors.
 
 import unittest
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 from sglang.srt.mem_cache import nsa_kv_offload_copy as skc
+from sglang.srt.mem_cache import nsa_kv_only_host_pool
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -145,6 +147,51 @@ class TestHostPoolLayout(unittest.TestCase):
             )
             self.assertTrue(pool.pin_memory)
             pool.close()
+
+
+class TestPrefaultPages(unittest.TestCase):
+    """The threaded page touch before cudaHostRegister."""
+
+    def test_touches_the_first_byte_of_every_page_only(self):
+        page = 64
+        for num_bytes, threads in ((10 * page + 7, 3), (4 * page, 8), (5, 2)):
+            with self.subTest(num_bytes=num_bytes, threads=threads):
+                buf = torch.full((num_bytes,), 7, dtype=torch.uint8)
+                nsa_kv_only_host_pool.prefault_pages(buf, threads, page_bytes=page)
+                touched = torch.arange(num_bytes) % page == 0
+                self.assertTrue(bool((buf[touched] == 0).all()))
+                self.assertTrue(bool((buf[~touched] == 7).all()))
+
+    def test_register_follows_the_prefault(self):
+        # A large private buffer is touched before it is registered; a
+        # smaller one is registered as it is.
+        calls = []
+        cudart = SimpleNamespace(
+            cudaHostRegister=lambda ptr, size, flags: calls.append("register") or 0
+        )
+        touch = lambda buf, threads: calls.append(("prefault", buf.nbytes))
+        with mock.patch.object(
+            torch.cuda, "is_available", return_value=True
+        ), mock.patch.object(
+            torch.cuda, "cudart", return_value=cudart
+        ), mock.patch.object(
+            nsa_kv_only_host_pool, "prefault_pages", touch
+        ):
+            for min_bytes, expect in ((0, "prefault"), (1 << 40, None)):
+                calls.clear()
+                with mock.patch.object(
+                    nsa_kv_only_host_pool, "PREFAULT_MIN_BYTES", min_bytes
+                ):
+                    pool = NSAKVOnlyTokenToKVPoolHost(
+                        size=64, page_size=64, layer_num=2, row_bytes=656
+                    )
+                pool._registered = False  # nothing was registered for real
+                if expect:
+                    self.assertEqual(
+                        calls, [(expect, pool.kv_buffer.nbytes), "register"]
+                    )
+                else:
+                    self.assertEqual(calls, ["register"])
 
 
 class TestGatherRows(unittest.TestCase):
