@@ -52,7 +52,9 @@ def prefault_pages(
     in one thread (the kernel zero-fills each page first): ~35 s for the
     84 GB pool of a rank server. Faulted here in parallel, the register only
     locks pages that are present. Not for memory another process may have
-    written (a shared segment): the writes would overwrite its data.
+    written (a shared segment): the writes would overwrite its data. The
+    threads inherit the process' CPU affinity, so with the process bound to
+    a NUMA node (``--numa-node``) the pages land there, as the register's do.
     """
     if page_bytes is None:
         page_bytes = os.sysconf("SC_PAGE_SIZE")
