@@ -976,8 +976,9 @@ class TestDirectSlots(unittest.TestCase):
                 state.release_request(0)
                 # More positions than the slots the request holds.
                 state.admit_request(0, 100)
-                with self.assertRaisesRegex(ValueError, "exceed the 8 slots"):
-                    state.warm_direct(0, 0, r2t[0, :9].long())
+                for known in (None, 8):  # read from the GPU, or given
+                    with self.assertRaisesRegex(ValueError, "exceed the 8 slots"):
+                        state.warm_direct(0, 0, r2t[0, :9].long(), num_slots=known)
                 self.assertEqual(state.direct[0].item(), 0)
 
     def test_warm_direct_across_units_against_model(self):

@@ -283,7 +283,11 @@ class LRUCacheState:
         self._direct_buf[r] = 1
 
     def warm_direct(
-        self, layers: Union[int, range, Sequence[int]], r: int, locs: torch.Tensor
+        self,
+        layers: Union[int, range, Sequence[int]],
+        r: int,
+        locs: torch.Tensor,
+        num_slots: Optional[int] = None,
     ) -> torch.Tensor:
         """Direct mode's warm-up: position ``p`` (loc ``locs[p]``, every
         position below the first window) into slot ``p`` of each of
@@ -292,15 +296,16 @@ class LRUCacheState:
         ``r`` must hold no resident loc (a fresh admission, its units granted
         or not) and at least ``len(locs)`` slots. Its LRU order becomes slot
         order (direct mode does not read it): should decode outgrow the slots,
-        the LRU swap then evicts the oldest positions first. Returns
-        ``(len(layers), n)`` int32 GPU rows; the caller fills them.
+        the LRU swap then evicts the oldest positions first. ``num_slots``:
+        the slots ``r`` holds, when the caller knows them (else read from the
+        device, which waits for the GPU). Returns ``(len(layers), n)`` int32
+        GPU rows; the caller fills them.
         """
         self.swap_backend.check_settled("warm_direct")
         layers = [layers] if isinstance(layers, int) else list(layers)
         locs = locs.reshape(-1).to(device=self.device, dtype=torch.int64)
         n = locs.numel()
-        # Host-side admission work: one read of the capacity.
-        capacity = int(self._capacity_buf[r])
+        capacity = int(self._capacity_buf[r]) if num_slots is None else num_slots
         if n > capacity:
             raise ValueError(
                 f"warm_direct: {n} positions exceed the {capacity} slots "

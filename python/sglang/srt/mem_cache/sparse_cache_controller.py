@@ -636,8 +636,12 @@ class SparseCacheController:
         if num_warm > 0:
             # Oldest first: the newest token ends up most recently used.
             warm_locs = prefix_locs[win_start - num_warm : win_start]
-            warm = self.lru.warm_direct if direct else self.lru.warm_request
-            warm_rows = warm(range(self.layer_num), r, warm_locs)
+            layers = range(self.layer_num)
+            if direct:
+                # The slots it holds are known here: no read of the GPU's.
+                warm_rows = self.lru.warm_direct(layers, r, warm_locs, slots)
+            else:
+                warm_rows = self.lru.warm_request(layers, r, warm_locs)
             warm_src = source[win_start - num_warm : win_start]
             locs.append(warm_src.unsqueeze(0).expand(self.layer_num, -1))
             rows.append(warm_rows.to(torch.int64))
