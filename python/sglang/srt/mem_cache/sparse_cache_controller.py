@@ -628,12 +628,10 @@ class SparseCacheController:
         num_warm = max(0, min(warm_tokens, slots, win_start))
         direct = self.lru.direct_slots and win_start <= slots
         if direct:
-            # Every position below the window: position p in slot p, across
-            # the units it holds (direct mode; nothing is resident yet).
+            # Every position below the window (maybe none): position p in
+            # slot p, across the units it holds (nothing is resident yet).
             num_warm = win_start
-            if num_warm == 0:
-                self.lru.enter_direct(r, 0)
-        if num_warm > 0:
+        if num_warm > 0 or direct:
             # Oldest first: the newest token ends up most recently used.
             warm_locs = prefix_locs[win_start - num_warm : win_start]
             layers = range(self.layer_num)
