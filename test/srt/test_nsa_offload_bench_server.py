@@ -1227,6 +1227,14 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # skipped by the time budget).
         "rank_speed/run_flat_rope_64/bench_server_override.json",
         "rank_speed/run_warm_control_64/bench_server_override.json",
+        # 44d91c1, one machine: warm units again (direct slots' point skipped
+        # by the time budget), then direct slots across warm units at 30K x
+        # 64/32; the model's top-k at 32K x 1/8 with the 86 GiB budget (the
+        # first call's baseline skipped 32K x 8; the second ran it).
+        "rank_speed/run_warm_cold_64/bench_server_override.json",
+        "rank_speed/run_warm_direct_64/bench_server_override.json",
+        "rank_speed/run_model_86gib/bench_server_model.json",
+        "rank_speed/run_model_86gib_b8/bench_server_model.json",
     )
 
     def test_every_committed_server_kind_renders(self):

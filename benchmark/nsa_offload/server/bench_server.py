@@ -2109,7 +2109,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
                 swap = prof.get("gpu_us_per_step", {}).get("swap")
                 if swap is not None:
                     per_layer = round(swap / cfg["layers"], 2)
-                    speed["swap_us_per_layer"].setdefault(str(p["conc"]), per_layer)
+                    # The newest run's: the swap's cost on the code measured last.
+                    speed["swap_us_per_layer"][str(p["conc"])] = per_layer
         cap = {k: srv.get(k, {}).get("capacity", {}) for k in ("baseline", "ours")}
         both = [
             c
