@@ -128,6 +128,7 @@ SERVER_KINDS = (
     "ours_warm_flat",
     "ours_warm_rope",
     "ours_warm_direct",
+    "ours_warm_direct_flat",
     "ours_warm_late",
     "ours_units",
     "hisparse",
@@ -156,6 +157,7 @@ OURS_VARIANTS = {
     "ours_warm_flat": "P4_warm_flat",
     "ours_warm_rope": "P4_warm_rope",
     "ours_warm_direct": "P4_warm_direct",
+    "ours_warm_direct_flat": "P4_warm_direct_flat",
     "ours_warm_late": "P4_warm_late",
     "ours_units": "P4_units",
 }
@@ -190,6 +192,7 @@ LABELS = {
     "ours_warm_flat": "ours, warm units + flat miss copy",
     "ours_warm_rope": "ours, warm units, swap after rope",
     "ours_warm_direct": "ours, warm units + direct slots",
+    "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
     "ours_warm_late": "ours, warm units + late reorder",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
@@ -767,6 +770,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_warm_flat": ours,
         "ours_warm_rope": ours,
         "ours_warm_direct": ours,
+        "ours_warm_direct_flat": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -787,6 +791,12 @@ VARIANT_ENV = {
     "ours_warm_rope": {ENV_WARM_UNITS: "1", ENV_SWAP_AFTER_ROPE: "1"},
     # A request whose context fits its warm units swaps without the LRU walk.
     "ours_warm_direct": {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1"},
+    # Both: the walk off the requests that fit, the copy on 16 programs.
+    "ours_warm_direct_flat": {
+        ENV_WARM_UNITS: "1",
+        ENV_DIRECT_SLOTS: "1",
+        ENV_GATHER_PROGRAMS: "16",
+    },
 }
 
 
@@ -1952,6 +1962,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_flat": "olivedrab",
         "ours_warm_rope": "sienna",
         "ours_warm_direct": "darkgreen",
+        "ours_warm_direct_flat": "limegreen",
         "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
@@ -2055,7 +2066,9 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     ``p4_itl_overhead_warm_units``: the experimental warm units' (ours_warm),
     ``p4_itl_overhead_warm_flat``: with the flat miss copy too (ours_warm_flat),
     ``p4_itl_overhead_warm_rope``: with the swap after the rope (ours_warm_rope),
-    ``p4_itl_overhead_warm_direct``: with direct slots too (ours_warm_direct)."""
+    ``p4_itl_overhead_warm_direct``: with direct slots too (ours_warm_direct),
+    ``p4_itl_overhead_warm_direct_flat``: and the flat miss copy
+    (ours_warm_direct_flat)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2067,6 +2080,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_warm_flat": {},
         "p4_itl_overhead_warm_rope": {},
         "p4_itl_overhead_warm_direct": {},
+        "p4_itl_overhead_warm_direct_flat": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2097,6 +2111,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
             ("P4_warm_flat", "p4_itl_overhead_warm_flat"),
             ("P4_warm_rope", "p4_itl_overhead_warm_rope"),
             ("P4_warm_direct", "p4_itl_overhead_warm_direct"),
+            ("P4_warm_direct_flat", "p4_itl_overhead_warm_direct_flat"),
         ):
             if key in targets:
                 speed[out].update(_overheads(targets[key], name + ":"))
@@ -2310,7 +2325,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "(ours_warm_prefetch: with the prefetch too; ours_warm_flat: with the "
         "experimental flat miss copy, 16 programs; ours_warm_rope: the swap "
         "starting after the query rope; ours_warm_direct: with direct slots, "
-        "a request whose context fits its units skips the LRU walk); "
+        "a request whose context fits its units skips the LRU walk; "
+        "ours_warm_direct_flat: and the flat miss copy); "
         "baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",
