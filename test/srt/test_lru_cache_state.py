@@ -498,11 +498,20 @@ class Sim:
 
 def impl_state(cfg, impl) -> LRUCacheState:
     """``impl``: False (reference), True (Triton), "fused" (Triton, the
-    one-program swap even with units) or "deferred" (Triton, every swap's
-    reorder deferred, the victim scan in blocks of 8 lru positions)."""
+    one-program swap even with units), "deferred" (Triton, every swap's
+    reorder deferred, the victim scan in blocks of 8 lru positions) or
+    "narrow" (Triton, the reorder as 3 programs striding over the chunks)."""
     if impl == "deferred":
         state = new_state(cfg, True)
         state.swap_backend.SELECT_BLOCK = 8
+        return state
+    if impl == "narrow":
+        state = new_state(cfg, True)
+        state.swap_backend = TritonLRUSwap(
+            state,
+            max_batch_size=state.swap_backend._scratch_rows,
+            reorder_programs=3,
+        )
         return state
     if impl == "fused":
         state = new_state(cfg, True)
@@ -785,6 +794,17 @@ class TestTritonMatchesReference(unittest.TestCase):
         cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
         run_sim(self, cfg, (True, "fused", False), steps=30, seed=8)
 
+    def test_units_narrow_reorder(self):
+        # 3 programs over up to 5 rows x 4 units (padding rows among them):
+        # every program walks several chunks, some rows and units none.
+        cfg = SimConfig(C=40, K=24, W=4, units=4, max_batch=5, p_keep=0.5)
+        run_sim(self, cfg, (True, "narrow", False), steps=30, seed=13)
+
+    def test_narrow_reorder_validation(self):
+        state = new_state(SimConfig(units=2), True)
+        with self.assertRaisesRegex(ValueError, "reorder_programs"):
+            TritonLRUSwap(state, reorder_programs=0)
+
 
 class TestWideSlotIds(unittest.TestCase):
     """int32 slot ids (units x buffer above 32767) through every swap path:
@@ -928,6 +948,16 @@ class TestDirectSlots(unittest.TestCase):
             C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
         )
         sim = run_sim(self, cfg, (True, "fused", False), steps=40, seed=12)
+        self.assertGreater(sim.direct_entered, 3)
+        self.assertGreater(sim.model.direct_ended, 0)
+
+    @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
+    def test_units_narrow_reorder(self):
+        # The narrow reorder skips the rows swapped in direct mode too.
+        cfg = SimConfig(
+            C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
+        )
+        sim = run_sim(self, cfg, (True, "narrow", False), steps=40, seed=12)
         self.assertGreater(sim.direct_entered, 3)
         self.assertGreater(sim.model.direct_ended, 0)
 

@@ -88,6 +88,7 @@ from server_utils import (  # noqa: E402
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
+    ENV_REORDER_PROGRAMS,
     ENV_SPARE_REGIONS,
     ENV_SWAP_AFTER_ROPE,
     ENV_UNPROVEN_PARALLEL,
@@ -129,6 +130,7 @@ SERVER_KINDS = (
     "ours_warm_rope",
     "ours_warm_direct",
     "ours_warm_direct_flat",
+    "ours_warm_direct_narrow",
     "ours_warm_late",
     "ours_units",
     "hisparse",
@@ -158,6 +160,7 @@ OURS_VARIANTS = {
     "ours_warm_rope": "P4_warm_rope",
     "ours_warm_direct": "P4_warm_direct",
     "ours_warm_direct_flat": "P4_warm_direct_flat",
+    "ours_warm_direct_narrow": "P4_warm_direct_narrow",
     "ours_warm_late": "P4_warm_late",
     "ours_units": "P4_units",
 }
@@ -193,6 +196,8 @@ LABELS = {
     "ours_warm_rope": "ours, warm units, swap after rope",
     "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
+    "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
+    "narrow reorder",
     "ours_warm_late": "ours, warm units + late reorder",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
@@ -771,6 +776,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_warm_rope": ours,
         "ours_warm_direct": ours,
         "ours_warm_direct_flat": ours,
+        "ours_warm_direct_narrow": ours,
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -796,6 +802,14 @@ VARIANT_ENV = {
         ENV_WARM_UNITS: "1",
         ENV_DIRECT_SLOTS: "1",
         ENV_GATHER_PROGRAMS: "16",
+    },
+    # And the recency update on 16 programs: no wide grid queued beside the
+    # forward stream's kernels.
+    "ours_warm_direct_narrow": {
+        ENV_WARM_UNITS: "1",
+        ENV_DIRECT_SLOTS: "1",
+        ENV_GATHER_PROGRAMS: "16",
+        ENV_REORDER_PROGRAMS: "16",
     },
 }
 
@@ -1963,6 +1977,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_rope": "sienna",
         "ours_warm_direct": "darkgreen",
         "ours_warm_direct_flat": "limegreen",
+        "ours_warm_direct_narrow": "darkcyan",
         "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
@@ -2068,7 +2083,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     ``p4_itl_overhead_warm_rope``: with the swap after the rope (ours_warm_rope),
     ``p4_itl_overhead_warm_direct``: with direct slots too (ours_warm_direct),
     ``p4_itl_overhead_warm_direct_flat``: and the flat miss copy
-    (ours_warm_direct_flat)."""
+    (ours_warm_direct_flat), ``p4_itl_overhead_warm_direct_narrow``: and the
+    narrow reorder (ours_warm_direct_narrow)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2081,6 +2097,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_warm_rope": {},
         "p4_itl_overhead_warm_direct": {},
         "p4_itl_overhead_warm_direct_flat": {},
+        "p4_itl_overhead_warm_direct_narrow": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2112,6 +2129,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
             ("P4_warm_rope", "p4_itl_overhead_warm_rope"),
             ("P4_warm_direct", "p4_itl_overhead_warm_direct"),
             ("P4_warm_direct_flat", "p4_itl_overhead_warm_direct_flat"),
+            ("P4_warm_direct_narrow", "p4_itl_overhead_warm_direct_narrow"),
         ):
             if key in targets:
                 speed[out].update(_overheads(targets[key], name + ":"))
@@ -2326,7 +2344,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "experimental flat miss copy, 16 programs; ours_warm_rope: the swap "
         "starting after the query rope; ours_warm_direct: with direct slots, "
         "a request whose context fits its units skips the LRU walk; "
-        "ours_warm_direct_flat: and the flat miss copy); "
+        "ours_warm_direct_flat: and the flat miss copy; "
+        "ours_warm_direct_narrow: and the recency update on 16 programs); "
         "baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",

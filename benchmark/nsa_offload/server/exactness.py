@@ -65,6 +65,7 @@ from server_utils import (
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
+    ENV_REORDER_PROGRAMS,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
@@ -185,6 +186,18 @@ SERVERS = {
     "ours_fp8_flat": dict(
         offload=[],
         env={ENV_GATHER_PROGRAMS: "16"},
+        base="base_fp8",
+    ),
+    # Every contention trial of the warm units at once: direct slots, the
+    # flat miss copy and the narrow reorder (16 programs each).
+    "ours_fp8_warm_narrow": dict(
+        offload=[],
+        env={
+            ENV_WARM_UNITS: "1",
+            ENV_DIRECT_SLOTS: "1",
+            ENV_GATHER_PROGRAMS: "16",
+            ENV_REORDER_PROGRAMS: "16",
+        },
         base="base_fp8",
     ),
     "base_bf16": dict(kv="bf16"),

@@ -62,10 +62,11 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
+    ENV_REORDER_PROGRAMS,
     ENV_SWAP_AFTER_ROPE,
     ENV_WARM_UNITS,
     early_swap_enabled,
-    gather_programs_from_env,
+    programs_from_env,
     warm_units_refusal,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
@@ -129,6 +130,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         direct_slots: bool = False,
         warm_units: bool = False,
         copy_flat_programs: Optional[int] = None,
+        reorder_programs: Optional[int] = None,
         swap_after_rope: bool = False,
     ):
         if warm_units:
@@ -223,7 +225,15 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
             copy_flat_programs=copy_flat_programs,
+            reorder_programs=reorder_programs,
         )
+        if reorder_programs is not None:
+            logger.info(
+                "NSA KV offload: narrow reorder (experimental, %s=%d): the recency "
+                "update runs as that many programs over every request's LRU chunks.",
+                ENV_REORDER_PROGRAMS,
+                reorder_programs,
+            )
         if copy_flat_programs is not None:
             logger.info(
                 "NSA KV offload: flat miss copy (experimental, %s=%d): that many "
@@ -801,7 +811,8 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         early_swap=early_swap_enabled(),
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         warm_units=get_bool_env_var(ENV_WARM_UNITS),
-        copy_flat_programs=gather_programs_from_env(),
+        copy_flat_programs=programs_from_env(ENV_GATHER_PROGRAMS),
+        reorder_programs=programs_from_env(ENV_REORDER_PROGRAMS),
         swap_after_rope=get_bool_env_var(ENV_SWAP_AFTER_ROPE),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
