@@ -640,6 +640,20 @@ if _HAS_TRITON:
     # (bs, U) (PROGRAMS = 0), or PROGRAMS programs striding over the real
     # rows' tiles: a narrow reorder that never queues more programs than that
     # beside the forward stream's kernels (it runs beside the attention).
+    @triton.jit
+    def _reorder_tiles(num_real, U: tl.constexpr, PROGRAMS: tl.constexpr):
+        # This program's first tile (t = row * U + unit), end and stride; a
+        # tensor, so that the loop over them runs in the interpreter too.
+        if PROGRAMS == 0:
+            first = tl.program_id(0) * U + tl.program_id(1) + num_real * 0
+            end = first + 1
+            stride = 1
+        else:
+            first = tl.program_id(0) + num_real * 0
+            end = num_real * U
+            stride = PROGRAMS
+        return first, end, stride
+
     @triton.jit(
         do_not_specialize_on_alignment=[
             "req_pool_ptr",
@@ -665,12 +679,13 @@ if _HAS_TRITON:
         PROGRAMS: tl.constexpr = 0,
     ):
         num_real = tl.load(num_real_ptr)
-        if PROGRAMS == 0:
-            b = tl.program_id(0)
+        t, end, stride = _reorder_tiles(num_real, U, PROGRAMS)
+        while t < end:
+            b = t // U
             if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
                 _count_tile(
                     b,
-                    tl.program_id(1),
+                    t % U,
                     req_pool_ptr,
                     lru_ptr,
                     capacity_ptr,
@@ -682,27 +697,7 @@ if _HAS_TRITON:
                     U,
                     BLOCK_C0,
                 )
-        else:
-            # A tensor: the loop runs in the interpreter too.
-            t = tl.program_id(0) + num_real * 0
-            while t < num_real * U:
-                b = t // U
-                if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
-                    _count_tile(
-                        b,
-                        t % U,
-                        req_pool_ptr,
-                        lru_ptr,
-                        capacity_ptr,
-                        hit_flags_ptr,
-                        ev_count_ptr,
-                        sink_req,
-                        C,
-                        C0,
-                        U,
-                        BLOCK_C0,
-                    )
-                t += PROGRAMS
+            t += stride
 
     @triton.jit
     def _count_tile(
@@ -771,12 +766,13 @@ if _HAS_TRITON:
         PROGRAMS: tl.constexpr = 0,
     ):
         num_real = tl.load(num_real_ptr)
-        if PROGRAMS == 0:
-            b = tl.program_id(0)
+        t, end, stride = _reorder_tiles(num_real, U, PROGRAMS)
+        while t < end:
+            b = t // U
             if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
                 _rank_tile(
                     b,
-                    tl.program_id(1),
+                    t % U,
                     req_pool_ptr,
                     loc_to_slot_ptr,
                     slot_loc_ptr,
@@ -796,35 +792,7 @@ if _HAS_TRITON:
                     BLOCK_C0,
                     REORDER_ONLY,
                 )
-        else:
-            # A tensor: the loop runs in the interpreter too.
-            t = tl.program_id(0) + num_real * 0
-            while t < num_real * U:
-                b = t // U
-                if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
-                    _rank_tile(
-                        b,
-                        t % U,
-                        req_pool_ptr,
-                        loc_to_slot_ptr,
-                        slot_loc_ptr,
-                        lru_ptr,
-                        capacity_ptr,
-                        miss_count_ptr,
-                        hit_flags_ptr,
-                        ev_count_ptr,
-                        victims_ptr,
-                        new_lru_ptr,
-                        sink_req,
-                        K,
-                        C,
-                        C0,
-                        U,
-                        BLOCK_U,
-                        BLOCK_C0,
-                        REORDER_ONLY,
-                    )
-                t += PROGRAMS
+            t += stride
 
     @triton.jit
     def _rank_tile(
@@ -935,22 +903,13 @@ if _HAS_TRITON:
         PROGRAMS: tl.constexpr = 0,
     ):
         num_real = tl.load(num_real_ptr)
-        if PROGRAMS == 0:
-            b = tl.program_id(0)
+        t, end, stride = _reorder_tiles(num_real, U, PROGRAMS)
+        while t < end:
+            b = t // U
             if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
                 r = _request_row(req_pool_ptr, b, sink_req)
-                _copy_back_order(
-                    new_lru_ptr, lru_ptr, b, r, tl.program_id(1), C, C0, BLOCK_C0
-                )
-        else:
-            # A tensor: the loop runs in the interpreter too.
-            t = tl.program_id(0) + num_real * 0
-            while t < num_real * U:
-                b = t // U
-                if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
-                    r = _request_row(req_pool_ptr, b, sink_req)
-                    _copy_back_order(new_lru_ptr, lru_ptr, b, r, t % U, C, C0, BLOCK_C0)
-                t += PROGRAMS
+                _copy_back_order(new_lru_ptr, lru_ptr, b, r, t % U, C, C0, BLOCK_C0)
+            t += stride
 
     # One variant for every batch size and slice offset (see above).
     @triton.jit(
