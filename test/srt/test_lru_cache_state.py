@@ -1184,10 +1184,24 @@ class TestCudaGraph(unittest.TestCase):
         }
         self._run(cfg, changes)
 
-    def _run(self, cfg, changes=None):
+    def test_narrow_reorder_replays_match_the_default_grid(self):
+        # The narrow reorder's loop reads the real rows from num_real, which
+        # changes between replays of the graph; eager runs the default grid.
+        cfg = SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000, units=3)
+        self._run(cfg, {3: ("grow", 0, 1, 1000), 9: ("shrink", 0, 1)}, narrow=True)
+
+    def _run(self, cfg, changes=None, narrow=False):
         changes = changes or {}
-        for use_triton in (True, False):
+        for use_triton in (True, False) if not narrow else (True,):
             eager, graphed = new_state(cfg, use_triton), new_state(cfg, use_triton)
+            scratch = new_state(cfg, use_triton)  # warm-up target (JIT compile)
+            if narrow:
+                for s in (graphed, scratch):
+                    s.swap_backend = TritonLRUSwap(
+                        s,
+                        max_batch_size=s.swap_backend._scratch_rows,
+                        reorder_programs=5,
+                    )
             bs = 4
             for s in (eager, graphed):
                 s.admit_request(list(range(bs)), [i * 200 for i in range(bs)])
@@ -1205,7 +1219,6 @@ class TestCudaGraph(unittest.TestCase):
                 )
                 for _ in range(cfg.layers)
             ]
-            scratch = new_state(cfg, use_triton)  # warm-up target (JIT compile)
             scratch.admit_request(list(range(bs)), [0] * bs)
             for layer in range(cfg.layers):
                 scratch.swap_layer(layer, topk, rpi, seq, r2t, num_real, out=out[layer])
