@@ -943,23 +943,17 @@ class TestDirectSlots(unittest.TestCase):
         self.assertGreater(sim.model.direct_ended, 0)
 
     @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
-    def test_units_split_and_fused(self):
+    def test_units_split_fused_and_narrow(self):
+        # Split and fused kernels; the narrow reorder skips the rows swapped
+        # in direct mode too.
         cfg = SimConfig(
             C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
         )
-        sim = run_sim(self, cfg, (True, "fused", False), steps=40, seed=12)
-        self.assertGreater(sim.direct_entered, 3)
-        self.assertGreater(sim.model.direct_ended, 0)
-
-    @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
-    def test_units_narrow_reorder(self):
-        # The narrow reorder skips the rows swapped in direct mode too.
-        cfg = SimConfig(
-            C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
-        )
-        sim = run_sim(self, cfg, (True, "narrow", False), steps=40, seed=12)
-        self.assertGreater(sim.direct_entered, 3)
-        self.assertGreater(sim.model.direct_ended, 0)
+        for other in ("fused", "narrow"):
+            with self.subTest(other=other):
+                sim = run_sim(self, cfg, (True, other, False), steps=40, seed=12)
+                self.assertGreater(sim.direct_entered, 3)
+                self.assertGreater(sim.model.direct_ended, 0)
 
     def test_warm_direct_across_units(self):
         # A 21-token prompt on units of 8 slots, warmed after two more units
