@@ -2206,7 +2206,11 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
                 for _ in range(4):
                     h.decode_step([a, b])
                 self.assertEqual(int(lru.direct[rb]), 1)
+                # The decode log line counts the requests in direct mode.
+                self.assertEqual(h.controller.get_stats()["direct_requests"], 1)
+                self.assertIn(", direct: 1", h.co.get_decode_log_msg())
                 self._finish(h, colocated, a, b)
+                self.assertEqual(h.controller.get_stats()["direct_requests"], 0)
 
     def test_finished_at_prefill_is_not_warmed(self):
         h = _Harness(

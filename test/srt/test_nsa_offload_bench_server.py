@@ -21,7 +21,14 @@ import server_utils  # noqa: E402
 
 
 def decode_line(
-    running, throughput, queue=0, misses=None, prefetched=None, units=None, moved=None
+    running,
+    throughput,
+    queue=0,
+    misses=None,
+    prefetched=None,
+    units=None,
+    moved=None,
+    direct=None,
 ):
     line = (
         f"[t] Decode batch, #running-req: {running}, #token: 9, token usage: 0.5, "
@@ -37,6 +44,8 @@ def decode_line(
     if units is not None:
         line += f", extra units: {units} (0 of staging"
         line += ")" if moved is None else f", {moved} moved)"
+    if direct is not None:
+        line += f", direct: {direct}"
     return line
 
 
@@ -791,6 +800,26 @@ class TestDecodeLog(unittest.TestCase):
         old = decode_line(3, 300.0, misses=10, units=5)
         row = bench_server.parse_decode_lines(old)[0]
         self.assertEqual((row["extra_units"], "units_moved" in row), (5, False))
+
+    def test_direct_requests(self):
+        # With direct slots the line counts the requests in direct mode.
+        lines = [
+            decode_line(3, 100.0, misses=10, units=4, moved=0, direct=0),
+            decode_line(3, 300.0, misses=10, units=6, moved=0, direct=2),
+            decode_line(3, 300.0, misses=10, units=6, moved=0, direct=2),
+            decode_line(3, 300.0, misses=10, units=6, moved=0, direct=1),
+        ]
+        rows = bench_server.parse_decode_lines("\n".join(lines))
+        self.assertEqual([r["direct_requests"] for r in rows], [0, 2, 2, 1])
+        m = bench_server.server_metrics(rows, interval=32, layers=3)
+        self.assertEqual(m["direct_requests"], 2)
+        # Without direct slots: no field.
+        m = bench_server.server_metrics(
+            bench_server.parse_decode_lines(decode_line(3, 300.0, misses=10)),
+            interval=32,
+            layers=3,
+        )
+        self.assertNotIn("direct_requests", m)
 
 
 class TestRepeats(unittest.TestCase):

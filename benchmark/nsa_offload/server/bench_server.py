@@ -84,6 +84,7 @@ sys.path.insert(1, str(TRACES_DIR))
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
     DEFAULT_MAX_UNITS,
+    DIRECT_RE,
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
@@ -518,6 +519,9 @@ def parse_decode_lines(text: str) -> List[dict]:
             row["extra_units"] = int(u.group(1))
             if u.group(2) is not None:
                 row["units_moved"] = int(u.group(2))
+        d = DIRECT_RE.search(line)
+        if d:
+            row["direct_requests"] = int(d.group(1))
         rows.append(row)
     return rows
 
@@ -558,8 +562,9 @@ def server_metrics(rows: List[dict], interval: int, layers: int) -> dict:
         out["misses_per_req_layer_step"] = misses / (interval * peak * layers)
         out["hit_rate"] = statistics.median(r["hit_rate"] for r in use)
         out["h2d_gbps"] = statistics.median(r["h2d_gbps"] for r in use)
-    if all("extra_units" in r for r in use):
-        out["extra_units"] = statistics.median(r["extra_units"] for r in use)
+    for key in ("extra_units", "direct_requests"):
+        if all(key in r for r in use):
+            out[key] = statistics.median(r[key] for r in use)
     return out
 
 

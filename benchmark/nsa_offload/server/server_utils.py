@@ -73,6 +73,8 @@ ENV_SWAP_AFTER_ROPE = "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE"
 # The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
 # since 64f802f the units moved between requests over the log interval.
 UNITS_RE = re.compile(r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?\)")
+# With direct slots: the requests swapping in direct mode (slot = position).
+DIRECT_RE = re.compile(r", direct: (\d+)")
 # The server flags of the two-GPU shapes: attention TP, DP attention.
 SHAPES = {
     "tp2": ["--tp-size", "2"],

@@ -719,6 +719,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 if self.controller.max_units > 1
                 else ""
             )
+            + (
+                f", direct: {stats['direct_requests']}"
+                if self.controller.lru.direct_slots
+                else ""
+            )
         )
 
 

@@ -841,6 +841,11 @@ class SparseCacheController:
                 for name in self._unit_sources
                 if name != REGION_UNIT_SOURCE
             ),
+            # Requests swapping in direct mode now (slot = position: no LRU
+            # walk); a request leaves it on the GPU when it outgrows its slots.
+            "direct_requests": (
+                int(self.lru.direct.sum()) if self.lru.direct_slots else 0
+            ),
         }
 
     def idle_leaks(self) -> List[str]:
