@@ -68,6 +68,12 @@ _GAUGES = (
         "Extra LRU units lent to running requests (idle regions and staging).",
     ),
     (
+        "direct_requests",
+        "direct_requests",
+        "direct_requests",
+        "Running requests swapping in direct mode (slot = position, no LRU walk).",
+    ),
+    (
         "staging_rows_used",
         "staging_rows_used",
         "staging_used_rows",
