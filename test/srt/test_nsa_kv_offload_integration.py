@@ -1728,6 +1728,28 @@ class TestNarrowReorder(unittest.TestCase):
                 )
                 self.assertGreater(stats["misses"], 0)
 
+    def test_warns_without_the_early_swap(self):
+        # Inline, the recency update sits before the attention: narrow it is
+        # only slower, and the log says so.
+        for early_swap in (True, False):
+            with self.subTest(early_swap=early_swap):
+                with self.assertLogs(
+                    "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
+                ) as logs:
+                    _Harness(
+                        self,
+                        max_units=3,
+                        coordinator_kwargs={
+                            "reorder_programs": 4,
+                            "early_swap": early_swap,
+                        },
+                    )
+                warned = [r for r in logs.records if r.levelname == "WARNING"]
+                self.assertEqual(
+                    any("meant for the early swap" in r.getMessage() for r in warned),
+                    not early_swap,
+                )
+
     def test_reaches_the_swap_backend(self):
         h = _Harness(
             self, max_units=3, coordinator_kwargs={"reorder_programs": 5}

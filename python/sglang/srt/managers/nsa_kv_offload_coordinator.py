@@ -234,6 +234,15 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 ENV_REORDER_PROGRAMS,
                 reorder_programs,
             )
+            if not early_swap:
+                # Inline, the reorder runs on the forward stream before the
+                # attention: fewer programs only lengthen it.
+                logger.warning(
+                    "NSA KV offload: %s is meant for the early swap (%s=0 runs the "
+                    "recency update before the attention, where it is slower narrow).",
+                    ENV_REORDER_PROGRAMS,
+                    ENV_EARLY_SWAP,
+                )
         if copy_flat_programs is not None:
             logger.info(
                 "NSA KV offload: flat miss copy (experimental, %s=%d): that many "
