@@ -813,6 +813,14 @@ class TestDecodeLog(unittest.TestCase):
         self.assertEqual([r["direct_requests"] for r in rows], [0, 2, 2, 1])
         m = bench_server.server_metrics(rows, interval=32, layers=3)
         self.assertEqual(m["direct_requests"], 2)
+        # The report's misses cell names them.
+        ours = {
+            "points": [{"ctx": 30720, "conc": 3, "at_capacity": False, "server": m}]
+        }
+        self.assertEqual(
+            bench_server._misses_cell(ours, 30720, 3),
+            f"{m['misses_per_step']:.0f} ({m['misses_per_req_layer_step']:.0f}), 2 direct",
+        )
         # Without direct slots: no field.
         m = bench_server.server_metrics(
             bench_server.parse_decode_lines(decode_line(3, 300.0, misses=10)),

@@ -1870,7 +1870,11 @@ def _misses_cell(ours: dict, ctx: int, conc: int) -> str:
     if p is None or p["server"].get("misses_per_step") is None:
         return "-"
     s = p["server"]
-    return f"{s['misses_per_step']:.0f} ({s['misses_per_req_layer_step']:.0f})"
+    cell = f"{s['misses_per_step']:.0f} ({s['misses_per_req_layer_step']:.0f})"
+    if s.get("direct_requests") is not None:
+        # With direct slots: how many of the batch swap without the LRU walk.
+        cell += f", {s['direct_requests']:.0f} direct"
+    return cell
 
 
 def _replay_cell(srv: dict, ctx: int, conc: int) -> str:
