@@ -148,22 +148,25 @@ MTP_COMPARISONS = {
 # ours_units (session 9, before units became ours' default) and ours_warm_late
 # (the late reorder of 83c5b32, removed in 07bce18) are only read.
 OURS_VARIANTS = {
-    "ours_fixed": "P4_fixed",
-    "ours_wide": "P4_wide",
-    "ours_prefetch": "P4_prefetch",
-    "ours_prefetch_early": "P4_prefetch_early",
-    "ours_early": "P4_early",
-    "ours_inline": "P4_inline",
-    "ours_direct": "P4_direct",
-    "ours_warm": "P4_warm",
-    "ours_warm_prefetch": "P4_warm_prefetch",
-    "ours_warm_flat": "P4_warm_flat",
-    "ours_warm_rope": "P4_warm_rope",
-    "ours_warm_direct": "P4_warm_direct",
-    "ours_warm_direct_flat": "P4_warm_direct_flat",
-    "ours_warm_direct_narrow": "P4_warm_direct_narrow",
-    "ours_warm_late": "P4_warm_late",
-    "ours_units": "P4_units",
+    kind: "P4_" + kind[len("ours_") :]
+    for kind in (
+        "ours_fixed",
+        "ours_wide",
+        "ours_prefetch",
+        "ours_prefetch_early",
+        "ours_early",
+        "ours_inline",
+        "ours_direct",
+        "ours_warm",
+        "ours_warm_prefetch",
+        "ours_warm_flat",
+        "ours_warm_rope",
+        "ours_warm_direct",
+        "ours_warm_direct_flat",
+        "ours_warm_direct_narrow",
+        "ours_warm_late",
+        "ours_units",
+    )
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
 # The no-offload servers: the ratios' denominators.
@@ -769,19 +772,8 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours": ours,
         "ours_fixed": fixed,
         "ours_wide": wide,
-        # The variants below differ by their env vars only (VARIANT_ENV).
-        "ours_prefetch": ours,
-        "ours_prefetch_early": ours,
-        "ours_early": ours,
-        "ours_inline": ours,
-        "ours_direct": ours,
-        "ours_warm": ours,
-        "ours_warm_prefetch": ours,
-        "ours_warm_flat": ours,
-        "ours_warm_rope": ours,
-        "ours_warm_direct": ours,
-        "ours_warm_direct_flat": ours,
-        "ours_warm_direct_narrow": ours,
+        # These differ from ours by their env vars only.
+        **{kind: ours for kind in VARIANT_ENV},
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
