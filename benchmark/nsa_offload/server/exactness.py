@@ -65,7 +65,6 @@ from server_utils import (
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
-    ENV_REORDER_PROGRAMS,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
@@ -188,15 +187,14 @@ SERVERS = {
         env={ENV_GATHER_PROGRAMS: "16"},
         base="base_fp8",
     ),
-    # Every contention trial of the warm units at once: direct slots, the
-    # flat miss copy and the narrow reorder (16 programs each).
-    "ours_fp8_warm_narrow": dict(
+    # Warm units with direct slots and the flat miss copy (16 programs for
+    # every request's misses): the contention variant the rank bench keeps.
+    "ours_fp8_warm_direct_flat": dict(
         offload=[],
         env={
             ENV_WARM_UNITS: "1",
             ENV_DIRECT_SLOTS: "1",
             ENV_GATHER_PROGRAMS: "16",
-            ENV_REORDER_PROGRAMS: "16",
         },
         base="base_fp8",
     ),
