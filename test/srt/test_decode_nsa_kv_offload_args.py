@@ -235,27 +235,23 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
                     self.assertEqual(enabled(), expected)
 
-    def test_program_count_envs(self):
-        # The experimental flat miss copy and narrow reorder: unset = the
-        # default grid; a positive integer = that many programs; anything
-        # else fails at start, naming the variable.
-        parse = nsa_kv_offload_args.programs_from_env
-        for var in (
-            nsa_kv_offload_args.ENV_GATHER_PROGRAMS,
-            nsa_kv_offload_args.ENV_REORDER_PROGRAMS,
-        ):
-            clean = {k: v for k, v in os.environ.items() if k != var}
-            for value, expected in (("", None), ("16", 16), ("1", 1)):
-                with self.subTest(var=var, value=value):
-                    with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
-                        self.assertEqual(parse(var), expected)
-            with mock.patch.dict(os.environ, clean, clear=True):
-                self.assertIsNone(parse(var))
-            for value in ("0", "-4", "x", "2.5"):
-                with self.subTest(var=var, value=value):
-                    with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
-                        with self.assertRaisesRegex(ValueError, var):
-                            parse(var)
+    def test_gather_programs_env(self):
+        # The experimental flat miss copy: unset = the default grid; a
+        # positive integer = that many programs; anything else fails at start.
+        var = nsa_kv_offload_args.ENV_GATHER_PROGRAMS
+        parse = nsa_kv_offload_args.gather_programs_from_env
+        clean = {k: v for k, v in os.environ.items() if k != var}
+        for value, expected in (("", None), ("16", 16), ("1", 1)):
+            with self.subTest(value=value):
+                with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
+                    self.assertEqual(parse(), expected)
+        with mock.patch.dict(os.environ, clean, clear=True):
+            self.assertIsNone(parse())
+        for value in ("0", "-4", "x", "2.5"):
+            with self.subTest(value=value):
+                with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
+                    with self.assertRaisesRegex(ValueError, "expected an integer"):
+                        parse()
 
     def test_reject_unsupported_speculative_decoding(self):
         # MTP's supported settings start (test_nsa_kv_offload_speculative_args).

@@ -498,20 +498,11 @@ class Sim:
 
 def impl_state(cfg, impl) -> LRUCacheState:
     """``impl``: False (reference), True (Triton), "fused" (Triton, the
-    one-program swap even with units), "deferred" (Triton, every swap's
-    reorder deferred, the victim scan in blocks of 8 lru positions) or
-    "narrow" (Triton, the reorder as 3 programs striding over the chunks)."""
+    one-program swap even with units) or "deferred" (Triton, every swap's
+    reorder deferred, the victim scan in blocks of 8 lru positions)."""
     if impl == "deferred":
         state = new_state(cfg, True)
         state.swap_backend.SELECT_BLOCK = 8
-        return state
-    if impl == "narrow":
-        state = new_state(cfg, True)
-        state.swap_backend = TritonLRUSwap(
-            state,
-            max_batch_size=state.swap_backend._scratch_rows,
-            reorder_programs=3,
-        )
         return state
     if impl == "fused":
         state = new_state(cfg, True)
@@ -794,17 +785,6 @@ class TestTritonMatchesReference(unittest.TestCase):
         cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
         run_sim(self, cfg, (True, "fused", False), steps=30, seed=8)
 
-    def test_units_narrow_reorder(self):
-        # 3 programs over up to 5 rows x 4 units (padding rows among them):
-        # every program walks several chunks, some rows and units none.
-        cfg = SimConfig(C=40, K=24, W=4, units=4, max_batch=5, p_keep=0.5)
-        run_sim(self, cfg, (True, "narrow", False), steps=30, seed=13)
-
-    def test_narrow_reorder_validation(self):
-        state = new_state(SimConfig(units=2), True)
-        with self.assertRaisesRegex(ValueError, "reorder_programs"):
-            TritonLRUSwap(state, reorder_programs=0)
-
 
 class TestWideSlotIds(unittest.TestCase):
     """int32 slot ids (units x buffer above 32767) through every swap path:
@@ -943,17 +923,13 @@ class TestDirectSlots(unittest.TestCase):
         self.assertGreater(sim.model.direct_ended, 0)
 
     @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
-    def test_units_split_fused_and_narrow(self):
-        # Split and fused kernels; the narrow reorder skips the rows swapped
-        # in direct mode too.
+    def test_units_split_and_fused(self):
         cfg = SimConfig(
             C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
         )
-        for other in ("fused", "narrow"):
-            with self.subTest(other=other):
-                sim = run_sim(self, cfg, (True, other, False), steps=40, seed=12)
-                self.assertGreater(sim.direct_entered, 3)
-                self.assertGreater(sim.model.direct_ended, 0)
+        sim = run_sim(self, cfg, (True, "fused", False), steps=40, seed=12)
+        self.assertGreater(sim.direct_entered, 3)
+        self.assertGreater(sim.model.direct_ended, 0)
 
     def test_warm_direct_across_units(self):
         # A 21-token prompt on units of 8 slots, warmed after two more units
@@ -1178,24 +1154,10 @@ class TestCudaGraph(unittest.TestCase):
         }
         self._run(cfg, changes)
 
-    def test_narrow_reorder_replays_match_the_default_grid(self):
-        # The narrow reorder's loop reads the real rows from num_real, which
-        # changes between replays of the graph; eager runs the default grid.
-        cfg = SimConfig(layers=2, C=96, K=48, W=6, max_reqs=6, num_locs=4000, units=3)
-        self._run(cfg, {3: ("grow", 0, 1, 1000), 9: ("shrink", 0, 1)}, narrow=True)
-
-    def _run(self, cfg, changes=None, narrow=False):
+    def _run(self, cfg, changes=None):
         changes = changes or {}
-        for use_triton in (True, False) if not narrow else (True,):
+        for use_triton in (True, False):
             eager, graphed = new_state(cfg, use_triton), new_state(cfg, use_triton)
-            scratch = new_state(cfg, use_triton)  # warm-up target (JIT compile)
-            if narrow:
-                for s in (graphed, scratch):
-                    s.swap_backend = TritonLRUSwap(
-                        s,
-                        max_batch_size=s.swap_backend._scratch_rows,
-                        reorder_programs=5,
-                    )
             bs = 4
             for s in (eager, graphed):
                 s.admit_request(list(range(bs)), [i * 200 for i in range(bs)])
@@ -1213,6 +1175,7 @@ class TestCudaGraph(unittest.TestCase):
                 )
                 for _ in range(cfg.layers)
             ]
+            scratch = new_state(cfg, use_triton)  # warm-up target (JIT compile)
             scratch.admit_request(list(range(bs)), [0] * bs)
             for layer in range(cfg.layers):
                 scratch.swap_layer(layer, topk, rpi, seq, r2t, num_real, out=out[layer])

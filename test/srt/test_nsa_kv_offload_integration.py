@@ -1712,55 +1712,6 @@ class TestFlatMissCopy(unittest.TestCase):
                 self.assertGreater(flat_stats["misses"], 0)
 
 
-class TestNarrowReorder(unittest.TestCase):
-    """``SGLANG_NSA_KV_OFFLOAD_REORDER_PROGRAMS``: the recency update as a few
-    programs striding over the LRU chunks: the same victims later, so the
-    same page tables and copies as the (batch, units) grid."""
-
-    def test_same_page_tables_and_copies_as_the_default_grid(self):
-        for early_swap in (False, True):
-            with self.subTest(early_swap=early_swap):
-                stats = _assert_same_swaps(
-                    self,
-                    {"early_swap": early_swap},
-                    {"early_swap": early_swap, "reorder_programs": 3},
-                    max_units=3,
-                )
-                self.assertGreater(stats["misses"], 0)
-
-    def test_warns_without_the_early_swap(self):
-        # Inline, the recency update sits before the attention: narrow it is
-        # only slower, and the log says so.
-        for early_swap in (True, False):
-            with self.subTest(early_swap=early_swap):
-                with self.assertLogs(
-                    "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
-                ) as logs:
-                    _Harness(
-                        self,
-                        max_units=3,
-                        coordinator_kwargs={
-                            "reorder_programs": 4,
-                            "early_swap": early_swap,
-                        },
-                    )
-                warned = [r for r in logs.records if r.levelname == "WARNING"]
-                self.assertEqual(
-                    any("meant for the early swap" in r.getMessage() for r in warned),
-                    not early_swap,
-                )
-
-    def test_reaches_the_swap_backend(self):
-        h = _Harness(
-            self, max_units=3, coordinator_kwargs={"reorder_programs": 5}
-        )  # fmt: skip
-        backend = h.controller.lru.swap_backend
-        if h.controller.lru.use_triton:
-            self.assertEqual(backend.reorder_programs, 5)
-        else:  # the reference swap has no grid to narrow
-            self.assertFalse(hasattr(backend, "reorder_programs"))
-
-
 class TestEarlySwap(unittest.TestCase):
     """``SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP``: the swap starts when the model
     hands the top-k over, the backend's hook only collects it."""

@@ -493,15 +493,11 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
             self.assertEqual(
                 (env[var], env["SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"]), (value, "1")
             )
-        names = ("WARM_UNITS", "DIRECT_SLOTS", "GATHER_PROGRAMS", "REORDER_PROGRAMS")
-        for kind, expected in (
-            ("ours_warm_direct_flat", ["1", "1", "16", None]),
-            ("ours_warm_direct_narrow", ["1", "1", "16", "16"]),
-        ):
-            env = bench_server.server_env(args, kind)
-            self.assertEqual(
-                [env.get(f"SGLANG_NSA_KV_OFFLOAD_{v}") for v in names], expected
-            )
+        names = ("WARM_UNITS", "DIRECT_SLOTS", "GATHER_PROGRAMS")
+        env = bench_server.server_env(args, "ours_warm_direct_flat")
+        self.assertEqual(
+            [env.get(f"SGLANG_NSA_KV_OFFLOAD_{v}") for v in names], ["1", "1", "16"]
+        )
 
     def test_servers_start_in_the_order_asked(self):
         # A tight budget must reach the pair named first (not SERVER_KINDS').

@@ -43,9 +43,7 @@ class TestSwapKernelResources(unittest.TestCase):
             (r["units"], r["kernel"]): r
             for r in map(json.loads, out.stdout.splitlines())
         }
-        reorder = ("count", "reorder_rank", "copy_order")
-        # The reorder also narrow (PROGRAMS=16: a strided loop over its tiles).
-        kernels = ("fused", "select") + reorder + tuple(k + "_narrow" for k in reorder)
+        kernels = ("fused", "select", "count", "reorder_rank", "copy_order")
         # Each also with the direct-slots path compiled in (DIRECT=True).
         expected = {(1, k) for k in ("fused", "fused_direct")} | {
             (4, k + suffix) for k in kernels for suffix in ("", "_direct")

@@ -155,13 +155,6 @@ def swap_kernels(
             ),
             ("copy_order", lru._swap_copy_order_kernel, chunk),
         ]
-        # The narrow reorder (SGLANG_NSA_KV_OFFLOAD_REORDER_PROGRAMS): the
-        # same bodies in a strided loop.
-        out += [
-            (name + "_narrow", k, dict(c, PROGRAMS=16))
-            for name, k, c in out
-            if name in ("count", "reorder_rank", "copy_order")
-        ]
     # The same kernels with the direct-slots path compiled in.
     out += [
         (name + "_direct", k, dict(c, DIRECT=True))

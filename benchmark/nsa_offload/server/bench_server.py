@@ -89,7 +89,6 @@ from server_utils import (  # noqa: E402
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
-    ENV_REORDER_PROGRAMS,
     ENV_SPARE_REGIONS,
     ENV_SWAP_AFTER_ROPE,
     ENV_UNPROVEN_PARALLEL,
@@ -131,7 +130,6 @@ SERVER_KINDS = (
     "ours_warm_rope",
     "ours_warm_direct",
     "ours_warm_direct_flat",
-    "ours_warm_direct_narrow",
     "ours_warm_late",
     "ours_units",
     "hisparse",
@@ -163,7 +161,6 @@ OURS_VARIANTS = {
         "ours_warm_rope",
         "ours_warm_direct",
         "ours_warm_direct_flat",
-        "ours_warm_direct_narrow",
         "ours_warm_late",
         "ours_units",
     )
@@ -200,8 +197,6 @@ LABELS = {
     "ours_warm_rope": "ours, warm units, swap after rope",
     "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
-    "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
-    "narrow reorder",
     "ours_warm_late": "ours, warm units + late reorder",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
@@ -799,14 +794,6 @@ VARIANT_ENV = {
         ENV_WARM_UNITS: "1",
         ENV_DIRECT_SLOTS: "1",
         ENV_GATHER_PROGRAMS: "16",
-    },
-    # And the recency update on 16 programs: no wide grid queued beside the
-    # forward stream's kernels.
-    "ours_warm_direct_narrow": {
-        ENV_WARM_UNITS: "1",
-        ENV_DIRECT_SLOTS: "1",
-        ENV_GATHER_PROGRAMS: "16",
-        ENV_REORDER_PROGRAMS: "16",
     },
 }
 
@@ -1978,7 +1965,6 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_rope": "sienna",
         "ours_warm_direct": "darkgreen",
         "ours_warm_direct_flat": "limegreen",
-        "ours_warm_direct_narrow": "darkcyan",
         "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
@@ -2084,8 +2070,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     ``p4_itl_overhead_warm_rope``: with the swap after the rope (ours_warm_rope),
     ``p4_itl_overhead_warm_direct``: with direct slots too (ours_warm_direct),
     ``p4_itl_overhead_warm_direct_flat``: and the flat miss copy
-    (ours_warm_direct_flat), ``p4_itl_overhead_warm_direct_narrow``: and the
-    narrow reorder (ours_warm_direct_narrow)."""
+    (ours_warm_direct_flat)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2098,7 +2083,6 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_warm_rope": {},
         "p4_itl_overhead_warm_direct": {},
         "p4_itl_overhead_warm_direct_flat": {},
-        "p4_itl_overhead_warm_direct_narrow": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2130,7 +2114,6 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
             ("P4_warm_rope", "p4_itl_overhead_warm_rope"),
             ("P4_warm_direct", "p4_itl_overhead_warm_direct"),
             ("P4_warm_direct_flat", "p4_itl_overhead_warm_direct_flat"),
-            ("P4_warm_direct_narrow", "p4_itl_overhead_warm_direct_narrow"),
         ):
             if key in targets:
                 speed[out].update(_overheads(targets[key], name + ":"))
@@ -2345,8 +2328,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "experimental flat miss copy, 16 programs; ours_warm_rope: the swap "
         "starting after the query rope; ours_warm_direct: with direct slots, "
         "a request whose context fits its units skips the LRU walk; "
-        "ours_warm_direct_flat: and the flat miss copy; "
-        "ours_warm_direct_narrow: and the recency update on 16 programs); "
+        "ours_warm_direct_flat: and the flat miss copy); "
         "baseline_mtp, "
         "ours_mtp: with MTP, --mtp-steps); started one "
         "after the other in the order given",

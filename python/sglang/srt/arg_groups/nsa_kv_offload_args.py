@@ -74,11 +74,6 @@ ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
 # requests' misses instead of a grid per request, so that the copy's waits on
 # host reads hold at most N SMs beside the forward stream.
 ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
-# Experimental narrow reorder (read by the coordinator): the recency update
-# beside the attention as N programs striding over every request's LRU chunks
-# instead of a (batch, units) grid, which queues its programs ahead of the
-# forward stream's kernels.
-ENV_REORDER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_REORDER_PROGRAMS"
 # Experimental (read by the coordinator, early swap only): a layer's swap
 # starts after its query rope instead of right after its indexer, so that the
 # swap's kernels do not share the SMs with the query's absorb GEMM and rope.
@@ -106,15 +101,14 @@ def early_swap_enabled() -> bool:
     return os.environ.get(ENV_EARLY_SWAP, "") == "" or get_bool_env_var(ENV_EARLY_SWAP)
 
 
-def programs_from_env(var: str) -> Optional[int]:
-    """A kernel's program count from ``var`` (``ENV_GATHER_PROGRAMS``: the
-    flat miss copy; ``ENV_REORDER_PROGRAMS``: the narrow reorder), None when
-    unset: the kernel's default grid."""
-    value = os.environ.get(var, "")
+def gather_programs_from_env() -> Optional[int]:
+    """The flat miss copy's program count (``ENV_GATHER_PROGRAMS``), None
+    when unset: the copy's default grid."""
+    value = os.environ.get(ENV_GATHER_PROGRAMS, "")
     if value == "":
         return None
     if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{var}={value!r}: expected an integer >= 1")
+        raise ValueError(f"{ENV_GATHER_PROGRAMS}={value!r}: expected an integer >= 1")
     return int(value)
 
 

@@ -62,11 +62,10 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
-    ENV_REORDER_PROGRAMS,
     ENV_SWAP_AFTER_ROPE,
     ENV_WARM_UNITS,
     early_swap_enabled,
-    programs_from_env,
+    gather_programs_from_env,
     warm_units_refusal,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
@@ -130,7 +129,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         direct_slots: bool = False,
         warm_units: bool = False,
         copy_flat_programs: Optional[int] = None,
-        reorder_programs: Optional[int] = None,
         swap_after_rope: bool = False,
     ):
         if warm_units:
@@ -225,24 +223,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
             copy_flat_programs=copy_flat_programs,
-            reorder_programs=reorder_programs,
         )
-        if reorder_programs is not None:
-            logger.info(
-                "NSA KV offload: narrow reorder (experimental, %s=%d): the recency "
-                "update runs as that many programs over every request's LRU chunks.",
-                ENV_REORDER_PROGRAMS,
-                reorder_programs,
-            )
-            if not early_swap:
-                # Inline, the reorder runs on the forward stream before the
-                # attention: fewer programs only lengthen it.
-                logger.warning(
-                    "NSA KV offload: %s is meant for the early swap (%s=0 runs the "
-                    "recency update before the attention, where it is slower narrow).",
-                    ENV_REORDER_PROGRAMS,
-                    ENV_EARLY_SWAP,
-                )
         if copy_flat_programs is not None:
             logger.info(
                 "NSA KV offload: flat miss copy (experimental, %s=%d): that many "
@@ -825,8 +806,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         early_swap=early_swap_enabled(),
         direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
         warm_units=get_bool_env_var(ENV_WARM_UNITS),
-        copy_flat_programs=programs_from_env(ENV_GATHER_PROGRAMS),
-        reorder_programs=programs_from_env(ENV_REORDER_PROGRAMS),
+        copy_flat_programs=gather_programs_from_env(),
         swap_after_rope=get_bool_env_var(ENV_SWAP_AFTER_ROPE),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.

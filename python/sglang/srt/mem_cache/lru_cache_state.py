@@ -109,7 +109,6 @@ class LRUCacheState:
         max_units: int = 1,
         max_query_tokens: int = 1,
         direct_slots: bool = False,
-        reorder_programs: Optional[int] = None,
     ):
         if max_query_tokens < 1:
             raise ValueError(f"max_query_tokens ({max_query_tokens}) must be >= 1")
@@ -218,12 +217,7 @@ class LRUCacheState:
             use_triton = default_use_triton(self.device)
         # The swap backend, chosen once.
         self.swap_backend = (
-            TritonLRUSwap(
-                self,
-                max_batch_size=max_batch_size,
-                num_warps=num_warps,
-                reorder_programs=reorder_programs,
-            )
+            TritonLRUSwap(self, max_batch_size=max_batch_size, num_warps=num_warps)
             if use_triton
             else ReferenceLRUSwap()
         )

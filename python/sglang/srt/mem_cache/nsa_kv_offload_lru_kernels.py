@@ -627,33 +627,6 @@ if _HAS_TRITON:
         evictable = mask & (hit == 0) & (order < tl.load(capacity_ptr + r))
         return order, evictable
 
-    @triton.jit
-    def _row_is_walked(b, num_real, row_direct_ptr, DIRECT: tl.constexpr):
-        # Whether the reorder walks batch row b: a real row, not one the
-        # select kernel swapped in direct mode.
-        walked = b < num_real
-        if DIRECT:
-            walked = walked & (tl.load(row_direct_ptr + b) == 0)
-        return walked
-
-    # The reorder kernels run one (row, unit) tile per program on a grid
-    # (bs, U) (PROGRAMS = 0), or PROGRAMS programs striding over the real
-    # rows' tiles: a narrow reorder that never queues more programs than that
-    # beside the forward stream's kernels (it runs beside the attention).
-    @triton.jit
-    def _reorder_tiles(num_real, U: tl.constexpr, PROGRAMS: tl.constexpr):
-        # This program's first tile (t = row * U + unit), end and stride; a
-        # tensor, so that the loop over them runs in the interpreter too.
-        if PROGRAMS == 0:
-            first = tl.program_id(0) * U + tl.program_id(1) + num_real * 0
-            end = first + 1
-            stride = 1
-        else:
-            first = tl.program_id(0) + num_real * 0
-            end = num_real * U
-            stride = PROGRAMS
-        return first, end, stride
-
     @triton.jit(
         do_not_specialize_on_alignment=[
             "req_pool_ptr",
@@ -676,44 +649,15 @@ if _HAS_TRITON:
         U: tl.constexpr,
         BLOCK_C0: tl.constexpr,
         DIRECT: tl.constexpr = False,
-        PROGRAMS: tl.constexpr = 0,
     ):
-        num_real = tl.load(num_real_ptr)
-        t, end, stride = _reorder_tiles(num_real, U, PROGRAMS)
-        while t < end:
-            b = t // U
-            if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
-                _count_tile(
-                    b,
-                    t % U,
-                    req_pool_ptr,
-                    lru_ptr,
-                    capacity_ptr,
-                    hit_flags_ptr,
-                    ev_count_ptr,
-                    sink_req,
-                    C,
-                    C0,
-                    U,
-                    BLOCK_C0,
-                )
-            t += stride
-
-    @triton.jit
-    def _count_tile(
-        b,
-        u,
-        req_pool_ptr,
-        lru_ptr,
-        capacity_ptr,
-        hit_flags_ptr,
-        ev_count_ptr,
-        sink_req,
-        C: tl.constexpr,
-        C0: tl.constexpr,
-        U: tl.constexpr,
-        BLOCK_C0: tl.constexpr,
-    ):
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        skip = b >= tl.load(num_real_ptr)
+        if DIRECT:
+            # Rows the select kernel swapped in direct mode.
+            skip = skip | (tl.load(row_direct_ptr + b) != 0)
+        if skip:
+            return
         r = _request_row(req_pool_ptr, b, sink_req)
         offs_c0 = tl.arange(0, BLOCK_C0)
         _, evictable = _chunk_evictable(
@@ -763,60 +707,15 @@ if _HAS_TRITON:
         # select kernel has evicted already; the reorder leaves the hit flags
         # zero for the next select.
         REORDER_ONLY: tl.constexpr = False,
-        PROGRAMS: tl.constexpr = 0,
     ):
-        num_real = tl.load(num_real_ptr)
-        t, end, stride = _reorder_tiles(num_real, U, PROGRAMS)
-        while t < end:
-            b = t // U
-            if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
-                _rank_tile(
-                    b,
-                    t % U,
-                    req_pool_ptr,
-                    loc_to_slot_ptr,
-                    slot_loc_ptr,
-                    lru_ptr,
-                    capacity_ptr,
-                    miss_count_ptr,
-                    hit_flags_ptr,
-                    ev_count_ptr,
-                    victims_ptr,
-                    new_lru_ptr,
-                    sink_req,
-                    K,
-                    C,
-                    C0,
-                    U,
-                    BLOCK_U,
-                    BLOCK_C0,
-                    REORDER_ONLY,
-                )
-            t += stride
-
-    @triton.jit
-    def _rank_tile(
-        b,
-        u,
-        req_pool_ptr,
-        loc_to_slot_ptr,
-        slot_loc_ptr,
-        lru_ptr,
-        capacity_ptr,
-        miss_count_ptr,
-        hit_flags_ptr,
-        ev_count_ptr,
-        victims_ptr,
-        new_lru_ptr,
-        sink_req,
-        K: tl.constexpr,
-        C: tl.constexpr,
-        C0: tl.constexpr,
-        U: tl.constexpr,
-        BLOCK_U: tl.constexpr,
-        BLOCK_C0: tl.constexpr,
-        REORDER_ONLY: tl.constexpr,
-    ):
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        skip = b >= tl.load(num_real_ptr)
+        if DIRECT:
+            # Rows the select kernel swapped in direct mode.
+            skip = skip | (tl.load(row_direct_ptr + b) != 0)
+        if skip:
+            return
         r = _request_row(req_pool_ptr, b, sink_req)
         offs_c0 = tl.arange(0, BLOCK_C0)
         mask = offs_c0 < C0
@@ -900,16 +799,16 @@ if _HAS_TRITON:
         U: tl.constexpr,
         BLOCK_C0: tl.constexpr,
         DIRECT: tl.constexpr = False,
-        PROGRAMS: tl.constexpr = 0,
     ):
-        num_real = tl.load(num_real_ptr)
-        t, end, stride = _reorder_tiles(num_real, U, PROGRAMS)
-        while t < end:
-            b = t // U
-            if _row_is_walked(b, num_real, row_direct_ptr, DIRECT):
-                r = _request_row(req_pool_ptr, b, sink_req)
-                _copy_back_order(new_lru_ptr, lru_ptr, b, r, t % U, C, C0, BLOCK_C0)
-            t += stride
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        skip = b >= tl.load(num_real_ptr)
+        if DIRECT:
+            skip = skip | (tl.load(row_direct_ptr + b) != 0)
+        if skip:
+            return
+        r = _request_row(req_pool_ptr, b, sink_req)
+        _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
 
     # One variant for every batch size and slice offset (see above).
     @triton.jit(

@@ -75,11 +75,6 @@ class TritonLRUSwap:
     Multi-token kernels run every swap of a state with ``max_query_tokens > 1``
     (its read window is shorter); ``always_multi_token`` runs them for one
     query token of a one-token state too (tests: the two must agree).
-    ``reorder_programs`` (experimental): the split swap's recency update
-    (count, rank, copy back) as that many programs striding over the real
-    rows' unit chunks instead of a (batch, units) grid: with the early swap
-    it runs beside the attention, where a wide grid queues its programs
-    ahead of the forward stream's kernels.
     """
 
     # The fused walk holds 8 lru entries per thread at 16 warps without
@@ -98,12 +93,8 @@ class TritonLRUSwap:
         split_by_unit: Optional[bool] = None,
         multi_split: Optional[bool] = None,
         always_multi_token: bool = False,
-        reorder_programs: Optional[int] = None,
     ):
         check_triton_usable(state.device)
-        if reorder_programs is not None and reorder_programs < 1:
-            raise ValueError(f"reorder_programs ({reorder_programs}) must be >= 1")
-        self.reorder_programs = reorder_programs
         self.device = state.device
         self.top_k = state.top_k
         self.num_slots = state.num_slots
@@ -314,8 +305,7 @@ class TritonLRUSwap:
             direct=self.direct,
             reorder_only=True,
         )
-        grid, programs = self._reorder_grid(batch[0].shape[0], narrow=True)
-        _swap_copy_order_kernel[grid](
+        _swap_copy_order_kernel[(batch[0].shape[0], self.max_units)](
             batch[2],
             batch[6],
             lru,
@@ -323,17 +313,8 @@ class TritonLRUSwap:
             state._sink_req,
             self._row_direct,
             DIRECT=self.direct,
-            PROGRAMS=programs,
             **shape,
         )
-
-    def _reorder_grid(self, bs: int, narrow: bool) -> tuple:
-        """The (grid, PROGRAMS) of a count / rank / copy-back launch: narrow
-        (reorder_programs programs) only for the one-token recency update;
-        the multi-token swap evicts in these kernels, before its copy."""
-        if narrow and self.reorder_programs is not None:
-            return (self.reorder_programs,), self.reorder_programs
-        return (bs, self.max_units), 0
 
     def multi_token_swap(
         self,
@@ -431,8 +412,7 @@ class TritonLRUSwap:
         # direct, rows the select kernel swapped in direct mode are skipped.
         bs, req_pool_indices, num_real = plan.miss_count.shape[0], batch[2], batch[6]
         U = self.max_units
-        grid, programs = self._reorder_grid(bs, narrow=reorder_only)
-        _swap_count_kernel[grid](
+        _swap_count_kernel[(bs, U)](
             req_pool_indices,
             num_real,
             lru,
@@ -442,10 +422,9 @@ class TritonLRUSwap:
             state._sink_req,
             self._row_direct,
             DIRECT=direct,
-            PROGRAMS=programs,
             **chunk,
         )
-        _swap_rank_kernel[grid](
+        _swap_rank_kernel[(bs, U)](
             req_pool_indices,
             num_real,
             loc_to_slot,
@@ -463,7 +442,6 @@ class TritonLRUSwap:
             BLOCK_U=_next_pow2(U),
             DIRECT=direct,
             REORDER_ONLY=reorder_only,
-            PROGRAMS=programs,
             **chunk,
         )
 

@@ -176,7 +176,6 @@ class SparseCacheController:
         copy_num_warps: int = DEFAULT_NUM_WARPS,
         copy_word_bytes: Optional[int] = None,
         copy_flat_programs: Optional[int] = None,
-        reorder_programs: Optional[int] = None,
         max_units: int = 1,
         host_writer: bool = True,
         max_query_tokens: int = 1,
@@ -224,7 +223,6 @@ class SparseCacheController:
             max_units=max_units,
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
-            reorder_programs=reorder_programs,
         )
         self.max_units = max_units
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
