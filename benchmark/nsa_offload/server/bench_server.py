@@ -130,6 +130,7 @@ SERVER_KINDS = (
     "ours_warm_rope",
     "ours_warm_direct",
     "ours_warm_direct_flat",
+    "ours_warm_direct_narrow",
     "ours_warm_late",
     "ours_units",
     "hisparse",
@@ -143,8 +144,9 @@ MTP_COMPARISONS = {
     "mtp_vs_no_mtp": ("ours_mtp", "ours"),  # what MTP buys the offload
 }
 # Variants of ours measured side by side with it, each with its own P4 line.
-# ours_units (session 9, before units became ours' default) and ours_warm_late
-# (the late reorder of 83c5b32, removed in 07bce18) are only read.
+# ours_units (session 9, before units became ours' default), ours_warm_late
+# (the late reorder of 83c5b32, removed in 07bce18) and ours_warm_direct_narrow
+# (the narrow reorder, removed in 8315256) are only read.
 OURS_VARIANTS = {
     kind: "P4_" + kind[len("ours_") :]
     for kind in (
@@ -161,6 +163,7 @@ OURS_VARIANTS = {
         "ours_warm_rope",
         "ours_warm_direct",
         "ours_warm_direct_flat",
+        "ours_warm_direct_narrow",
         "ours_warm_late",
         "ours_units",
     )
@@ -178,6 +181,8 @@ READ_ONLY_KINDS = {
     "ours_fixed runs ours with one unit",
     "ours_warm_late": "the late reorder was removed (07bce18, no gain: "
     "results/rank_speed/run_late_reorder/)",
+    "ours_warm_direct_narrow": "the narrow reorder was removed (8315256: wrong "
+    "tokens on the H200, and slower: results/exactness/tiny_reorder_regression/)",
 }
 RUNNABLE_KINDS = tuple(k for k in SERVER_KINDS if k not in READ_ONLY_KINDS)
 LABELS = {
@@ -197,6 +202,8 @@ LABELS = {
     "ours_warm_rope": "ours, warm units, swap after rope",
     "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
+    "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
+    "narrow reorder",
     "ours_warm_late": "ours, warm units + late reorder",
     "ours_units": "ours + units",
     "baseline_mtp": "no offload + MTP",
@@ -1965,6 +1972,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_rope": "sienna",
         "ours_warm_direct": "darkgreen",
         "ours_warm_direct_flat": "limegreen",
+        "ours_warm_direct_narrow": "darkcyan",
         "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
         "ours_mtp": "tab:red",
