@@ -11,8 +11,8 @@
 # offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), exact
 # (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), soak (the GPU
 # soak; $SOAK_ARGS), gputest (test/srt/test_decode_nsa_kv_offload.py;
-# $GPUTEST_ARGS), kernel-gate (after a kernel change: the LRU CUDA tests and
-# three tiny exactness servers), demo (scripts/demo.sh; $DEMO_ARGS), savejit
+# $GPUTEST_ARGS), kernel-gate (after a kernel change: split = fused swap, the LRU
+# CUDA tests and three tiny exactness servers), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
@@ -154,17 +154,24 @@ run_step() {
       ;;
     kernel-gate)
       # After any change to the swap, reorder or copy kernels, before timing
-      # it: the LRU state's CUDA tests, then the tiny checkpoint end to end
-      # (default, direct slots, warm units + direct + flat copy; resumed from
-      # tiny_run6's no-offload outputs). The CPU interpreter and the kernel
-      # tests passed a rewrite that this caught (results/exactness/tiny_reorder_regression/).
+      # it: the split swap against the fused one at the served sizes (4096
+      # slots, top-k 2048, 32K contexts, beside the rest), the LRU state's
+      # CUDA tests, then the tiny checkpoint end to end (default, direct
+      # slots, warm units + direct + flat copy; resumed from tiny_run6's
+      # no-offload outputs). The CPU interpreter and the kernel tests passed a
+      # rewrite that the end-to-end run caught (results/exactness/tiny_reorder_regression/).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      (timeout 240 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/gate_swap_units \
+        --batch-sizes 1,8,32 --units 2,4 --repeats 3 > $OUT/gate_swap_units.log 2>&1) &
+      local split_vs_fused=$!
       GPUTEST_ARGS="test/srt/test_lru_cache_state.py::TestTritonMatchesReference \
         test/srt/test_lru_cache_state.py::TestDirectSlots test/srt/test_lru_cache_state.py::TestCudaGraph" \
         GPUTEST_TIMEOUT=200 run_step gputest
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8 $resume" \
         EXACT_ARGS_2="--servers ours_fp8_direct $resume" \
         EXACT_ARGS_3="--servers ours_fp8_warm_direct_flat $resume" run_step exact
+      wait $split_vs_fused || rc=1
+      echo "=== split vs fused swap"; tail -12 $OUT/gate_swap_units.log
       ;;
     soak)
       # The GPU soak (issue 21): soak.py, more flags in $SOAK_ARGS.
