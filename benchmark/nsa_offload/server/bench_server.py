@@ -114,9 +114,11 @@ from server_utils import (  # noqa: E402
 TRACE_FORMAT_PY = TRACES_DIR / "trace_format.py"
 MAX_CHECKED_ROWS = 3000  # override check: rows recomputed per run
 TOPK_TRACE_PY = TRACES_DIR / "nsa_topk_trace.py"
-SERVER_KINDS = (
-    "baseline",
-    "ours",
+# Variants of ours measured side by side with it, each with its own P4 line.
+# ours_units (session 9, before units became ours' default), ours_warm_late
+# (the late reorder of 83c5b32, removed in 07bce18) and ours_warm_direct_narrow
+# (the narrow reorder, removed in 8315256) are only read.
+OURS_VARIANT_KINDS = (
     "ours_fixed",
     "ours_wide",
     "ours_prefetch",
@@ -133,40 +135,16 @@ SERVER_KINDS = (
     "ours_warm_direct_narrow",
     "ours_warm_late",
     "ours_units",
-    "hisparse",
-    "baseline_mtp",
-    "ours_mtp",
+)
+OURS_VARIANTS = {kind: "P4_" + kind[len("ours_") :] for kind in OURS_VARIANT_KINDS}
+SERVER_KINDS = (
+    ("baseline", "ours") + OURS_VARIANT_KINDS + ("hisparse", "baseline_mtp", "ours_mtp")
 )
 DEFAULT_SERVERS = "baseline,ours,hisparse"
 # With MTP (--mtp-steps): each pair compared as P4 is, its own line.
 MTP_COMPARISONS = {
     "P4_mtp": ("ours_mtp", "baseline_mtp"),  # the offload's cost with MTP
     "mtp_vs_no_mtp": ("ours_mtp", "ours"),  # what MTP buys the offload
-}
-# Variants of ours measured side by side with it, each with its own P4 line.
-# ours_units (session 9, before units became ours' default), ours_warm_late
-# (the late reorder of 83c5b32, removed in 07bce18) and ours_warm_direct_narrow
-# (the narrow reorder, removed in 8315256) are only read.
-OURS_VARIANTS = {
-    kind: "P4_" + kind[len("ours_") :]
-    for kind in (
-        "ours_fixed",
-        "ours_wide",
-        "ours_prefetch",
-        "ours_prefetch_early",
-        "ours_early",
-        "ours_inline",
-        "ours_direct",
-        "ours_warm",
-        "ours_warm_prefetch",
-        "ours_warm_flat",
-        "ours_warm_rope",
-        "ours_warm_direct",
-        "ours_warm_direct_flat",
-        "ours_warm_direct_narrow",
-        "ours_warm_late",
-        "ours_units",
-    )
 }
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
 # The no-offload servers: the ratios' denominators.
