@@ -1277,6 +1277,14 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_speed/run_warm_direct_64/bench_server_override.json",
         "rank_speed/run_model_86gib/bench_server_model.json",
         "rank_speed/run_model_86gib_b8/bench_server_model.json",
+        # cfdc9bc, one machine: the flat miss copy on direct slots at 30K x 64
+        # (beside direct slots alone); every request whole in its units at
+        # 128K x 8 (33 units, 16 slots) and 32K x 32 at 60 GiB (9 units); 30K
+        # x 64 again with four runs per point.
+        "rank_speed/run_direct_flat_64/bench_server_override.json",
+        "rank_speed/run_all_direct_128k/bench_server_override.json",
+        "rank_speed/run_all_direct_32k/bench_server_override.json",
+        "rank_speed/run_direct_flat_64_repeat/bench_server_override.json",
     )
 
     def test_every_committed_server_kind_renders(self):
