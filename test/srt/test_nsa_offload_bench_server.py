@@ -533,8 +533,11 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         need = bench_server.first_point_estimate_s(args)
         shares = {}
 
+        kept = {}
+
         def fake_measure(args, kind, server, share_end, layers, keep_first):
             shares[kind] = share_end - time.time()
+            kept[kind] = keep_first
             return []
 
         patches = (
@@ -556,6 +559,8 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
             self.assertEqual(mocks[0].call_count, 2)
         self.assertGreaterEqual(shares["baseline"], need - 1)
         self.assertGreaterEqual(shares["ours"], need - 1)
+        # ... and its first point runs though the warm-up eats into the share.
+        self.assertEqual(kept, {"baseline": True, "ours": True})
         self.assertNotIn("ours_warm", shares)
         self.assertTrue(res["error"].startswith("skipped: time budget"), res)
 

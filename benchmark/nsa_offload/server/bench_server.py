@@ -1086,15 +1086,16 @@ def bench_server(
             # start-up (like this one's, plus stop) comes out of the budget.
             later = (servers_left - 1) * startup_guess
             share = (deadline - time.time() - 30 - later) / servers_left
-            if kind in REFERENCE_KINDS or deadline - time.time() - 30 >= first:
-                # A started server measures its first point even if the
-                # servers after it get less time (or none: start_fits); every
-                # ratio divides by the reference's.
+            # A started server measures its first point even if the servers
+            # after it get less time (or none: start_fits), and even if its
+            # warm-up ate into the share (cfdc9bc's 30K x 64 run skipped an
+            # offload server's point by a second); every ratio divides by the
+            # reference's.
+            keep_first = kind in REFERENCE_KINDS or deadline - time.time() - 30 >= first
+            if keep_first:
                 share = max(share, first)
             share_end = time.time() + max(share, 30.0)
-            res["points"] = measure(
-                args, kind, server, share_end, layers, kind in REFERENCE_KINDS
-            )
+            res["points"] = measure(args, kind, server, share_end, layers, keep_first)
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         log(f"[{kind}] FAILED: {res['error']}")
