@@ -722,6 +722,38 @@ class TestMtpServers(unittest.TestCase):
         self.assertIn("nope", str(cm.exception))
 
 
+class TestTunedServers(unittest.TestCase):
+    def test_tuned_servers_run_the_bench_settings(self):
+        # The exactness servers of the tuned settings run what the rank bench
+        # timed (ours_warm_direct_flat with --spare-regions --max-units 8),
+        # each against the no-offload server of its KV dtype.
+        import bench_server
+
+        bench_env = bench_server.VARIANT_ENV["ours_warm_direct_flat"]
+        self.assertLessEqual(bench_env.items(), exactness.TUNED_ENV.items())
+        self.assertEqual(exactness.TUNED_ENV[server_utils.ENV_SPARE_REGIONS], "1")
+        self.assertTrue(
+            server_utils.needs_wide_slot_ids(exactness.TUNED_MAX_UNITS, None)
+        )
+        names = [n for n in exactness.SERVERS if "_tuned" in n]
+        self.assertEqual(
+            sorted(names),
+            ["ours_bf16_tuned", "ours_bf16_tuned_level", "ours_bf16_tuned_retract",
+             "ours_fp8_tuned"],
+        )  # fmt: skip
+        with tempfile.TemporaryDirectory() as d:
+            args = exactness.parse_args(["--out", d])
+            for name in names:
+                spec = exactness.SERVERS[name]
+                cmd, env = exactness.server_args(spec, args, "/c")
+                self.assertLessEqual(exactness.TUNED_ENV.items(), env.items(), name)
+                self.assertIn("--enable-decode-nsa-kv-offload", cmd)
+                base = exactness.SERVERS[spec["base"]]
+                self.assertIsNone(base.get("offload"))
+                self.assertEqual(base.get("kv"), spec.get("kv"))
+                self.assertIn(name, exactness.TINY_SERVERS.split(","))
+
+
 class TestMultiGpuServers(unittest.TestCase):
     # The offload's startup lines, as its modules format them.
     POOL = (

@@ -68,6 +68,7 @@ from server_utils import (
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
+    ENV_WIDE_SLOT_IDS,
     SHAPES,
     UNITS_RE,
     Server,
@@ -112,6 +113,18 @@ MTP_HEAVY_OFFLOAD_ARGS = [
     "--nsa-kv-offload-recent-window",
     "8",
 ]
+# The experimental settings the rank bench meets its latency target with
+# (results/rank_speed/, cfdc9bc): warm units, direct slots, the flat miss copy
+# and spare regions, 8 units (int32 slot ids). Candidates for the default:
+# exact with each KV dtype, retraction and unit leveling before they can be.
+TUNED_ENV = {
+    ENV_WARM_UNITS: "1",
+    ENV_DIRECT_SLOTS: "1",
+    ENV_GATHER_PROGRAMS: "16",
+    ENV_SPARE_REGIONS: "1",
+    ENV_WIDE_SLOT_IDS: "1",
+}
+TUNED_MAX_UNITS = 8
 SERVERS = {
     "base_fp8": dict(nc=True, repeat=True),
     "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
@@ -198,8 +211,19 @@ SERVERS = {
         },
         base="base_fp8",
     ),
+    "ours_fp8_tuned": dict(
+        offload=["--nsa-kv-offload-max-units", str(TUNED_MAX_UNITS)],
+        env=TUNED_ENV,
+        base="base_fp8",
+    ),
     "base_bf16": dict(kv="bf16"),
     "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
+    "ours_bf16_tuned": dict(
+        kv="bf16",
+        offload=["--nsa-kv-offload-max-units", str(TUNED_MAX_UNITS)],
+        env=TUNED_ENV,
+        base="base_bf16",
+    ),
     "base_fp8_retract": dict(retract=True),
     "ours_fp8_retract": dict(offload=[], retract=True, base="base_fp8_retract"),
     # sglang retracts only from batches of two or more, and fp8 outputs change
@@ -226,6 +250,25 @@ SERVERS = {
         retract=True,
         base="base_bf16",
         control="base_bf16_retract",
+    ),
+    # The tuned settings through retraction (a retracted request is warmed
+    # again when it comes back) and through unit moves between requests.
+    "ours_bf16_tuned_retract": dict(
+        kv="bf16",
+        offload=["--nsa-kv-offload-max-units", str(TUNED_MAX_UNITS)],
+        env=TUNED_ENV,
+        retract=True,
+        base="base_bf16",
+        control="base_bf16_retract",
+    ),
+    "ours_bf16_tuned_level": dict(
+        kv="bf16",
+        offload=["--nsa-kv-offload-max-units", str(LEVEL_MAX_UNITS)],
+        env=TUNED_ENV,
+        max_running=LEVEL_MAX_RUNNING,
+        base="base_bf16",
+        control="base_bf16",
+        batch_phase="level",
     ),
     "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
     "dummy_fp8": dict(dummy=True, nc=True),
