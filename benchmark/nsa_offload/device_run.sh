@@ -12,7 +12,8 @@
 # (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), soak (the GPU
 # soak; $SOAK_ARGS), gputest (test/srt/test_decode_nsa_kv_offload.py;
 # $GPUTEST_ARGS), kernel-gate (after a kernel change: split = fused swap, the LRU
-# CUDA tests and three tiny exactness servers), demo (scripts/demo.sh; $DEMO_ARGS), savejit
+# CUDA tests and three tiny exactness servers), tuned-gate (the tuned settings'
+# tiny exactness servers: fp8, bf16, retraction, leveling), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
@@ -172,6 +173,17 @@ run_step() {
         EXACT_ARGS_3="--servers ours_fp8_warm_direct_flat $resume" run_step exact
       wait $split_vs_fused || rc=1
       echo "=== split vs fused swap"; tail -12 $OUT/gate_swap_units.log
+      ;;
+    tuned-gate)
+      # The tuned settings (exactness.py TUNED_ENV: warm units, direct slots,
+      # flat copy, spare regions, 8 units) on the tiny checkpoint with fp8,
+      # bf16, retraction and leveling, three runs side by side, resumed from
+      # tiny_run6's no-offload outputs: what they need before they can be the
+      # default.
+      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_tuned,ours_bf16_tuned $resume" \
+        EXACT_ARGS_2="--servers ours_bf16_tuned_retract $resume" \
+        EXACT_ARGS_3="--servers ours_bf16_tuned_level $resume" run_step exact
       ;;
     soak)
       # The GPU soak (issue 21): soak.py, more flags in $SOAK_ARGS.
