@@ -125,6 +125,25 @@ TUNED_ENV = {
     ENV_WIDE_SLOT_IDS: "1",
 }
 TUNED_MAX_UNITS = 8
+
+
+def tuned_server(**spec) -> dict:
+    """A server spec with the tuned settings (``spec`` may override them)."""
+    offload = ["--nsa-kv-offload-max-units", str(TUNED_MAX_UNITS)]
+    return {"offload": offload, "env": dict(TUNED_ENV), **spec}
+
+
+# Unit leveling: its concurrent batches against the batch-1 outputs (bf16
+# batches do not change the outputs on this checkpoint: the control is the
+# no-offload server's own concurrent phase).
+LEVEL_SPEC = dict(
+    kv="bf16",
+    offload=["--nsa-kv-offload-max-units", str(LEVEL_MAX_UNITS)],
+    max_running=LEVEL_MAX_RUNNING,
+    base="base_bf16",
+    control="base_bf16",
+    batch_phase="level",
+)
 SERVERS = {
     "base_fp8": dict(nc=True, repeat=True),
     "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
@@ -211,19 +230,10 @@ SERVERS = {
         },
         base="base_fp8",
     ),
-    "ours_fp8_tuned": dict(
-        offload=["--nsa-kv-offload-max-units", str(TUNED_MAX_UNITS)],
-        env=TUNED_ENV,
-        base="base_fp8",
-    ),
+    "ours_fp8_tuned": tuned_server(base="base_fp8"),
     "base_bf16": dict(kv="bf16"),
     "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
-    "ours_bf16_tuned": dict(
-        kv="bf16",
-        offload=["--nsa-kv-offload-max-units", str(TUNED_MAX_UNITS)],
-        env=TUNED_ENV,
-        base="base_bf16",
-    ),
+    "ours_bf16_tuned": tuned_server(kv="bf16", base="base_bf16"),
     "base_fp8_retract": dict(retract=True),
     "ours_fp8_retract": dict(offload=[], retract=True, base="base_fp8_retract"),
     # sglang retracts only from batches of two or more, and fp8 outputs change
@@ -233,17 +243,7 @@ SERVERS = {
     # only where the control is identical (the checkpoint is batch-invariant
     # under retraction), otherwise reported beside the control.
     "base_bf16_retract": dict(kv="bf16", retract=True),
-    # Unit leveling: its concurrent batches against the batch-1 outputs (bf16
-    # batches do not change the outputs on this checkpoint: the control is the
-    # no-offload server's own concurrent phase).
-    "ours_bf16_level": dict(
-        kv="bf16",
-        offload=["--nsa-kv-offload-max-units", str(LEVEL_MAX_UNITS)],
-        max_running=LEVEL_MAX_RUNNING,
-        base="base_bf16",
-        control="base_bf16",
-        batch_phase="level",
-    ),
+    "ours_bf16_level": dict(LEVEL_SPEC),
     "ours_bf16_retract": dict(
         kv="bf16",
         offload=[],
@@ -253,23 +253,10 @@ SERVERS = {
     ),
     # The tuned settings through retraction (a retracted request is warmed
     # again when it comes back) and through unit moves between requests.
-    "ours_bf16_tuned_retract": dict(
-        kv="bf16",
-        offload=["--nsa-kv-offload-max-units", str(TUNED_MAX_UNITS)],
-        env=TUNED_ENV,
-        retract=True,
-        base="base_bf16",
-        control="base_bf16_retract",
+    "ours_bf16_tuned_retract": tuned_server(
+        kv="bf16", retract=True, base="base_bf16", control="base_bf16_retract"
     ),
-    "ours_bf16_tuned_level": dict(
-        kv="bf16",
-        offload=["--nsa-kv-offload-max-units", str(LEVEL_MAX_UNITS)],
-        env=TUNED_ENV,
-        max_running=LEVEL_MAX_RUNNING,
-        base="base_bf16",
-        control="base_bf16",
-        batch_phase="level",
-    ),
+    "ours_bf16_tuned_level": tuned_server(**LEVEL_SPEC),
     "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
     "dummy_fp8": dict(dummy=True, nc=True),
     # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, spec v1):
