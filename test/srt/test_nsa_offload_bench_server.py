@@ -531,9 +531,7 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         # what is left, or no start at all.
         args = self._sized_args("--contexts", "32768", "--concurrency", "32")
         need = bench_server.first_point_estimate_s(args)
-        shares = {}
-
-        kept = {}
+        shares, kept = {}, {}
 
         def fake_measure(args, kind, server, share_end, layers, keep_first):
             shares[kind] = share_end - time.time()
