@@ -176,13 +176,13 @@ run_step() {
       ;;
     tuned-gate)
       # The tuned settings (exactness.py TUNED_ENV: warm units, direct slots,
-      # flat copy, spare regions, 8 units) on the tiny checkpoint with fp8,
-      # bf16, retraction and leveling, three runs side by side, resumed from
-      # tiny_run6's no-offload outputs: what they need before they can be the
-      # default.
+      # flat copy, spare regions, 8 units; also 7 units of 4,416 rows) on the
+      # tiny checkpoint with fp8, bf16, retraction and leveling, three runs
+      # side by side, resumed from tiny_run6's no-offload outputs: what they
+      # need before they can be the default.
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_tuned,ours_bf16_tuned $resume" \
-        EXACT_ARGS_2="--servers ours_bf16_tuned_retract $resume" \
+        EXACT_ARGS_2="--servers ours_bf16_tuned_retract,ours_fp8_tuned_4416 $resume" \
         EXACT_ARGS_3="--servers ours_bf16_tuned_level $resume" run_step exact
       ;;
     soak)

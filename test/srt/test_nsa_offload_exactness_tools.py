@@ -739,7 +739,7 @@ class TestTunedServers(unittest.TestCase):
         self.assertEqual(
             sorted(names),
             ["ours_bf16_tuned", "ours_bf16_tuned_level", "ours_bf16_tuned_retract",
-             "ours_fp8_tuned"],
+             "ours_fp8_tuned", "ours_fp8_tuned_4416"],
         )  # fmt: skip
         with tempfile.TemporaryDirectory() as d:
             args = exactness.parse_args(["--out", d])

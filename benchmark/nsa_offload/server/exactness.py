@@ -231,6 +231,17 @@ SERVERS = {
         base="base_fp8",
     ),
     "ours_fp8_tuned": tuned_server(base="base_fp8"),
+    # Units cut to a 30K context (7 x 4,416 = 30,912 slots): every request of
+    # the rank bench's 30K x 64 direct in 448 regions (results/rank_speed/).
+    "ours_fp8_tuned_4416": tuned_server(
+        offload=[
+            "--nsa-kv-offload-max-units",
+            "7",
+            "--nsa-kv-offload-gpu-buffer-size",
+            "4416",
+        ],
+        base="base_fp8",
+    ),
     "base_bf16": dict(kv="bf16"),
     "ours_bf16": dict(kv="bf16", offload=[], base="base_bf16"),
     "ours_bf16_tuned": tuned_server(kv="bf16", base="base_bf16"),
