@@ -117,13 +117,14 @@ MTP_HEAVY_OFFLOAD_ARGS = [
 # (results/rank_speed/, cfdc9bc): warm units, direct slots, the flat miss copy
 # and spare regions, 8 units (int32 slot ids). Candidates for the default:
 # exact with each KV dtype, retraction and unit leveling before they can be.
-TUNED_ENV = {
+# Warm units with direct slots and the flat miss copy (16 programs for every
+# request's misses): the contention variant the rank bench keeps.
+WARM_DIRECT_FLAT_ENV = {
     ENV_WARM_UNITS: "1",
     ENV_DIRECT_SLOTS: "1",
     ENV_GATHER_PROGRAMS: "16",
-    ENV_SPARE_REGIONS: "1",
-    ENV_WIDE_SLOT_IDS: "1",
 }
+TUNED_ENV = {**WARM_DIRECT_FLAT_ENV, ENV_SPARE_REGIONS: "1", ENV_WIDE_SLOT_IDS: "1"}
 TUNED_MAX_UNITS = 8
 
 
@@ -219,16 +220,8 @@ SERVERS = {
         env={ENV_GATHER_PROGRAMS: "16"},
         base="base_fp8",
     ),
-    # Warm units with direct slots and the flat miss copy (16 programs for
-    # every request's misses): the contention variant the rank bench keeps.
     "ours_fp8_warm_direct_flat": dict(
-        offload=[],
-        env={
-            ENV_WARM_UNITS: "1",
-            ENV_DIRECT_SLOTS: "1",
-            ENV_GATHER_PROGRAMS: "16",
-        },
-        base="base_fp8",
+        offload=[], env=dict(WARM_DIRECT_FLAT_ENV), base="base_fp8"
     ),
     "ours_fp8_tuned": tuned_server(base="base_fp8"),
     # Units cut to a 30K context (7 x 4,416 = 30,912 slots): every request of
