@@ -6,8 +6,9 @@ to it.
 
 With ``max_units > 1`` a request's slots span up to that many units of
 ``buffer_size`` slots (unit 0 is its region): slot ``s`` lives at row
-``units[r][s // C] + s % C`` and only slots below ``len(units[r]) * C`` are
-ever victims.
+``units[r][s // C] + s % C``. Its LRU order lists the slots it holds (below
+``len(units[r]) * C``): a grown unit's slots come first, a dropped unit's
+slots leave it.
 
 Direct mode (``enter_direct``): while a request's positions below the window
 fit its slots, a miss of position ``p`` goes to slot ``p`` and its order is
@@ -54,7 +55,7 @@ class LRUModel:
         self.units[r] = [base]
         for layer in range(self.L):
             self.slot_loc[layer, r] = [-1] * self.num_slots
-            self.lru_order[layer, r] = list(range(self.num_slots))
+            self.lru_order[layer, r] = list(range(self.C))
 
     def release(self, r: int) -> None:
         for layer in range(self.L):
@@ -62,7 +63,7 @@ class LRUModel:
                 if loc >= 0:
                     del self.loc_to_slot[layer][loc]
             self.slot_loc[layer, r] = [-1] * self.num_slots
-            self.lru_order[layer, r] = list(range(self.num_slots))
+            self.lru_order[layer, r] = []
         self.region_base.pop(r, None)
         self.units.pop(r, None)
         self.direct.discard(r)
@@ -76,7 +77,7 @@ class LRUModel:
         direct mode."""
         assert len(locs) <= len(self.units[r]) * self.C
         for layer in layers:
-            self.lru_order[layer, r] = list(range(self.num_slots))
+            self.lru_order[layer, r] = list(range(len(self.units[r]) * self.C))
             for p, loc in enumerate(locs):
                 assert self.slot_loc[layer, r][p] == -1, "slot taken"
                 assert loc not in self.loc_to_slot[layer], "loc resident"
@@ -88,19 +89,19 @@ class LRUModel:
     def grow(self, r: int, base: int) -> None:
         """Add a unit at ``base``; its (empty) slots go to the LRU end."""
         lo = len(self.units[r]) * self.C
-        new = range(lo, lo + self.C)
         self.units[r].append(base)
         for layer in range(self.L):
-            order = self.lru_order[layer, r]
-            self.lru_order[layer, r] = [s for s in order if s in new] + [
-                s for s in order if s not in new
-            ]
+            new = list(range(lo, lo + self.C))
+            self.lru_order[layer, r] = new + self.lru_order[layer, r]
 
     def shrink(self, r: int) -> None:
-        """Drop the last unit: the locs its slots hold stop being resident."""
+        """Drop the last unit: the locs its slots hold stop being resident,
+        its slots leave the order."""
         self.units[r].pop()
         lo = len(self.units[r]) * self.C
         for layer in range(self.L):
+            order = self.lru_order[layer, r]
+            self.lru_order[layer, r] = [s for s in order if s < lo]
             for s in range(lo, lo + self.C):
                 loc = self.slot_loc[layer, r][s]
                 if loc >= 0:
@@ -144,8 +145,8 @@ class LRUModel:
                 hit_slots.add(resident[loc])
             else:
                 missed.append(i)
-        capacity = len(self.units[r]) * self.C
-        evictable = [s for s in order if s not in hit_slots and s < capacity]
+        assert len(order) == len(self.units[r]) * self.C
+        evictable = [s for s in order if s not in hit_slots]
         assert len(missed) <= len(evictable)
         victims = evictable[: len(missed)]
         for i, victim in zip(missed, victims):
@@ -156,9 +157,8 @@ class LRUModel:
             resident[locs[i]] = victim
             self.slot_loc[layer, r][victim] = locs[i]
             slots[i] = victim
-        # Tie rule: [untaken evictables] + [victims] + [hits and slots beyond
-        # the capacity, in old order].
-        kept = [s for s in order if s in hit_slots or s >= capacity]
+        # Tie rule: [untaken evictables] + [victims] + [hits, in old order].
+        kept = [s for s in order if s in hit_slots]
         self.lru_order[layer, r] = evictable[len(missed) :] + victims + kept
         return slots, missed, victims
 

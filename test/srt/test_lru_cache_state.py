@@ -57,8 +57,15 @@ def new_state(cfg, use_triton: bool, **kwargs) -> LRUCacheState:
 def check_invariants(test: unittest.TestCase, state: LRUCacheState) -> None:
     C = state.num_slots
     lru = state.lru_order.long().cpu()
-    ar = torch.arange(C).expand_as(lru)
-    test.assertTrue(torch.equal(lru.sort(-1).values, ar), "lru_order not a permutation")
+    # Each request's order: its held slots once each, then -1.
+    cap = state.capacity.long().cpu()[None, :, None]
+    ar = torch.arange(C)
+    expect = torch.where(ar < cap, ar, -1).expand_as(lru)
+    held_sorted = torch.where(lru >= 0, lru, C).sort(-1).values
+    test.assertTrue(
+        torch.equal(torch.where(held_sorted < C, held_sorted, -1), expect),
+        "lru_order not a permutation of the held slots",
+    )
     slot_loc = state.slot_loc.long().cpu()
     l2s = state.loc_to_slot.long().cpu()
     for layer in range(state.num_layers):
@@ -131,13 +138,14 @@ def assert_state_matches_model(test, state: LRUCacheState, model: LRUModel) -> N
     L, C, N = state.num_layers, state.num_slots, state.num_locs
     l2s = torch.full((L, N), -1, dtype=torch.int64)
     slot_loc = torch.full((L, state.max_num_reqs, C), -1, dtype=torch.int64)
-    lru = torch.arange(C).repeat(L, state.max_num_reqs, 1)
+    lru = torch.full((L, state.max_num_reqs, C), -1, dtype=torch.int64)
     for layer in range(L):
         for loc, s in model.loc_to_slot[layer].items():
             l2s[layer, loc] = s
     for (layer, r), locs in model.slot_loc.items():
         slot_loc[layer, r] = torch.tensor(locs)
-        lru[layer, r] = torch.tensor(model.lru_order[layer, r])
+        order = model.lru_order[layer, r]
+        lru[layer, r, : len(order)] = torch.tensor(order, dtype=torch.int64)
     test.assertTrue(torch.equal(state.loc_to_slot.long().cpu(), l2s), "loc_to_slot")
     test.assertTrue(torch.equal(state.slot_loc.long().cpu(), slot_loc), "slot_loc")
     test.assertTrue(torch.equal(state.lru_order.long().cpu(), lru), "lru_order")
@@ -550,8 +558,17 @@ class TestLRUCacheStateBasics(unittest.TestCase):
         s = LRUCacheState(1, 2, 10, 8192, 8, 4, max_units=4, device=DEVICE)
         self.assertEqual(s.loc_to_slot.dtype, torch.int32)
         self.assertEqual(s.lru_order.dtype, torch.int32)
-        self.assertEqual(s.lru_order[0, 0, -1].item(), 32767)
+        s.admit_request(0, 0)
+        for u in range(1, 4):
+            s.grow_request(0, u, u * 9000)
+        # The grown units' slots first, the newest unit's lowest.
+        self.assertEqual(s.lru_order[0, 0, 0].item(), 3 * 8192)
+        self.assertEqual(s.lru_order[0, 0, -1].item(), 8191)
         self.assertEqual(s.lru_order.shape[-1], 32768)
+        # Unit chunks: two requests at four units by default, fewer if asked.
+        self.assertEqual(s.num_units, 8)
+        with self.assertRaisesRegex(ValueError, "num_units"):
+            LRUCacheState(1, 2, 10, 8, 2, 4, num_units=0, device=DEVICE)
 
     def test_default_use_triton(self):
         s = LRUCacheState(1, 2, 10, 8, 2, 4, device=DEVICE)
@@ -605,7 +622,9 @@ class TestLRUCacheStateBasics(unittest.TestCase):
             self.assertEqual(s.counters[0].tolist(), [3, 2, 5])
             s.release_request(1)
             self.assertTrue(bool((s.loc_to_slot == -1).all()))
-            self.assertEqual(s.lru_order[0, 1].tolist(), [0, 1, 2, 3])
+            # Its unit chunk is given back: it holds no slot.
+            self.assertEqual(s.lru_order[0, 1].tolist(), [-1] * 4)
+            self.assertEqual(s.free_units(), s.num_units)
 
     def test_warm_then_hit(self):
         for use_triton in self._impls():
@@ -784,6 +803,25 @@ class TestTritonMatchesReference(unittest.TestCase):
         # units too, and both must leave the same state (and match the model).
         cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
         run_sim(self, cfg, (True, "fused", False), steps=30, seed=8)
+
+
+@unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
+class TestSwapScratch(unittest.TestCase):
+    def test_scratch_bytes_bound_the_allocation(self):
+        # The pool sizing counts TritonLRUSwap.scratch_bytes: what the
+        # backend allocates, exactly with units, at most without.
+        for units, q, exact in ((1, 1, False), (3, 1, True), (1, 2, False)):
+            cfg = SimConfig(C=64, K=16, W=4, units=units)
+            state = new_state(cfg, True, max_query_tokens=q, max_batch_size=5)
+            tri = state.swap_backend
+            got = sum(t.numel() * t.element_size() for t in tri._scratch)
+            bound = TritonLRUSwap.scratch_bytes(
+                5, cfg.K, cfg.C, units, state.slot_dtype.itemsize, q
+            )
+            with self.subTest(units=units, q=q):
+                self.assertLessEqual(got, bound)
+                if exact:
+                    self.assertEqual(got, bound)
 
 
 class TestWideSlotIds(unittest.TestCase):

@@ -74,9 +74,11 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     StagingRowAllocator,
     compute_offload_pool_sizes,
     get_nsa_kv_offload,
+    lru_unit_state_bytes,
     offload_bytes_per_loc,
     offload_bytes_per_region,
     spare_region_count,
+    staging_lru_units,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_units import (
     REGION_UNIT_SOURCE,
@@ -212,11 +214,17 @@ class TestOffloadPoolSizing(unittest.TestCase):
             offload_bytes_per_region(self.L, self.ROW, self.C, self.W),
             3 * (4160 * 656 + 4096 * 6),
         )
-        # Extra units: the LRU state covers every slot a request may hold.
+        # The LRU state is held per unit: a region pays for its own unit
+        # whatever the units a request may hold.
         self.assertEqual(
             offload_bytes_per_region(self.L, self.ROW, self.C, self.W, max_units=3),
-            3 * (4160 * 656 + 3 * 4096 * 6),
+            3 * (4160 * 656 + 4096 * 6),
         )
+        self.assertEqual(lru_unit_state_bytes(self.L, self.C, 3), 3 * 4096 * 6)
+        # Staging rows lend whole runs of pages: 10048 rows of 64-row pages
+        # hold two units of 4096 rows; nothing to lend with one unit.
+        self.assertEqual(staging_lru_units(10048, PAGE, self.C, 4), 2)
+        self.assertEqual(staging_lru_units(10048, PAGE, self.C, 1), 0)
 
     def test_gpu_bound_split(self):
         available = 2 << 30
@@ -269,20 +277,22 @@ class TestOffloadPoolSizing(unittest.TestCase):
         self.assertEqual(on.kv_pool_size - off.kv_pool_size, 12 * (self.C + self.W))
         one_unit = self._sizes(4 << 30, host=host, spare_regions=True)
         self.assertEqual(one_unit.num_spare_regions, 0)
-        # Bytes for fewer than the slots could borrow: what fits.
-        region = self.L * (self.C + self.W) * self.ROW
-        self.assertEqual(spare_region_count(5 * region + 1, self.L, self.ROW,
-                                            self.C + self.W, 4, 4), 5)  # fmt: skip
-        self.assertEqual(spare_region_count(-1, self.L, self.ROW, 4160, 4, 4), 0)
+        # Bytes for fewer than the slots could borrow: what fits. A spare
+        # region is KV rows and its unit's LRU state.
+        region = offload_bytes_per_region(self.L, self.ROW, self.C, self.W, 4)
+        self.assertEqual(spare_region_count(5 * region + 1, region, 4, 4), 5)
+        self.assertEqual(spare_region_count(5 * region - 1, region, 4, 4), 4)
+        self.assertEqual(spare_region_count(-1, region, 4, 4), 0)
         # GPU-bound: the locs take the budget, nothing is left for spares.
         gpu_bound = self._sizes(64 << 20, host=1 << 40, max_units=4, spare_regions=True)
         self.assertEqual(gpu_bound.num_spare_regions, 0)
-        # Everything fits the budget.
+        # Everything fits the budget: the staging's two lendable units pay
+        # for their LRU state too.
         per_loc = offload_bytes_per_loc(self.L, self.IDX)
-        fixed = self.L * (
-            PAGE + on.staging_rows
-        ) * self.ROW + 4 * offload_bytes_per_region(
-            self.L, self.ROW, self.C, self.W, max_units=4
+        fixed = (
+            self.L * (PAGE + on.staging_rows) * self.ROW
+            + 4 * region
+            + 2 * lru_unit_state_bytes(self.L, self.C, 4)
         )
         spent = fixed + on.num_locs * per_loc + on.num_spare_regions * region
         self.assertLessEqual(spent, 4 << 30)
@@ -520,13 +530,45 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertGreater(colocated.staging_rows, 0)
         self.assertEqual(decode.staging_rows, 0)
         self.assertEqual(decode.region_start_row, PAGE)
-        freed = 3 * colocated.staging_rows * 656 // offload_bytes_per_loc(3, 132)
+        # The staging rows, and the LRU state of the units they may lend.
+        staging = colocated.staging_rows
+        lent = staging_lru_units(staging, PAGE, 4096, 4)
+        self.assertGreater(lent, 0)
+        freed = 3 * staging * 656 + lent * lru_unit_state_bytes(3, 4096, 4)
+        freed //= offload_bytes_per_loc(3, 132)
         self.assertAlmostEqual(decode.num_locs - colocated.num_locs, freed, delta=PAGE)
+
+    def test_swap_scratch_comes_out_of_the_budget(self):
+        # The LRU swap's per-batch-row scratch grows with the slots a request
+        # may hold: the sizing pays for as many rows as the coordinator
+        # allocates (the request slots or the CUDA-graph batches).
+        from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+
+        locs = {}
+        for max_bs in (0, 512):
+            args = self._server_args(cuda_graph_max_bs=max_bs)
+            configurator = NSAKVOffloadPoolConfigurator(self._model_runner(args, 0))
+            configurator.host_pool_bytes = 1 << 40  # GPU-bound split
+            sizes = configurator.compute_sizes(256 << 20, PAGE)
+            self.assertEqual(sizes.num_regions, 2)
+            locs[max_bs] = sizes.num_locs
+        # 4 units of 4096 slots (int16 ids) per row, top-k 2048.
+        per_row = 4 * 4096 * (1 + 2) + 2048 * 4 + 4 * 4 + 1
+        self.assertEqual(
+            TritonLRUSwap.scratch_bytes(510, 2048, 4096, 4, 2), 510 * per_row
+        )
+        self.assertEqual(configurator.swap_scratch_bytes(2), 512 * per_row)
+        # 510 more rows: fewer locs by their bytes.
+        per_loc = offload_bytes_per_loc(3, 132)
+        self.assertAlmostEqual(
+            locs[0] - locs[512], 510 * per_row // per_loc, delta=PAGE
+        )
 
     def test_default_regions_from_budget(self):
         args = self._server_args(max_running_requests=None)
         configurator = NSAKVOffloadPoolConfigurator(self._model_runner(args, 1 << 30))
-        # The LRU state covers the default 4 units a request may hold.
+        # A region pays for its own unit's LRU state, whatever the default 4
+        # units a request may hold.
         self.assertEqual(args.nsa_kv_offload_max_units, 4)
         per_region = offload_bytes_per_region(3, 656, 4096, 64, max_units=4)
         sizes = configurator.compute_sizes(1 << 30, PAGE)

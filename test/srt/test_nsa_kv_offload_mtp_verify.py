@@ -424,7 +424,10 @@ class TestDraftWorkerPool(integration.TinyConfigDirCase):
             staging_rows=spec.staging_rows(48, PAGE),
             host_pool_bytes=spec.host_pool_bytes,
             max_units=spec.max_units,
+            # The swap's scratch is as wide as the verify's query tokens.
+            swap_scratch_bytes=spec.swap_scratch_bytes(48),
         )
+        self.assertEqual(spec.max_query_tokens, 4)
         fewer = (expect.num_locs * spec.draft_bytes_per_loc) // (
             3 * (132 + 2) + 8 + spec.draft_bytes_per_loc
         )

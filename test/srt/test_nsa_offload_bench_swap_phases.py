@@ -59,7 +59,7 @@ class TestSwapStages(unittest.TestCase):
             stage, self.state, self.topk, self.rpi, self.seq, *self.rest, out, order_out
         )
         after = check.snapshot(self.state)
-        for field, a, b in zip(check.STATE_FIELDS, before, after):
+        for field, a, b in zip(check.STATE_BUFFERS, before, after):
             self.assertTrue(torch.equal(a, b), f"stage {stage} changed {field}")
         return out, order_out
 

@@ -59,7 +59,14 @@ class _ControllerCase(unittest.TestCase):
     MAX_REQS, NUM_REGIONS, STAGING = 6, 3, 256
     HOST_SIZE, PAGE, MAX_CTX = 1024, 16, 160
 
-    def make(self, use_triton=None, warm_tokens=None, max_units=1, direct_slots=False):
+    def make(
+        self,
+        use_triton=None,
+        warm_tokens=None,
+        max_units=1,
+        direct_slots=False,
+        extra_units=0,
+    ):
         R = self.C + self.W
         self.num_gpu_rows = self.STAGING + self.NUM_REGIONS * R
         self.gpu = [
@@ -88,6 +95,7 @@ class _ControllerCase(unittest.TestCase):
             direct_slots=direct_slots,
             warm_tokens=warm_tokens,
             max_units=max_units,
+            extra_units=extra_units,
         )
         return self.ctrl
 
@@ -197,13 +205,14 @@ class TestUnits(_ControllerCase):
             def give(self, base):
                 self.free.append(base)
 
-        ctrl = self.make(max_units=3)
+        ctrl = self.make(max_units=3, extra_units=2)
         extra = Source([1000, 2000])
         ctrl.add_unit_source("extra", extra)
         for r in (0, 1, 2):
             ctrl.admit_request(r)
         # No free region: the other source lends, fewest units first.
         self.assertEqual(ctrl.rebalance(), 2)
+        self.assertEqual(ctrl.lru.free_units(), 0)
         self.assertEqual(ctrl.lru.unit_base[0, 1].item(), 1000)
         self.assertEqual(ctrl.lru.unit_base[1, 1].item(), 2000)
         self.assertEqual(ctrl.get_stats()["extra_units_lent"], 2)
@@ -219,6 +228,40 @@ class TestUnits(_ControllerCase):
         self.assertEqual(ctrl.num_free_regions(), 1)
         self.assertEqual(ctrl.lru.capacity[:2].tolist(), [self.C, self.C])
         self.assertFalse(ctrl.reclaim_units_of("extra", lambda: len(extra.free) == 3))
+
+    def test_units_need_lru_state(self):
+        # The LRU state is held per unit: a source lending more units than
+        # the controller was told of (extra_units) lends only as many.
+        class Source:
+            def __init__(self, bases):
+                self.free = list(bases)
+
+            def available(self):
+                return bool(self.free)
+
+            def take(self):
+                return self.free.pop(0)
+
+            def give(self, base):
+                self.free.append(base)
+
+        ctrl = self.make(max_units=3, extra_units=1)
+        self.assertEqual(ctrl.lru.num_units, self.NUM_REGIONS + 1)
+        extra = Source([1000, 2000, 3000])
+        ctrl.add_unit_source("extra", extra)
+        for r in (0, 1, 2):
+            ctrl.admit_request(r)
+        self.assertEqual(ctrl.rebalance(), 1)
+        self.assertEqual(extra.free, [2000, 3000])
+        self.assertFalse(ctrl.wants_rebalance())
+        ctrl.release_request(0)  # its region and its lent unit come back
+        self.assertEqual(ctrl.lru.free_units(), 2)
+        self.assertEqual(ctrl.rebalance(), 2)  # the region to 1, a lent unit to 2
+        self.assertEqual(ctrl.lru.free_units(), 0)
+        for r in (1, 2):
+            ctrl.release_request(r)
+        self.assertEqual(ctrl.idle_leaks(), [])
+        self.assertEqual(ctrl.lru.free_units(), ctrl.lru.num_units)
 
     def test_admissions_into_a_full_pool_even_out_units(self):
         # Admissions take units back from the largest holders only: without

@@ -49,6 +49,7 @@ def _swap_stage_kernel(
     slot_loc_ptr,
     lru_ptr,
     unit_base_ptr,
+    unit_index_ptr,
     capacity_ptr,
     counters_ptr,
     page_table_ptr,
@@ -64,6 +65,8 @@ def _swap_stage_kernel(
     order_out_ptr,  # (rows, C) int16 scratch: phase 2's new order
     K: tl.constexpr,
     C: tl.constexpr,
+    C0: tl.constexpr,
+    U: tl.constexpr,
     W: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -83,8 +86,14 @@ def _swap_stage_kernel(
     capacity = tl.load(capacity_ptr + r)
     pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
     pos = pos.to(tl.int32)
-    order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
-    old_loc = tl.load(slot_loc_ptr + r * C + order, mask=mask_c, other=-1)
+    held = offs_c < capacity
+    order_at = lk._state_offset(unit_index_ptr, r, offs_c, held, C0, U)
+    order = tl.load(lru_ptr + order_at, mask=held, other=0).to(tl.int32)
+    old_loc = tl.load(
+        slot_loc_ptr + lk._state_offset(unit_index_ptr, r, order, held, C0, U),
+        mask=held,
+        other=-1,
+    )
     pt_row = page_table_ptr + b * page_table_stride
     if b >= num_real:
         tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
@@ -110,12 +119,12 @@ def _swap_stage_kernel(
         tl.store(miss_count_ptr + b, num_misses + num_hits)
         return
     ev_rank, new_pos, taken = lk._walk_lru(
-        flags_row, order, mask_c, capacity, offs_c, num_misses
+        flags_row, order, held, capacity, offs_c, num_misses
     )
     victims_row = victims_ptr + b.to(tl.int64) * K
     tl.store(victims_row + ev_rank, order, mask=taken)
     tl.store(
-        order_out_ptr + b.to(tl.int64) * C + new_pos, order.to(tl.int16), mask=mask_c
+        order_out_ptr + b.to(tl.int64) * C + new_pos, order.to(tl.int16), mask=held
     )
     tl.store(pt_row + offs_k, miss_rank, mask=mask_k)
     tl.store(miss_count_ptr + b, num_misses + num_hits + tl.sum(old_loc, axis=0))
@@ -139,6 +148,8 @@ def launch_stage(
         order_out,
         K=state.top_k,
         C=state.num_slots,
+        C0=state.buffer_size,
+        U=state.max_units,
         W=state.recent_window,
         BLOCK_K=tri.block_k,
         BLOCK_C=tri.block_c,

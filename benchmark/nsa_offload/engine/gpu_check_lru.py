@@ -202,14 +202,18 @@ def compare_states(tag: str, a: LRUCacheState, b: LRUCacheState) -> bool:
 
 
 def check_invariants(tag: str, s: LRUCacheState) -> bool:
-    C = s.buffer_size
+    C = s.num_slots
     ok = True
     lru = s.lru_order.long()
-    if not torch.equal(lru.sort(-1).values, torch.arange(C, device=DEV).expand_as(lru)):
-        fail(f"{tag}: lru_order is not a permutation")
+    # Each request's order: its held slots once each, then -1.
+    ar = torch.arange(C, device=DEV)
+    held = torch.where(ar < s.capacity.long()[None, :, None], ar, -1)
+    got = torch.where(lru >= 0, lru, C).sort(-1).values
+    if not torch.equal(torch.where(got < C, got, -1), held.expand_as(lru)):
+        fail(f"{tag}: lru_order is not a permutation of the held slots")
         ok = False
     for layer in range(s.num_layers):
-        sl = s.slot_loc[layer].long()  # (R, C)
+        sl = s.slot_loc[layer].long()  # (R, U x C)
         slots = torch.arange(C, device=DEV).expand_as(sl)
         res = sl >= 0
         l2s = s.loc_to_slot[layer].long()
@@ -452,12 +456,25 @@ def run_cuda_graph(args, bs: int, use_triton: bool, seed: int) -> Dict:
     }
 
 
+# The state's own buffers (slot_loc and lru_order are gathered views).
+STATE_BUFFERS = (
+    "_loc_to_slot_buf",
+    "_slot_loc_buf",
+    "_lru_buf",
+    "_unit_base_buf",
+    "_unit_index_buf",
+    "_capacity_buf",
+    "_direct_buf",
+    "counters",
+)
+
+
 def snapshot(s: LRUCacheState):
-    return [getattr(s, n).clone() for n in STATE_FIELDS]
+    return [getattr(s, n).clone() for n in STATE_BUFFERS]
 
 
 def restore(s: LRUCacheState, snap) -> None:
-    for n, t in zip(STATE_FIELDS, snap):
+    for n, t in zip(STATE_BUFFERS, snap):
         getattr(s, n).copy_(t)
 
 

@@ -40,6 +40,7 @@ POINTER_TYPES = {
     "slot_loc_ptr": "*i32",
     "lru_ptr": "*i16",
     "unit_base_ptr": "*i32",
+    "unit_index_ptr": "*i32",
     "capacity_ptr": "*i32",
     "counters_ptr": "*i64",
     "page_table_ptr": "*i32",

@@ -84,6 +84,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_shared_host import (
 from sglang.srt.mem_cache.nsa_kv_offload_units import (
     STAGING_UNIT_SOURCE,
     StagingUnitLender,
+    staging_unit_capacity,
 )
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
@@ -223,6 +224,13 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
             copy_flat_programs=copy_flat_programs,
+            extra_units=(
+                staging_unit_capacity(
+                    allocator.staging.num_pages, kv_pool.page_size, buffer_size
+                )
+                if max_units > 1
+                else 0
+            ),
         )
         if copy_flat_programs is not None:
             logger.info(

@@ -14,6 +14,15 @@ add and drop units at other bases): slot ``s`` lives at row
 ``unit_base[r, s // C] + s % C`` and only the request's first ``capacity[r]``
 slots are ever evicted into. ``U = 1`` is the fixed-region case above.
 
+The LRU state is held per unit, not per request slot (``docs/ELASTIC_BUFFER.md``,
+1e): every unit a request holds has a chunk of ``C`` entries of ``slot_loc``
+and ``lru_order`` among ``num_units`` chunks, ``unit_index[r, u]`` names it.
+Slot ``s`` of request ``r`` keeps its loc at chunk ``unit_index[r, s // C]``,
+offset ``s % C``, and position ``p`` of its LRU order (a permutation of the
+``capacity[r]`` slots it holds) at chunk ``unit_index[r, p // C]``, offset
+``p % C``. Memory then grows with the units that exist, not with
+``max_num_reqs x U``.
+
 With ``max_query_tokens = Q > 1`` a swap may serve up to ``Q`` query tokens
 per request (MTP target verify, ``docs/MTP.md``): their top-k rows are looked
 up as one list, each missing loc is copied once, and each query token gets its
@@ -48,7 +57,7 @@ again; swaps of one state run on one stream (the kernel's scratch is shared).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import (
@@ -57,6 +66,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import (
     assign_slots,
     reorder_lru,
     slot_rows,
+    state_index,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import (
     _HAS_TRITON,
@@ -89,9 +99,16 @@ class LRUCacheState:
     """GPU residency and recency of the LRU slots of every (layer, request).
 
     Internal buffers carry one extra "sink" entry (loc ``N`` in ``loc_to_slot``,
-    request row ``max_num_reqs`` in the per-request tensors): the reference path
-    routes masked-out scatters there instead of filtering with a host sync.
-    The public attributes are views without the sink.
+    request row ``max_num_reqs`` in the per-request tensors, unit chunk
+    ``num_units`` in the per-unit ones): the reference path routes masked-out
+    scatters there instead of filtering with a host sync. The public
+    attributes are views without the sink; ``slot_loc`` and ``lru_order``
+    are gathered per request (tests and tools).
+
+    ``num_units``: unit chunks of LRU state, at least the units held at once
+    by all requests (default ``max_num_reqs x max_units``: every request at
+    its most). :meth:`admit_request` and :meth:`grow_request` take one,
+    release and shrink give it back (host-side free list).
     """
 
     def __init__(
@@ -109,6 +126,7 @@ class LRUCacheState:
         max_units: int = 1,
         max_query_tokens: int = 1,
         direct_slots: bool = False,
+        num_units: Optional[int] = None,
     ):
         if max_query_tokens < 1:
             raise ValueError(f"max_query_tokens ({max_query_tokens}) must be >= 1")
@@ -141,15 +159,22 @@ class LRUCacheState:
             raise ValueError(
                 "buffer_size x max_units must fit int32 (loc_to_slot, lru_order)"
             )
+        if num_units is None:
+            num_units = max_num_reqs * max_units
+        if num_units < 1:
+            raise ValueError(f"num_units ({num_units}) must be >= 1")
+        if (num_units + 1) * buffer_size > torch.iinfo(torch.int32).max:
+            raise ValueError("(num_units + 1) x buffer_size must fit int32")
         self.num_layers = num_layers
         self.max_num_reqs = max_num_reqs
         self.num_locs = num_locs
         self.buffer_size = buffer_size
         self.max_units = max_units
+        self.num_units = num_units
         self.max_query_tokens = max_query_tokens
         self.direct_slots = direct_slots
-        # LRU slots per (layer, request) across all units; a request uses
-        # its first capacity[r] of them.
+        # LRU slots a request may hold across all units; it holds the first
+        # capacity[r] of them.
         self.num_slots = buffer_size * max_units
         self.recent_window = recent_window
         # Window positions a swap reads from the ring (W with one query token).
@@ -157,21 +182,34 @@ class LRUCacheState:
         self.top_k = top_k
         self.region_size = buffer_size + recent_window
         self.device = torch.device(device)
-        L, C, dev = num_layers, self.num_slots, self.device
+        L, C0, dev = num_layers, buffer_size, self.device
         self._sink_req = max_num_reqs
+        self._sink_unit = num_units
         # Slot ids (loc_to_slot, lru_order): int16 while a request's slots fit.
-        self.slot_dtype = lru_slot_dtype(C)
+        self.slot_dtype = lru_slot_dtype(self.num_slots)
         self._loc_to_slot_buf = torch.full(
             (L, num_locs + 1), -1, dtype=self.slot_dtype, device=dev
         )
+        # Per unit chunk: slot_loc (the loc in each of its C slots, -1: empty)
+        # and its C positions of its request's lru_order.
         self._slot_loc_buf = torch.full(
-            (L, max_num_reqs + 1, C), -1, dtype=torch.int32, device=dev
+            (L, num_units + 1, C0), -1, dtype=torch.int32, device=dev
         )
-        self._lru_buf = (
-            torch.arange(C, dtype=self.slot_dtype, device=dev)
-            .repeat(L, max_num_reqs + 1, 1)
-            .contiguous()
+        self._lru_buf = torch.full(
+            (L, num_units + 1, C0), -1, dtype=self.slot_dtype, device=dev
         )
+        # unit_index[r, u]: the chunk of unit u of request r; units it does
+        # not hold (and the sink request's) name the sink chunk, so a stale
+        # padding row's reads stay in bounds.
+        self._unit_index_buf = torch.full(
+            (max_num_reqs + 1, max_units),
+            self._sink_unit,
+            dtype=torch.int32,
+            device=dev,
+        )
+        # Free chunks (lowest first) and each request's chunks, on the host.
+        self._free_chunks: List[int] = list(range(num_units - 1, -1, -1))
+        self._req_chunks: Dict[int, List[int]] = {}
         # unit_base[r, u]: first GPU row of unit u of request r (-1: none);
         # unit 0 is the region, read through the view _region_base_buf
         # (kernels: unit_base_ptr + r * U).
@@ -189,20 +227,17 @@ class LRUCacheState:
         )
         # loc_to_slot[l, loc]: LRU slot holding loc in layer l, -1 if not resident.
         self.loc_to_slot = self._loc_to_slot_buf[:, :num_locs]
-        # slot_loc[l, r, s]: token loc in slot s of request r, -1 if empty.
-        self.slot_loc = self._slot_loc_buf[:, :max_num_reqs]
-        # lru_order[l, r]: permutation of slots, index 0 = least recently used.
-        self.lru_order = self._lru_buf[:, :max_num_reqs]
         # region_base[r]: first GPU KV row of request r's region, -1 if none.
         self.region_base = self._region_base_buf[:max_num_reqs]
         self.unit_base = self._unit_base_buf[:max_num_reqs]
-        # capacity[r]: LRU slots request r may use (its units x C), 0 if none.
+        self.unit_index = self._unit_index_buf[:max_num_reqs]
+        # capacity[r]: LRU slots request r holds (its units x C), 0 if none.
         self.capacity = self._capacity_buf[:max_num_reqs]
         self.direct = self._direct_buf[:max_num_reqs]
         # counters[l] = (LRU hits, window hits, misses), accumulated on device.
         self.counters = torch.zeros((L, 3), dtype=torch.int64, device=dev)
 
-        self._arange_c = torch.arange(C, dtype=torch.int64, device=dev)
+        self._arange_c = torch.arange(self.num_slots, dtype=torch.int64, device=dev)
         # Per-layer views handed to the kernel (saves launch-time slicing).
         self._layer_views = [
             (
@@ -222,6 +257,62 @@ class LRUCacheState:
             else ReferenceLRUSwap()
         )
 
+    # ------------------------------------------------ per-request state views
+
+    def _per_request(self, buf: torch.Tensor) -> torch.Tensor:
+        # (L, max_num_reqs, U x C) entries of each request's chunks, -1
+        # beyond its capacity.
+        reqs = torch.arange(self.max_num_reqs, device=self.device)
+        idx = self._arange_c.expand(self.max_num_reqs, -1)
+        flat = buf.reshape(self.num_layers, -1)
+        addr = state_index(self, reqs, idx).reshape(-1)
+        out = flat[:, addr].reshape(self.num_layers, self.max_num_reqs, -1)
+        held = idx < self.capacity.long()[:, None]
+        return torch.where(held, out, torch.full_like(out, -1))
+
+    @property
+    def slot_loc(self) -> torch.Tensor:
+        """``slot_loc[l, r, s]``: token loc in slot ``s`` of request ``r``,
+        -1 if empty or not held (a gathered copy)."""
+        return self._per_request(self._slot_loc_buf)
+
+    @property
+    def lru_order(self) -> torch.Tensor:
+        """``lru_order[l, r]``: request ``r``'s held slots, least recently
+        used first, then -1 beyond its capacity (a gathered copy)."""
+        return self._per_request(self._lru_buf)
+
+    def free_units(self) -> int:
+        """Unit chunks not held by any request (host only)."""
+        return len(self._free_chunks)
+
+    def _take_chunk(self, what: str) -> int:
+        if not self._free_chunks:
+            raise RuntimeError(
+                f"{what}: all {self.num_units} unit chunks of LRU state are held"
+            )
+        return self._free_chunks.pop()
+
+    def _chunks(self, r: int) -> torch.Tensor:
+        return torch.tensor(self._req_chunks[r], dtype=torch.int64, device=self.device)
+
+    def _read_order(self, r: int) -> torch.Tensor:
+        """(L, capacity) the held part of request ``r``'s order, int64."""
+        return self._lru_buf[:, self._chunks(r)].reshape(self.num_layers, -1).long()
+
+    def _write_order(self, r: int, order: torch.Tensor) -> None:
+        """Request ``r``'s order, ``(L, capacity)`` or ``(capacity,)``."""
+        chunks = self._chunks(r)
+        order = order.to(self._lru_buf.dtype).expand(self.num_layers, -1)
+        self._lru_buf[:, chunks] = order.reshape(self.num_layers, len(chunks), -1)
+
+    def _host_indices(self, r: IndexLike) -> List[int]:
+        if isinstance(r, torch.Tensor):
+            return [int(x) for x in r.reshape(-1).tolist()]
+        if isinstance(r, int):
+            return [r]
+        return [int(x) for x in r]
+
     def reset_counters(self) -> None:
         self.counters.zero_()
 
@@ -235,36 +326,68 @@ class LRUCacheState:
     def admit_request(self, r: IndexLike, base: IndexLike) -> None:
         """Give request(s) ``r`` the region starting at GPU row ``base``.
 
-        It holds one unit (``C`` slots); all slots start empty with
-        ``lru_order = arange(U x C)``. ``r`` must not hold resident locs (fresh,
-        or released since its last admission).
+        It holds one unit (``C`` slots, a chunk of LRU state); all slots start
+        empty with ``lru_order = arange(C)``. ``r`` must not be admitted
+        (fresh, or released since its last admission).
         """
         self.swap_backend.check_settled("admit_request")
-        r = self._as_index(r)
+        reqs = self._host_indices(r)
         if isinstance(base, torch.Tensor):
-            base = base.to(device=self.device, dtype=torch.int32).reshape(-1)
+            bases = base.reshape(-1).tolist()
         else:
-            base = torch.tensor(base, dtype=torch.int32, device=self.device)
-        self._unit_base_buf[r] = -1
-        self._region_base_buf[r] = base
-        self._capacity_buf[r] = self.buffer_size
-        self._direct_buf[r] = 0
-        self._slot_loc_buf[:, r] = -1
-        self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
+            bases = [base] if isinstance(base, int) else list(base)
+        if len(reqs) != len(bases):
+            raise ValueError(f"{len(reqs)} requests for {len(bases)} bases")
+        for req in reqs:
+            if req in self._req_chunks:
+                raise ValueError(f"admit_request: request {req} is admitted")
+        if len(reqs) > len(self._free_chunks):
+            self._take_chunk("admit_request")  # raises: too few chunks
+        chunks = [self._free_chunks.pop() for _ in reqs]
+        for req, chunk in zip(reqs, chunks):
+            self._req_chunks[req] = [chunk]
+        idx = torch.tensor(reqs, dtype=torch.int64, device=self.device)
+        chunk_t = torch.tensor(chunks, dtype=torch.int64, device=self.device)
+        self._unit_index_buf[idx] = self._sink_unit
+        self._unit_index_buf[idx, 0] = chunk_t.to(torch.int32)
+        self._unit_base_buf[idx] = -1
+        self._region_base_buf[idx] = torch.tensor(
+            bases, dtype=torch.int32, device=self.device
+        )
+        self._capacity_buf[idx] = self.buffer_size
+        self._direct_buf[idx] = 0
+        # Released chunks are empty already; their order is set here.
+        self._lru_buf[:, chunk_t] = self._arange_c[: self.buffer_size].to(
+            self._lru_buf.dtype
+        )
 
     def release_request(self, r: IndexLike) -> None:
-        """Drop every resident loc of request(s) ``r`` in every layer."""
+        """Drop every resident loc of request(s) ``r`` in every layer and give
+        its unit chunks back."""
         self.swap_backend.check_settled("release_request")
-        r = self._as_index(r)
-        locs = self._slot_loc_buf[:, r, :].reshape(self.num_layers, -1).long()
+        reqs = [req for req in self._host_indices(r) if req in self._req_chunks]
+        if not reqs:
+            return
+        chunks = [c for req in reqs for c in self._req_chunks.pop(req)]
+        chunk_t = torch.tensor(chunks, dtype=torch.int64, device=self.device)
+        self._unmap_chunks(chunk_t)
+        self._free_chunks.extend(reversed(chunks))
+        self._free_chunks.sort(reverse=True)
+        idx = torch.tensor(reqs, dtype=torch.int64, device=self.device)
+        self._unit_index_buf[idx] = self._sink_unit
+        self._unit_base_buf[idx] = -1
+        self._capacity_buf[idx] = 0
+        self._direct_buf[idx] = 0
+
+    def _unmap_chunks(self, chunks: torch.Tensor) -> None:
+        # The locs the chunks' slots hold stop being resident; the chunks end
+        # empty.
+        locs = self._slot_loc_buf[:, chunks].reshape(self.num_layers, -1).long()
         # Empty slots (-1) go to the sink loc.
-        idx = torch.where(locs >= 0, locs, self.num_locs)
-        self._loc_to_slot_buf.scatter_(1, idx, -1)
-        self._slot_loc_buf[:, r] = -1
-        self._lru_buf[:, r] = self._arange_c.to(self._lru_buf.dtype)
-        self._unit_base_buf[r] = -1
-        self._capacity_buf[r] = 0
-        self._direct_buf[r] = 0
+        self._loc_to_slot_buf.scatter_(
+            1, torch.where(locs >= 0, locs, self.num_locs), -1
+        )
+        self._slot_loc_buf[:, chunks] = -1
 
     def enter_direct(self, r: int, num_positions: int) -> None:
         """Request ``r`` swaps in direct mode from its next swap on. The
@@ -297,15 +420,19 @@ class LRUCacheState:
         or not) and at least ``len(locs)`` slots. Its LRU order becomes slot
         order (direct mode does not read it): should decode outgrow the slots,
         the LRU swap then evicts the oldest positions first. ``num_slots``:
-        the slots ``r`` holds, when the caller knows them (else read from the
-        device, which waits for the GPU). Returns ``(len(layers), n)`` int32
-        GPU rows; the caller fills them.
+        the slots ``r`` holds, when the caller knows them (checked against
+        the units it holds). Returns ``(len(layers), n)`` int32 GPU rows; the
+        caller fills them.
         """
         self.swap_backend.check_settled("warm_direct")
         layers = [layers] if isinstance(layers, int) else list(layers)
         locs = locs.reshape(-1).to(device=self.device, dtype=torch.int64)
         n = locs.numel()
-        capacity = int(self._capacity_buf[r]) if num_slots is None else num_slots
+        capacity = len(self._req_chunks[r]) * self.buffer_size
+        if num_slots is not None and num_slots != capacity:
+            raise ValueError(
+                f"warm_direct: request {r} holds {capacity} slots, not {num_slots}"
+            )
         if n > capacity:
             raise ValueError(
                 f"warm_direct: {n} positions exceed the {capacity} slots "
@@ -318,45 +445,59 @@ class LRUCacheState:
         self._loc_to_slot_buf[layer_idx[:, None], locs[None, :]] = slot.to(
             self.slot_dtype
         )
-        self._slot_loc_buf[layer_idx[:, None], req, slot[None, :]] = locs.to(
-            torch.int32
-        )
-        self._lru_buf[layer_idx, req] = self._arange_c.to(self._lru_buf.dtype)
+        flat = self._slot_loc_buf.view(self.num_layers, -1)
+        addr = state_index(self, req, slot[None, :])
+        flat[layer_idx[:, None], addr] = locs.to(torch.int32)
+        order = self._read_order(r)
+        order[layer_idx] = self._arange_c[:capacity]
+        self._write_order(r, order)
         rows = slot_rows(self, req, slot[None, :])
         return rows.expand(len(layers), n).to(torch.int32)
 
     def grow_request(self, r: int, unit: int, base: int) -> None:
         """Give request ``r`` unit ``unit`` (its next one: it holds ``unit``
-        units now) at GPU row ``base``. The unit's empty slots move to the LRU
-        end of every layer's order, so misses fill them before evicting."""
+        units now) at GPU row ``base``, with a chunk of LRU state. The unit's
+        empty slots go to the LRU end of every layer's order, so misses fill
+        them before evicting."""
         self.swap_backend.check_settled("grow_request")
         if not 1 <= unit < self.max_units:
             raise ValueError(f"unit {unit} not in [1, {self.max_units})")
+        if len(self._req_chunks.get(r, ())) != unit:
+            raise ValueError(f"grow_request: request {r} does not hold {unit} units")
         C = self.buffer_size
         lo, hi = unit * C, (unit + 1) * C
+        old = self._read_order(r)
+        chunk = self._take_chunk("grow_request")
+        self._req_chunks[r].append(chunk)
+        self._unit_index_buf[r, unit] = chunk
         self._unit_base_buf[r, unit] = base
         self._capacity_buf[r] = hi
-        order = self._lru_buf[:, r].long()
-        # Stable partition: the new slots first, everything else in its order.
-        is_new = (order >= lo) & (order < hi)
-        idx = torch.argsort((~is_new).to(torch.int8), dim=1, stable=True)
-        self._lru_buf[:, r] = order.gather(1, idx).to(self._lru_buf.dtype)
+        new = self._arange_c[lo:hi].expand(self.num_layers, -1)
+        self._write_order(r, torch.cat([new, old], dim=1))
 
     def shrink_request(self, r: int, unit: int) -> None:
         """Drop request ``r``'s last unit ``unit`` (it holds ``unit + 1``):
         the locs its slots hold stop being resident in every layer (the host
-        pool keeps every token, so nothing is copied). Slots beyond the
-        capacity are never victims; the order keeps them where they are."""
+        pool keeps every token, so nothing is copied), its slots leave the
+        order (the others keep theirs) and its chunk is given back."""
         self.swap_backend.check_settled("shrink_request")
         if not 1 <= unit < self.max_units:
             raise ValueError(f"unit {unit} not in [1, {self.max_units})")
-        C = self.buffer_size
-        lo, hi = unit * C, (unit + 1) * C
-        locs = self._slot_loc_buf[:, r, lo:hi].long()
-        self._loc_to_slot_buf.scatter_(
-            1, torch.where(locs >= 0, locs, self.num_locs), -1
-        )
-        self._slot_loc_buf[:, r, lo:hi] = -1
+        if len(self._req_chunks.get(r, ())) != unit + 1:
+            raise ValueError(
+                f"shrink_request: request {r} does not hold {unit + 1} units"
+            )
+        lo = unit * self.buffer_size
+        order = self._read_order(r)
+        # Stable compaction: the slots below lo, in their order.
+        keep = torch.argsort((order >= lo).to(torch.int8), dim=1, stable=True)
+        kept = order.gather(1, keep)[:, :lo]
+        chunk = self._req_chunks[r].pop()
+        self._unmap_chunks(torch.tensor([chunk], device=self.device))
+        self._free_chunks.append(chunk)
+        self._free_chunks.sort(reverse=True)
+        self._write_order(r, kept)
+        self._unit_index_buf[r, unit] = self._sink_unit
         self._unit_base_buf[r, unit] = -1
         self._capacity_buf[r] = lo
 

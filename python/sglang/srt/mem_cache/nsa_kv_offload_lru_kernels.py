@@ -44,6 +44,20 @@ if _HAS_TRITON:
         return tl.minimum(tl.maximum(r, 0), sink_req)
 
     @triton.jit
+    def _state_offset(unit_index_ptr, r, idx, mask, C0: tl.constexpr, U: tl.constexpr):
+        # Offset in a layer's per-unit state (slot_loc, lru_order: C0 entries
+        # per unit chunk) of entry idx (a slot id or an order position) of
+        # request r: chunk unit_index[r, idx // C0], entry idx % C0. Callers
+        # mask entries the request does not hold (idx >= its capacity).
+        # int32 offsets (LRUCacheState checks (num_units + 1) x C0 fits): an
+        # int64 vector would cost the fused kernel its registers.
+        if U == 1:
+            chunk = tl.load(unit_index_ptr + r)
+            return chunk * C0 + idx
+        chunk = tl.load(unit_index_ptr + r * U + idx // C0, mask=mask, other=0)
+        return chunk * C0 + idx % C0
+
+    @triton.jit
     def _add_counters(counters_ptr, num_hits, num_window, num_misses):
         # The layer's (LRU hits, window hits, misses) counters.
         tl.atomic_add(counters_ptr + 0, num_hits.to(tl.int64))
@@ -99,8 +113,8 @@ if _HAS_TRITON:
 
     @triton.jit
     def _lru_new_positions(evictable, ev_rank, p, num_misses, num_evictable):
-        # The recency rule: [untaken evictables, victims, hits and slots beyond
-        # the capacity], each in its old order; p is the old position.
+        # The recency rule: [untaken evictables, victims, hits], each in its
+        # old order; p is the old position (below the capacity).
         new_pos = tl.where(
             evictable,
             tl.where(
@@ -114,8 +128,9 @@ if _HAS_TRITON:
 
     @triton.jit
     def _walk_lru(flags_row, order, mask_c, capacity, offs_c, num_misses):
-        # Phase 2 of a fused kernel (the whole lru_order in one block): rank
-        # the evictable slots (owned, not hit); the first num_misses are taken.
+        # Phase 2 of a fused kernel (the whole lru_order in one block, mask_c:
+        # the held positions): rank the evictable slots (not hit); the first
+        # num_misses are taken.
         hit = tl.load(flags_row + order, mask=mask_c, other=1)
         evictable = mask_c & (hit == 0) & (order < capacity)
         ev_i = evictable.to(tl.int32)
@@ -147,7 +162,16 @@ if _HAS_TRITON:
 
     @triton.jit
     def _take_victims(
-        victims_row, rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C: tl.constexpr
+        victims_row,
+        rank,
+        miss,
+        loc,
+        loc_to_slot_ptr,
+        slot_loc_ptr,
+        unit_index_ptr,
+        r,
+        C0: tl.constexpr,
+        U: tl.constexpr,
     ):
         # Phase 3: each miss takes the victim of its rank (both maps).
         victim = tl.load(victims_row + rank, mask=miss, other=0)
@@ -156,7 +180,8 @@ if _HAS_TRITON:
             victim.to(loc_to_slot_ptr.dtype.element_ty),
             mask=miss,
         )
-        tl.store(slot_loc_ptr + r * C + victim, loc, mask=miss)
+        at = _state_offset(unit_index_ptr, r, victim, miss, C0, U)
+        tl.store(slot_loc_ptr + at, loc, mask=miss)
         return victim
 
     @triton.jit
@@ -188,19 +213,24 @@ if _HAS_TRITON:
     def _copy_back_order(
         new_lru_ptr,
         lru_ptr,
+        unit_index_ptr,
         b,
         r,
         u,
         C: tl.constexpr,
         C0: tl.constexpr,
+        U: tl.constexpr,
         BLOCK_C0: tl.constexpr,
     ):
-        # Split assign: chunk u of the permuted lru_order, from scratch.
+        # Split assign: chunk u of the permuted lru_order, from scratch (the
+        # caller skips chunks the request does not hold).
         offs_c0 = tl.arange(0, BLOCK_C0)
         mask = offs_c0 < C0
-        p = u * C0 + offs_c0
-        new_order = tl.load(new_lru_ptr + b.to(tl.int64) * C + p, mask=mask)
-        tl.store(lru_ptr + r * C + p, new_order, mask=mask)
+        new_order = tl.load(
+            new_lru_ptr + b.to(tl.int64) * C + u * C0 + offs_c0, mask=mask
+        )
+        chunk = tl.load(unit_index_ptr + r * U + u)
+        tl.store(lru_ptr + chunk * C0 + offs_c0, new_order, mask=mask)
 
     @triton.jit
     def _direct_fits(direct_ptr, r, n, capacity, real, W: tl.constexpr):
@@ -225,6 +255,7 @@ if _HAS_TRITON:
         loc_to_slot_ptr,
         slot_loc_ptr,
         unit_base_ptr,
+        unit_index_ptr,
         counters_ptr,
         pt_row,
         miss_src_row,
@@ -247,7 +278,8 @@ if _HAS_TRITON:
         tl.store(
             loc_to_slot_ptr + loc, pos.to(loc_to_slot_ptr.dtype.element_ty), mask=miss
         )
-        tl.store(slot_loc_ptr + r * C + pos, loc, mask=miss)
+        at = _state_offset(unit_index_ptr, r, pos, miss, C0, U)
+        tl.store(slot_loc_ptr + at, loc, mask=miss)
         slot_row, rows = _entry_rows(
             slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
         )
@@ -284,9 +316,10 @@ if _HAS_TRITON:
         req_to_token_stride,
         num_real_ptr,
         loc_to_slot_ptr,  # (N + 1,) int16 (int32: wide slot ids), this layer
-        slot_loc_ptr,  # (max_reqs + 1, C) int32, this layer
-        lru_ptr,  # (max_reqs + 1, C) int16 (int32: wide slot ids), this layer
+        slot_loc_ptr,  # (num_units + 1, C0) int32, this layer
+        lru_ptr,  # (num_units + 1, C0) int16 (int32: wide slot ids), this layer
         unit_base_ptr,  # (max_reqs + 1, U) int32, unit 0 = the region
+        unit_index_ptr,  # (max_reqs + 1, U) int32: each unit's state chunk
         capacity_ptr,  # (max_reqs + 1,) int32
         counters_ptr,  # (3,) int64, this layer
         page_table_ptr,
@@ -315,7 +348,6 @@ if _HAS_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         offs_c = tl.arange(0, BLOCK_C)
-        mask_c = offs_c < C
         num_real = tl.load(num_real_ptr)
         # Loads that are in bounds for padding rows too (stale but valid pool
         # index, clamped anyway) go before the branch: saves a round trip.
@@ -342,6 +374,7 @@ if _HAS_TRITON:
                 loc_to_slot_ptr,
                 slot_loc_ptr,
                 unit_base_ptr,
+                unit_index_ptr,
                 counters_ptr,
                 pt_row,
                 miss_src_ptr + b * miss_src_stride,
@@ -353,8 +386,21 @@ if _HAS_TRITON:
                 W,
             )
             return
-        order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
-        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=mask_c, other=-1)
+        # The order's positions the request holds (its capacity); the hit
+        # flags this swap sets and reads are at its held slot ids too. With
+        # one unit every admitted request holds all C, and a padding row's
+        # stale request points at the sink chunk: a mask the compiler drops.
+        if U == 1:
+            held = offs_c < C
+        else:
+            held = offs_c < capacity
+        order_at = _state_offset(unit_index_ptr, r, offs_c, held, C0, U)
+        order = tl.load(lru_ptr + order_at, mask=held, other=0).to(tl.int32)
+        old_loc = tl.load(
+            slot_loc_ptr + _state_offset(unit_index_ptr, r, order, held, C0, U),
+            mask=held,
+            other=-1,
+        )
 
         if b >= num_real:
             tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
@@ -363,7 +409,7 @@ if _HAS_TRITON:
 
         flags_row = hit_flags_ptr + b.to(tl.int64) * C
         victims_row = victims_ptr + b.to(tl.int64) * K
-        tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=mask_c)
+        tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=held)
 
         # Phase 1: classify entries (padding / window / hit / miss).
         in_window, lookup, loc = _classify_topk(
@@ -380,10 +426,8 @@ if _HAS_TRITON:
         tl.debug_barrier()
 
         # Phase 2: walk lru_order, rank evictable (not hit) slots, reorder.
-        # Slots beyond the request's units are never victims; they keep their
-        # order at the end with the hits.
         ev_rank, new_pos, taken = _walk_lru(
-            flags_row, order, mask_c, capacity, offs_c, num_misses
+            flags_row, order, held, capacity, offs_c, num_misses
         )
         _evict_victims(
             loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C
@@ -392,12 +436,23 @@ if _HAS_TRITON:
         # barrier makes it explicit) before the in-place permutation.
         tl.debug_barrier()
         tl.store(
-            lru_ptr + r * C + new_pos, order.to(lru_ptr.dtype.element_ty), mask=mask_c
+            lru_ptr + _state_offset(unit_index_ptr, r, new_pos, held, C0, U),
+            order.to(lru_ptr.dtype.element_ty),
+            mask=held,
         )
 
         # Phase 3: misses take their victims; page table in top-k order.
         victim = _take_victims(
-            victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
+            victims_row,
+            miss_rank,
+            miss,
+            loc,
+            loc_to_slot_ptr,
+            slot_loc_ptr,
+            unit_index_ptr,
+            r,
+            C0,
+            U,
         )
         slot = tl.where(hit, cur, victim)
         slot_row, rows = _entry_rows(
@@ -460,6 +515,7 @@ if _HAS_TRITON:
         slot_loc_ptr,
         lru_ptr,
         unit_base_ptr,
+        unit_index_ptr,
         capacity_ptr,
         counters_ptr,
         page_table_ptr,
@@ -515,6 +571,7 @@ if _HAS_TRITON:
                 loc_to_slot_ptr,
                 slot_loc_ptr,
                 unit_base_ptr,
+                unit_index_ptr,
                 counters_ptr,
                 pt_row,
                 miss_src_ptr + b * miss_src_stride,
@@ -540,14 +597,17 @@ if _HAS_TRITON:
 
         # Phase 2, victims only: the first num_misses evictable slots.
         _scan_victims(
-            lru_ptr + r * C,
-            slot_loc_ptr + r * C,
+            lru_ptr,
+            slot_loc_ptr,
+            unit_index_ptr,
+            r,
             flags_row,
             loc_to_slot_ptr,
             victims_row,
             capacity,
             num_misses,
-            C,
+            C0,
+            U,
             BLOCK_S,
         )
         tl.debug_barrier()
@@ -556,7 +616,16 @@ if _HAS_TRITON:
         # in the fused kernel, inline: through a shared helper the fused one
         # spills at 16 warps, kernel_resources.py).
         victim = _take_victims(
-            victims_row, miss_rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
+            victims_row,
+            miss_rank,
+            miss,
+            loc,
+            loc_to_slot_ptr,
+            slot_loc_ptr,
+            unit_index_ptr,
+            r,
+            C0,
+            U,
         )
         slot = tl.where(hit, cur, victim)
         slot_row, rows = _entry_rows(
@@ -577,32 +646,40 @@ if _HAS_TRITON:
 
     @triton.jit
     def _scan_victims(
-        order_row,
-        slot_loc_row,
+        lru_ptr,
+        slot_loc_ptr,
+        unit_index_ptr,
+        r,
         flags_row,
         loc_to_slot_ptr,
         victims_row,
         capacity,
         num_misses,
-        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
         BLOCK_S: tl.constexpr,
     ):
-        # Walks lru_order from position 0 a block at a time until num_misses
-        # evictable (owned, not hit) slots are ranked or the order ends; the
-        # taken ones are evicted and go to scratch by rank.
+        # Walks request r's lru_order from position 0 a block at a time until
+        # num_misses evictable (not hit) slots are ranked or its held
+        # positions end; the taken ones are evicted and go to scratch by rank.
         offs = tl.arange(0, BLOCK_S)
         found = num_misses * 0
         start = num_misses * 0
-        while (found < num_misses) & (start < C):
+        while (found < num_misses) & (start < capacity):
             p = start + offs
-            mask = p < C
-            order = tl.load(order_row + p, mask=mask, other=0).to(tl.int32)
+            mask = p < capacity
+            at = _state_offset(unit_index_ptr, r, p, mask, C0, U)
+            order = tl.load(lru_ptr + at, mask=mask, other=0).to(tl.int32)
             flag = tl.load(flags_row + order, mask=mask, other=1)
-            evictable = mask & (flag == 0) & (order < capacity)
+            evictable = mask & (flag == 0)
             ev_i = evictable.to(tl.int32)
             ev_rank = found + tl.cumsum(ev_i, axis=0) - ev_i
             taken = evictable & (ev_rank < num_misses)
-            old_loc = tl.load(slot_loc_row + order, mask=taken, other=-1)
+            old_loc = tl.load(
+                slot_loc_ptr + _state_offset(unit_index_ptr, r, order, taken, C0, U),
+                mask=taken,
+                other=-1,
+            )
             _evict_victims(
                 loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_S
             )
@@ -613,19 +690,24 @@ if _HAS_TRITON:
     def _chunk_evictable(
         b,
         r,
+        u,
         lru_ptr,
-        capacity_ptr,
+        unit_index_ptr,
         hit_flags_ptr,
-        offs,
         mask,
         C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
+        BLOCK_C0: tl.constexpr,
     ):
-        # lru_order entries of one chunk and which of them are evictable: owned
-        # (below the capacity) and not hit this step.
-        order = tl.load(lru_ptr + r * C + offs, mask=mask, other=0).to(tl.int32)
+        # The lru_order entries of unit chunk u of request r (which it holds)
+        # and which of them are evictable: not hit this step.
+        chunk = tl.load(unit_index_ptr + r * U + u)
+        offs_c0 = tl.arange(0, BLOCK_C0)
+        order = tl.load(lru_ptr + chunk * C0 + offs_c0, mask=mask, other=0)
+        order = order.to(tl.int32)
         hit = tl.load(hit_flags_ptr + b.to(tl.int64) * C + order, mask=mask, other=1)
-        evictable = mask & (hit == 0) & (order < tl.load(capacity_ptr + r))
-        return order, evictable
+        return order, mask & (hit == 0)
 
     @triton.jit(
         do_not_specialize_on_alignment=[
@@ -639,6 +721,7 @@ if _HAS_TRITON:
         req_pool_ptr,
         num_real_ptr,
         lru_ptr,
+        unit_index_ptr,
         capacity_ptr,
         hit_flags_ptr,
         ev_count_ptr,  # (rows, U) int32 scratch
@@ -659,18 +742,26 @@ if _HAS_TRITON:
         if skip:
             return
         r = _request_row(req_pool_ptr, b, sink_req)
-        offs_c0 = tl.arange(0, BLOCK_C0)
-        _, evictable = _chunk_evictable(
-            b,
-            r,
-            lru_ptr,
-            capacity_ptr,
-            hit_flags_ptr,
-            u * C0 + offs_c0,
-            offs_c0 < C0,
-            C,
-        )
-        tl.store(ev_count_ptr + b * U + u, tl.sum(evictable.to(tl.int32), axis=0))
+        count = tl.zeros((), tl.int32)
+        # Chunks past the request's units count none (the rank kernel sums
+        # every chunk's count).
+        if u * C0 < tl.load(capacity_ptr + r):
+            offs_c0 = tl.arange(0, BLOCK_C0)
+            _, evictable = _chunk_evictable(
+                b,
+                r,
+                u,
+                lru_ptr,
+                unit_index_ptr,
+                hit_flags_ptr,
+                offs_c0 < C0,
+                C,
+                C0,
+                U,
+                BLOCK_C0,
+            )
+            count = tl.sum(evictable.to(tl.int32), axis=0)
+        tl.store(ev_count_ptr + b * U + u, count)
 
     @triton.jit(
         do_not_specialize_on_alignment=[
@@ -688,6 +779,7 @@ if _HAS_TRITON:
         loc_to_slot_ptr,
         slot_loc_ptr,
         lru_ptr,
+        unit_index_ptr,
         capacity_ptr,
         miss_count_ptr,
         hit_flags_ptr,
@@ -717,11 +809,13 @@ if _HAS_TRITON:
         if skip:
             return
         r = _request_row(req_pool_ptr, b, sink_req)
+        if u * C0 >= tl.load(capacity_ptr + r):
+            return  # a chunk the request does not hold
         offs_c0 = tl.arange(0, BLOCK_C0)
         mask = offs_c0 < C0
         p = u * C0 + offs_c0  # positions of this chunk in lru_order
         order, evictable = _chunk_evictable(
-            b, r, lru_ptr, capacity_ptr, hit_flags_ptr, p, mask, C
+            b, r, u, lru_ptr, unit_index_ptr, hit_flags_ptr, mask, C, C0, U, BLOCK_C0
         )
         if REORDER_ONLY:
             # Every slot is in one chunk's order: the row ends all zero.
@@ -742,10 +836,12 @@ if _HAS_TRITON:
             r,
             loc_to_slot_ptr,
             slot_loc_ptr,
+            unit_index_ptr,
             victims_ptr + b.to(tl.int64) * K,
             new_lru_ptr + b.to(tl.int64) * C,
             mask,
-            C,
+            C0,
+            U,
             BLOCK_C0,
             not REORDER_ONLY,
         )
@@ -761,10 +857,12 @@ if _HAS_TRITON:
         r,
         loc_to_slot_ptr,
         slot_loc_ptr,
+        unit_index_ptr,
         victims_row,
         new_lru_row,
         mask,
-        C: tl.constexpr,
+        C0: tl.constexpr,
+        U: tl.constexpr,
         BLOCK_C0: tl.constexpr,
         EVICT: tl.constexpr = True,
     ):
@@ -777,7 +875,11 @@ if _HAS_TRITON:
             evictable, ev_rank, p, num_misses, num_evictable
         )
         if EVICT:
-            old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
+            old_loc = tl.load(
+                slot_loc_ptr + _state_offset(unit_index_ptr, r, order, taken, C0, U),
+                mask=taken,
+                other=-1,
+            )
             _evict_victims(
                 loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C0
             )
@@ -792,6 +894,8 @@ if _HAS_TRITON:
         num_real_ptr,
         lru_ptr,
         new_lru_ptr,
+        unit_index_ptr,
+        capacity_ptr,
         sink_req,
         row_direct_ptr,  # (rows,) int8 scratch: rows swapped in direct mode
         C: tl.constexpr,
@@ -808,7 +912,10 @@ if _HAS_TRITON:
         if skip:
             return
         r = _request_row(req_pool_ptr, b, sink_req)
-        _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
+        if u * C0 < tl.load(capacity_ptr + r):
+            _copy_back_order(
+                new_lru_ptr, lru_ptr, unit_index_ptr, b, r, u, C, C0, U, BLOCK_C0
+            )
 
     # One variant for every batch size and slice offset (see above).
     @triton.jit(

@@ -40,6 +40,7 @@ if _HAS_TRITON:
         _entry_rows,
         _evict_victims,
         _request_row,
+        _state_offset,
         _take_victims,
         _walk_lru,
         _zero_flags_by_unit,
@@ -116,6 +117,7 @@ if _HAS_TRITON:
         loc_to_slot_ptr,
         slot_loc_ptr,
         unit_base_ptr,
+        unit_index_ptr,
         page_table_ptr,
         page_table_stride,
         miss_src_row,
@@ -151,7 +153,16 @@ if _HAS_TRITON:
             miss = lookup & (code < -1)
             rank = -2 - code
             victim = _take_victims(
-                victims_row, rank, miss, loc, loc_to_slot_ptr, slot_loc_ptr, r, C
+                victims_row,
+                rank,
+                miss,
+                loc,
+                loc_to_slot_ptr,
+                slot_loc_ptr,
+                unit_index_ptr,
+                r,
+                C0,
+                U,
             )
             slot = tl.where(miss, victim, code)
             slot_row, rows = _entry_rows(
@@ -214,6 +225,7 @@ if _HAS_TRITON:
         slot_loc_ptr,
         lru_ptr,
         unit_base_ptr,
+        unit_index_ptr,
         capacity_ptr,
         counters_ptr,
         page_table_ptr,  # (bs * Q, K)
@@ -270,19 +282,30 @@ if _HAS_TRITON:
             BLOCK_K,
         )
 
-        # Phase 2 as in _swap_layer_kernel.
-        order = tl.load(lru_ptr + r * C + offs_c, mask=mask_c, other=0).to(tl.int32)
+        # Phase 2 as in _swap_layer_kernel, on the held positions.
+        if U == 1:
+            held = mask_c
+        else:
+            held = offs_c < capacity
+        order_at = _state_offset(unit_index_ptr, r, offs_c, held, C0, U)
+        order = tl.load(lru_ptr + order_at, mask=held, other=0).to(tl.int32)
         ev_rank, new_pos, taken = _walk_lru(
-            flags_row, order, mask_c, capacity, offs_c, num_misses
+            flags_row, order, held, capacity, offs_c, num_misses
         )
         # Loaded for the victims only (fewer live registers across the scan).
-        old_loc = tl.load(slot_loc_ptr + r * C + order, mask=taken, other=-1)
+        old_loc = tl.load(
+            slot_loc_ptr + _state_offset(unit_index_ptr, r, order, taken, C0, U),
+            mask=taken,
+            other=-1,
+        )
         _evict_victims(
             loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C
         )
         tl.debug_barrier()
         tl.store(
-            lru_ptr + r * C + new_pos, order.to(lru_ptr.dtype.element_ty), mask=mask_c
+            lru_ptr + _state_offset(unit_index_ptr, r, new_pos, held, C0, U),
+            order.to(lru_ptr.dtype.element_ty),
+            mask=held,
         )
 
         _assign_query_rows(
@@ -297,6 +320,7 @@ if _HAS_TRITON:
             loc_to_slot_ptr,
             slot_loc_ptr,
             unit_base_ptr,
+            unit_index_ptr,
             page_table_ptr,
             page_table_stride,
             miss_src_ptr + b * miss_src_stride,
@@ -403,6 +427,8 @@ if _HAS_TRITON:
         slot_loc_ptr,
         lru_ptr,
         unit_base_ptr,
+        unit_index_ptr,
+        capacity_ptr,
         page_table_ptr,
         page_table_stride,
         miss_src_ptr,
@@ -427,7 +453,10 @@ if _HAS_TRITON:
         if b >= tl.load(num_real_ptr):
             return
         r = _request_row(req_pool_ptr, b, sink_req)
-        _copy_back_order(new_lru_ptr, lru_ptr, b, r, u, C, C0, BLOCK_C0)
+        if u * C0 < tl.load(capacity_ptr + r):
+            _copy_back_order(
+                new_lru_ptr, lru_ptr, unit_index_ptr, b, r, u, C, C0, U, BLOCK_C0
+            )
         if u == 0:
             _assign_query_rows(
                 topk_ptr,
@@ -441,6 +470,7 @@ if _HAS_TRITON:
                 loc_to_slot_ptr,
                 slot_loc_ptr,
                 unit_base_ptr,
+                unit_index_ptr,
                 page_table_ptr,
                 page_table_stride,
                 miss_src_ptr + b * miss_src_stride,

@@ -215,7 +215,7 @@ def direct_swap(
     position ``p`` takes slot ``p``; nothing is evicted."""
     N = state.num_locs
     l2s = state._loc_to_slot_buf[work.layer]
-    slot_loc = state._slot_loc_buf[work.layer]
+    slot_loc = state._slot_loc_buf[work.layer].view(-1)
     cur = l2s[torch.where(lookup, loc, N)].long()
     hit = lookup & (cur >= 0)
     miss = lookup & (cur < 0)
@@ -225,8 +225,9 @@ def direct_swap(
     miss_rank = mi.cumsum(1) - mi
     # Residency: the missed locs enter their positions' slots.
     l2s.index_put_((torch.where(miss, loc, N),), slot.to(l2s.dtype))
-    req2 = torch.where(miss, work.req[:, None], state._sink_req)
-    slot_loc.index_put_((req2, torch.where(miss, slot, 0)), loc.to(slot_loc.dtype))
+    # Entries that are no miss go to the sink chunk.
+    addr = state_index(state, work.req, torch.where(miss, slot, -1))
+    slot_loc.index_put_((addr,), loc.to(slot_loc.dtype))
     f = fits[:, None]
     work.hit = torch.where(f, hit, work.hit)
     work.miss = torch.where(f, miss, work.miss)
@@ -309,7 +310,7 @@ def assign_slots(
     bs, k = loc.shape
     C, N = state.num_slots, state.num_locs
     l2s = state._loc_to_slot_buf[layer]
-    slot_loc = state._slot_loc_buf[layer]
+    slot_loc = state._slot_loc_buf[layer].view(-1)
     # The sink entries of loc_to_slot may hold garbage: mask after the gather.
     cur = l2s[torch.where(lookup, loc, N)].long()
     hit = lookup & (cur >= 0)
@@ -317,7 +318,7 @@ def assign_slots(
     first, leader = first_misses(loc, miss, N) if dedup else (miss, None)
     hit_flags = torch.zeros((bs, C + 1), dtype=torch.bool, device=state.device)
     hit_flags.scatter_(1, torch.where(hit, cur, C), True)
-    order = state._lru_buf[layer][req].long()
+    order = read_order(state, layer, req)
     # Slots beyond the request's units are never victims.
     in_capacity = order < state._capacity_buf[req].long()[:, None]
     evictable = ~hit_flags.gather(1, order) & in_capacity
@@ -336,13 +337,13 @@ def assign_slots(
     slot = torch.where(hit, cur, torch.where(miss, victim, -1))
     row = slot_rows(state, req, slot)
 
-    # Residency: victims' old locs leave, the missed locs enter.
-    req2 = torch.where(first, req[:, None], state._sink_req)
-    vslot = torch.where(first, victim, 0)
-    old = torch.where(first, slot_loc[req2, vslot].long(), -1)
+    # Residency: victims' old locs leave, the missed locs enter (the other
+    # entries go to the sink chunk).
+    addr = state_index(state, req, torch.where(first, victim, -1))
+    old = torch.where(first, slot_loc[addr].long(), -1)
     l2s.index_put_((torch.where(old >= 0, old, N),), l2s.new_full((), -1))
     l2s.index_put_((torch.where(first, loc, N),), slot.to(l2s.dtype))
-    slot_loc.index_put_((req2, vslot), loc.to(slot_loc.dtype))
+    slot_loc.index_put_((addr,), loc.to(slot_loc.dtype))
 
     return LayerSwapWork(
         layer=layer,
@@ -374,6 +375,30 @@ def slot_rows(state: LRUCacheState, req: torch.Tensor, slot: torch.Tensor):
     return torch.where(slot >= 0, unit_base + slot % C0, -1)
 
 
+def state_index(state: LRUCacheState, req: torch.Tensor, idx: torch.Tensor):
+    """Offset into one layer's per-unit state (``(num_units + 1) x C`` entries,
+    ``slot_loc`` or ``lru_order``) of entry ``idx[b, i]`` (a slot id or an
+    order position) of request ``req[b]``: chunk ``unit_index[r, idx // C]``,
+    entry ``idx % C``. Entries the request does not hold (``idx < 0`` or at
+    least its capacity) go to the sink chunk."""
+    C0 = state.buffer_size
+    idx = idx.long()
+    held = (idx >= 0) & (idx < state._capacity_buf[req].long()[:, None])
+    unit = torch.where(held, idx // C0, 0)
+    chunk = state._unit_index_buf[req].long().gather(1, unit)
+    chunk = torch.where(held, chunk, state._sink_unit)
+    return chunk * C0 + torch.where(held, idx % C0, 0)
+
+
+def read_order(state: LRUCacheState, layer: int, req: torch.Tensor) -> torch.Tensor:
+    """``(bs, U x C)`` int64: the LRU order of each request, its positions
+    beyond its capacity filled with their own index (slot ids it does not
+    hold: never victims, and the recency rule leaves them in place)."""
+    p = state._arange_c.expand(req.shape[0], -1)
+    order = state._lru_buf[layer].view(-1)[state_index(state, req, p)].long()
+    return torch.where(p < state._capacity_buf[req].long()[:, None], order, p)
+
+
 def first_misses(loc: torch.Tensor, miss: torch.Tensor, num_locs: int):
     """``(first, leader)``: ``first[b, i]`` marks the first entry of row ``b``
     missing its loc, ``leader[b, i]`` the index of the first entry of row ``b``
@@ -395,7 +420,8 @@ def reorder_lru(state: LRUCacheState, work: LayerSwapWork) -> None:
     # New order: [untaken evictables] + [victims] + [hits], each in old order
     # (victims in old order == misses in top-k order).
     m = work.num_misses[:, None]
-    # Hits and the slots beyond the capacity keep their order at the end.
+    # Hits keep their order at the end (and the slots beyond the capacity,
+    # which read_order appends: they stay in place).
     num_evictable = work.order_evictable.long().sum(1, keepdim=True)
     ev_rank = work.evict_rank
     hit_rank = state._arange_c[None, :] - ev_rank
@@ -407,7 +433,9 @@ def reorder_lru(state: LRUCacheState, work: LayerSwapWork) -> None:
     new_order = torch.empty_like(work.order).scatter_(1, new_pos, work.order)
     if work.frozen is not None:
         new_order = torch.where(work.frozen[:, None], work.order, new_order)
-    # Padding rows target the sink row; their new order equals the old one.
-    state._lru_buf[work.layer].index_put_(
-        (work.req,), new_order.to(state._lru_buf.dtype)
+    # Held positions go to their chunks, the others (padding rows: all) to
+    # the sink chunk.
+    addr = state_index(state, work.req, state._arange_c.expand_as(new_order))
+    state._lru_buf[work.layer].view(-1).index_put_(
+        (addr,), new_order.to(state._lru_buf.dtype)
     )

@@ -246,6 +246,7 @@ class TritonLRUSwap:
             slot_loc,
             lru,
             state._unit_base_buf,
+            state._unit_index_buf,
             state._capacity_buf,
             counters,
             *plan_rows,
@@ -310,6 +311,8 @@ class TritonLRUSwap:
             batch[6],
             lru,
             self._new_lru,
+            state._unit_index_buf,
+            state._capacity_buf,
             state._sink_req,
             self._row_direct,
             DIRECT=self.direct,
@@ -374,6 +377,8 @@ class TritonLRUSwap:
             slot_loc,
             lru,
             state._unit_base_buf,
+            state._unit_index_buf,
+            state._capacity_buf,
             *plan_rows,
             self._victims,
             self._new_lru,
@@ -416,6 +421,7 @@ class TritonLRUSwap:
             req_pool_indices,
             num_real,
             lru,
+            state._unit_index_buf,
             state._capacity_buf,
             self._hit_flags,
             self._evictable_counts,
@@ -430,6 +436,7 @@ class TritonLRUSwap:
             loc_to_slot,
             slot_loc,
             lru,
+            state._unit_index_buf,
             state._capacity_buf,
             plan.miss_count,
             self._hit_flags,
@@ -481,6 +488,7 @@ class TritonLRUSwap:
             slot_loc,
             lru,
             state._unit_base_buf,
+            state._unit_index_buf,
             state._capacity_buf,
             counters,
             *plan_rows,
@@ -489,6 +497,27 @@ class TritonLRUSwap:
             self._victims,
             state._sink_req,
         )
+
+    @staticmethod
+    def scratch_bytes(
+        rows: int,
+        top_k: int,
+        buffer_size: int,
+        max_units: int,
+        slot_id_bytes: int,
+        max_query_tokens: int = 1,
+    ) -> int:
+        """GPU bytes of the scratch :meth:`_alloc_scratch` allocates for
+        ``rows`` batch rows (at most: the split swap's hand-over is counted
+        with units or several query tokens). It grows with the slots a
+        request may hold (``max_units x buffer_size``): the pool sizing
+        counts it."""
+        C = buffer_size * max_units
+        per_row = C + max_query_tokens * top_k * 4  # hit flags, victims
+        if max_units > 1 or max_query_tokens > 1:
+            # Evictable counts, the new order, the direct-row flags.
+            per_row += max_units * 4 + C * slot_id_bytes + 1
+        return rows * per_row
 
     def _alloc_scratch(self, rows: int) -> None:
         # Per-batch-row scratch of the kernels, shared by all layers: swaps of

@@ -29,6 +29,7 @@ import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.lru_cache_state import lru_slot_dtype
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.nsa_kv_offload_units import staging_unit_capacity
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
 
 if TYPE_CHECKING:
@@ -391,6 +392,13 @@ def offload_bytes_per_loc(
     return num_layers * (indexer_bytes + slot_id_bytes) + 8
 
 
+def lru_unit_state_bytes(num_layers: int, buffer_size: int, max_units: int) -> int:
+    """GPU bytes of the LRU state of one unit (``LRUCacheState`` holds it per
+    unit): ``slot_loc`` int32 and an ``lru_order`` slot id per slot and layer
+    (``lru_slot_id_bytes``: wide enough for ``max_units`` units)."""
+    return num_layers * buffer_size * (4 + lru_slot_id_bytes(buffer_size, max_units))
+
+
 def offload_bytes_per_region(
     num_layers: int,
     row_bytes: int,
@@ -398,12 +406,14 @@ def offload_bytes_per_region(
     recent_window: int,
     max_units: int = 1,
 ) -> int:
-    """GPU bytes per request slot: its KV region plus its LRU state
-    (``slot_loc`` int32 and an ``lru_order`` slot id per LRU slot and layer,
-    for all the units a request may hold)."""
+    """GPU bytes per region (a request slot, or a spare region): its KV rows
+    plus the LRU state of the one unit it is. More units per request cost
+    no bytes per request slot: the units are regions and staging rows,
+    each counted where it exists."""
     rows = buffer_size + recent_window
-    slot_bytes = 4 + lru_slot_id_bytes(buffer_size, max_units)
-    return num_layers * (rows * row_bytes + buffer_size * max_units * slot_bytes)
+    return num_layers * rows * row_bytes + lru_unit_state_bytes(
+        num_layers, buffer_size, max_units
+    )
 
 
 def sglang_pool_footprint(
@@ -423,22 +433,27 @@ def max_spare_regions(num_regions: int, max_units: int) -> int:
 
 
 def spare_region_count(
-    leftover_bytes: int,
-    num_layers: int,
-    row_bytes: int,
-    region_rows: int,
-    num_regions: int,
-    max_units: int,
+    leftover_bytes: int, region_bytes: int, num_regions: int, max_units: int
 ) -> int:
     """Spare regions the GPU bytes left after the locs pay for (the host pool
     or ``--max-total-tokens`` capped the locs), up to what the request slots
-    can borrow (``max_spare_regions``). A spare region is KV rows
-    only: the LRU state of every unit a request may hold is per request slot
-    (``offload_bytes_per_region``)."""
+    can borrow (``max_spare_regions``). A spare region costs
+    ``region_bytes`` (``offload_bytes_per_region``: its KV rows and its
+    unit's LRU state)."""
     if max_units <= 1 or leftover_bytes <= 0:
         return 0
-    fit = leftover_bytes // (num_layers * region_rows * row_bytes)
+    fit = leftover_bytes // region_bytes
     return int(min(fit, max_spare_regions(num_regions, max_units)))
+
+
+def staging_lru_units(
+    staging_rows: int, page_size: int, buffer_size: int, max_units: int
+) -> int:
+    """Units idle prefill staging may lend at once (``StagingUnitLender``),
+    each with a unit of LRU state: none with one unit per request."""
+    if max_units <= 1:
+        return 0
+    return staging_unit_capacity(staging_rows // page_size, page_size, buffer_size)
 
 
 def staging_reserve_rows(prefill_budget: int, num_regions: int, page_size: int) -> int:
@@ -472,17 +487,27 @@ def compute_offload_pool_sizes(
     max_units: int = 1,
     draft_bytes_per_loc: int = 0,
     spare_regions: bool = False,
+    swap_scratch_bytes: int = 0,
 ) -> NSAKVOffloadPoolSizes:
     """Split ``available_bytes`` between fixed costs (regions, staging) and
     logical token locs, and cap the locs by what the host pool holds.
     ``draft_bytes_per_loc``: the MTP draft worker's KV pool (its NextN layer
     stays whole on the GPU, one row per token loc). ``spare_regions``: bytes
-    the capped locs leave go to spare regions (``spare_region_count``)."""
+    the capped locs leave go to spare regions (``spare_region_count``).
+    ``swap_scratch_bytes``: the LRU swap's per-batch-row scratch
+    (``TritonLRUSwap.scratch_bytes``), a fixed cost."""
     staging_rows = _round_up(staging_rows, page_size)
-    fixed = num_layers * (
-        page_size + staging_rows
-    ) * row_bytes + num_regions * offload_bytes_per_region(
+    region_bytes = offload_bytes_per_region(
         num_layers, row_bytes, buffer_size, recent_window, max_units
+    )
+    # The staging rows, the regions and the LRU state of the units the
+    # staging may lend.
+    staging_units = staging_lru_units(staging_rows, page_size, buffer_size, max_units)
+    fixed = (
+        num_layers * (page_size + staging_rows) * row_bytes
+        + num_regions * region_bytes
+        + staging_units * lru_unit_state_bytes(num_layers, buffer_size, max_units)
+        + swap_scratch_bytes
     )
     per_loc = offload_bytes_per_loc(
         num_layers, indexer_bytes, lru_slot_id_bytes(buffer_size, max_units)
@@ -506,9 +531,7 @@ def compute_offload_pool_sizes(
     if spare_regions:
         num_spare = spare_region_count(
             available_bytes - fixed - num_locs * per_loc,
-            num_layers,
-            row_bytes,
-            buffer_size + recent_window,
+            region_bytes,
             num_regions,
             max_units,
         )
@@ -587,6 +610,11 @@ class NSAKVOffloadPoolConfigurator:
         )
         self.spare_regions = get_bool_env_var(ENV_SPARE_REGIONS)
         self._spare_regions_resolved = 0
+        # The swap's scratch rows and width (as the coordinator sizes them).
+        self.cuda_graph_max_bs = sa.cuda_graph_max_bs or 0
+        self.max_query_tokens = (
+            sa.speculative_num_draft_tokens if sa.speculative_algorithm else 1
+        )
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
         if self.kv_arrives_in_host:
@@ -628,9 +656,25 @@ class NSAKVOffloadPoolConfigurator:
             max_units=self.max_units,
             draft_bytes_per_loc=self.draft_bytes_per_loc,
             spare_regions=self.spare_regions,
+            swap_scratch_bytes=self.swap_scratch_bytes(num_regions),
         )
         sizes.geometry = self.geometry
         return sizes
+
+    def swap_scratch_bytes(self, num_regions: int) -> int:
+        """The LRU swap's scratch for the largest decode batch the coordinator
+        sizes it for: the request slots or the CUDA-graph batches."""
+        from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+
+        g = self.geometry
+        return TritonLRUSwap.scratch_bytes(
+            rows=max(num_regions, self.cuda_graph_max_bs),
+            top_k=g.top_k,
+            buffer_size=g.buffer_size,
+            max_units=g.max_units,
+            slot_id_bytes=lru_slot_id_bytes(g.buffer_size, g.max_units),
+            max_query_tokens=self.max_query_tokens,
+        )
 
     def budget_bytes(self, available_bytes: int) -> int:
         """The GPU bytes the offload's pools take: what sglang's own pool

@@ -26,6 +26,12 @@ REGION_UNIT_SOURCE = "regions"  # free decode regions (always there)
 STAGING_UNIT_SOURCE = "staging"  # idle prefill staging pages (coordinator)
 
 
+def staging_unit_capacity(num_pages: int, page_size: int, unit_rows: int) -> int:
+    """Units of ``unit_rows`` rows ``num_pages`` staging pages hold at once
+    (a unit is a run of whole pages)."""
+    return num_pages // -(-unit_rows // page_size)
+
+
 class NSAKVOffloadUnitSource(Protocol):
     """A lender of extra LRU units (``buffer_size`` rows each)."""
 

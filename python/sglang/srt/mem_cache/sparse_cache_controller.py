@@ -157,6 +157,9 @@ class SparseCacheController:
             one unit's slots is warmed whole, position ``p`` into slot ``p``,
             and swaps without the LRU walk while its context fits its slots
             (``LRUCacheState``; experimental).
+        extra_units: units the other unit sources (:meth:`add_unit_source`)
+            may lend at once. The LRU state is held per unit: one unit of it
+            for every region and for each of these.
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class SparseCacheController:
         host_writer: bool = True,
         max_query_tokens: int = 1,
         direct_slots: bool = False,
+        extra_units: int = 0,
     ):
         self.host_pool = host_pool
         self.host_writer = host_writer
@@ -223,6 +227,9 @@ class SparseCacheController:
             max_units=max_units,
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
+            # Every admitted request holds a region: the regions and what
+            # the other sources lend are all the units that exist at once.
+            num_units=num_regions + (extra_units if max_units > 1 else 0),
         )
         self.max_units = max_units
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
@@ -700,8 +707,10 @@ class SparseCacheController:
     def _grow_candidate(self) -> Optional[int]:
         """The admitted request with the fewest units below ``max_units``
         (lowest pool index first), if some source can lend a unit."""
-        if self.max_units == 1 or not any(
-            s.available() for s in self._unit_sources.values()
+        if (
+            self.max_units == 1
+            or not self.lru.free_units()
+            or not any(s.available() for s in self._unit_sources.values())
         ):
             return None
         candidates = [
