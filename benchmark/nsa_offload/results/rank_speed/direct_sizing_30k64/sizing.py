@@ -4,8 +4,10 @@ repo root with the CI venv, PYTHONPATH=python .venv/bin/python <this file>."""
 import json
 import sys
 
+from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     compute_offload_pool_sizes,
+    lru_slot_id_bytes,
     offload_bytes_per_region,
 )
 
@@ -13,6 +15,7 @@ GIB = 1 << 30
 # Rank model (61 layers, fp8 FlashMLA rows 656 B, indexer 132 B), page 64,
 # window 64, host pool 84 GiB, PD decode (no staging), spare regions on.
 L, ROW, IDX, PAGE, WINDOW, HOST = 61, 656, 132, 64, 64, int(84 * GIB)
+TOP_K = 2048
 # The budget of run_direct_flat_64/ (221 decode + 251 spare regions there):
 # calibrated at 4354e87, when the LRU state was held per request slot.
 AVAIL_GIB = 93.95
@@ -22,9 +25,14 @@ REGION_SHARE, MAX_REGIONS = 0.4, 256
 
 
 def sizes(regions, buffer_size, units, batch=64):
+    # The swap's scratch for one row per request slot (CUDA graphs up to
+    # the request slots).
+    scratch = TritonLRUSwap.scratch_bytes(
+        regions, TOP_K, buffer_size, units, lru_slot_id_bytes(buffer_size, units)
+    )
     s = compute_offload_pool_sizes(
         int(AVAIL_GIB * GIB), L, ROW, IDX, PAGE, buffer_size, WINDOW, regions,
-        0, HOST, None, units, 0, True,
+        0, HOST, None, units, 0, True, scratch,
     )  # fmt: skip
     out = {"locs": s.num_locs, "regions": s.num_regions, "spare": s.num_spare_regions}
     out.update(units_total=out["regions"] + out["spare"], units_needed=batch * units)
