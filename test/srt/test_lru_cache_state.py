@@ -567,6 +567,12 @@ class TestLRUCacheStateBasics(unittest.TestCase):
         self.assertEqual(s.lru_order.shape[-1], 32768)
         # Unit chunks: two requests at four units by default, fewer if asked.
         self.assertEqual(s.num_units, 8)
+        # What the pool sizing pays per unit (int32 ids here), the sink too.
+        from sglang.srt.mem_cache.nsa_kv_offload_pool import lru_unit_state_bytes
+
+        per_unit = lru_unit_state_bytes(1, 8192, 4)
+        self.assertEqual(per_unit, 8192 * (4 + 4))
+        self.assertEqual(s.unit_state_bytes, 9 * per_unit)
         with self.assertRaisesRegex(ValueError, "num_units"):
             LRUCacheState(1, 2, 10, 8, 2, 4, num_units=0, device=DEVICE)
 

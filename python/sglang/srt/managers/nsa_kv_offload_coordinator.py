@@ -326,6 +326,17 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 else ""
             ),
         )
+        if max_units > 1:
+            lru = self.controller.lru
+            logger.info(
+                "NSA KV offload: up to %d units of %d LRU rows per request; LRU "
+                "state for %d units (regions and units the staging may lend), "
+                "%.2f GB.",
+                max_units,
+                buffer_size,
+                lru.num_units,
+                lru.unit_state_bytes / (1 << 30),
+            )
 
     def _side_stream(self):
         """A second CUDA stream and one event per layer of this rank (both

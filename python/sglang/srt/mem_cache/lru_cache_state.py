@@ -282,6 +282,12 @@ class LRUCacheState:
         used first, then -1 beyond its capacity (a gathered copy)."""
         return self._per_request(self._lru_buf)
 
+    @property
+    def unit_state_bytes(self) -> int:
+        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order``; the
+        sink chunk included): what the pool sizing counts per unit."""
+        return self._slot_loc_buf.nbytes + self._lru_buf.nbytes
+
     def free_units(self) -> int:
         """Unit chunks not held by any request (host only)."""
         return len(self._free_chunks)
