@@ -523,13 +523,17 @@ def impl_state(cfg, impl) -> LRUCacheState:
     return new_state(cfg, impl)
 
 
-def run_sim(test, cfg: SimConfig, use_triton, steps: int, seed: int) -> Sim:
+def run_sim(
+    test, cfg: SimConfig, use_triton, steps: int, seed: int, after_step=None
+) -> Sim:
     states = [impl_state(cfg, u) for u in use_triton]
     model = LRUModel(cfg.layers, cfg.C, cfg.W, max_units=cfg.units)
     sim = Sim(test, cfg, states, model, seed)
     sim.deferred_states = [s for s, u in zip(states, use_triton) if u == "deferred"]
     for _ in range(steps):
         sim.step()
+        if after_step is not None:
+            after_step(sim)
     for state in states:
         assert_state_matches_model(test, state, sim.model)
     for a in states[1:]:
@@ -803,6 +807,24 @@ class TestTritonMatchesReference(unittest.TestCase):
         # most swaps scan several); the reorder runs after the plan is read.
         cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.4)
         run_sim(self, cfg, (False, True, "deferred"), steps=30, seed=9)
+
+    def test_many_units_reuse_scattered_chunks(self):
+        # Up to 9 small units per request with churn: a request's chunks of
+        # LRU state come back out of order and interleaved with others'.
+        cfg = SimConfig(
+            C=16, K=8, W=3, units=9, max_reqs=5, max_batch=4, max_prompt=120,
+            p_grow=0.6, p_shrink=0.2, p_release=0.2, p_keep=0.5,
+        )  # fmt: skip
+        seen = {"most_units": 0, "scattered_steps": 0}
+
+        def after_step(sim):
+            chunks = list(sim.states[0]._req_chunks.values())
+            seen["most_units"] = max([seen["most_units"]] + [len(c) for c in chunks])
+            seen["scattered_steps"] += any(c != sorted(c) for c in chunks)
+
+        run_sim(self, cfg, (False, True, "deferred"), 30, 13, after_step)
+        self.assertGreaterEqual(seen["most_units"], 5, seen)
+        self.assertGreater(seen["scattered_steps"], 5, seen)
 
     def test_units_split_kernels_match_fused(self):
         # With units the swap runs split by unit; the fused kernel handles
