@@ -100,6 +100,22 @@ class _ControllerCase(unittest.TestCase):
         return self.ctrl
 
 
+class ListUnitSource:
+    """A unit source lending the units of C rows at the given bases."""
+
+    def __init__(self, bases):
+        self.free = list(bases)
+
+    def available(self):
+        return bool(self.free)
+
+    def take(self):
+        return self.free.pop(0)
+
+    def give(self, base):
+        self.free.append(base)
+
+
 class TestAdmission(_ControllerCase):
     def test_admit_release_exhaustion(self):
         ctrl = self.make()
@@ -192,21 +208,8 @@ class TestUnits(_ControllerCase):
         self.assertEqual(ctrl.num_units(5), 3)
 
     def test_other_sources_and_buried_units(self):
-        class Source:  # lends units of C rows past the regions
-            def __init__(self, bases):
-                self.free = list(bases)
-
-            def available(self):
-                return bool(self.free)
-
-            def take(self):
-                return self.free.pop(0)
-
-            def give(self, base):
-                self.free.append(base)
-
         ctrl = self.make(max_units=3, extra_units=2)
-        extra = Source([1000, 2000])
+        extra = ListUnitSource([1000, 2000])
         ctrl.add_unit_source("extra", extra)
         for r in (0, 1, 2):
             ctrl.admit_request(r)
@@ -232,22 +235,9 @@ class TestUnits(_ControllerCase):
     def test_units_need_lru_state(self):
         # The LRU state is held per unit: a source lending more units than
         # the controller was told of (extra_units) lends only as many.
-        class Source:
-            def __init__(self, bases):
-                self.free = list(bases)
-
-            def available(self):
-                return bool(self.free)
-
-            def take(self):
-                return self.free.pop(0)
-
-            def give(self, base):
-                self.free.append(base)
-
         ctrl = self.make(max_units=3, extra_units=1)
         self.assertEqual(ctrl.lru.num_units, self.NUM_REGIONS + 1)
-        extra = Source([1000, 2000, 3000])
+        extra = ListUnitSource([1000, 2000, 3000])
         ctrl.add_unit_source("extra", extra)
         for r in (0, 1, 2):
             ctrl.admit_request(r)
