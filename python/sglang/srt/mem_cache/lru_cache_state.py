@@ -348,7 +348,10 @@ class LRUCacheState:
             if req in self._req_chunks:
                 raise ValueError(f"admit_request: request {req} is admitted")
         if len(reqs) > len(self._free_chunks):
-            self._take_chunk("admit_request")  # raises: too few chunks
+            raise RuntimeError(
+                f"admit_request: {len(reqs)} requests for "
+                f"{len(self._free_chunks)} free unit chunks of LRU state"
+            )
         chunks = [self._free_chunks.pop() for _ in reqs]
         for req, chunk in zip(reqs, chunks):
             self._req_chunks[req] = [chunk]
@@ -377,7 +380,7 @@ class LRUCacheState:
         chunks = [c for req in reqs for c in self._req_chunks.pop(req)]
         chunk_t = torch.tensor(chunks, dtype=torch.int64, device=self.device)
         self._unmap_chunks(chunk_t)
-        self._free_chunks.extend(reversed(chunks))
+        self._free_chunks.extend(chunks)
         self._free_chunks.sort(reverse=True)
         idx = torch.tensor(reqs, dtype=torch.int64, device=self.device)
         self._unit_index_buf[idx] = self._sink_unit

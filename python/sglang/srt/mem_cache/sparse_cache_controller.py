@@ -229,7 +229,7 @@ class SparseCacheController:
             direct_slots=direct_slots,
             # Every admitted request holds a region: the regions and what
             # the other sources lend are all the units that exist at once.
-            num_units=num_regions + (extra_units if max_units > 1 else 0),
+            num_units=max(1, num_regions + (extra_units if max_units > 1 else 0)),
         )
         self.max_units = max_units
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
