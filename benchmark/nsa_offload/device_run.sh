@@ -166,7 +166,8 @@ run_step() {
         --batch-sizes 1,8,32 --units 2,4 --repeats 3 > $OUT/gate_swap_units.log 2>&1) &
       local split_vs_fused=$!
       GPUTEST_ARGS="test/srt/test_lru_cache_state.py::TestTritonMatchesReference \
-        test/srt/test_lru_cache_state.py::TestDirectSlots test/srt/test_lru_cache_state.py::TestCudaGraph" \
+        test/srt/test_lru_cache_state.py::TestDirectSlots test/srt/test_lru_cache_state.py::TestCudaGraph \
+        test/srt/test_lru_cache_state.py::TestUnits test/srt/test_nsa_kv_offload_multi_token.py" \
         GPUTEST_TIMEOUT=200 run_step gputest
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8 $resume" \
         EXACT_ARGS_2="--servers ours_fp8_direct $resume" \
