@@ -26,10 +26,14 @@ REGION_UNIT_SOURCE = "regions"  # free decode regions (always there)
 STAGING_UNIT_SOURCE = "staging"  # idle prefill staging pages (coordinator)
 
 
+def unit_pages(unit_rows: int, page_size: int) -> int:
+    """Staging pages of one unit of ``unit_rows`` rows (a run of whole pages)."""
+    return -(-unit_rows // page_size)
+
+
 def staging_unit_capacity(num_pages: int, page_size: int, unit_rows: int) -> int:
-    """Units of ``unit_rows`` rows ``num_pages`` staging pages hold at once
-    (a unit is a run of whole pages)."""
-    return num_pages // -(-unit_rows // page_size)
+    """Units of ``unit_rows`` rows ``num_pages`` staging pages hold at once."""
+    return num_pages // unit_pages(unit_rows, page_size)
 
 
 class NSAKVOffloadUnitSource(Protocol):
@@ -69,7 +73,7 @@ class StagingUnitLender:
 
     def __init__(self, staging: StagingRowAllocator, unit_rows: int, reserve_pages):
         self.staging = staging
-        self.pages_per_unit = -(-unit_rows // staging.page_size)
+        self.pages_per_unit = unit_pages(unit_rows, staging.page_size)
         self.reserve_pages = reserve_pages
         # Free page count at which the last search found no run: no new
         # search (a host read of the free list) until the count changes.
