@@ -276,6 +276,37 @@ class TestUnits(_ControllerCase):
         ctrl.reset_stats()
         self.assertEqual(ctrl.get_stats()["units_moved"], 0)
 
+    def test_sized_pools_hold_every_request_whole(self):
+        # The rank sizing at the default request slots with the LRU state
+        # per unit (results/rank_speed/direct_sizing_30k64/): 223 slots +
+        # 232 spare regions give 64 requests their 7 units each; 239 + 247
+        # give 8 requests 33 each. Small rows, the same counts, admitted in
+        # a burst (PD decode) or one by one.
+        for slots, spare, reqs, units, burst in (
+            (223, 232, 64, 7, True),
+            (223, 232, 64, 7, False),
+            (239, 247, 8, 33, True),
+        ):
+            with self.subTest(reqs=reqs, units=units, burst=burst):
+                self.NUM_REGIONS, self.MAX_REQS = slots + spare, slots
+                ctrl = self.make(max_units=units)
+                for r in range(reqs):
+                    ctrl.admit_request(r)
+                    if not burst:
+                        ctrl.rebalance()
+                ctrl.rebalance()
+                held = [ctrl.num_units(r) for r in range(reqs)]
+                self.assertEqual(held, [units] * reqs)
+                capacity = ctrl.lru.capacity[:reqs].tolist()
+                self.assertEqual(capacity, [units * self.C] * reqs)
+                left = slots + spare - reqs * units
+                self.assertEqual(ctrl.lru.free_units(), left)
+                self.assertEqual(ctrl.num_free_regions(), left)
+                for r in range(reqs):
+                    ctrl.release_request(r)
+                self.assertEqual(ctrl.idle_leaks(), [])
+                self.assertEqual(ctrl.lru.free_units(), slots + spare)
+
     def test_units_move_only_between_uneven_holders(self):
         # Property: after any admissions, releases and rebalances, no region
         # is idle while a request could take it, and the requests' extra
