@@ -66,6 +66,21 @@ def check_invariants(test: unittest.TestCase, state: LRUCacheState) -> None:
         torch.equal(torch.where(held_sorted < C, held_sorted, -1), expect),
         "lru_order not a permutation of the held slots",
     )
+    # Unit chunks: each free or held once; unit_index names the held ones
+    # (the sink chunk past them); a held chunk's slots are the only ones
+    # with locs (free chunks are empty).
+    held = [c for cs in state._req_chunks.values() for c in cs]
+    test.assertEqual(
+        sorted(held + state._free_chunks), list(range(state.num_units)), "chunks"
+    )
+    index = state.unit_index.cpu().tolist()
+    for r in range(state.max_num_reqs):
+        cs = state._req_chunks.get(r, [])
+        expect = cs + [state.num_units] * (state.max_units - len(cs))
+        test.assertEqual(index[r], expect, f"unit_index of request {r}")
+        test.assertEqual(int(state.capacity[r]), len(cs) * state.buffer_size)
+    free = torch.tensor(state._free_chunks, dtype=torch.int64)
+    test.assertTrue(bool((state._slot_loc_buf[:, free.to(DEVICE)] == -1).all()))
     slot_loc = state.slot_loc.long().cpu()
     l2s = state.loc_to_slot.long().cpu()
     for layer in range(state.num_layers):
