@@ -118,9 +118,7 @@ def _swap_stage_kernel(
         tl.store(pt_row + offs_k, miss_rank, mask=mask_k)
         tl.store(miss_count_ptr + b, num_misses + num_hits)
         return
-    ev_rank, new_pos, taken = lk._walk_lru(
-        flags_row, order, held, capacity, offs_c, num_misses
-    )
+    ev_rank, new_pos, taken = lk._walk_lru(flags_row, order, held, offs_c, num_misses)
     victims_row = victims_ptr + b.to(tl.int64) * K
     tl.store(victims_row + ev_rank, order, mask=taken)
     tl.store(

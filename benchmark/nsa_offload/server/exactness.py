@@ -113,10 +113,6 @@ MTP_HEAVY_OFFLOAD_ARGS = [
     "--nsa-kv-offload-recent-window",
     "8",
 ]
-# The experimental settings the rank bench meets its latency target with
-# (results/rank_speed/, cfdc9bc): warm units, direct slots, the flat miss copy
-# and spare regions, 8 units (int32 slot ids). Candidates for the default:
-# exact with each KV dtype, retraction and unit leveling before they can be.
 # Warm units with direct slots and the flat miss copy (16 programs for every
 # request's misses): the contention variant the rank bench keeps.
 WARM_DIRECT_FLAT_ENV = {
@@ -124,6 +120,10 @@ WARM_DIRECT_FLAT_ENV = {
     ENV_DIRECT_SLOTS: "1",
     ENV_GATHER_PROGRAMS: "16",
 }
+# The experimental settings the rank bench meets its latency target with
+# (results/rank_speed/, cfdc9bc): warm units, direct slots, the flat miss copy
+# and spare regions, 8 units (int32 slot ids). Candidates for the default:
+# exact with each KV dtype, retraction and unit leveling before they can be.
 TUNED_ENV = {**WARM_DIRECT_FLAT_ENV, ENV_SPARE_REGIONS: "1", ENV_WIDE_SLOT_IDS: "1"}
 TUNED_MAX_UNITS = 8
 

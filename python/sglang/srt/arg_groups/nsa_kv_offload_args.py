@@ -92,6 +92,20 @@ def host_memory_reserve_gb(total_bytes: int) -> float:
     return max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * total_bytes / GB)
 
 
+def swap_query_tokens(server_args) -> int:
+    """Query tokens per request one offload swap serves: the target verify's
+    draft tokens with MTP, else 1 (decode)."""
+    if server_args.speculative_algorithm:
+        return server_args.speculative_num_draft_tokens
+    return 1
+
+
+def swap_batch_rows(server_args, max_running_requests: int) -> int:
+    """Batch rows the swap's plans and scratch are sized for: the request
+    slots or the CUDA-graph batches, whichever is larger."""
+    return max(max_running_requests, server_args.cuda_graph_max_bs or 0)
+
+
 def early_swap_enabled() -> bool:
     """Whether decode and verify layers swap early (``ENV_EARLY_SWAP``): on
     unless the variable is "0" (every variant, MTP verify and the prefetch on

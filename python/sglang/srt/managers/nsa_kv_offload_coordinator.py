@@ -66,6 +66,8 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_WARM_UNITS,
     early_swap_enabled,
     gather_programs_from_env,
+    swap_batch_rows,
+    swap_query_tokens,
     warm_units_refusal,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
@@ -224,12 +226,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
             copy_flat_programs=copy_flat_programs,
-            extra_units=(
-                staging_unit_capacity(
-                    allocator.staging.num_pages, kv_pool.page_size, buffer_size
-                )
-                if max_units > 1
-                else 0
+            extra_units=staging_unit_capacity(
+                allocator.staging.num_pages, kv_pool.page_size, buffer_size
             ),
         )
         if copy_flat_programs is not None:
@@ -792,7 +790,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     from sglang.srt.utils import get_bool_env_var
 
     sa = model_runner.server_args
-    max_batch_size = max(model_runner.max_running_requests, sa.cuda_graph_max_bs or 0)
+    max_batch_size = swap_batch_rows(sa, model_runner.max_running_requests)
     host_pool_group = None
     if NSAKVOffloadRankLayout.from_server_args(sa).attn_tp_size > 1:
         # Same KV on every rank of the group: one host pool per node.
@@ -836,9 +834,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         )
         // model_runner.page_size,
         host_pool_group=host_pool_group,
-        max_query_tokens=(
-            sa.speculative_num_draft_tokens if sa.speculative_algorithm else 1
-        ),
+        max_query_tokens=swap_query_tokens(sa),
     )
     # The pools' one link back (see NSAKVOffloadTokenToKVPoolAllocator), for
     # sglang code that holds only the allocator (get_nsa_kv_offload).

@@ -312,7 +312,8 @@ class LRUCacheState:
         order = order.to(self._lru_buf.dtype).expand(self.num_layers, -1)
         self._lru_buf[:, chunks] = order.reshape(self.num_layers, len(chunks), -1)
 
-    def _host_indices(self, r: IndexLike) -> List[int]:
+    @staticmethod
+    def _host_indices(r: IndexLike) -> List[int]:
         if isinstance(r, torch.Tensor):
             return [int(x) for x in r.reshape(-1).tolist()]
         if isinstance(r, int):
@@ -337,11 +338,7 @@ class LRUCacheState:
         (fresh, or released since its last admission).
         """
         self.swap_backend.check_settled("admit_request")
-        reqs = self._host_indices(r)
-        if isinstance(base, torch.Tensor):
-            bases = base.reshape(-1).tolist()
-        else:
-            bases = [base] if isinstance(base, int) else list(base)
+        reqs, bases = self._host_indices(r), self._host_indices(base)
         if len(reqs) != len(bases):
             raise ValueError(f"{len(reqs)} requests for {len(bases)} bases")
         for req in reqs:

@@ -127,12 +127,12 @@ if _HAS_TRITON:
         return new_pos, evictable & (ev_rank < num_misses)
 
     @triton.jit
-    def _walk_lru(flags_row, order, mask_c, capacity, offs_c, num_misses):
+    def _walk_lru(flags_row, order, mask_c, offs_c, num_misses):
         # Phase 2 of a fused kernel (the whole lru_order in one block, mask_c:
-        # the held positions): rank the evictable slots (not hit); the first
-        # num_misses are taken.
+        # the held positions, whose slots are the held ones): rank the
+        # evictable slots (not hit); the first num_misses are taken.
         hit = tl.load(flags_row + order, mask=mask_c, other=1)
-        evictable = mask_c & (hit == 0) & (order < capacity)
+        evictable = mask_c & (hit == 0)
         ev_i = evictable.to(tl.int32)
         ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
         new_pos, taken = _lru_new_positions(
@@ -426,9 +426,7 @@ if _HAS_TRITON:
         tl.debug_barrier()
 
         # Phase 2: walk lru_order, rank evictable (not hit) slots, reorder.
-        ev_rank, new_pos, taken = _walk_lru(
-            flags_row, order, held, capacity, offs_c, num_misses
-        )
+        ev_rank, new_pos, taken = _walk_lru(flags_row, order, held, offs_c, num_misses)
         _evict_victims(
             loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C
         )
@@ -694,7 +692,6 @@ if _HAS_TRITON:
         lru_ptr,
         unit_index_ptr,
         hit_flags_ptr,
-        mask,
         C: tl.constexpr,
         C0: tl.constexpr,
         U: tl.constexpr,
@@ -704,10 +701,32 @@ if _HAS_TRITON:
         # and which of them are evictable: not hit this step.
         chunk = tl.load(unit_index_ptr + r * U + u)
         offs_c0 = tl.arange(0, BLOCK_C0)
+        mask = offs_c0 < C0
         order = tl.load(lru_ptr + chunk * C0 + offs_c0, mask=mask, other=0)
         order = order.to(tl.int32)
         hit = tl.load(hit_flags_ptr + b.to(tl.int64) * C + order, mask=mask, other=1)
         return order, mask & (hit == 0)
+
+    @triton.jit
+    def _reorder_program(
+        req_pool_ptr,
+        num_real_ptr,
+        capacity_ptr,
+        row_direct_ptr,
+        sink_req,
+        C0: tl.constexpr,
+        DIRECT: tl.constexpr,
+    ):
+        # Program (b, u) of a reorder kernel: its request, whether it walks
+        # row b (a real row, not one the select kernel swapped in direct
+        # mode) and whether the request holds chunk u.
+        b = tl.program_id(0)
+        u = tl.program_id(1)
+        walked = b < tl.load(num_real_ptr)
+        if DIRECT:
+            walked = walked & (tl.load(row_direct_ptr + b) == 0)
+        r = _request_row(req_pool_ptr, b, sink_req)
+        return b, u, r, walked, u * C0 < tl.load(capacity_ptr + r)
 
     @triton.jit(
         do_not_specialize_on_alignment=[
@@ -733,32 +752,23 @@ if _HAS_TRITON:
         BLOCK_C0: tl.constexpr,
         DIRECT: tl.constexpr = False,
     ):
-        b = tl.program_id(0)
-        u = tl.program_id(1)
-        skip = b >= tl.load(num_real_ptr)
-        if DIRECT:
-            # Rows the select kernel swapped in direct mode.
-            skip = skip | (tl.load(row_direct_ptr + b) != 0)
-        if skip:
+        b, u, r, walked, held = _reorder_program(
+            req_pool_ptr,
+            num_real_ptr,
+            capacity_ptr,
+            row_direct_ptr,
+            sink_req,
+            C0,
+            DIRECT,
+        )
+        if not walked:
             return
-        r = _request_row(req_pool_ptr, b, sink_req)
         count = tl.zeros((), tl.int32)
         # Chunks past the request's units count none (the rank kernel sums
         # every chunk's count).
-        if u * C0 < tl.load(capacity_ptr + r):
-            offs_c0 = tl.arange(0, BLOCK_C0)
+        if held:
             _, evictable = _chunk_evictable(
-                b,
-                r,
-                u,
-                lru_ptr,
-                unit_index_ptr,
-                hit_flags_ptr,
-                offs_c0 < C0,
-                C,
-                C0,
-                U,
-                BLOCK_C0,
+                b, r, u, lru_ptr, unit_index_ptr, hit_flags_ptr, C, C0, U, BLOCK_C0
             )
             count = tl.sum(evictable.to(tl.int32), axis=0)
         tl.store(ev_count_ptr + b * U + u, count)
@@ -800,22 +810,22 @@ if _HAS_TRITON:
         # zero for the next select.
         REORDER_ONLY: tl.constexpr = False,
     ):
-        b = tl.program_id(0)
-        u = tl.program_id(1)
-        skip = b >= tl.load(num_real_ptr)
-        if DIRECT:
-            # Rows the select kernel swapped in direct mode.
-            skip = skip | (tl.load(row_direct_ptr + b) != 0)
-        if skip:
+        b, u, r, walked, held = _reorder_program(
+            req_pool_ptr,
+            num_real_ptr,
+            capacity_ptr,
+            row_direct_ptr,
+            sink_req,
+            C0,
+            DIRECT,
+        )
+        if not (walked & held):
             return
-        r = _request_row(req_pool_ptr, b, sink_req)
-        if u * C0 >= tl.load(capacity_ptr + r):
-            return  # a chunk the request does not hold
         offs_c0 = tl.arange(0, BLOCK_C0)
         mask = offs_c0 < C0
         p = u * C0 + offs_c0  # positions of this chunk in lru_order
         order, evictable = _chunk_evictable(
-            b, r, u, lru_ptr, unit_index_ptr, hit_flags_ptr, mask, C, C0, U, BLOCK_C0
+            b, r, u, lru_ptr, unit_index_ptr, hit_flags_ptr, C, C0, U, BLOCK_C0
         )
         if REORDER_ONLY:
             # Every slot is in one chunk's order: the row ends all zero.
@@ -904,15 +914,16 @@ if _HAS_TRITON:
         BLOCK_C0: tl.constexpr,
         DIRECT: tl.constexpr = False,
     ):
-        b = tl.program_id(0)
-        u = tl.program_id(1)
-        skip = b >= tl.load(num_real_ptr)
-        if DIRECT:
-            skip = skip | (tl.load(row_direct_ptr + b) != 0)
-        if skip:
-            return
-        r = _request_row(req_pool_ptr, b, sink_req)
-        if u * C0 < tl.load(capacity_ptr + r):
+        b, u, r, walked, held = _reorder_program(
+            req_pool_ptr,
+            num_real_ptr,
+            capacity_ptr,
+            row_direct_ptr,
+            sink_req,
+            C0,
+            DIRECT,
+        )
+        if walked & held:
             _copy_back_order(
                 new_lru_ptr, lru_ptr, unit_index_ptr, b, r, u, C, C0, U, BLOCK_C0
             )

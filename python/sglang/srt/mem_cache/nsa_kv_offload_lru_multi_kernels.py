@@ -289,9 +289,7 @@ if _HAS_TRITON:
             held = offs_c < capacity
         order_at = _state_offset(unit_index_ptr, r, offs_c, held, C0, U)
         order = tl.load(lru_ptr + order_at, mask=held, other=0).to(tl.int32)
-        ev_rank, new_pos, taken = _walk_lru(
-            flags_row, order, held, capacity, offs_c, num_misses
-        )
+        ev_rank, new_pos, taken = _walk_lru(flags_row, order, held, offs_c, num_misses)
         # Loaded for the victims only (fewer live registers across the scan).
         old_loc = tl.load(
             slot_loc_ptr + _state_offset(unit_index_ptr, r, order, taken, C0, U),

@@ -564,7 +564,10 @@ class NSAKVOffloadPoolConfigurator:
     """
 
     def __init__(self, mr):
-        from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_SPARE_REGIONS
+        from sglang.srt.arg_groups.nsa_kv_offload_args import (
+            ENV_SPARE_REGIONS,
+            swap_query_tokens,
+        )
         from sglang.srt.configs.model_config import get_nsa_index_head_dim
         from sglang.srt.utils import get_bool_env_var
 
@@ -610,11 +613,9 @@ class NSAKVOffloadPoolConfigurator:
         )
         self.spare_regions = get_bool_env_var(ENV_SPARE_REGIONS)
         self._spare_regions_resolved = 0
-        # The swap's scratch rows and width (as the coordinator sizes them).
-        self.cuda_graph_max_bs = sa.cuda_graph_max_bs or 0
-        self.max_query_tokens = (
-            sa.speculative_num_draft_tokens if sa.speculative_algorithm else 1
-        )
+        # The swap's scratch rows and width, as the coordinator sizes them.
+        self.server_args = sa
+        self.max_query_tokens = swap_query_tokens(sa)
 
     def staging_rows(self, num_regions: int, page_size: int) -> int:
         if self.kv_arrives_in_host:
@@ -662,13 +663,13 @@ class NSAKVOffloadPoolConfigurator:
         return sizes
 
     def swap_scratch_bytes(self, num_regions: int) -> int:
-        """The LRU swap's scratch for the largest decode batch the coordinator
-        sizes it for: the request slots or the CUDA-graph batches."""
+        """The LRU swap's scratch, sized as the coordinator sizes it."""
+        from sglang.srt.arg_groups.nsa_kv_offload_args import swap_batch_rows
         from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
         g = self.geometry
         return TritonLRUSwap.scratch_bytes(
-            rows=max(num_regions, self.cuda_graph_max_bs),
+            rows=swap_batch_rows(self.server_args, num_regions),
             top_k=g.top_k,
             buffer_size=g.buffer_size,
             max_units=g.max_units,
