@@ -1001,6 +1001,10 @@ class _Req:
         self.kv_committed_len = 0
         self.fill_ids = []
         self.seq_len = 0
+        # The offload caps a request's units by prompt + max_new_tokens;
+        # None (no cap) unless a test sets it.
+        self.origin_input_ids = []
+        self.sampling_params = SimpleNamespace(max_new_tokens=None)
 
     def pop_committed_kv_cache(self):
         return self.kv_committed_len
@@ -2226,6 +2230,41 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
                 self.assertIn(", direct: 1", h.co.get_decode_log_msg())
                 self._finish(h, colocated, a, b)
                 self.assertEqual(h.controller.get_stats()["direct_requests"], 0)
+
+    def test_units_sized_to_the_context(self):
+        # A request is lent no unit beyond what holds its prompt plus
+        # max_new_tokens: b (100 + 10 tokens) keeps one unit, so a gets the
+        # three that hold its 300 tokens whole and swaps in direct mode (an
+        # even split, 2 + 2, leaves a on the LRU swap: the test above).
+        for colocated in (False, True):
+            with self.subTest(colocated=colocated):
+                h = _Harness(
+                    self,
+                    kv_fp8=True,
+                    seed=8,
+                    kv_arrives_in_host=not colocated,
+                    num_regions=4,
+                    max_units=4,
+                    coordinator_kwargs=dict(
+                        early_swap=True, warm_units=True, direct_slots=True
+                    ),
+                )
+                a, b = h.new_req(), h.new_req()
+                b.origin_input_ids = list(range(100))
+                b.sampling_params.max_new_tokens = 10
+                if colocated:
+                    h.prefill([(a, 300), (b, 100)])
+                else:
+                    h.transfer(a, 300)
+                    h.transfer(b, 100)
+                h.decode_step([a, b])
+                units = [h.controller.num_units(r.req_pool_idx) for r in (a, b)]
+                self.assertEqual(units, [3, 1])
+                direct = [int(h.controller.lru.direct[r.req_pool_idx]) for r in (a, b)]
+                self.assertEqual(direct, [1, 1])
+                for _ in range(4):
+                    h.decode_step([a, b])
+                self._finish(h, colocated, a, b)
 
     def test_finished_at_prefill_is_not_warmed(self):
         h = _Harness(

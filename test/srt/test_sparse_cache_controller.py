@@ -341,6 +341,81 @@ class TestUnits(_ControllerCase):
                         msg,
                     )
 
+    def test_units_to_hold_a_context(self):
+        ctrl = self.make(max_units=4)
+        C, W = self.C, self.W
+        # Positions below the window fill the slots; at least one unit.
+        for seq_len, units in (
+            (0, 1),
+            (W + C, 1),
+            (W + C + 1, 2),
+            (W + 3 * C, 3),
+            (W + 9 * C, 4),  # capped by max_units
+        ):
+            self.assertEqual(ctrl.units_to_hold(seq_len), units, seq_len)
+
+    def test_units_capped_by_the_context(self):
+        # A request is lent no unit beyond what holds its longest context:
+        # the short one keeps one, the long ones share the rest.
+        self.NUM_REGIONS = 9
+        ctrl = self.make(max_units=6)
+        C, W = self.C, self.W
+        ctrl.admit_request(0, max_seq_len=W + C // 2)
+        ctrl.admit_request(1, max_seq_len=W + 3 * C)
+        ctrl.admit_request(2)  # no cap: max_units
+        ctrl.rebalance()
+        self.assertEqual([ctrl.num_units(r) for r in (0, 1, 2)], [1, 3, 5])
+        self.assertFalse(ctrl.wants_rebalance())
+        # A capped request is no leveling recipient: 2 keeps its units.
+        ctrl.admit_request(3, max_seq_len=W + C)
+        ctrl.rebalance()
+        self.assertEqual([ctrl.num_units(r) for r in (0, 1, 2, 3)], [1, 3, 4, 1])
+        ctrl.release_request(1)
+        self.assertEqual(ctrl.rebalance(), 2)
+        self.assertEqual(ctrl.num_units(2), 6)
+        self.assertEqual(ctrl.num_free_regions(), 1)  # nobody can use it
+        for r in (0, 2, 3):
+            ctrl.release_request(r)
+        self.assertEqual(ctrl.idle_leaks(), [])
+
+    def test_capped_units_move_only_between_uneven_holders(self):
+        # Property, with each request's cap from its context: no request
+        # above its cap; no region idle while one below its cap could take
+        # it; no request holds two or more extra units more than the poorest
+        # request below its cap.
+        self.NUM_REGIONS, self.MAX_REQS = 12, 8
+        C, W = self.C, self.W
+        for seed in range(30):
+            rng = random.Random(seed)
+            max_units = rng.randint(2, 6)
+            ctrl = self.make(max_units=max_units)
+            caps = {}
+            for _ in range(25):
+                free = sorted(set(range(self.MAX_REQS)) - set(caps))
+                if caps and (rng.random() < 0.3 or not ctrl.can_admit() or not free):
+                    r = rng.choice(sorted(caps))
+                    ctrl.release_request(r)
+                    del caps[r]
+                else:
+                    r = rng.choice(free)
+                    seq_len = rng.choice([None, rng.randint(1, W + 7 * C)])
+                    self.assertIsNotNone(ctrl.admit_request(r, max_seq_len=seq_len))
+                    caps[r] = (
+                        max_units if seq_len is None else ctrl.units_to_hold(seq_len)
+                    )
+                ctrl.rebalance()
+                self.assertFalse(ctrl.wants_rebalance())
+                held = {r: ctrl.num_units(r) for r in caps}
+                msg = (seed, max_units, held, caps)
+                self.assertTrue(all(held[r] <= caps[r] for r in caps), msg)
+                wanting = [held[r] for r in caps if held[r] < caps[r]]
+                if wanting:
+                    self.assertEqual(ctrl.num_free_regions(), 0, msg)
+                    self.assertLessEqual(max(held.values()), min(wanting) + 1, msg)
+                self.assertEqual(
+                    ctrl.num_free_regions() + sum(held.values()), self.NUM_REGIONS, msg
+                )
+
     def test_one_unit_never_rebalances(self):
         ctrl = self.make()
         ctrl.admit_request(0)

@@ -111,6 +111,15 @@ def _pad_rows(page_table: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([page_table, pad])
 
 
+def longest_seq_len(req: Req) -> Optional[int]:
+    """The longest ``req`` can grow: its prompt plus ``max_new_tokens`` (the
+    scheduler caps that by the context length; None when it is unset)."""
+    max_new_tokens = req.sampling_params.max_new_tokens
+    if max_new_tokens is None:
+        return None
+    return len(req.origin_input_ids) + max_new_tokens
+
+
 class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
     def __init__(
         self,
@@ -393,6 +402,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             r,
             prefix_locs=None if defer_warm else locs,
             prefix_rows=rows if self.shares_host_pool else None,
+            max_seq_len=longest_seq_len(req),
         )
         if base is None:
             raise RuntimeError(

@@ -277,6 +277,9 @@ class SparseCacheController:
         # Extra units of each request beyond its region, oldest first:
         # (first row, name of its source).
         self._req_units: Dict[int, List[Tuple[int, str]]] = {}
+        # Most units each request is lent (units_to_hold of its longest
+        # context): a unit beyond them would hold nothing it reads.
+        self._req_unit_cap: Dict[int, int] = {}
         # Region units moved between requests to even them out (get_stats).
         self.units_moved = 0
         # Lenders of extra units by name, asked in this order.
@@ -559,6 +562,7 @@ class SparseCacheController:
         prefix_locs: Optional[torch.Tensor] = None,
         warm_tokens: Optional[int] = None,
         prefix_rows: Optional[torch.Tensor] = None,
+        max_seq_len: Optional[int] = None,
     ) -> Optional[int]:
         """Give a request a GPU region and admit it into the LRU state.
 
@@ -572,6 +576,10 @@ class SparseCacheController:
         of the same positions, e.g. prefill staging rows) they are copied from
         those rows instead of host memory: a rank that shares its host pool
         reads no host row another rank may still be writing.
+        ``max_seq_len``: the longest the request can grow (prompt + its
+        ``max_new_tokens``); :meth:`rebalance` lends it no more units than
+        hold that context whole (:meth:`units_to_hold`). None: up to
+        ``max_units``.
 
         Returns the region's first row, or ``None`` when no region is free.
         """
@@ -585,6 +593,9 @@ class SparseCacheController:
             return None
         self._req_base[r] = base
         self._req_units[r] = []
+        self._req_unit_cap[r] = (
+            self.max_units if max_seq_len is None else self.units_to_hold(max_seq_len)
+        )
         self.lru.admit_request(r, base)
         if prefix_locs is not None and prefix_locs.numel() > 0:
             self._warm_request(r, base, prefix_locs, warm_tokens, prefix_rows)
@@ -681,6 +692,7 @@ class SparseCacheController:
         self.wait_backup()
         self.lru.release_request(r)
         self.regions.free(self._req_base.pop(r))
+        del self._req_unit_cap[r]
         for base, source in self._req_units.pop(r):
             self._unit_sources[source].give(base)
 
@@ -704,26 +716,38 @@ class SparseCacheController:
             raise ValueError(f"unit source {name!r} is already added")
         self._unit_sources[name] = source
 
+    def units_to_hold(self, seq_len: int) -> int:
+        """Units whose LRU slots hold every position of a ``seq_len`` context
+        below its recent window (what direct slots need), within
+        ``1 .. max_units``."""
+        below_window = max(seq_len - self.recent_window, 0)
+        return max(1, min(self.max_units, -(-below_window // self.buffer_size)))
+
+    def _wanting_units(self) -> List[Tuple[int, int]]:
+        """(units held, pool index) of the requests below their unit cap."""
+        return [
+            (len(u) + 1, r)
+            for r, u in self._req_units.items()
+            if len(u) + 1 < self._req_unit_cap[r]
+        ]
+
     def _grow_candidate(self) -> Optional[int]:
-        """The admitted request with the fewest units below ``max_units``
-        (lowest pool index first), if some source can lend a unit."""
+        """The admitted request with the fewest units below its cap
+        (``max_units``, or fewer when its context needs fewer; lowest pool
+        index first), if some source can lend a unit."""
         if (
             self.max_units == 1
             or not self.lru.free_units()
             or not any(s.available() for s in self._unit_sources.values())
         ):
             return None
-        candidates = [
-            (len(u), r)
-            for r, u in self._req_units.items()
-            if len(u) + 1 < self.max_units
-        ]
+        candidates = self._wanting_units()
         return min(candidates)[1] if candidates else None
 
     def _level_donor(self) -> Optional[int]:
-        """A request holding two or more extra units more than the poorest one,
-        its newest a region unit (else None): :meth:`rebalance` moves that
-        unit once no source lends any more.
+        """A request holding two or more extra units more than the poorest one
+        below its unit cap, its newest a region unit (else None):
+        :meth:`rebalance` moves that unit once no source lends any more.
 
         Admissions into a full pool take units from the largest holders only,
         so requests admitted last can be left with none while earlier ones
@@ -733,7 +757,11 @@ class SparseCacheController:
         gets back)."""
         if self.max_units == 1 or len(self._req_units) < 2:
             return None
-        fewest = min(len(u) for u in self._req_units.values())
+        # The poorest among the requests that can use another unit.
+        wanting = self._wanting_units()
+        if not wanting:
+            return None
+        fewest = min(wanting)[0] - 1
         donors = [
             (len(u), r)
             for r, u in self._req_units.items()
