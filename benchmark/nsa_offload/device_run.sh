@@ -12,8 +12,8 @@
 # (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), soak (the GPU
 # soak; $SOAK_ARGS), gputest (test/srt/test_decode_nsa_kv_offload.py;
 # $GPUTEST_ARGS), kernel-gate (after a kernel change: split = fused swap, the LRU
-# CUDA tests and three tiny exactness servers), tuned-gate (the tuned settings'
-# tiny exactness servers: fp8, bf16, retraction, leveling), demo (scripts/demo.sh; $DEMO_ARGS), savejit
+# CUDA tests and three tiny exactness servers), default-gate (the default's
+# tiny exactness servers: bf16, retraction, leveling, 7 x 4,416 rows), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments).
@@ -157,9 +157,10 @@ run_step() {
       # After any change to the swap, reorder or copy kernels, before timing
       # it: the split swap against the fused one at the served sizes (4096
       # slots, top-k 2048, 32K contexts, beside the rest), the LRU state's
-      # CUDA tests, then the tiny checkpoint end to end (default, direct
-      # slots, warm units + direct + flat copy; resumed from tiny_run6's
-      # no-offload outputs). The CPU interpreter and the kernel tests passed a
+      # CUDA tests, then the tiny checkpoint end to end (the default: warm
+      # units, direct slots, spare regions, units sized to the context; the
+      # defaults before ca19e8c, every request on the LRU walk; the default +
+      # flat copy; resumed from tiny_run6's no-offload outputs). The CPU interpreter and the kernel tests passed a
       # rewrite that the end-to-end run caught (results/exactness/tiny_reorder_regression/).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       (timeout 240 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/gate_swap_units \
@@ -170,21 +171,21 @@ run_step() {
         test/srt/test_lru_cache_state.py::TestUnits test/srt/test_nsa_kv_offload_multi_token.py" \
         GPUTEST_TIMEOUT=200 run_step gputest
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8 $resume" \
-        EXACT_ARGS_2="--servers ours_fp8_direct $resume" \
+        EXACT_ARGS_2="--servers ours_fp8_classic $resume" \
         EXACT_ARGS_3="--servers ours_fp8_warm_direct_flat $resume" run_step exact
       wait $split_vs_fused || rc=1
       echo "=== split vs fused swap"; tail -12 $OUT/gate_swap_units.log
       ;;
-    tuned-gate)
-      # The tuned settings (exactness.py TUNED_ENV: warm units, direct slots,
-      # flat copy, spare regions, 8 units; also 7 units of 4,416 rows) on the
-      # tiny checkpoint with fp8, bf16, retraction and leveling, three runs
-      # side by side, resumed from tiny_run6's no-offload outputs: what they
-      # need before they can be the default.
+    default-gate)
+      # The default since ca19e8c (warm units, direct slots, spare regions,
+      # units sized to the context) on the tiny checkpoint with bf16, fp8 and
+      # bf16 retraction, unit leveling, and the bench's 7 units of 4,416 rows
+      # (with the flat copy); three runs side by side, resumed from
+      # tiny_run6's no-offload outputs (kernel-gate runs the fp8 default).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
-      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_tuned,ours_bf16_tuned $resume" \
-        EXACT_ARGS_2="--servers ours_bf16_tuned_retract,ours_fp8_tuned_4416 $resume" \
-        EXACT_ARGS_3="--servers ours_bf16_tuned_level $resume" run_step exact
+      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_bf16,ours_fp8_retract $resume" \
+        EXACT_ARGS_2="--servers ours_bf16_retract,ours_fp8_tuned_4416 $resume" \
+        EXACT_ARGS_3="--servers ours_bf16_level $resume" run_step exact
       ;;
     soak)
       # The GPU soak (issue 21): soak.py, more flags in $SOAK_ARGS.

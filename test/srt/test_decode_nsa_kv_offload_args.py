@@ -117,7 +117,10 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
         self.assertEqual(args.nsa_kv_offload_recent_window, 64)
         self.assertGreater(args.nsa_kv_offload_host_pool_gb, 0)
-        self.assertEqual(args.nsa_kv_offload_max_units, 4)
+        # Units holding the model's whole context (163,840 positions) below
+        # the window: 163,776 / 4,096 -> 40.
+        self.assertEqual(args.get_model_config().context_len, 163840)
+        self.assertEqual(args.nsa_kv_offload_max_units, 40)
 
     def test_disabled_is_untouched(self):
         args = self._server_args(
@@ -136,13 +139,17 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_host_pool_gb, 0.5)
 
     def test_max_units(self):
-        # 1 turns lending off; the default shrinks so that a request's LRU
-        # slot ids still fit int16 (12288 x 2 <= 32767 < 12288 x 3).
+        # 1 turns lending off; the default holds the context below the
+        # window: ceil((163,840 - W) / buffer), --context-length included.
         for overrides, expect in (
             (dict(nsa_kv_offload_max_units=1), 1),
             (dict(nsa_kv_offload_max_units=7), 7),
-            (dict(nsa_kv_offload_gpu_buffer_size=12288), 2),
-            (dict(nsa_kv_offload_gpu_buffer_size=32767), 1),
+            (dict(nsa_kv_offload_gpu_buffer_size=12288), 14),
+            (dict(nsa_kv_offload_gpu_buffer_size=32767), 5),
+            (dict(context_length=32768), 8),
+            (dict(context_length=32768, nsa_kv_offload_recent_window=512), 8),
+            (dict(context_length=32768 + 65), 9),
+            (dict(context_length=64), 1),
         ):
             args = self._server_args(**overrides)
             args._handle_decode_nsa_kv_offload()
@@ -154,25 +161,22 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             nsa_kv_offload_max_units=0,
         )
         self._assert_rejected(
-            "use at most 2, or set SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS=1",
-            nsa_kv_offload_gpu_buffer_size=12288,
-            nsa_kv_offload_max_units=3,
-        )
-        self._assert_rejected(
             "--nsa-kv-offload-gpu-buffer-size (40000) must be at most 32767",
             nsa_kv_offload_gpu_buffer_size=40000,
         )
 
-    def test_wide_slot_ids_take_more_units(self):
-        # Experimental int32 slot ids: units x buffer above 32767, with a
-        # warning; the pool sizes the wider ids (2 more bytes per slot id).
-        env = {nsa_kv_offload_args.ENV_WIDE_SLOT_IDS: "1"}
-        with mock.patch.dict(os.environ, env):
-            args = self._server_args(nsa_kv_offload_max_units=24)
-            with self.assertLogs(nsa_kv_offload_args.logger, "WARNING") as logs:
-                args._handle_decode_nsa_kv_offload()
+    def test_wide_slot_ids_beyond_int16(self):
+        # units x buffer above 32767 takes int32 slot ids, said in the log;
+        # the pool sizes the wider ids (2 more bytes per slot id).
+        args = self._server_args(nsa_kv_offload_max_units=24)
+        with self.assertLogs(nsa_kv_offload_args.logger, "INFO") as logs:
+            args._handle_decode_nsa_kv_offload()
         self.assertEqual(args.nsa_kv_offload_max_units, 24)
         self.assertIn("int32 LRU slot ids for 24 units", "".join(logs.output))
+        args = self._server_args(nsa_kv_offload_max_units=7)
+        with self.assertLogs(nsa_kv_offload_args.logger, "INFO") as logs:
+            args._handle_decode_nsa_kv_offload()
+        self.assertNotIn("int32 LRU slot ids", "".join(logs.output))
         from sglang.srt.mem_cache import nsa_kv_offload_pool as pool
 
         self.assertEqual(pool.lru_slot_id_bytes(4096, 7), 2)
@@ -467,9 +471,35 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         args._handle_decode_nsa_kv_offload()
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
 
+    def test_default_on_settings(self):
+        # Warm units, direct slots and spare regions are on unless their
+        # variable is "0"; warm units only where they apply, direct slots
+        # only without MTP (there "1" is refused at startup).
+        m = nsa_kv_offload_args
+        names = (m.ENV_WARM_UNITS, m.ENV_DIRECT_SLOTS, m.ENV_SPARE_REGIONS)
+        clean = {k: v for k, v in os.environ.items() if k not in names}
+        for value, on in (("", True), ("1", True), ("0", False), ("false", False)):
+            env = {**clean, **{name: value for name in names}}
+            with self.subTest(value=value), mock.patch.dict(os.environ, env, True):
+                self.assertEqual(m.spare_regions_enabled(), on)
+                self.assertEqual(m.direct_slots_enabled(False), on)
+                self.assertFalse(m.direct_slots_enabled(True))
+                self.assertEqual(m.warm_units_enabled(40, False, False), on)
+                for refused in (
+                    (1, False, False),
+                    (40, True, False),
+                    (40, False, True),
+                ):
+                    self.assertFalse(m.warm_units_enabled(*refused), refused)
+        # Where warm units cannot apply, the default starts without them.
+        with mock.patch.dict(os.environ, clean, clear=True):
+            self._server_args(
+                nsa_kv_offload_max_units=1
+            )._handle_decode_nsa_kv_offload()
+
     def test_warm_units_only_where_they_apply(self):
-        # Experimental warm units: PD decode or colocated, with units, no MTP,
-        # no host pool shared by attention-TP ranks.
+        # Warm units forced on ("1"): PD decode or colocated, with units, no
+        # MTP, no host pool shared by attention-TP ranks.
         env = {nsa_kv_offload_args.ENV_WARM_UNITS: "1"}
         with mock.patch.dict(os.environ, env):
             for overrides in ({}, dict(disaggregation_mode="decode")):

@@ -369,6 +369,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
             chunked_prefill_size=1024,
             max_prefill_tokens=1024,
             max_running_requests=2,
+            # The default at a 2,048 context is one unit (it holds it whole).
+            nsa_kv_offload_max_units=4,
         )
         fields.update(overrides)
         for name, value in fields.items():
@@ -565,12 +567,17 @@ class TestServerArgsToPools(TinyConfigDirCase):
         )
 
     def test_default_regions_from_budget(self):
-        args = self._server_args(max_running_requests=None)
+        args = self._server_args(
+            max_running_requests=None,
+            nsa_kv_offload_max_units=None,
+            context_length=163840,
+        )
         configurator = NSAKVOffloadPoolConfigurator(self._model_runner(args, 1 << 30))
-        # A region pays for its own unit's LRU state, whatever the default 4
-        # units a request may hold.
-        self.assertEqual(args.nsa_kv_offload_max_units, 4)
-        per_region = offload_bytes_per_region(3, 656, 4096, 64, max_units=4)
+        # A region pays for its own unit's LRU state, whatever units a
+        # request may hold (by default those of the model's context: int32
+        # slot ids).
+        self.assertEqual(args.nsa_kv_offload_max_units, 40)
+        per_region = offload_bytes_per_region(3, 656, 4096, 64, max_units=40)
         sizes = configurator.compute_sizes(1 << 30, PAGE)
         self.assertEqual(sizes.num_regions, int(0.4 * (1 << 30)) // per_region)
         huge = configurator.compute_sizes(1 << 40, PAGE)
@@ -623,10 +630,12 @@ class TestServerArgsToPools(TinyConfigDirCase):
             device=DEVICE,
             enable_memory_saver=False,
         )
-        # Neither swap-schedule variable set: the server's default.
+        # No schedule variable set: the server's default.
         unset = {
             "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP": "",
             "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH": "",
+            "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS": "",
+            "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS": "",
         }
         with self.assertLogs(
             "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
@@ -642,7 +651,7 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(mr.max_total_num_tokens, host_locs // PAGE * PAGE)
         self.assertEqual(sizes.num_locs, mr.max_total_num_tokens)
         self.assertEqual(sizes.num_regions, 2)
-        self.assertEqual(sizes.num_spare_regions, 0)  # off by default
+        self.assertEqual(sizes.num_spare_regions, 6)  # on by default
         self.assertEqual(sizes.region_rows, 4096 + 64)
         pool = mr.token_to_kv_pool
         self.assertIs(pool.sizes, sizes)
@@ -658,9 +667,14 @@ class TestServerArgsToPools(TinyConfigDirCase):
 
         held = sizes.describe_capacity(mr.model_config.context_len)
         self.assertTrue(any(held in line for line in logs), logs)
-        # The early swap is the default, and the log says so.
+        # The early swap, warm units and direct slots are the default, and
+        # the log says so.
         self.assertTrue(coordinator.early_swap)
         self.assertTrue(any("early swap on" in x for x in logs), logs)
+        self.assertTrue(coordinator.warm_units)
+        self.assertTrue(any("warm units on" in x for x in logs), logs)
+        self.assertTrue(coordinator.lru.direct_slots)
+        self.assertTrue(any("direct slots on" in x for x in logs), logs)
         self.assertIs(get_nsa_kv_offload(allocator), coordinator)
         self.assertFalse(hasattr(pool, "nsa_kv_offload"))  # no link back
         self.assertIs(coordinator.sizes, sizes)
@@ -668,19 +682,18 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(coordinator.host_pool.size, sizes.num_locs)
         self.assertEqual(coordinator.host_pool.row_bytes, 656)
         controller = coordinator.controller
-        self.assertEqual(controller.num_free_regions(), 2)
+        self.assertEqual(controller.num_free_regions(), 8)
         self.assertEqual(controller.regions.start_row, sizes.region_start_row)
         self.assertLessEqual(controller.regions.end_row, pool.kv_buffer[0].shape[0])
         self.assertEqual(controller.lru.num_locs, sizes.num_locs + PAGE)
 
     def test_spare_regions(self):
-        # The host pool caps the locs far below the 256 MB budget: with the
-        # variable, the bytes left become regions the 2 request slots borrow
-        # as units (up to 3 more each at 4 units), and nothing else changes.
-        plain = self._resolved_pools()
-        mr, sizes, coordinator, logs = self._resolved_pools(
-            {"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "1"}
-        )
+        # The host pool caps the locs far below the 256 MB budget: the bytes
+        # left become regions the 2 request slots borrow as units (up to 3
+        # more each at 4 units), and nothing else changes ("0": none).
+        plain = self._resolved_pools({"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "0"})
+        self.assertEqual(plain[1].num_spare_regions, 0)
+        mr, sizes, coordinator, logs = self._resolved_pools()
         self.assertEqual(mr.max_running_requests, 2)
         self.assertEqual(sizes.num_regions, 2)
         self.assertEqual(sizes.num_locs, plain[1].num_locs)

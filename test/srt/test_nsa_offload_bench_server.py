@@ -108,12 +108,30 @@ class TestOffloadNamesMatchTheProduct(unittest.TestCase):
             "ENV_DIRECT_SLOTS",
             "ENV_SPARE_REGIONS",
             "ENV_WARM_UNITS",
-            "ENV_WIDE_SLOT_IDS",
             "ENV_UNPROVEN_PARALLEL",
-            "DEFAULT_MAX_UNITS",
         ):
             with self.subTest(name=name):
                 self.assertEqual(getattr(server_utils, name), getattr(product, name))
+
+    def test_default_max_units(self):
+        # The tools size ours' slot ids by the units the server defaults to.
+        from sglang.srt.arg_groups import nsa_kv_offload_args as product
+
+        for ctx, buffer_size, window in (
+            (163840, None, 64),
+            (163840, 10240, 64),
+            (32768, 4096, 64),
+            (32768 + 65, 4096, 64),
+            (64, 4096, 64),
+        ):
+            with self.subTest(ctx=ctx, buffer_size=buffer_size, window=window):
+                self.assertEqual(
+                    server_utils.offload_max_units(None, buffer_size, ctx, window),
+                    product.nsa_kv_offload_default_max_units(
+                        ctx, buffer_size or 4096, window
+                    ),
+                )
+        self.assertEqual(server_utils.offload_max_units(7, 4096), 7)
 
 
 class TestOverrideTraceLayers(unittest.TestCase):
@@ -350,17 +368,29 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
                 self.assertEqual(env.get(self.ENV_VAR), prefetch)
                 self.assertEqual(env.get(early), schedule)
 
-    def test_more_units_than_int16_slot_ids_set_the_wide_ids(self):
-        wide = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
-        args = self._sized_args("--servers", "baseline,ours,ours_warm")
-        for max_units, want in ((None, None), (7, None), (24, "1")):
-            args.max_units = max_units
-            with self.subTest(max_units=max_units):
-                self.assertEqual(bench_server.server_env(args, "ours").get(wide), want)
-                self.assertEqual(
-                    bench_server.server_env(args, "ours_warm").get(wide), want
-                )
-                self.assertNotIn(wide, bench_server.server_env(args, "baseline"))
+    def test_classic_server_keeps_the_old_defaults(self):
+        # ours_classic: 4 units, cold, no direct slots, no spare regions, even
+        # with --spare-regions and --max-units given to the others.
+        args = self._sized_args(
+            "--servers", "baseline,ours,ours_classic", "--spare-regions"
+        )
+        args.max_units = 8
+        specs = bench_server.server_specs(args)
+        units = "--nsa-kv-offload-max-units"
+        for kind, want in (("ours", "8"), ("ours_classic", "4")):
+            with self.subTest(kind=kind):
+                spec = specs[kind]
+                self.assertEqual(spec.count(units), 1)
+                self.assertEqual(spec[spec.index(units) + 1], want)
+        env = bench_server.server_env(args, "ours_classic")
+        for name in ("WARM_UNITS", "DIRECT_SLOTS", "SPARE_REGIONS"):
+            self.assertEqual(env["SGLANG_NSA_KV_OFFLOAD_" + name], "0")
+        self.assertEqual(
+            bench_server.server_env(args, "ours")[
+                "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
+            ],
+            "1",
+        )
 
     def test_hisparse_budget_of_its_own(self):
         args = self._sized_args(

@@ -732,9 +732,8 @@ class TestTunedServers(unittest.TestCase):
         bench_env = bench_server.VARIANT_ENV["ours_warm_direct_flat"]
         self.assertLessEqual(bench_env.items(), exactness.TUNED_ENV.items())
         self.assertEqual(exactness.TUNED_ENV[server_utils.ENV_SPARE_REGIONS], "1")
-        self.assertTrue(
-            server_utils.needs_wide_slot_ids(exactness.TUNED_MAX_UNITS, None)
-        )
+        # 8 units of 4,096 rows: int32 slot ids.
+        self.assertGreater(exactness.TUNED_MAX_UNITS, server_utils.widest_units(None))
         names = [n for n in exactness.SERVERS if "_tuned" in n]
         self.assertEqual(
             sorted(names),

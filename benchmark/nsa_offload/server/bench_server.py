@@ -83,7 +83,6 @@ sys.path.insert(1, str(TRACES_DIR))
 
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
-    DEFAULT_MAX_UNITS,
     DIRECT_RE,
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
@@ -93,7 +92,6 @@ from server_utils import (  # noqa: E402
     ENV_SWAP_AFTER_ROPE,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
-    ENV_WIDE_SLOT_IDS,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
     PD_DECODE_FAKE_ARGS,
@@ -104,7 +102,6 @@ from server_utils import (  # noqa: E402
     git_commit,
     model_weights_gib,
     mtp_args,
-    needs_wide_slot_ids,
     num_model_layers,
     offload_max_units,
     use_model,
@@ -132,6 +129,7 @@ OURS_VARIANT_KINDS = (
     "ours_warm_rope",
     "ours_warm_direct",
     "ours_warm_direct_flat",
+    "ours_classic",
     "ours_warm_direct_narrow",
     "ours_warm_late",
     "ours_units",
@@ -180,6 +178,7 @@ LABELS = {
     "ours_warm_rope": "ours, warm units, swap after rope",
     "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
+    "ours_classic": "ours, the defaults before ca19e8c",
     "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
     "narrow reorder",
     "ours_warm_late": "ours, warm units + late reorder",
@@ -740,6 +739,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     # ours_wide: as many units as a request's int16 LRU slot ids allow (7 at
     # 4096 rows): what idle GPU memory can lend at most.
     wide = ours + [units, str(widest_units(args.buffer_size))]
+    ours_base = list(ours)
     if args.max_units is not None:
         ours += [units, str(args.max_units)]
     mtp = mtp_args(args.mtp_steps, spec_v2=args.mtp_spec_v2)
@@ -754,6 +754,7 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_wide": wide,
         # These differ from ours by their env vars only.
         **{kind: ours for kind in VARIANT_ENV},
+        "ours_classic": ours_base + [units, str(CLASSIC_MAX_UNITS)],
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -780,7 +781,15 @@ VARIANT_ENV = {
         ENV_DIRECT_SLOTS: "1",
         ENV_GATHER_PROGRAMS: "16",
     },
+    # The defaults before the units were capped by each request's context
+    # (ca19e8c): 4 units, cold, no direct slots, no spare regions.
+    "ours_classic": {
+        ENV_WARM_UNITS: "0",
+        ENV_DIRECT_SLOTS: "0",
+        ENV_SPARE_REGIONS: "0",
+    },
 }
+CLASSIC_MAX_UNITS = 4
 
 
 def server_env(args, kind: str) -> Dict[str, str]:
@@ -807,9 +816,8 @@ def server_env(args, kind: str) -> Dict[str, str]:
     if kind == "ours_mtp" and args.mtp_swap != "default":
         env[ENV_EARLY_SWAP] = "1" if args.mtp_swap == "early" else "0"
     if args.spare_regions and kind in OFFLOAD_KINDS:
-        env[ENV_SPARE_REGIONS] = "1"
-    if needs_wide_slot_ids(args.max_units, args.buffer_size) and kind in OFFLOAD_KINDS:
-        env[ENV_WIDE_SLOT_IDS] = "1"  # more units than int16 slot ids allow
+        # The default since ca19e8c; ours_classic keeps them off.
+        env.setdefault(ENV_SPARE_REGIONS, "1")
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:
@@ -1951,6 +1959,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_rope": "sienna",
         "ours_warm_direct": "darkgreen",
         "ours_warm_direct_flat": "limegreen",
+        "ours_classic": "slateblue",
         "ours_warm_direct_narrow": "darkcyan",
         "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
@@ -2471,7 +2480,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="the offload servers turn GPU memory their host pool leaves without "
         "locs into spare regions lent as units "
-        "(SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS=1, experimental)",
+        "(SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS=1; the server's default since "
+        "ca19e8c, kept for the older runs' commands)",
     )
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
     p.add_argument(
@@ -2491,7 +2501,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--max-units",
         type=int,
         help="ours: LRU buffers one request may hold while GPU rows are idle "
-        f"(--nsa-kv-offload-max-units; default: the server's, {DEFAULT_MAX_UNITS})",
+        "(--nsa-kv-offload-max-units; default: the server's, the units that hold "
+        "the model's context)",
     )
     p.add_argument(
         "--cross-layer-prefetch",

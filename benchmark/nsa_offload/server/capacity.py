@@ -60,7 +60,7 @@ def model_rows(args):
 
     budget = int(args.budget_gb * (1 << 30))
     C, W, L = args.buffer_size, args.recent_window, args.layers
-    U = offload_max_units(args.max_units, C)
+    U = offload_max_units(args.max_units, C, args.context_len, W)
     R = C + W
     per_loc = offload_bytes_per_loc(L, INDEXER_BYTES)
     per_region = offload_bytes_per_region(L, ROW_BYTES_FP8, C, W, U)
@@ -125,7 +125,9 @@ def write_model(args):
         "budget_gb": args.budget_gb,
         "buffer_size": args.buffer_size,
         "recent_window": args.recent_window,
-        "max_units": offload_max_units(args.max_units, args.buffer_size),
+        "max_units": offload_max_units(
+            args.max_units, args.buffer_size, args.context_len, args.recent_window
+        ),
         "new_tokens": args.new_tokens,
         "context_len": args.context_len,
         "prefill_budget": args.prefill_budget,
@@ -135,8 +137,7 @@ def write_model(args):
     lines = [
         f"# Capacity at a {args.budget_gb:g} GB KV budget, {args.layers} layers "
         f"(fp8 656 B rows, R = {args.buffer_size} + {args.recent_window}, "
-        f"LRU state for up to {offload_max_units(args.max_units, args.buffer_size)} "
-        "unit(s) per request)",
+        f"slot ids for up to {meta['max_units']} unit(s) per request)",
         "",
         "Requests of `length` prompt + "
         f"{args.new_tokens} new tokens. `decode-only`: no prefill staging (what a "
@@ -238,7 +239,12 @@ def offload_regions_for(length: int, budget_gib: float, args) -> dict:
             new_tokens=args.capacity_new_tokens,
             buffer_size=args.buffer_size or 4096,
             recent_window=args.recent_window,
-            max_units=offload_max_units(args.max_units, args.buffer_size),
+            max_units=offload_max_units(
+                args.max_units,
+                args.buffer_size,
+                args.context_length,
+                args.recent_window,
+            ),
             context_len=args.context_length,
             prefill_budget=16384,  # max(chunked_prefill_size, max_prefill_tokens)
         )

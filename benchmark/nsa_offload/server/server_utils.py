@@ -66,7 +66,6 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
-ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
 ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
 ENV_SWAP_AFTER_ROPE = "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE"
 # The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
@@ -124,25 +123,28 @@ HISPARSE_ARGS = [
     "flashmla_kv",
 ]
 
-# The offload server's default --nsa-kv-offload-max-units (nsa_kv_offload_args).
-DEFAULT_MAX_UNITS = 4
+# The context length of the checkpoints the benchmarks run (DeepSeek-V3.2's
+# max_position_embeddings: the rank and tiny checkpoints keep it).
+MODEL_CONTEXT_LEN = 163840
 
 
-def offload_max_units(max_units: Optional[int], buffer_size: Optional[int]) -> int:
+def offload_max_units(
+    max_units: Optional[int],
+    buffer_size: Optional[int],
+    context_len: int = MODEL_CONTEXT_LEN,
+    recent_window: int = 64,
+) -> int:
     """LRU units per request an offload server runs with: ``max_units`` if
-    given, else its default (fewer when the rows exceed int16 slot ids)."""
+    given, else its default, the units that hold ``context_len`` below the
+    window (``nsa_kv_offload_default_max_units``; the tests compare)."""
     if max_units is not None:
         return max_units
-    return min(DEFAULT_MAX_UNITS, widest_units(buffer_size))
-
-
-def needs_wide_slot_ids(max_units: Optional[int], buffer_size: Optional[int]) -> bool:
-    """Whether ``max_units`` needs the offload's int32 slot ids."""
-    return max_units is not None and max_units > widest_units(buffer_size)
+    below_window = max(context_len - recent_window, 0)
+    return max(1, -(-below_window // (buffer_size or 4096)))
 
 
 def widest_units(buffer_size: Optional[int]) -> int:
-    """The most LRU units a request may span: its slot ids are int16."""
+    """The most LRU units a request may span with int16 slot ids."""
     return 32767 // (buffer_size or 4096)
 
 

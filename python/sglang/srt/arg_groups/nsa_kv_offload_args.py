@@ -22,13 +22,11 @@ GB = 1 << 30
 
 NSA_KV_OFFLOAD_PAGE_SIZE = 64
 
-# GPU buffers one request may hold per layer by default. Lent only while idle
-# (free decode regions, idle prefill staging), so the capacity at full load is
-# that of one; four covered the batch sizes measured (docs/ELASTIC_BUFFER.md).
-DEFAULT_MAX_UNITS = 4
-# LRU slot ids of a request are int16 (loc_to_slot, lru_order) unless
-# ENV_WIDE_SLOT_IDS=1 makes them int32.
-_MAX_LRU_SLOTS = 32767
+# LRU slot ids of a request are int16 (loc_to_slot, lru_order) while its
+# units x buffer slots fit, int32 beyond (lru_slot_dtype).
+_MAX_INT16_LRU_SLOTS = 32767
+# One unit's LRU rows: the one-unit swap walks them in one program.
+_MAX_BUFFER_SIZE = 32767
 
 # The NSA backends run on the GPU with the offload, the only ones accepted:
 # decode reads KV through a per-token page table (by KV dtype); prefill must
@@ -57,19 +55,18 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # copy start on a side stream as soon as its top-k exists, beside the query
 # projection and rope, instead of right before its attention.
 ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
-# Experimental direct slots (read by the coordinator): a request whose context
-# fits its LRU slots keeps position p in slot p and swaps without the LRU walk.
+# Direct slots (on by default without MTP; "0" turns them off): a request
+# whose context fits its LRU slots keeps position p in slot p and swaps
+# without the LRU walk.
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
-# Experimental spare regions (read by the pool configurator): GPU bytes the
-# host pool leaves without locs become regions lent to requests as units.
+# Spare regions (on by default; "0" turns them off; read by the pool
+# configurator): GPU bytes the host pool leaves without locs become regions
+# lent to requests as units.
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
-# Experimental warm units (read by the coordinator): a request is warmed after
-# its units are granted, into every slot it holds, instead of one unit's top-k
-# rows at admission.
+# Warm units (on by default where warm_units_refusal allows; "0" turns them
+# off): a request is warmed after its units are granted, into every slot it
+# holds, instead of one unit's top-k rows at admission.
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
-# Experimental wide slot ids: int32 LRU slot ids, so that units x buffer may
-# exceed 32767 (more units per request: long contexts on idle GPU memory).
-ENV_WIDE_SLOT_IDS = "SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS"
 # Experimental flat miss copy (read by the coordinator): N programs share all
 # requests' misses instead of a grid per request, so that the copy's waits on
 # host reads hold at most N SMs beside the forward stream.
@@ -106,13 +103,42 @@ def swap_batch_rows(server_args, max_running_requests: int) -> int:
     return max(max_running_requests, server_args.cuda_graph_max_bs or 0)
 
 
+def env_default_on(env: str) -> bool:
+    """A setting on by default: on unless its variable is set false ("0")."""
+    from sglang.srt.utils import get_bool_env_var
+
+    return os.environ.get(env, "") == "" or get_bool_env_var(env)
+
+
 def early_swap_enabled() -> bool:
     """Whether decode and verify layers swap early (``ENV_EARLY_SWAP``): on
     unless the variable is "0" (every variant, MTP verify and the prefetch on
     the swap's stream included, ran exact on the H200)."""
-    from sglang.srt.utils import get_bool_env_var
+    return env_default_on(ENV_EARLY_SWAP)
 
-    return os.environ.get(ENV_EARLY_SWAP, "") == "" or get_bool_env_var(ENV_EARLY_SWAP)
+
+def direct_slots_enabled(speculative: bool) -> bool:
+    """Whether requests whose context fits their slots swap in direct mode
+    (``ENV_DIRECT_SLOTS``): on unless "0", off with MTP (the verify swaps
+    several query tokens per request; "1" with MTP is refused)."""
+    return env_default_on(ENV_DIRECT_SLOTS) and not speculative
+
+
+def spare_regions_enabled() -> bool:
+    """Whether the GPU bytes the locs leave become spare regions
+    (``ENV_SPARE_REGIONS``): on unless "0"."""
+    return env_default_on(ENV_SPARE_REGIONS)
+
+
+def warm_units_enabled(
+    max_units: int, speculative: bool, shared_host_pool: bool
+) -> bool:
+    """Whether admissions are warmed after their units are granted
+    (``ENV_WARM_UNITS``): on unless "0", where ``warm_units_refusal`` allows
+    (there "1" is refused at startup)."""
+    return env_default_on(ENV_WARM_UNITS) and (
+        warm_units_refusal(max_units, speculative, shared_host_pool) is None
+    )
 
 
 def gather_programs_from_env() -> Optional[int]:
@@ -179,9 +205,10 @@ def _fail(message: str) -> None:
 def warm_units_refusal(
     max_units: int, speculative: bool, shared_host_pool: bool
 ) -> Optional[str]:
-    """Why ``ENV_WARM_UNITS=1`` cannot apply (None: it can): it warms each
-    admitted request, after the rebalance, into every slot its units give it,
-    one query token per request, from host memory."""
+    """Why warm units cannot apply (None: they can): they warm each admitted
+    request, after the rebalance, into every slot its units give it, one
+    query token per request, from host memory. Where they cannot, they are
+    off by default and ``ENV_WARM_UNITS=1`` is refused."""
     if max_units <= 1:
         return "needs --nsa-kv-offload-max-units above 1"
     if speculative:
@@ -194,6 +221,17 @@ def warm_units_refusal(
             "(--tp-size above the DP-attention size)"
         )
     return None
+
+
+def nsa_kv_offload_default_max_units(
+    context_len: int, buffer_size: int, recent_window: int
+) -> int:
+    """Default units one request may hold: enough LRU slots for every
+    position of the longest context below its recent window, so that any
+    request whose context fits the idle GPU rows swaps in direct mode. Units
+    are lent only while idle and each request only what its own context
+    needs (``SparseCacheController.units_to_hold``)."""
+    return max(1, -(-max(context_len - recent_window, 0) // buffer_size))
 
 
 def nsa_kv_offload_default_buffer_size(index_topk: int, query_tokens: int) -> int:
@@ -419,43 +457,35 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
     check_nsa_kv_offload_speculative(server_args, index_topk)
     from sglang.srt.utils import get_bool_env_var
 
-    units_fit = _MAX_LRU_SLOTS // buffer_size
-    if units_fit < 1:
+    if buffer_size > _MAX_BUFFER_SIZE:
         _fail(
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at most "
-            f"{_MAX_LRU_SLOTS} (LRU slot ids are int16)."
+            f"{_MAX_BUFFER_SIZE}."
         )
     max_units = server_args.nsa_kv_offload_max_units
     if max_units is None:
-        server_args.nsa_kv_offload_max_units = min(DEFAULT_MAX_UNITS, units_fit)
+        server_args.nsa_kv_offload_max_units = nsa_kv_offload_default_max_units(
+            server_args.get_model_config().context_len, buffer_size, window
+        )
     elif max_units < 1:
         _fail(f"--nsa-kv-offload-max-units ({max_units}) must be at least 1.")
-    elif max_units > units_fit:
-        if not get_bool_env_var(ENV_WIDE_SLOT_IDS):
-            _fail(
-                f"--nsa-kv-offload-max-units ({max_units}) x "
-                f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at most "
-                f"{_MAX_LRU_SLOTS} (LRU slot ids are int16): use at most "
-                f"{units_fit}, or set {ENV_WIDE_SLOT_IDS}=1 (experimental int32 "
-                "slot ids)."
-            )
-        logger.warning(
-            "Decode NSA KV offload: %s=1, int32 LRU slot ids for %d units x %d "
-            "rows (experimental: 2 more bytes per token and layer for the "
-            "slot map, and per slot and layer for the LRU order).",
-            ENV_WIDE_SLOT_IDS,
+    max_units = server_args.nsa_kv_offload_max_units
+    if max_units * buffer_size > _MAX_INT16_LRU_SLOTS:
+        logger.info(
+            "Decode NSA KV offload: int32 LRU slot ids for %d units x %d rows "
+            "(2 more bytes per token and layer for the slot map, and per slot "
+            "and layer for the LRU order, than int16 ids).",
             max_units,
             buffer_size,
         )
 
-    if get_bool_env_var(ENV_WARM_UNITS):
-        why = warm_units_refusal(
-            server_args.nsa_kv_offload_max_units,
-            server_args.speculative_algorithm is not None,
-            layout.ranks_per_pool > 1,
-        )
-        if why:
-            _fail(f"{ENV_WARM_UNITS}=1 {why}.")
+    why = warm_units_refusal(
+        max_units,
+        server_args.speculative_algorithm is not None,
+        layout.ranks_per_pool > 1,
+    )
+    if why and get_bool_env_var(ENV_WARM_UNITS):
+        _fail(f"{ENV_WARM_UNITS}=1 {why}.")
 
     pinnable_gb = pinnable_host_memory_gb(layout.host_pools_per_node)
     host_pool_gb = server_args.nsa_kv_offload_host_pool_gb

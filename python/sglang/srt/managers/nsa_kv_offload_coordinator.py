@@ -64,10 +64,12 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_GATHER_PROGRAMS,
     ENV_SWAP_AFTER_ROPE,
     ENV_WARM_UNITS,
+    direct_slots_enabled,
     early_swap_enabled,
     gather_programs_from_env,
     swap_batch_rows,
     swap_query_tokens,
+    warm_units_enabled,
     warm_units_refusal,
 )
 from sglang.srt.managers.nsa_kv_offload_verify import NSAKVOffloadVerifyMixin
@@ -303,12 +305,19 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         if warm_units:
             logger.info(
-                "NSA KV offload: warm units on (experimental, %s=1): a request "
+                "NSA KV offload: warm units on (%s=0 turns them off): a request "
                 "is warmed after its units are granted, into up to %d "
                 "rows per layer instead of %d.",
                 ENV_WARM_UNITS,
                 max_units * buffer_size,
                 min(top_k, buffer_size),
+            )
+        if direct_slots:
+            logger.info(
+                "NSA KV offload: direct slots on (%s=0 turns them off): a "
+                "request whose context fits its units swaps without the LRU "
+                "walk.",
+                ENV_DIRECT_SLOTS,
             )
         self.producer_stream = None
         self._last_log_tic = time.perf_counter()
@@ -801,6 +810,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
 
     sa = model_runner.server_args
     max_batch_size = swap_batch_rows(sa, model_runner.max_running_requests)
+    speculative = sa.speculative_algorithm is not None
     host_pool_group = None
     if NSAKVOffloadRankLayout.from_server_args(sa).attn_tp_size > 1:
         # Same KV on every rank of the group: one host pool per node.
@@ -831,8 +841,10 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         kv_arrives_in_host=sa.disaggregation_mode == "decode",
         cross_layer_prefetch=get_bool_env_var(ENV_CROSS_LAYER_PREFETCH),
         early_swap=early_swap_enabled(),
-        direct_slots=get_bool_env_var(ENV_DIRECT_SLOTS),
-        warm_units=get_bool_env_var(ENV_WARM_UNITS),
+        direct_slots=direct_slots_enabled(speculative),
+        warm_units=warm_units_enabled(
+            geometry.max_units, speculative, host_pool_group is not None
+        ),
         copy_flat_programs=gather_programs_from_env(),
         swap_after_rope=get_bool_env_var(ENV_SWAP_AFTER_ROPE),
         max_units=geometry.max_units,

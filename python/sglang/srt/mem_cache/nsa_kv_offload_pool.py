@@ -565,11 +565,10 @@ class NSAKVOffloadPoolConfigurator:
 
     def __init__(self, mr):
         from sglang.srt.arg_groups.nsa_kv_offload_args import (
-            ENV_SPARE_REGIONS,
+            spare_regions_enabled,
             swap_query_tokens,
         )
         from sglang.srt.configs.model_config import get_nsa_index_head_dim
-        from sglang.srt.utils import get_bool_env_var
 
         sa = mr.server_args
         self.geometry = NSAKVOffloadGeometry.from_server_args(
@@ -611,7 +610,7 @@ class NSAKVOffloadPoolConfigurator:
             if sa.speculative_algorithm is not None
             else 0
         )
-        self.spare_regions = get_bool_env_var(ENV_SPARE_REGIONS)
+        self.spare_regions = spare_regions_enabled()
         self._spare_regions_resolved = 0
         # The swap's scratch rows and width, as the coordinator sizes them.
         self.server_args = sa
