@@ -159,7 +159,7 @@ run_step() {
       # slots, top-k 2048, 32K contexts, beside the rest), the LRU state's
       # CUDA tests, then the tiny checkpoint end to end (the default: warm
       # units, direct slots, spare regions, units sized to the context; the
-      # defaults before ca19e8c, every request on the LRU walk; the default +
+      # defaults before f418aa2, every request on the LRU walk; the default +
       # flat copy; resumed from tiny_run6's no-offload outputs). The CPU interpreter and the kernel tests passed a
       # rewrite that the end-to-end run caught (results/exactness/tiny_reorder_regression/).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
@@ -177,7 +177,7 @@ run_step() {
       echo "=== split vs fused swap"; tail -12 $OUT/gate_swap_units.log
       ;;
     default-gate)
-      # The default since ca19e8c (warm units, direct slots, spare regions,
+      # The default since f418aa2 (warm units, direct slots, spare regions,
       # units sized to the context) on the tiny checkpoint with bf16, fp8 and
       # bf16 retraction, unit leveling, and the bench's 7 units of 4,416 rows
       # (with the flat copy); three runs side by side, resumed from

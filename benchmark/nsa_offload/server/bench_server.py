@@ -178,7 +178,7 @@ LABELS = {
     "ours_warm_rope": "ours, warm units, swap after rope",
     "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
-    "ours_classic": "ours, the defaults before ca19e8c",
+    "ours_classic": "ours, the defaults before f418aa2",
     "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
     "narrow reorder",
     "ours_warm_late": "ours, warm units + late reorder",
@@ -782,7 +782,7 @@ VARIANT_ENV = {
         ENV_GATHER_PROGRAMS: "16",
     },
     # The defaults before the units were capped by each request's context
-    # (ca19e8c): 4 units, cold, no direct slots, no spare regions.
+    # (f418aa2): 4 units, cold, no direct slots, no spare regions.
     "ours_classic": {
         ENV_WARM_UNITS: "0",
         ENV_DIRECT_SLOTS: "0",
@@ -816,7 +816,7 @@ def server_env(args, kind: str) -> Dict[str, str]:
     if kind == "ours_mtp" and args.mtp_swap != "default":
         env[ENV_EARLY_SWAP] = "1" if args.mtp_swap == "early" else "0"
     if args.spare_regions and kind in OFFLOAD_KINDS:
-        # The default since ca19e8c; ours_classic keeps them off.
+        # The default since f418aa2; ours_classic keeps them off.
         env.setdefault(ENV_SPARE_REGIONS, "1")
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
@@ -2481,7 +2481,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="the offload servers turn GPU memory their host pool leaves without "
         "locs into spare regions lent as units "
         "(SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS=1; the server's default since "
-        "ca19e8c, kept for the older runs' commands)",
+        "f418aa2, kept for the older runs' commands)",
     )
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
     p.add_argument(

@@ -148,7 +148,7 @@ LEVEL_SPEC = dict(
 SERVERS = {
     "base_fp8": dict(nc=True, repeat=True),
     "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
-    # The defaults before ca19e8c: 4 units lent cold, LRU walk for every
+    # The defaults before f418aa2: 4 units lent cold, LRU walk for every
     # request, no spare regions.
     "ours_fp8_classic": dict(
         offload=["--nsa-kv-offload-max-units", "4"],
