@@ -278,10 +278,11 @@ class TestUnits(_ControllerCase):
 
     def test_sized_pools_hold_every_request_whole(self):
         # The rank sizing at the default request slots with the LRU state
-        # per unit (results/rank_speed/direct_sizing_30k64/): 223 slots +
-        # 232 spare regions give 64 requests their 7 units each; 239 + 247
-        # give 8 requests 33 each. Small rows, the same counts, admitted in
-        # a burst (PD decode) or one by one.
+        # per unit (results/rank_speed/default_sizing/): 223 slots + 232
+        # spare regions (7 units of 4,416 rows) give 64 requests their 7
+        # units each; 239 + 247 (the default's 40 units of 4,096) give 8
+        # requests 33 each. Small rows, the same counts, admitted in a burst
+        # (PD decode) or one by one.
         for slots, spare, reqs, units, burst in (
             (223, 232, 64, 7, True),
             (223, 232, 64, 7, False),
