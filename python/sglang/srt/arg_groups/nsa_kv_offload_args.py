@@ -231,7 +231,9 @@ def nsa_kv_offload_default_max_units(
     request whose context fits the idle GPU rows swaps in direct mode. Units
     are lent only while idle and each request only what its own context
     needs (``SparseCacheController.units_to_hold``)."""
-    return max(1, -(-max(context_len - recent_window, 0) // buffer_size))
+    from sglang.srt.mem_cache.nsa_kv_offload_units import units_for_context
+
+    return units_for_context(context_len, buffer_size, recent_window)
 
 
 def nsa_kv_offload_default_buffer_size(index_topk: int, query_tokens: int) -> int:

@@ -26,6 +26,13 @@ REGION_UNIT_SOURCE = "regions"  # free decode regions (always there)
 STAGING_UNIT_SOURCE = "staging"  # idle prefill staging pages (coordinator)
 
 
+def units_for_context(seq_len: int, buffer_size: int, recent_window: int) -> int:
+    """LRU units of ``buffer_size`` slots that hold every position of a
+    ``seq_len`` context below its recent window (what direct slots need; at
+    least one)."""
+    return max(1, -(-max(seq_len - recent_window, 0) // buffer_size))
+
+
 def unit_pages(unit_rows: int, page_size: int) -> int:
     """Staging pages of one unit of ``unit_rows`` rows (a run of whole pages)."""
     return -(-unit_rows // page_size)

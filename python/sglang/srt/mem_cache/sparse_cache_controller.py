@@ -66,6 +66,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
     REGION_UNIT_SOURCE,
     NSAKVOffloadUnitSource,
     RegionUnitSource,
+    units_for_context,
 )
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 
@@ -720,8 +721,8 @@ class SparseCacheController:
         """Units whose LRU slots hold every position of a ``seq_len`` context
         below its recent window (what direct slots need), within
         ``1 .. max_units``."""
-        below_window = max(seq_len - self.recent_window, 0)
-        return max(1, min(self.max_units, -(-below_window // self.buffer_size)))
+        units = units_for_context(seq_len, self.buffer_size, self.recent_window)
+        return min(self.max_units, units)
 
     def _wanting_units(self) -> List[Tuple[int, int]]:
         """(units held, pool index) of the requests below their unit cap."""
