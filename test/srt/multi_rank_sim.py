@@ -71,11 +71,14 @@ def make_tp_harness(group, **kwargs):
     class TPRankHarness(integ._Harness):
         """One attention-TP rank: the harness around a shared host pool."""
 
-        def __init__(self, test, **kw):
+        def __init__(self, test, direct_slots=False, **kw):
             self.group = group
             self.rank = group.rank_in_group
             self._pending_host_checks = []
-            super().__init__(test, coordinator_kwargs=dict(host_pool_group=group), **kw)
+            # A shared host pool's default: direct slots on, warm units off
+            # (warm_units_enabled).
+            coordinator_kwargs = dict(host_pool_group=group, direct_slots=direct_slots)
+            super().__init__(test, coordinator_kwargs=coordinator_kwargs, **kw)
 
         def check_host(self, locs):
             # Rank 0 reads what it wrote itself; a reader only after the next
@@ -141,17 +144,24 @@ def scenario_layout_mismatch(group):
     return "ok (no error)"
 
 
-def scenario_lifecycle(group, max_units=1):
-    """Chunked prefill, admission, decode with misses, finish, slot reuse."""
-    h = make_tp_harness(group, max_units=max_units, lend_staging_pages=0)
+def scenario_lifecycle(group, max_units=1, direct_slots=False):
+    """Chunked prefill, admission, decode with misses, finish, slot reuse.
+    With direct slots, B (130 tokens) fits one unit's 128 slots below its
+    first window and swaps in direct mode, A (160) does not."""
+    h = make_tp_harness(
+        group, max_units=max_units, lend_staging_pages=0, direct_slots=direct_slots
+    )
     a, b = h.new_req(), h.new_req()
     h.forward_barrier()
     h.prefill([(a, 100)], chunked_req=a)
     h.forward_barrier()
     h.prefill([(a, 60), (b, 130)])
+    direct = []
     for _ in range(8):
         h.forward_barrier()
         h.decode_step([a, b], pad_rows=1)
+        if not direct:
+            direct = [int(h.controller.lru.direct[r.req_pool_idx]) for r in (a, b)]
     h.finish(a)
     c = h.new_req()
     # C's locs reuse A's: rank 0's backup rewrites host rows the readers read
@@ -169,7 +179,10 @@ def scenario_lifecycle(group, max_units=1):
     h.check_no_leaks()
     counters = [int(x) for x in h.controller.counters.tolist()]
     h2d_rows, _, d2h_rows, _ = counters
-    return f"ok h2d_rows={h2d_rows} d2h_rows={d2h_rows} host={_host_digest(h)}"
+    return (
+        f"ok h2d_rows={h2d_rows} d2h_rows={d2h_rows} host={_host_digest(h)} "
+        f"direct={''.join(map(str, direct))}"
+    )
 
 
 def scenario_naive_warm(group):
@@ -198,6 +211,9 @@ SCENARIOS = {
     "layout_mismatch": scenario_layout_mismatch,
     "lifecycle": scenario_lifecycle,
     "lifecycle_units": lambda group: scenario_lifecycle(group, max_units=2),
+    "lifecycle_direct": lambda group: scenario_lifecycle(
+        group, max_units=2, direct_slots=True
+    ),
     "naive_warm": scenario_naive_warm,
 }
 
