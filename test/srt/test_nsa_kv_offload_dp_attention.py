@@ -112,14 +112,25 @@ def _pad_like_dp_max_len(fb, num_tokens):
     return fb
 
 
+# The server's default since f418aa2 on a rank of its own (DP attention):
+# units, warm units and direct slots (A's 150 tokens fit its 2 units).
+DEFAULT_ON = dict(
+    max_units=2,
+    num_regions=3,
+    coordinator_kwargs=dict(warm_units=True, direct_slots=True),
+)
+
+
 class TestIdleBatches(unittest.TestCase):
-    def _running_harness(self):
+    def _running_harness(self, **kwargs):
         """One request A prefilled, admitted and two steps into decode."""
-        h = integ._Harness(self, max_reqs=3)
+        h = integ._Harness(self, max_reqs=3, **kwargs)
         a = h.new_req()
         h.prefill([(a, 150)])
         h.decode_step([a], first_step_of=(a,))
         h.decode_step([a])
+        if kwargs:
+            self.assertEqual(int(h.controller.lru.direct[a.req_pool_idx]), 1)
         return h, a
 
     def test_eager_idle_never_reaches_the_decode_hook(self):
@@ -138,7 +149,12 @@ class TestIdleBatches(unittest.TestCase):
         self.assertEqual(backend.calls, ["decode"])
 
     def test_eager_idle_forward_changes_nothing(self):
-        h, a = self._running_harness()
+        for kwargs in ({}, DEFAULT_ON):
+            with self.subTest(default_on=bool(kwargs)):
+                self._eager_idle_forward_changes_nothing(**kwargs)
+
+    def _eager_idle_forward_changes_nothing(self, **kwargs):
+        h, a = self._running_harness(**kwargs)
         before = _state(h)
         empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
         idle = SimpleNamespace(
@@ -159,8 +175,13 @@ class TestIdleBatches(unittest.TestCase):
     def test_idle_cuda_graph_replay_is_inert(self):
         # A CUDA graph captured for DECODE replayed for an IDLE batch
         # (raw_bs 0, padded to bs 4): seq_lens 1, out_cache_loc 0, and stale
-        # req_pool_indices, here the live request's.
-        h, a = self._running_harness()
+        # req_pool_indices, here the live request's (in direct mode too).
+        for kwargs in ({}, DEFAULT_ON):
+            with self.subTest(default_on=bool(kwargs)):
+                self._idle_cuda_graph_replay_is_inert(**kwargs)
+
+    def _idle_cuda_graph_replay_is_inert(self, **kwargs):
+        h, a = self._running_harness(**kwargs)
         before = _state(h)
         bs = 4
         fb = SimpleNamespace(
@@ -195,7 +216,12 @@ class TestIdleBatches(unittest.TestCase):
         # the batch to 5 rows. The harness's CUDA-graph padding (pool index 0,
         # seq_len 1, out_cache_loc 0) is the same as that padding, so its
         # decode step with 3 padding rows runs what the padded batch runs.
-        h = integ._Harness(self, max_reqs=6)
+        for kwargs in ({}, DEFAULT_ON):
+            with self.subTest(default_on=bool(kwargs)):
+                self._dp_max_len_padded_decode(**kwargs)
+
+    def _dp_max_len_padded_decode(self, **kwargs):
+        h = integ._Harness(self, max_reqs=6, **kwargs)
         a, b = h.new_req(), h.new_req()
         h.prefill([(a, 90), (b, 130)])
         out = torch.tensor([11, 12], dtype=torch.int64, device=DEVICE)
