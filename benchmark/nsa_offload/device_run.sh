@@ -180,12 +180,13 @@ run_step() {
       # The default since f418aa2 (warm units, direct slots, spare regions,
       # units sized to the context) on the tiny checkpoint with bf16, fp8 and
       # bf16 retraction, unit leveling, and the bench's 7 units of 4,416 rows
-      # (with the flat copy); three runs side by side, resumed from
+      # (with the flat copy), direct requests warmed with nothing below the
+      # window (ours_fp8_lazy_direct); three runs side by side, resumed from
       # tiny_run6's no-offload outputs (kernel-gate runs the fp8 default).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_bf16,ours_fp8_retract $resume" \
         EXACT_ARGS_2="--servers ours_bf16_retract,ours_fp8_tuned_4416 $resume" \
-        EXACT_ARGS_3="--servers ours_bf16_level $resume" run_step exact
+        EXACT_ARGS_3="--servers ours_bf16_level,ours_fp8_lazy_direct $resume" run_step exact
       ;;
     soak)
       # The GPU soak (issue 21): soak.py, more flags in $SOAK_ARGS.

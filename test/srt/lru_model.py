@@ -71,20 +71,23 @@ class LRUModel:
     def enter_direct(self, r: int) -> None:
         self.direct.add(r)
 
-    def warm_direct(self, layers: Sequence[int], r: int, locs) -> List[List[int]]:
+    def warm_direct(
+        self, layers: Sequence[int], r: int, locs, first_position: int = 0
+    ) -> List[List[int]]:
         """Direct mode's warm-up of a request holding nothing: position p
-        (``locs[p]``) into slot p of each layer, its order slot order, then
-        direct mode."""
-        assert len(locs) <= len(self.units[r]) * self.C
+        (``locs[p - first_position]``) into slot p of each layer, its order
+        slot order, then direct mode (slots below ``first_position`` empty)."""
+        end = first_position + len(locs)
+        assert end <= len(self.units[r]) * self.C
         for layer in layers:
             self.lru_order[layer, r] = list(range(len(self.units[r]) * self.C))
-            for p, loc in enumerate(locs):
+            for p, loc in enumerate(locs, start=first_position):
                 assert self.slot_loc[layer, r][p] == -1, "slot taken"
                 assert loc not in self.loc_to_slot[layer], "loc resident"
                 self.loc_to_slot[layer][loc] = p
                 self.slot_loc[layer, r][p] = loc
         self.enter_direct(r)
-        return [[self.row(r, p) for p in range(len(locs))] for _ in layers]
+        return [[self.row(r, p) for p in range(first_position, end)] for _ in layers]
 
     def grow(self, r: int, base: int) -> None:
         """Add a unit at ``base``; its (empty) slots go to the LRU end."""

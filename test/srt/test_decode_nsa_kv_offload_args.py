@@ -258,6 +258,22 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                     with self.assertRaisesRegex(ValueError, "expected an integer"):
                         parse()
 
+    def test_direct_warm_positions_env(self):
+        # The experimental bounded direct warm-up: unset = every position; 0
+        # or more = at most that many; anything else fails at start.
+        var = nsa_kv_offload_args.ENV_DIRECT_WARM_POSITIONS
+        parse = nsa_kv_offload_args.direct_warm_positions_from_env
+        clean = {k: v for k, v in os.environ.items() if k != var}
+        for value, expected in (("", None), ("0", 0), ("4096", 4096)):
+            with self.subTest(value=value):
+                with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
+                    self.assertEqual(parse(), expected)
+        for value in ("-1", "x", "1e3"):
+            with self.subTest(value=value):
+                with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
+                    with self.assertRaisesRegex(ValueError, "expected an integer >= 0"):
+                        parse()
+
     def test_reject_unsupported_speculative_decoding(self):
         # MTP's supported settings start (test_nsa_kv_offload_speculative_args).
         self._assert_rejected(

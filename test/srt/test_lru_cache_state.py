@@ -259,6 +259,7 @@ class Sim:
         self.steps = 0
         self.direct_entered = 0
         self.direct_units_entered = 0  # of those, past one unit's slots
+        self.direct_partial_entered = 0  # of those, the newest positions only
 
     # -- lifecycle
 
@@ -321,14 +322,18 @@ class Sim:
             self.model.grow(r, units[-1])
         if below_window > (len(units) + 1) * cfg.C:
             return
-        older = self.reqs[r]["locs"][:below_window]
+        # Sometimes only the newest positions (a bounded warm-up): the older
+        # slots stay empty, their positions missed into them when read.
+        first = rng.choice([0, rng.randint(0, below_window)])
+        older = self.reqs[r]["locs"][first:below_window]
         layers = list(range(cfg.layers))
-        expect = self.model.warm_direct(layers, r, older)
+        expect = self.model.warm_direct(layers, r, older, first)
         self.direct_entered += 1
         self.direct_units_entered += below_window > cfg.C
+        self.direct_partial_entered += first > 0
         for state in self.states:
             arg = torch.tensor(older, dtype=torch.int64, device=DEVICE)
-            rows = state.warm_direct(layers, r, arg)
+            rows = state.warm_direct(layers, r, arg, first_position=first)
             self.test.assertEqual(rows.cpu().tolist(), expect)
 
     def warm(self, r: int) -> None:
@@ -1071,7 +1076,39 @@ class TestDirectSlots(unittest.TestCase):
         )
         sim = run_sim(self, cfg, impls, steps=50, seed=21)
         self.assertGreater(sim.direct_units_entered, 2)
+        self.assertGreater(sim.direct_partial_entered, 0)
         self.assertGreater(sim.model.direct_ended, 0)
+
+    def test_warm_direct_newest_positions_only(self):
+        # A bounded warm-up: positions 10..17 of an 18-below-the-window
+        # prompt in slots 10..17; position 3, never warmed, is a miss into
+        # slot 3 (empty), then a hit.
+        cfg = SimConfig(layers=2, C=8, K=4, W=4, max_reqs=2, units=3, direct=True)
+        r2t = (10 + torch.arange(40, dtype=torch.int32, device=DEVICE)).repeat(2, 1)
+        for impl in self._impls():
+            with self.subTest(impl=impl):
+                state = impl_state(cfg, impl)
+                state.admit_request(0, 100)
+                state.grow_request(0, 1, 200)
+                state.grow_request(0, 2, 300)
+                rows = state.warm_direct(
+                    range(2), 0, r2t[0, 10:18].long(), first_position=10
+                )
+                expect = [202, 203, 204, 205, 206, 207, 300, 301]
+                self.assertEqual(rows.tolist(), [expect, expect])
+                self.assertEqual(state.slot_loc[0, 0, :10].tolist(), [-1] * 10)
+                self.assertEqual(state.direct[0].item(), 1)
+                plan = self._swap(state, [3, 12, 21, -1], 22, r2t)
+                self.assertEqual(plan.page_table[0].tolist(), [103, 204, 109, -1])
+                self.assertEqual(int(plan.miss_count[0]), 1)
+                self.assertEqual(plan.miss_src_loc[0, 0].item(), 13)
+                self.assertEqual(plan.miss_dst_row[0, 0].item(), 103)
+                plan = self._swap(state, [3, -1, -1, -1], 22, r2t)
+                self.assertEqual(int(plan.miss_count[0]), 0)
+                with self.assertRaisesRegex(ValueError, "positions 20..27 exceed"):
+                    state.release_request(0)
+                    state.admit_request(0, 100)
+                    state.warm_direct(0, 0, r2t[0, :8].long(), first_position=20)
 
 
 class TestUnits(unittest.TestCase):

@@ -2244,6 +2244,37 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
                 self._finish(h, colocated, a, b)
                 self.assertEqual(h.controller.get_stats()["direct_requests"], 0)
 
+    def test_bounded_direct_warm_up(self):
+        # SGLANG_NSA_KV_OFFLOAD_DIRECT_WARM_POSITIONS: b (190 tokens, direct
+        # in its 2 units) is warmed with its 16 newest positions below the
+        # window only; its first step reads positions 0..63, each a miss
+        # into its own slot (64 per layer), then hits. Reads stay exact.
+        for bound, misses in ((None, 0), (16, 2 * 64)):
+            with self.subTest(bound=bound):
+                h, (a, b) = self._start(
+                    False,
+                    9,
+                    (300, 190),
+                    warm_units=True,
+                    direct_slots=True,
+                    direct_warm_positions=bound,
+                )
+                h.pick_topk = lambda n, first_step=False: torch.arange(
+                    max(0, n - h.W - 2 * h.C), max(0, n - h.W - 2 * h.C) + h.K
+                )
+                h.decode_step([a, b])
+                self.assertEqual(h.controller.get_stats()["misses"], misses)
+                self.assertEqual(int(h.controller.lru.direct[b.req_pool_idx]), 1)
+                h.controller.reset_stats()
+                h.decode_step([a, b])
+                self.assertEqual(h.controller.get_stats()["misses"], 0)
+                del h.pick_topk
+                for _ in range(3):
+                    h.decode_step([a, b])
+                h.finish(a)
+                h.finish(b)
+                h.check_no_leaks()
+
     def test_units_sized_to_the_context(self):
         # A request is lent no unit beyond what holds its prompt plus
         # max_new_tokens: b (100 + 10 tokens) keeps one unit, so a gets the

@@ -109,6 +109,8 @@ class TestOffloadNamesMatchTheProduct(unittest.TestCase):
             "ENV_SPARE_REGIONS",
             "ENV_WARM_UNITS",
             "ENV_UNPROVEN_PARALLEL",
+            "ENV_GATHER_PROGRAMS",
+            "ENV_DIRECT_WARM_POSITIONS",
         ):
             with self.subTest(name=name):
                 self.assertEqual(getattr(server_utils, name), getattr(product, name))

@@ -86,6 +86,7 @@ from server_utils import (  # noqa: E402
     DIRECT_RE,
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
+    ENV_DIRECT_WARM_POSITIONS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
     ENV_SPARE_REGIONS,
@@ -130,6 +131,7 @@ OURS_VARIANT_KINDS = (
     "ours_warm_direct",
     "ours_warm_direct_flat",
     "ours_classic",
+    "ours_bounded_warm",
     "ours_warm_direct_narrow",
     "ours_warm_late",
     "ours_units",
@@ -179,6 +181,7 @@ LABELS = {
     "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
     "ours_classic": "ours, the defaults before f418aa2",
+    "ours_bounded_warm": "ours, direct warm-up of the newest 2,048 positions",
     "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
     "narrow reorder",
     "ours_warm_late": "ours, warm units + late reorder",
@@ -788,6 +791,10 @@ VARIANT_ENV = {
         ENV_DIRECT_SLOTS: "0",
         ENV_SPARE_REGIONS: "0",
     },
+    # A request entering direct mode warmed with its newest 2,048 positions
+    # below the window only (the admission's warm-up before the warm units):
+    # a shorter admission stall for more first reads in its first steps.
+    "ours_bounded_warm": {ENV_DIRECT_WARM_POSITIONS: "2048"},
 }
 CLASSIC_MAX_UNITS = 4
 
@@ -1960,6 +1967,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_direct": "darkgreen",
         "ours_warm_direct_flat": "limegreen",
         "ours_classic": "slateblue",
+        "ours_bounded_warm": "darkkhaki",
         "ours_warm_direct_narrow": "darkcyan",
         "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",

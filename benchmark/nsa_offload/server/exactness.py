@@ -63,6 +63,7 @@ from server_utils import (
     BF16_KV_ARGS,
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
+    ENV_DIRECT_WARM_POSITIONS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
     ENV_SPARE_REGIONS,
@@ -150,6 +151,12 @@ SERVERS = {
     "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
     # The defaults before f418aa2: 4 units lent cold, LRU walk for every
     # request, no spare regions.
+    # Direct requests warmed with no position below the window: every older
+    # position read is a miss into its own slot (the bounded warm-up at its
+    # bound).
+    "ours_fp8_lazy_direct": dict(
+        offload=[], env={ENV_DIRECT_WARM_POSITIONS: "0"}, base="base_fp8"
+    ),
     "ours_fp8_classic": dict(
         offload=["--nsa-kv-offload-max-units", "4"],
         env={ENV_WARM_UNITS: "0", ENV_DIRECT_SLOTS: "0", ENV_SPARE_REGIONS: "0"},

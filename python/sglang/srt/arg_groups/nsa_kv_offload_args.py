@@ -71,6 +71,12 @@ ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 # requests' misses instead of a grid per request, so that the copy's waits on
 # host reads hold at most N SMs beside the forward stream.
 ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
+# Experimental bounded direct warm-up (read by the coordinator): a request
+# entering direct mode is warmed with at most N positions below its first
+# window (the newest); the older ones are read in on demand, each into its own
+# slot. Unset: all of them (a 128K request reads 5.2 GB of host memory before
+# its first step, and its batch waits).
+ENV_DIRECT_WARM_POSITIONS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_WARM_POSITIONS"
 # Experimental (read by the coordinator, early swap only): a layer's swap
 # starts after its query rope instead of right after its indexer, so that the
 # swap's kernels do not share the SMs with the query's absorb GEMM and rope.
@@ -141,15 +147,26 @@ def warm_units_enabled(
     )
 
 
+def positive_int_from_env(env: str, minimum: int = 1) -> Optional[int]:
+    """An integer setting's value (at least ``minimum``), None when unset."""
+    value = os.environ.get(env, "")
+    if value == "":
+        return None
+    if not value.isdigit() or int(value) < minimum:
+        raise ValueError(f"{env}={value!r}: expected an integer >= {minimum}")
+    return int(value)
+
+
 def gather_programs_from_env() -> Optional[int]:
     """The flat miss copy's program count (``ENV_GATHER_PROGRAMS``), None
     when unset: the copy's default grid."""
-    value = os.environ.get(ENV_GATHER_PROGRAMS, "")
-    if value == "":
-        return None
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"{ENV_GATHER_PROGRAMS}={value!r}: expected an integer >= 1")
-    return int(value)
+    return positive_int_from_env(ENV_GATHER_PROGRAMS)
+
+
+def direct_warm_positions_from_env() -> Optional[int]:
+    """Most positions a direct request is warmed with at admission
+    (``ENV_DIRECT_WARM_POSITIONS``, 0 allowed), None when unset: all."""
+    return positive_int_from_env(ENV_DIRECT_WARM_POSITIONS, minimum=0)
 
 
 def pinnable_host_memory_gb(num_host_pools: int) -> float:

@@ -65,6 +65,7 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_SWAP_AFTER_ROPE,
     ENV_WARM_UNITS,
     direct_slots_enabled,
+    direct_warm_positions_from_env,
     early_swap_enabled,
     gather_programs_from_env,
     swap_batch_rows,
@@ -144,6 +145,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         warm_units: bool = False,
         copy_flat_programs: Optional[int] = None,
         swap_after_rope: bool = False,
+        direct_warm_positions: Optional[int] = None,
     ):
         if warm_units:
             why = warm_units_refusal(
@@ -236,6 +238,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             host_writer=host_writer,
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
+            direct_warm_positions=direct_warm_positions,
             copy_flat_programs=copy_flat_programs,
             extra_units=staging_unit_capacity(
                 allocator.staging.num_pages, kv_pool.page_size, buffer_size
@@ -847,6 +850,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         ),
         copy_flat_programs=gather_programs_from_env(),
         swap_after_rope=get_bool_env_var(ENV_SWAP_AFTER_ROPE),
+        direct_warm_positions=direct_warm_positions_from_env(),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(

@@ -417,18 +417,22 @@ class LRUCacheState:
         r: int,
         locs: torch.Tensor,
         num_slots: Optional[int] = None,
+        first_position: int = 0,
     ) -> torch.Tensor:
-        """Direct mode's warm-up: position ``p`` (loc ``locs[p]``, every
-        position below the first window) into slot ``p`` of each of
-        ``layers``, across the units request ``r`` holds, then direct mode.
+        """Direct mode's warm-up: position ``p`` (loc
+        ``locs[p - first_position]``, the positions from ``first_position``
+        up to the first window) into slot ``p`` of each of ``layers``, across
+        the units request ``r`` holds, then direct mode. Slots below
+        ``first_position`` stay empty: a read of such a position is a miss
+        into its own slot.
 
         ``r`` must hold no resident loc (a fresh admission, its units granted
-        or not) and at least ``len(locs)`` slots. Its LRU order becomes slot
-        order (direct mode does not read it): should decode outgrow the slots,
-        the LRU swap then evicts the oldest positions first. ``num_slots``:
-        the slots ``r`` holds, when the caller knows them (checked against
-        the units it holds). Returns ``(len(layers), n)`` int32 GPU rows; the
-        caller fills them.
+        or not) and at least ``first_position + len(locs)`` slots. Its LRU
+        order becomes slot order (direct mode does not read it): should
+        decode outgrow the slots, the LRU swap then evicts the oldest
+        positions first. ``num_slots``: the slots ``r`` holds, when the caller
+        knows them (checked against the units it holds). Returns
+        ``(len(layers), n)`` int32 GPU rows; the caller fills them.
         """
         self.swap_backend.check_settled("warm_direct")
         layers = [layers] if isinstance(layers, int) else list(layers)
@@ -439,14 +443,15 @@ class LRUCacheState:
             raise ValueError(
                 f"warm_direct: request {r} holds {capacity} slots, not {num_slots}"
             )
-        if n > capacity:
+        end = first_position + n
+        if first_position < 0 or end > capacity:
             raise ValueError(
-                f"warm_direct: {n} positions exceed the {capacity} slots "
-                f"request {r} holds"
+                f"warm_direct: positions {first_position}..{end - 1} exceed the "
+                f"{capacity} slots request {r} holds"
             )
-        self.enter_direct(r, n)
+        self.enter_direct(r, end)
         req = self._as_index(r)[:1]
-        slot = torch.arange(n, dtype=torch.int64, device=self.device)
+        slot = torch.arange(first_position, end, dtype=torch.int64, device=self.device)
         layer_idx = torch.tensor(layers, dtype=torch.int64, device=self.device)
         self._loc_to_slot_buf[layer_idx[:, None], locs[None, :]] = slot.to(
             self.slot_dtype

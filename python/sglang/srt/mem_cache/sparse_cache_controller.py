@@ -161,6 +161,10 @@ class SparseCacheController:
         extra_units: units the other unit sources (:meth:`add_unit_source`)
             may lend at once. The LRU state is held per unit: one unit of it
             for every region and for each of these.
+        direct_warm_positions: with direct slots, warm a request entering
+            direct mode with at most this many positions below its first
+            window (the newest; the older ones are missed into their own
+            slots when read). None: all of them.
     """
 
     def __init__(
@@ -185,6 +189,7 @@ class SparseCacheController:
         max_query_tokens: int = 1,
         direct_slots: bool = False,
         extra_units: int = 0,
+        direct_warm_positions: Optional[int] = None,
     ):
         self.host_pool = host_pool
         self.host_writer = host_writer
@@ -234,6 +239,7 @@ class SparseCacheController:
         )
         self.max_units = max_units
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
+        self.direct_warm_positions = direct_warm_positions
 
         self.use_triton_copy = self.device.type == "cuda" or copy_kernels_interpreted()
         # The miss copy, chosen once: the Triton kernel, or its torch reference
@@ -647,16 +653,21 @@ class SparseCacheController:
         num_warm = max(0, min(warm_tokens, slots, win_start))
         direct = self.lru.direct_slots and win_start <= slots
         if direct:
-            # Every position below the window (maybe none): position p in
-            # slot p, across the units it holds (nothing is resident yet).
+            # The positions below the window (maybe none; the newest only
+            # with direct_warm_positions): position p in slot p, across the
+            # units it holds (nothing is resident yet).
             num_warm = win_start
+            if self.direct_warm_positions is not None:
+                num_warm = min(num_warm, self.direct_warm_positions)
         if num_warm > 0 or direct:
             # Oldest first: the newest token ends up most recently used.
             warm_locs = prefix_locs[win_start - num_warm : win_start]
             layers = range(self.layer_num)
             if direct:
                 # The slots it holds are known here: no read of the GPU's.
-                warm_rows = self.lru.warm_direct(layers, r, warm_locs, slots)
+                warm_rows = self.lru.warm_direct(
+                    layers, r, warm_locs, slots, first_position=win_start - num_warm
+                )
             else:
                 warm_rows = self.lru.warm_request(layers, r, warm_locs)
             warm_src = source[win_start - num_warm : win_start]
