@@ -38,6 +38,7 @@ from sglang.srt.layers.attention import nsa_backend, nsa_offload_hooks
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSA_KV_OFFLOAD_DRAFT_LAYERS,
     compute_offload_pool_sizes,
+    lru_slot_id_bytes,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from test_nsa_kv_offload_integration import (
@@ -428,8 +429,10 @@ class TestDraftWorkerPool(integration.TinyConfigDirCase):
             swap_scratch_bytes=spec.swap_scratch_bytes(48),
         )
         self.assertEqual(spec.max_query_tokens, 4)
+        # A loc's bytes: per layer its indexer keys and slot id, its row map.
+        slot_id = lru_slot_id_bytes(spec.buffer_size, spec.max_units)
         fewer = (expect.num_locs * spec.draft_bytes_per_loc) // (
-            3 * (132 + 2) + 8 + spec.draft_bytes_per_loc
+            3 * (132 + slot_id) + 8 + spec.draft_bytes_per_loc
         )
         self.assertLess(sizes.num_locs, expect.num_locs)
         self.assertLessEqual(abs(expect.num_locs - sizes.num_locs - fewer), 2 * PAGE)
