@@ -1017,18 +1017,25 @@ class TestDirectSlots(unittest.TestCase):
         self.assertGreater(sim.direct_entered, 3)
         self.assertGreater(sim.model.direct_ended, 0)
 
+    @staticmethod
+    def _three_units(impl):
+        """Request 0 admitted at row 100, then units at 200 and 300, of 8
+        slots (direct slots; W = 4, K = 4, 2 layers)."""
+        cfg = SimConfig(layers=2, C=8, K=4, W=4, max_reqs=2, units=3, direct=True)
+        state = impl_state(cfg, impl)
+        state.admit_request(0, 100)
+        state.grow_request(0, 1, 200)
+        state.grow_request(0, 2, 300)
+        return state
+
     def test_warm_direct_across_units(self):
         # A 21-token prompt on units of 8 slots, warmed after two more units
         # were granted: positions 0..17 (below the first window) in slots
         # 0..17 of the region, unit 1 and unit 2.
-        cfg = SimConfig(layers=2, C=8, K=4, W=4, max_reqs=2, units=3, direct=True)
         r2t = (10 + torch.arange(40, dtype=torch.int32, device=DEVICE)).repeat(2, 1)
         for impl in self._impls():
             with self.subTest(impl=impl):
-                state = impl_state(cfg, impl)
-                state.admit_request(0, 100)
-                state.grow_request(0, 1, 200)
-                state.grow_request(0, 2, 300)
+                state = self._three_units(impl)
                 rows = state.warm_direct(range(2), 0, r2t[0, :18].long())
                 # Slot order, for a hand-over to the LRU swap (the units'
                 # grants had put unit 2's slots first).
@@ -1083,14 +1090,10 @@ class TestDirectSlots(unittest.TestCase):
         # A bounded warm-up: positions 10..17 of an 18-below-the-window
         # prompt in slots 10..17; position 3, never warmed, is a miss into
         # slot 3 (empty), then a hit.
-        cfg = SimConfig(layers=2, C=8, K=4, W=4, max_reqs=2, units=3, direct=True)
         r2t = (10 + torch.arange(40, dtype=torch.int32, device=DEVICE)).repeat(2, 1)
         for impl in self._impls():
             with self.subTest(impl=impl):
-                state = impl_state(cfg, impl)
-                state.admit_request(0, 100)
-                state.grow_request(0, 1, 200)
-                state.grow_request(0, 2, 300)
+                state = self._three_units(impl)
                 rows = state.warm_direct(
                     range(2), 0, r2t[0, 10:18].long(), first_position=10
                 )
