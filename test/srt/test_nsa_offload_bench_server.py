@@ -372,14 +372,15 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
 
     def test_classic_server_keeps_the_old_defaults(self):
         # ours_classic: 4 units, cold, no direct slots, no spare regions, even
-        # with --spare-regions and --max-units given to the others.
+        # with --spare-regions and --max-units given to the others;
+        # ours_8units: 8 units, the rest as ours.
         args = self._sized_args(
-            "--servers", "baseline,ours,ours_classic", "--spare-regions"
+            "--servers", "baseline,ours,ours_classic,ours_8units", "--spare-regions"
         )
-        args.max_units = 8
-        specs = bench_server.server_specs(args)
         units = "--nsa-kv-offload-max-units"
-        for kind, want in (("ours", "8"), ("ours_classic", "4")):
+        args.max_units = 6
+        specs = bench_server.server_specs(args)
+        for kind, want in (("ours", "6"), ("ours_classic", "4"), ("ours_8units", "8")):
             with self.subTest(kind=kind):
                 spec = specs[kind]
                 self.assertEqual(spec.count(units), 1)

@@ -131,6 +131,7 @@ OURS_VARIANT_KINDS = (
     "ours_warm_direct",
     "ours_warm_direct_flat",
     "ours_classic",
+    "ours_8units",
     "ours_bounded_warm",
     "ours_warm_direct_narrow",
     "ours_warm_late",
@@ -181,6 +182,7 @@ LABELS = {
     "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
     "ours_classic": "ours, the defaults before f418aa2",
+    "ours_8units": "ours, at most 8 units",
     "ours_bounded_warm": "ours, direct warm-up of the newest 2,048 positions",
     "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
     "narrow reorder",
@@ -757,7 +759,8 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours_wide": wide,
         # These differ from ours by their env vars only.
         **{kind: ours for kind in VARIANT_ENV},
-        "ours_classic": ours_base + [units, str(CLASSIC_MAX_UNITS)],
+        # Their own unit cap, whatever --max-units gives the others.
+        **{kind: ours_base + [units, str(n)] for kind, n in VARIANT_MAX_UNITS.items()},
         "baseline_mtp": common + slots + mtp,
         "ours_mtp": ours + mtp,
     }
@@ -796,7 +799,9 @@ VARIANT_ENV = {
     # a shorter admission stall for more first reads in its first steps.
     "ours_bounded_warm": {ENV_DIRECT_WARM_POSITIONS: "2048"},
 }
-CLASSIC_MAX_UNITS = 4
+# Variants with a unit cap of their own: the defaults before f418aa2, and 8
+# units (the rank bench at cfdc9bc) to weigh the default's 40-unit grid.
+VARIANT_MAX_UNITS = {"ours_classic": 4, "ours_8units": 8}
 
 
 def server_env(args, kind: str) -> Dict[str, str]:
@@ -1967,6 +1972,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_warm_direct": "darkgreen",
         "ours_warm_direct_flat": "limegreen",
         "ours_classic": "slateblue",
+        "ours_8units": "cadetblue",
         "ours_bounded_warm": "darkkhaki",
         "ours_warm_direct_narrow": "darkcyan",
         "ours_warm_late": "darkorange",
