@@ -158,9 +158,11 @@ run_step() {
       # it: the split swap against the fused one at the served sizes (4096
       # slots, top-k 2048, 32K contexts, beside the rest), the LRU state's
       # CUDA tests, then the tiny checkpoint end to end (the default: warm
-      # units, direct slots, spare regions, units sized to the context; the
-      # defaults before f418aa2, every request on the LRU walk; the default +
-      # flat copy; resumed from tiny_run6's no-offload outputs). The CPU interpreter and the kernel tests passed a
+      # units, direct slots, spare regions, units sized to the context, where
+      # every tiny prompt fits its units; the defaults before f418aa2, the
+      # long prompts on the LRU walk over 4 units; the default with 2 units
+      # and the flat copy, walks beside direct requests; resumed from
+      # tiny_run6's no-offload outputs). The CPU interpreter and the kernel tests passed a
       # rewrite that the end-to-end run caught (results/exactness/tiny_reorder_regression/).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       (timeout 240 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/gate_swap_units \
@@ -172,7 +174,7 @@ run_step() {
         GPUTEST_TIMEOUT=200 run_step gputest
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8 $resume" \
         EXACT_ARGS_2="--servers ours_fp8_classic $resume" \
-        EXACT_ARGS_3="--servers ours_fp8_warm_direct_flat $resume" run_step exact
+        EXACT_ARGS_3="--servers ours_fp8_2units_flat $resume" run_step exact
       wait $split_vs_fused || rc=1
       echo "=== split vs fused swap"; tail -12 $OUT/gate_swap_units.log
       ;;

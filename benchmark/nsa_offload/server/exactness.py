@@ -157,6 +157,15 @@ SERVERS = {
     "ours_fp8_lazy_direct": dict(
         offload=[], env={ENV_DIRECT_WARM_POSITIONS: "0"}, base="base_fp8"
     ),
+    # The default with at most 2 units and the flat copy: the tiny prompts
+    # past 8,192 positions walk the LRU over two chunks of per-unit state,
+    # beside direct ones (with the default's 40 units every tiny prompt
+    # fits its units at batch 1 and none walks).
+    "ours_fp8_2units_flat": dict(
+        offload=["--nsa-kv-offload-max-units", "2"],
+        env={ENV_GATHER_PROGRAMS: "16"},
+        base="base_fp8",
+    ),
     "ours_fp8_classic": dict(
         offload=["--nsa-kv-offload-max-units", "4"],
         env={ENV_WARM_UNITS: "0", ENV_DIRECT_SLOTS: "0", ENV_SPARE_REGIONS: "0"},
