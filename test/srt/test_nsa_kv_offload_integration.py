@@ -2181,11 +2181,14 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
     def _first_step_misses(self, warm_units, colocated=False):
         h, (a, b) = self._start(colocated, 4, (300, 190), warm_units=warm_units)
         if colocated:
-            # Admitted at the prefill, warmed only in the first prepare_decode.
-            self.assertEqual(
-                sorted(h.co._deferred_warm) if warm_units else [],
-                sorted([a.req_pool_idx, b.req_pool_idx]) if warm_units else [],
-            )
+            # Admitted at the prefill; with warm units their units granted and
+            # filled then, from the staging rows: nothing read from host
+            # memory (without, the top-k warm-up reads its rows back).
+            self.assertEqual(h.co._deferred_warm, {})
+            units = [h.controller.num_units(r.req_pool_idx) for r in (a, b)]
+            self.assertEqual(units, [2, 2] if warm_units else [1, 1])
+            h2d = h.controller.get_stats()["h2d_rows"]
+            self.assertEqual(h2d == 0, warm_units, h2d)
         # Two free regions: one unit each, 2 x C slots. The first step reads
         # the oldest positions those slots hold (300: from 37; 190: all),
         # none of which one unit's top-k warm-up covers.
@@ -2310,7 +2313,10 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
                     h.decode_step([a, b])
                 self._finish(h, colocated, a, b)
 
-    def test_finished_at_prefill_is_not_warmed(self):
+    def test_finished_at_prefill(self):
+        # Colocated: warmed with its units at the prefill's admission, then
+        # released before any decode step (e.g. max_new_tokens 1): its units
+        # go back, b takes them at the next rebalance, nothing leaks.
         h = _Harness(
             self,
             kv_fp8=True,
@@ -2321,11 +2327,12 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
         )
         a, b = h.new_req(), h.new_req()
         h.prefill([(a, 200), (b, 150)])
-        h.finish(a)  # e.g. max_new_tokens 1: released before any decode step
-        self.assertEqual(list(h.co._deferred_warm), [b.req_pool_idx])
+        self.assertEqual(h.co._deferred_warm, {})
+        self.assertEqual(h.controller.num_units(a.req_pool_idx), 2)
+        h.finish(a)
         for _ in range(3):
             h.decode_step([b])
-        self.assertEqual(h.co._deferred_warm, {})
+        self.assertEqual(h.controller.num_units(b.req_pool_idx), 4)
         h.finish(b)
         h.check_no_leaks()
 

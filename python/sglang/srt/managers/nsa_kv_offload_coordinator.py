@@ -394,12 +394,17 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         return self.controller.is_admitted(req.req_pool_idx)
 
     def admit(
-        self, req: Req, num_tokens: int, defer_warm: bool = False
+        self,
+        req: Req,
+        num_tokens: int,
+        defer_warm: bool = False,
+        keep_staging: bool = False,
     ) -> Optional[torch.Tensor]:
         """Back up the prompt (unless the KV transfer already put it in host
-        memory), give ``req`` a region and free its staging rows. With
-        ``defer_warm`` (warm units) nothing is warmed yet: returns the
-        prompt's locs for ``controller.warm_admitted`` after the rebalance."""
+        memory), give ``req`` a region and free its staging rows (with
+        ``keep_staging`` the caller frees them). With ``defer_warm`` (warm
+        units) nothing is warmed yet: returns the prompt's locs for
+        ``controller.warm_admitted`` after the rebalance."""
         r = req.req_pool_idx
         if self.controller.is_admitted(r):
             return None
@@ -422,17 +427,39 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 f"{req.rid} ({self.sizes.num_regions} regions); this is a bug: "
                 "regions are sized by --max-running-requests."
             )
-        # Later forwards wait for the backup before writing staging rows again.
-        self.allocator.release_staging(locs)
+        if not keep_staging:
+            # Later forwards wait for the backup before writing staging rows
+            # again.
+            self.allocator.release_staging(locs)
         return locs if defer_warm else None
 
     def admit_prefilled_batch(self, batch: ScheduleBatch, chunked_req) -> None:
         """Right after a prefill forward is enqueued: admit every request whose
         prompt it completes (all but the scheduler's current chunked request).
         The copies are ordered after that forward on the GPU."""
-        for req in batch.reqs:
-            if req is not chunked_req and not self.is_admitted(req):
+        reqs = [
+            req
+            for req in batch.reqs
+            if req is not chunked_req and not self.is_admitted(req)
+        ]
+        if not self.warm_units:
+            for req in reqs:
                 self._admit_for_decode(req, len(req.fill_ids))
+            return
+        # Warm units: the prompts' KV is in their staging rows until they are
+        # freed, so the units are granted now and filled from those rows on
+        # the GPU, not read back over PCIe from the backups.
+        staged = []
+        for req in reqs:
+            locs = self.admit(
+                req, len(req.fill_ids), defer_warm=True, keep_staging=True
+            )
+            staged.append((req.req_pool_idx, locs))
+        self._rebalance_if_wanted()
+        for r, locs in staged:
+            rows = self.kv_pool.loc_to_row[locs]
+            self.controller.warm_admitted(r, locs, prefix_rows=rows)
+            self.allocator.release_staging(locs)
 
     def _admit_for_decode(self, req: Req, num_tokens: int) -> None:
         """Admit ``req``; with warm units its warm-up waits for prepare_decode."""

@@ -608,17 +608,23 @@ class SparseCacheController:
             self._warm_request(r, base, prefix_locs, warm_tokens, prefix_rows)
         return base
 
-    def warm_admitted(self, req_pool_idx: int, prefix_locs: torch.Tensor) -> None:
+    def warm_admitted(
+        self,
+        req_pool_idx: int,
+        prefix_locs: torch.Tensor,
+        prefix_rows: Optional[torch.Tensor] = None,
+    ) -> None:
         """Warm a request admitted without ``prefix_locs`` once its units are
         granted: the first step's window rows and the newest positions below
         it, into every slot it holds (one copy from host memory, where a PD
         request's KV arrived and a prefilled request's backup, issued before
-        on the same side stream, lands; these rows are its first steps' likely
-        reads)."""
+        on the same side stream, lands; or from ``prefix_rows``, the GPU rows
+        of the same positions, e.g. its prefill staging rows; these rows are
+        its first steps' likely reads)."""
         r = int(req_pool_idx)
         # _warm_request caps this at the slots the request holds.
         most = self.max_units * self.buffer_size
-        self._warm_request(r, self._req_base[r], prefix_locs, most)
+        self._warm_request(r, self._req_base[r], prefix_locs, most, prefix_rows)
 
     def _warm_request(
         self,
