@@ -442,7 +442,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             for req in batch.reqs
             if req is not chunked_req and not self.is_admitted(req)
         ]
-        if not self.warm_units:
+        if not self.warm_units or not reqs:
             for req in reqs:
                 self._admit_for_decode(req, len(req.fill_ids))
             return
