@@ -72,6 +72,18 @@ class TestSwapKernelResources(unittest.TestCase):
         self.assertEqual(out.returncode, 0, out.stderr[-3000:])
         return [json.loads(line) for line in out.stdout.splitlines()]
 
+    def test_default_units_without_spills(self):
+        # The server's default units since f418aa2 (DeepSeek-V3.2's context
+        # at 4,096 rows: 40), the kernels it launches with them.
+        rows = self._resources("--units", "40", "--served")
+        names = {r["kernel"] for r in rows}
+        expected = {"select", "count", "reorder_rank", "copy_order"}
+        self.assertEqual(names, expected | {k + "_direct" for k in expected})
+        for row in rows:
+            self.assertEqual(row["units"], 40)
+            self.assertEqual(row["stack_bytes"], 0, row)
+            self.assertLessEqual(row["registers"], 128, row)
+
     def test_multi_token_kernels_without_spills(self):
         # MTP target verify (docs/MTP.md) at DeepSeek-V3.2's top-k: 2 query
         # tokens fit C = 4096 (the fused kernel), 4 need C = 8192 (split

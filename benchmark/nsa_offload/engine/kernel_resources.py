@@ -241,6 +241,12 @@ def main(argv=None) -> None:
         default=90,
         help="CUDA compute capability to compile for (90 = H100/H200)",
     )
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="only the kernels a server launches: not the fused one-token swap "
+        "with units (tests only; at 40 units it takes minutes to compile)",
+    )
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_resources.py: unset TRITON_INTERPRET (needs JIT kernels)")
@@ -249,6 +255,8 @@ def main(argv=None) -> None:
             for name, kernel, constexprs, num_warps in swap_kernels(
                 units, args.buffer_size, args.top_k, args.window, q
             ):
+                if args.served and units > 1 and name.startswith("fused"):
+                    continue
                 row = {"kernel": name, "units": units}
                 if q > 1:
                     row["query_tokens"] = q
