@@ -178,6 +178,20 @@ run_step() {
       wait $split_vs_fused || rc=1
       echo "=== split vs fused swap"; tail -12 $OUT/gate_swap_units.log
       ;;
+    units-check)
+      # The split swap against the torch reference at the served sizes
+      # (gpu_check_units.py: full warm-ups as warm units do, then cold
+      # units), then the CUDA paths of the unit and warm-unit tests through
+      # the coordinator.
+      for warm in full none; do
+        timeout 200 python3 benchmark/nsa_offload/engine/gpu_check_units.py \
+          --out $OUT/units_check_$warm.json --warm $warm 2>&1 | tail -8 || rc=1
+      done
+      timeout 300 python3 -m pytest -q -p no:cacheprovider \
+        test/srt/test_nsa_kv_offload_integration.py::TestPDDecodeWarmUnits \
+        test/srt/test_nsa_kv_offload_integration.py::TestPDDecodeLeveling \
+        test/srt/test_sparse_cache_controller.py::TestUnits 2>&1 | tail -15 || rc=1
+      ;;
     default-gate)
       # The default since f418aa2 (warm units, direct slots, spare regions,
       # units sized to the context) on the tiny checkpoint with bf16, fp8 and
