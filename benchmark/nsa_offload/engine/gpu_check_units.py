@@ -57,6 +57,7 @@ def make_state(args, bs, units, triton, req_to_token):
         use_triton=triton,
         max_batch_size=bs,
         max_units=units,
+        num_warps=args.num_warps if triton else None,
     )
     rows = args.C + args.W
     for r in range(bs):
@@ -153,15 +154,19 @@ def main():
     p.add_argument("--steps", type=int, default=12, help="swaps per point")
     p.add_argument("--keep", type=float, default=0.44, help="top-k kept per step")
     p.add_argument("--warm", choices=("full", "none"), default="full")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seeds", default="0", help="comma-separated random seeds")
+    p.add_argument(
+        "--num-warps", type=int, help="the Triton kernels' warps (default: theirs)"
+    )
     args = p.parse_args()
     results = []
-    for bs in _ints(args.batch_sizes):
-        for units in _ints(args.units):
-            res = run_point(args, bs, units, args.seed)
-            res["warm"] = args.warm
-            print(json.dumps(res), flush=True)
-            results.append(res)
+    for seed in _ints(args.seeds):
+        for bs in _ints(args.batch_sizes):
+            for units in _ints(args.units):
+                res = run_point(args, bs, units, seed)
+                res.update(warm=args.warm, seed=seed, num_warps=args.num_warps)
+                print(json.dumps(res), flush=True)
+                results.append(res)
     with open(args.out, "w") as f:
         json.dump({"config": vars(args), "results": results}, f, indent=1)
     ok = all(r["diff"] is None for r in results)
