@@ -183,10 +183,17 @@ run_step() {
       # (gpu_check_units.py: full warm-ups as warm units do, then cold
       # units), then the CUDA paths of the unit and warm-unit tests through
       # the coordinator.
+      # $UNITS_CHECK_ARGS: more flags; $UNITS_CHECK_WARPS: a run per
+      # --num-warps value (default: the kernels' own).
       for warm in full none; do
-        timeout 200 python3 benchmark/nsa_offload/engine/gpu_check_units.py \
-          --out $OUT/units_check_$warm.json --warm $warm 2>&1 | tail -8 || rc=1
+        for w in ${UNITS_CHECK_WARPS:-0}; do
+          local warps=""; [ "$w" = 0 ] || warps="--num-warps $w"
+          timeout 200 python3 benchmark/nsa_offload/engine/gpu_check_units.py \
+            --out $OUT/units_check_${warm}_$w.json --warm $warm $warps \
+            ${UNITS_CHECK_ARGS:-} 2>&1 | grep -v Warning | tail -12 || rc=1
+        done
       done
+      [ -n "${UNITS_CHECK_ONLY:-}" ] && return $rc
       timeout 300 python3 -m pytest -q -p no:cacheprovider \
         test/srt/test_nsa_kv_offload_integration.py::TestPDDecodeWarmUnits \
         test/srt/test_nsa_kv_offload_integration.py::TestPDDecodeLeveling \
