@@ -158,13 +158,33 @@ def main():
     p.add_argument(
         "--num-warps", type=int, help="the Triton kernels' warps (default: theirs)"
     )
+    p.add_argument(
+        "--reorder-warps",
+        type=int,
+        help="warps of the count / rank / copy-back kernels only (the select "
+        "kernel keeps --num-warps)",
+    )
     args = p.parse_args()
+    if args.reorder_warps:
+        from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+
+        chunk_shape = TritonLRUSwap._chunk_shape
+
+        def reorder_shape(self):
+            return dict(chunk_shape(self), num_warps=args.reorder_warps)
+
+        TritonLRUSwap._chunk_shape = reorder_shape
     results = []
     for seed in _ints(args.seeds):
         for bs in _ints(args.batch_sizes):
             for units in _ints(args.units):
                 res = run_point(args, bs, units, seed)
-                res.update(warm=args.warm, seed=seed, num_warps=args.num_warps)
+                res.update(
+                    warm=args.warm,
+                    seed=seed,
+                    num_warps=args.num_warps,
+                    reorder_warps=args.reorder_warps,
+                )
                 print(json.dumps(res), flush=True)
                 results.append(res)
     with open(args.out, "w") as f:
