@@ -26,6 +26,12 @@ RUN = (
 )
 
 
+def _fits_sm(row) -> int:
+    """The most registers per thread with which one program of the kernel's
+    warps fits an SM's 64K registers (128 at 16 warps, 255 at 8)."""
+    return min(255, 65536 // (32 * row["num_warps"]))
+
+
 @unittest.skipUnless(CUOBJDUMP.exists(), "triton without its NVIDIA backend tools")
 class TestSwapKernelResources(unittest.TestCase):
     def test_compiled_for_sm90_without_spills(self):
@@ -56,7 +62,7 @@ class TestSwapKernelResources(unittest.TestCase):
         no_spill = [k for k in expected if k[0] == 1 or not k[1].startswith("fused")]
         for key in no_spill:
             self.assertEqual(rows[key]["stack_bytes"], 0, rows[key])
-            self.assertLessEqual(rows[key]["registers"], 128, rows[key])
+            self.assertLessEqual(rows[key]["registers"], _fits_sm(rows[key]), rows[key])
         self.assertGreater(rows[(4, "fused")]["stack_bytes"], 0)
 
     def _resources(self, *args):
@@ -82,7 +88,7 @@ class TestSwapKernelResources(unittest.TestCase):
         for row in rows:
             self.assertEqual(row["units"], 40)
             self.assertEqual(row["stack_bytes"], 0, row)
-            self.assertLessEqual(row["registers"], 128, row)
+            self.assertLessEqual(row["registers"], _fits_sm(row), row)
 
     def test_multi_token_kernels_without_spills(self):
         # MTP target verify (docs/MTP.md) at DeepSeek-V3.2's top-k: 2 query
@@ -104,7 +110,7 @@ class TestSwapKernelResources(unittest.TestCase):
         )
         for row in fused + split:
             self.assertEqual(row["stack_bytes"], 0, row)
-            self.assertLessEqual(row["registers"], 128, row)
+            self.assertLessEqual(row["registers"], _fits_sm(row), row)
 
 
 if __name__ == "__main__":

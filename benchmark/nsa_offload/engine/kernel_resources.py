@@ -110,12 +110,14 @@ def swap_kernels(
 
     C0, C = buffer_size, buffer_size * units
     num_warps = min(16, max(4, triton.next_power_of_2(C) // 256))
+    # The kernels split by unit run at most SPLIT_MAX_WARPS.
+    split_warps = min(num_warps, TritonLRUSwap.SPLIT_MAX_WARPS)
     block_k = triton.next_power_of_2(top_k)
     shape = dict(C=C, C0=C0, U=units)
     chunk = dict(shape, BLOCK_C0=triton.next_power_of_2(C0))
     if query_tokens > 1:
         return multi_token_swap_kernels(
-            units, buffer_size, top_k, window, query_tokens, num_warps
+            units, buffer_size, top_k, window, query_tokens, num_warps, split_warps
         )
     out = [
         (
@@ -162,10 +164,15 @@ def swap_kernels(
         for name, k, c in out
         if "DIRECT" in inspect.signature(k.fn).parameters
     ]
-    return [(name, k, c, num_warps) for name, k, c in out]
+    return [
+        (name, k, c, num_warps if name.startswith("fused") else split_warps)
+        for name, k, c in out
+    ]
 
 
-def multi_token_swap_kernels(units, buffer_size, top_k, window, q, num_warps):
+def multi_token_swap_kernels(
+    units, buffer_size, top_k, window, q, num_warps, split_warps
+):
     """The kernels of a swap with ``q`` query tokens per request, as
     ``TritonLRUSwap`` picks them (split with units or above
     ``FUSED_MAX_SLOTS`` slots)."""
@@ -212,7 +219,10 @@ def multi_token_swap_kernels(units, buffer_size, top_k, window, q, num_warps):
                 dict(entries, U=units, BLOCK_C0=chunk["BLOCK_C0"]),
             ),
         ]
-    return [(name, k, c, num_warps) for name, k, c in out]
+    return [
+        (name, k, c, num_warps if name == "multi_fused" else split_warps)
+        for name, k, c in out
+    ]
 
 
 def main(argv=None) -> None:

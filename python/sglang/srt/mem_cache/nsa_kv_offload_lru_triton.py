@@ -84,6 +84,7 @@ class TritonLRUSwap:
     # lru positions the select kernel scans per step for victims: misses are
     # found near the least recent end, one block in steady state.
     SELECT_BLOCK = 1024
+    SPLIT_MAX_WARPS = 8
 
     def __init__(
         self,
@@ -112,6 +113,11 @@ class TritonLRUSwap:
             # registers/thread without spills (C=4096 -> 16 warps).
             num_warps = min(16, max(4, self.block_c // 256))
         self.num_warps = num_warps
+        # The kernels split by unit at most SPLIT_MAX_WARPS: at 16 warps they
+        # diverged from the torch reference on the H200 (4 units of 4,096
+        # rows, every slot held: gpu_check_units.py, results/units/
+        # per_unit_gpu_gate/), at 8 and 4 they did not. Root cause not found.
+        self.split_num_warps = min(num_warps, self.SPLIT_MAX_WARPS)
         # Units: the fused kernel walks all U x C slots in one program.
         self.split_by_unit = (
             self.max_units > 1 if split_by_unit is None else split_by_unit
@@ -264,7 +270,7 @@ class TritonLRUSwap:
             BLOCK_K=self.block_k,
             BLOCK_S=min(self.SELECT_BLOCK, self.block_c),
             DIRECT=self.direct,
-            num_warps=self.num_warps,
+            num_warps=self.split_num_warps,
         )
         self._pending_reorder = (state, batch, loc_to_slot, slot_loc, lru, plan)
 
@@ -355,6 +361,7 @@ class TritonLRUSwap:
                 **shape,
             )
             return
+        shape["num_warps"] = self.split_num_warps
         chunk = self._chunk_shape()
         _swap_multi_classify_kernel[(bs,)](
             *batch,
@@ -394,7 +401,7 @@ class TritonLRUSwap:
             C0=self.buffer_size,
             U=self.max_units,
             BLOCK_C0=_next_pow2(self.buffer_size),
-            num_warps=self.num_warps,
+            num_warps=self.split_num_warps,
         )
 
     def _count_and_rank(
