@@ -153,7 +153,12 @@ def main():
     p.add_argument("--ctx", type=int, default=32768, help="request length")
     p.add_argument("--steps", type=int, default=12, help="swaps per point")
     p.add_argument("--keep", type=float, default=0.44, help="top-k kept per step")
-    p.add_argument("--warm", choices=("full", "none"), default="full")
+    p.add_argument(
+        "--warm",
+        choices=("full", "none"),
+        default="full",
+        help="full: every slot warmed first (as warm units do); none: cold units",
+    )
     p.add_argument("--seeds", default="0", help="comma-separated random seeds")
     p.add_argument(
         "--num-warps", type=int, help="the Triton kernels' warps (default: theirs)"
