@@ -23,26 +23,10 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
 
+# The workload of the split-vs-fused benchmark (same folder).
+from bench_swap_units import _ints, topk_steps
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _ints(s: str):
-    return [int(x) for x in s.split(",") if x]
-
-
-def topk_steps(rng, bs, ctx, k, window, steps, keep):
-    """(steps, bs, k) int32 positions below the window, ``keep`` of each
-    step's kept from the step before."""
-    out = np.empty((steps, bs, k), dtype=np.int32)
-    for b in range(bs):
-        cur = rng.choice(ctx - window, size=k, replace=False)
-        for s in range(steps):
-            kept = rng.choice(cur, size=int(keep * k), replace=False)
-            pool = np.setdiff1d(np.arange(ctx - window), kept, assume_unique=True)
-            fresh = rng.choice(pool, size=k - kept.size, replace=False)
-            cur = rng.permutation(np.concatenate([kept, fresh]))
-            out[s, b] = cur
-    return out
 
 
 def make_state(args, bs, units, triton, req_to_token):
