@@ -147,7 +147,7 @@ def warm_units_enabled(
     )
 
 
-def positive_int_from_env(env: str, minimum: int = 1) -> Optional[int]:
+def int_from_env(env: str, minimum: int = 1) -> Optional[int]:
     """An integer setting's value (at least ``minimum``), None when unset."""
     value = os.environ.get(env, "")
     if value == "":
@@ -160,13 +160,13 @@ def positive_int_from_env(env: str, minimum: int = 1) -> Optional[int]:
 def gather_programs_from_env() -> Optional[int]:
     """The flat miss copy's program count (``ENV_GATHER_PROGRAMS``), None
     when unset: the copy's default grid."""
-    return positive_int_from_env(ENV_GATHER_PROGRAMS)
+    return int_from_env(ENV_GATHER_PROGRAMS)
 
 
 def direct_warm_positions_from_env() -> Optional[int]:
     """Most positions a direct request is warmed with at admission
     (``ENV_DIRECT_WARM_POSITIONS``, 0 allowed), None when unset: all."""
-    return positive_int_from_env(ENV_DIRECT_WARM_POSITIONS, minimum=0)
+    return int_from_env(ENV_DIRECT_WARM_POSITIONS, minimum=0)
 
 
 def pinnable_host_memory_gb(num_host_pools: int) -> float:
