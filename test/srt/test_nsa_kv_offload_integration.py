@@ -1935,7 +1935,7 @@ class TestRandomWorkload(unittest.TestCase):
     reference at every layer of every step; nothing leaks at the end."""
 
     def _run(
-        self, seed: int, max_units: int, lend_staging_pages: int, early_swap=False
+        self, seed: int, max_units: int, lend_staging_pages: int, **coordinator_kwargs
     ):
         rng = random.Random(seed)
         # The model's KV writes by a torch scatter instead of sglang's Triton
@@ -1956,7 +1956,7 @@ class TestRandomWorkload(unittest.TestCase):
             num_locs=20 * PAGE,
             max_units=max_units,
             lend_staging_pages=lend_staging_pages,
-            coordinator_kwargs={"early_swap": early_swap},
+            coordinator_kwargs=coordinator_kwargs,
         )
         # Which sources had units taken back (0: a region for an admission,
         # 1: staging for a prefill).

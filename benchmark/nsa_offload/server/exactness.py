@@ -166,6 +166,22 @@ SERVERS = {
         env={ENV_GATHER_PROGRAMS: "16"},
         base="base_fp8",
     ),
+    # Which part of ours_fp8_2units_flat reads wrong KV (52/64 and 44/64 on
+    # the H200, results/units/per_unit_gpu_gate/): 2 units alone, without
+    # warm units, without direct slots.
+    "ours_fp8_2units": dict(
+        offload=["--nsa-kv-offload-max-units", "2"], base="base_fp8"
+    ),
+    "ours_fp8_2units_cold": dict(
+        offload=["--nsa-kv-offload-max-units", "2"],
+        env={ENV_WARM_UNITS: "0"},
+        base="base_fp8",
+    ),
+    "ours_fp8_2units_nodirect": dict(
+        offload=["--nsa-kv-offload-max-units", "2"],
+        env={ENV_DIRECT_SLOTS: "0"},
+        base="base_fp8",
+    ),
     "ours_fp8_classic": dict(
         offload=["--nsa-kv-offload-max-units", "4"],
         env={ENV_WARM_UNITS: "0", ENV_DIRECT_SLOTS: "0", ENV_SPARE_REGIONS: "0"},
