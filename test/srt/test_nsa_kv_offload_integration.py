@@ -1054,6 +1054,7 @@ class _Harness:
         max_units=1,
         lend_staging_pages=0,
         coordinator_kwargs=None,
+        spare_regions=0,
     ):
         self.t = test
         if kv_arrives_in_host:
@@ -1067,6 +1068,7 @@ class _Harness:
             staging_rows=staging_pages * PAGE,
             page_size=PAGE,
             host_capacity_locs=num_locs,
+            num_spare_regions=spare_regions,
         )
         self.pool = _make_pool(self.sizes, layers, kv_fp8)
         self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
@@ -1523,7 +1525,7 @@ class _Harness:
         self.t.assertTrue(bool((self.co.lru.slot_loc == -1).all()))
         self.t.assertTrue(bool((self.co.lru.region_base == -1).all()))
         self.t.assertEqual(
-            self.controller.regions.available_size(), self.sizes.num_regions
+            self.controller.regions.available_size(), self.sizes.total_regions
         )
 
 
@@ -2051,6 +2053,88 @@ class TestRandomWorkload(unittest.TestCase):
         seen = self._run(15, max_units=4, lend_staging_pages=6, early_swap=True)
         self.assertGreaterEqual(seen["decode_steps"], 10)
         self.assertGreater(seen["max_extra_units"], 0)
+
+
+class TestOneRequestAtATime(unittest.TestCase):
+    """What the exactness servers' batch-1 pass does: requests one after
+    another, long prompts that walk the LRU over their units, then short ones
+    that fit them (direct slots), in the same request slot, with the server's
+    defaults (warm units, direct slots, spare regions, staging lent as units,
+    the early swap). Every page table is checked against the KV written. On
+    CUDA at the served sizes (4,096 LRU rows, window 64, top-k 2,048, 8,192
+    token chunks) with the streams the server runs; on CPU at 1/32 of them."""
+
+    # Prompt lengths in LRU units (C rows): walkers past 2 units, then short.
+    PROMPTS_IN_UNITS = (2.3, 5.5, 0.7, 1.6, 7.8, 1.95, 0.45, 3.9, 0.95)
+
+    def _run(self, max_units, **coordinator_kwargs):
+        write = mock.patch.object(
+            memory_pool_module, "set_mla_kv_buffer_triton", _set_mla_kv_rows_torch
+        )
+        write.start()
+        self.addCleanup(write.stop)
+        served = DEVICE == "cuda"
+        C, W, K = (4096, 64, 2048) if served else (128, 8, 64)
+        chunk = 2 * C
+        lens = [int(u * C) for u in self.PROMPTS_IN_UNITS]
+        steps = W + 6  # past the window: prompt and decode tokens leave it
+        longest = max(lens) + steps + 2
+        pages = -(-longest // PAGE) + 2
+        h = _Harness(
+            self,
+            kv_fp8=True,
+            layers=2,
+            top_k=K,
+            buffer_size=C,
+            window=W,
+            num_locs=pages * PAGE,
+            num_regions=2,
+            staging_pages=pages,
+            max_reqs=2,
+            max_ctx=longest + PAGE,
+            max_units=max_units,
+            lend_staging_pages=pages - -(-chunk // PAGE),
+            spare_regions=2,
+            coordinator_kwargs=coordinator_kwargs,
+        )
+        walked = direct = 0
+        for n in lens:
+            req = h.new_req()
+            req.origin_input_ids = [0] * n
+            req.sampling_params.max_new_tokens = steps + 1
+            done = 0
+            while n - done > chunk:
+                h.prefill([(req, chunk)], chunked_req=req)
+                done += chunk
+            h.prefill([(req, n - done)])
+            h.decode_step([req], first_step_of=(req,))
+            for _ in range(steps):
+                h.decode_step([req])
+            in_slots = n + steps + 1 - W <= h.controller.num_units(req.req_pool_idx) * C
+            walked += not in_slots
+            direct += in_slots
+            h.finish(req)
+        h.check_no_leaks()
+        # Both kinds ran, beside units lent and taken back.
+        self.assertGreater(walked, 0)
+        self.assertGreater(direct, 0)
+
+    def test_server_defaults_two_units(self):
+        self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+
+    def test_server_defaults_two_units_flat_copy(self):
+        # ours_fp8_2units_flat: wrong tokens on the H200 (52/64, 44/64).
+        self._run(
+            2,
+            early_swap=True,
+            warm_units=True,
+            direct_slots=True,
+            copy_flat_programs=16,
+        )
+
+    def test_classic(self):
+        # ours_fp8_classic: 4 units, no warm units or direct slots.
+        self._run(4, early_swap=True)
 
 
 class TestPDDecodeLifecycle(unittest.TestCase):
