@@ -2066,6 +2066,7 @@ class TestOneRequestAtATime(unittest.TestCase):
 
     # Prompt lengths in LRU units (C rows): walkers past 2 units, then short.
     PROMPTS_IN_UNITS = (2.3, 5.5, 0.7, 1.6, 7.8, 1.95, 0.45, 3.9, 0.95)
+    SERVED_SIZES = None  # None: on CUDA only
 
     def _run(self, max_units, **coordinator_kwargs):
         write = mock.patch.object(
@@ -2073,7 +2074,7 @@ class TestOneRequestAtATime(unittest.TestCase):
         )
         write.start()
         self.addCleanup(write.stop)
-        served = DEVICE == "cuda"
+        served = DEVICE == "cuda" if self.SERVED_SIZES is None else self.SERVED_SIZES
         C, W, K = (4096, 64, 2048) if served else (128, 8, 64)
         chunk = 2 * C
         lens = [int(u * C) for u in self.PROMPTS_IN_UNITS]
