@@ -157,12 +157,11 @@ run_step() {
       # After any change to the swap, reorder or copy kernels, before timing
       # it: the split swap against the fused one at the served sizes (4096
       # slots, top-k 2048, 32K contexts, beside the rest), the LRU state's
-      # CUDA tests, then the tiny checkpoint end to end (the default: warm
-      # units, direct slots, spare regions, units sized to the context, where
-      # every tiny prompt fits its units; the defaults before f418aa2, the
-      # long prompts on the LRU walk over 4 units; the default with 2 units
-      # and the flat copy, walks beside direct requests; resumed from
-      # tiny_run6's no-offload outputs). The CPU interpreter and the kernel tests passed a
+      # CUDA tests, then the tiny checkpoint end to end (the default; the
+      # same with warm units, direct slots and spare regions off by name;
+      # the elastic settings with 2 units and the flat copy, walks beside
+      # direct requests, 44/64 at e20c81a; resumed from tiny_run6's
+      # no-offload outputs). The CPU interpreter and the kernel tests passed a
       # rewrite that the end-to-end run caught (results/exactness/tiny_reorder_regression/).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       (timeout 240 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/gate_swap_units \
@@ -200,8 +199,8 @@ run_step() {
         test/srt/test_sparse_cache_controller.py::TestUnits 2>&1 | tail -15 || rc=1
       ;;
     default-gate)
-      # The default since f418aa2 (warm units, direct slots, spare regions,
-      # units sized to the context) on the tiny checkpoint with bf16, fp8 and
+      # The default (up to 4 cold units since the revert of f418aa2's elastic
+      # defaults; the elastic ones where a server names them) on the tiny checkpoint with bf16, fp8 and
       # bf16 retraction, unit leveling, and the bench's 7 units of 4,416 rows
       # (with the flat copy), direct requests warmed with nothing below the
       # window (ours_fp8_lazy_direct); three runs side by side, resumed from

@@ -117,10 +117,9 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
         self.assertEqual(args.nsa_kv_offload_recent_window, 64)
         self.assertGreater(args.nsa_kv_offload_host_pool_gb, 0)
-        # Units holding the model's whole context (163,840 positions) below
-        # the window: 163,776 / 4,096 -> 40.
+        # 4 units (the context would take 163,776 / 4,096 -> 40).
         self.assertEqual(args.get_model_config().context_len, 163840)
-        self.assertEqual(args.nsa_kv_offload_max_units, 40)
+        self.assertEqual(args.nsa_kv_offload_max_units, 4)
 
     def test_disabled_is_untouched(self):
         args = self._server_args(
@@ -139,16 +138,16 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_host_pool_gb, 0.5)
 
     def test_max_units(self):
-        # 1 turns lending off; the default holds the context below the
-        # window: ceil((163,840 - W) / buffer), --context-length included.
+        # 1 turns lending off; the default is 4, or fewer when the context
+        # below the window needs fewer: ceil((context - W) / buffer).
         for overrides, expect in (
             (dict(nsa_kv_offload_max_units=1), 1),
             (dict(nsa_kv_offload_max_units=7), 7),
-            (dict(nsa_kv_offload_gpu_buffer_size=12288), 14),
-            (dict(nsa_kv_offload_gpu_buffer_size=32767), 5),
-            (dict(context_length=32768), 8),
-            (dict(context_length=32768, nsa_kv_offload_recent_window=512), 8),
-            (dict(context_length=32768 + 65), 9),
+            (dict(nsa_kv_offload_gpu_buffer_size=12288), 4),
+            (dict(context_length=8192), 2),
+            (dict(context_length=8192 + 65), 3),
+            (dict(context_length=8192, nsa_kv_offload_recent_window=512), 2),
+            (dict(context_length=32768), 4),
             (dict(context_length=64), 1),
         ):
             args = self._server_args(**overrides)
@@ -488,13 +487,13 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
 
     def test_default_on_settings(self):
-        # Warm units, direct slots and spare regions are on unless their
-        # variable is "0"; warm units only where they apply, direct slots
+        # Warm units, direct slots and spare regions are off unless their
+        # variable is "1"; warm units only where they apply, direct slots
         # only without MTP (there "1" is refused at startup).
         m = nsa_kv_offload_args
         names = (m.ENV_WARM_UNITS, m.ENV_DIRECT_SLOTS, m.ENV_SPARE_REGIONS)
         clean = {k: v for k, v in os.environ.items() if k not in names}
-        for value, on in (("", True), ("1", True), ("0", False), ("false", False)):
+        for value, on in (("", False), ("1", True), ("0", False), ("false", False)):
             env = {**clean, **{name: value for name in names}}
             with self.subTest(value=value), mock.patch.dict(os.environ, env, True):
                 self.assertEqual(m.spare_regions_enabled(), on)
@@ -507,7 +506,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                     (40, False, True),
                 ):
                     self.assertFalse(m.warm_units_enabled(*refused), refused)
-        # Where warm units cannot apply, the default starts without them.
+        # Where warm units cannot apply, a server starts without them.
         with mock.patch.dict(os.environ, clean, clear=True):
             self._server_args(
                 nsa_kv_offload_max_units=1

@@ -574,10 +574,9 @@ class TestServerArgsToPools(TinyConfigDirCase):
         )
         configurator = NSAKVOffloadPoolConfigurator(self._model_runner(args, 1 << 30))
         # A region pays for its own unit's LRU state, whatever units a
-        # request may hold (by default those of the model's context: int32
-        # slot ids).
-        self.assertEqual(args.nsa_kv_offload_max_units, 40)
-        per_region = offload_bytes_per_region(3, 656, 4096, 64, max_units=40)
+        # request may hold (by default 4: int16 slot ids).
+        self.assertEqual(args.nsa_kv_offload_max_units, 4)
+        per_region = offload_bytes_per_region(3, 656, 4096, 64, max_units=4)
         sizes = configurator.compute_sizes(1 << 30, PAGE)
         self.assertEqual(sizes.num_regions, int(0.4 * (1 << 30)) // per_region)
         huge = configurator.compute_sizes(1 << 40, PAGE)
@@ -651,7 +650,7 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(mr.max_total_num_tokens, host_locs // PAGE * PAGE)
         self.assertEqual(sizes.num_locs, mr.max_total_num_tokens)
         self.assertEqual(sizes.num_regions, 2)
-        self.assertEqual(sizes.num_spare_regions, 6)  # on by default
+        self.assertEqual(sizes.num_spare_regions, 0)  # off by default
         self.assertEqual(sizes.region_rows, 4096 + 64)
         pool = mr.token_to_kv_pool
         self.assertIs(pool.sizes, sizes)
@@ -667,14 +666,14 @@ class TestServerArgsToPools(TinyConfigDirCase):
 
         held = sizes.describe_capacity(mr.model_config.context_len)
         self.assertTrue(any(held in line for line in logs), logs)
-        # The early swap, warm units and direct slots are the default, and
-        # the log says so.
+        # The early swap is the default, and the log says so; warm units and
+        # direct slots are opt-in.
         self.assertTrue(coordinator.early_swap)
         self.assertTrue(any("early swap on" in x for x in logs), logs)
-        self.assertTrue(coordinator.warm_units)
-        self.assertTrue(any("warm units on" in x for x in logs), logs)
-        self.assertTrue(coordinator.lru.direct_slots)
-        self.assertTrue(any("direct slots on" in x for x in logs), logs)
+        self.assertFalse(coordinator.warm_units)
+        self.assertFalse(any("warm units on" in x for x in logs), logs)
+        self.assertFalse(coordinator.lru.direct_slots)
+        self.assertFalse(any("direct slots on" in x for x in logs), logs)
         self.assertIs(get_nsa_kv_offload(allocator), coordinator)
         self.assertFalse(hasattr(pool, "nsa_kv_offload"))  # no link back
         self.assertIs(coordinator.sizes, sizes)
@@ -682,7 +681,7 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(coordinator.host_pool.size, sizes.num_locs)
         self.assertEqual(coordinator.host_pool.row_bytes, 656)
         controller = coordinator.controller
-        self.assertEqual(controller.num_free_regions(), 8)
+        self.assertEqual(controller.num_free_regions(), 2)  # no spare regions
         self.assertEqual(controller.regions.start_row, sizes.region_start_row)
         self.assertLessEqual(controller.regions.end_row, pool.kv_buffer[0].shape[0])
         self.assertEqual(controller.lru.num_locs, sizes.num_locs + PAGE)
@@ -690,10 +689,12 @@ class TestServerArgsToPools(TinyConfigDirCase):
     def test_spare_regions(self):
         # The host pool caps the locs far below the 256 MB budget: the bytes
         # left become regions the 2 request slots borrow as units (up to 3
-        # more each at 4 units), and nothing else changes ("0": none).
-        plain = self._resolved_pools({"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "0"})
+        # more each at 4 units), and nothing else changes (unset: none).
+        plain = self._resolved_pools({"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": ""})
         self.assertEqual(plain[1].num_spare_regions, 0)
-        mr, sizes, coordinator, logs = self._resolved_pools()
+        mr, sizes, coordinator, logs = self._resolved_pools(
+            {"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "1"}
+        )
         self.assertEqual(mr.max_running_requests, 2)
         self.assertEqual(sizes.num_regions, 2)
         self.assertEqual(sizes.num_locs, plain[1].num_locs)
@@ -2067,6 +2068,7 @@ class TestOneRequestAtATime(unittest.TestCase):
     # Prompt lengths in LRU units (C rows): walkers past 2 units, then short.
     PROMPTS_IN_UNITS = (2.3, 5.5, 0.7, 1.6, 7.8, 1.95, 0.45, 3.9, 0.95)
     SERVED_SIZES = None  # None: on CUDA only
+    SPARE_REGIONS = 2
 
     def _run(self, max_units, **coordinator_kwargs):
         write = mock.patch.object(
@@ -2095,7 +2097,7 @@ class TestOneRequestAtATime(unittest.TestCase):
             max_ctx=longest + PAGE,
             max_units=max_units,
             lend_staging_pages=pages - -(-chunk // PAGE),
-            spare_regions=2,
+            spare_regions=self.SPARE_REGIONS,
             coordinator_kwargs=coordinator_kwargs,
         )
         walked = direct = 0

@@ -797,11 +797,18 @@ VARIANT_ENV = {
     # A request entering direct mode warmed with its newest 2,048 positions
     # below the window only (the admission's warm-up before the warm units):
     # a shorter admission stall for more first reads in its first steps.
-    "ours_bounded_warm": {ENV_DIRECT_WARM_POSITIONS: "2048"},
+    "ours_bounded_warm": {
+        ENV_WARM_UNITS: "1",
+        ENV_DIRECT_SLOTS: "1",
+        ENV_DIRECT_WARM_POSITIONS: "2048",
+    },
+    # The elastic settings, the default from f418aa2 until the H200 read wrong
+    # KV with them at 2 units (results/units/per_unit_gpu_gate/): opt-in since.
+    "ours_elastic": {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1"},
 }
 # Variants with a unit cap of their own: the defaults before f418aa2, and 8
 # units (the rank bench at cfdc9bc) to weigh the default's 40-unit grid.
-VARIANT_MAX_UNITS = {"ours_classic": 4, "ours_8units": 8}
+VARIANT_MAX_UNITS = {"ours_classic": 4, "ours_8units": 8, "ours_elastic": 40}
 
 
 def server_env(args, kind: str) -> Dict[str, str]:
@@ -828,7 +835,7 @@ def server_env(args, kind: str) -> Dict[str, str]:
     if kind == "ours_mtp" and args.mtp_swap != "default":
         env[ENV_EARLY_SWAP] = "1" if args.mtp_swap == "early" else "0"
     if args.spare_regions and kind in OFFLOAD_KINDS:
-        # The default since f418aa2; ours_classic keeps them off.
+        # Off by default; ours_classic keeps them off.
         env.setdefault(ENV_SPARE_REGIONS, "1")
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"

@@ -126,6 +126,11 @@ WARM_DIRECT_FLAT_ENV = {
 # default since the units are capped by each request's context; these
 # servers keep the bench's exact settings.
 TUNED_ENV = {**WARM_DIRECT_FLAT_ENV, ENV_SPARE_REGIONS: "1"}
+# The elastic settings, the server's default from f418aa2 until the H200 read
+# wrong KV with them at 2 units (results/units/per_unit_gpu_gate/); opt-in
+# since. Units sized to the context as then (40 for DeepSeek-V3.2).
+ELASTIC_ENV = {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1", ENV_SPARE_REGIONS: "1"}
+ELASTIC_UNITS = ["--nsa-kv-offload-max-units", "10"]  # the tiny context's
 TUNED_MAX_UNITS = 8
 
 
@@ -155,31 +160,36 @@ SERVERS = {
     # position read is a miss into its own slot (the bounded warm-up at its
     # bound).
     "ours_fp8_lazy_direct": dict(
-        offload=[], env={ENV_DIRECT_WARM_POSITIONS: "0"}, base="base_fp8"
+        offload=ELASTIC_UNITS,
+        env={**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "0"},
+        base="base_fp8",
     ),
+    # The elastic settings (the default from f418aa2 to this revert): 64/64
+    # at e20c81a, where every tiny prompt fits its units at batch 1.
+    "ours_fp8_elastic": dict(offload=ELASTIC_UNITS, env=ELASTIC_ENV, base="base_fp8"),
     # The default with at most 2 units and the flat copy: the tiny prompts
     # past 8,192 positions walk the LRU over two chunks of per-unit state,
     # beside direct ones (with the default's 40 units every tiny prompt
     # fits its units at batch 1 and none walks).
     "ours_fp8_2units_flat": dict(
         offload=["--nsa-kv-offload-max-units", "2"],
-        env={ENV_GATHER_PROGRAMS: "16"},
+        env={**ELASTIC_ENV, ENV_GATHER_PROGRAMS: "16"},
         base="base_fp8",
     ),
     # Which part of ours_fp8_2units_flat reads wrong KV (52/64 and 44/64 on
     # the H200, results/units/per_unit_gpu_gate/): 2 units alone, without
     # warm units, without direct slots.
     "ours_fp8_2units": dict(
-        offload=["--nsa-kv-offload-max-units", "2"], base="base_fp8"
+        offload=["--nsa-kv-offload-max-units", "2"], env=ELASTIC_ENV, base="base_fp8"
     ),
     "ours_fp8_2units_cold": dict(
         offload=["--nsa-kv-offload-max-units", "2"],
-        env={ENV_WARM_UNITS: "0"},
+        env={**ELASTIC_ENV, ENV_WARM_UNITS: "0"},
         base="base_fp8",
     ),
     "ours_fp8_2units_nodirect": dict(
         offload=["--nsa-kv-offload-max-units", "2"],
-        env={ENV_DIRECT_SLOTS: "0"},
+        env={**ELASTIC_ENV, ENV_DIRECT_SLOTS: "0"},
         base="base_fp8",
     ),
     "ours_fp8_classic": dict(

@@ -22,6 +22,9 @@ GB = 1 << 30
 
 NSA_KV_OFFLOAD_PAGE_SIZE = 64
 
+# GPU buffers one request may hold per layer by default (the H200-checked
+# default before f418aa2; nsa_kv_offload_default_max_units).
+DEFAULT_MAX_UNITS = 4
 # LRU slot ids of a request are int16 (loc_to_slot, lru_order) while its
 # units x buffer slots fit, int32 beyond (lru_slot_dtype).
 _MAX_INT16_LRU_SLOTS = 32767
@@ -55,17 +58,20 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # copy start on a side stream as soon as its top-k exists, beside the query
 # projection and rope, instead of right before its attention.
 ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
-# Direct slots (on by default without MTP; "0" turns them off): a request
-# whose context fits its LRU slots keeps position p in slot p and swaps
-# without the LRU walk.
+# Direct slots (off by default, "1" turns them on, refused with MTP): a
+# request whose context fits its LRU slots keeps position p in slot p and
+# swaps without the LRU walk. Warm units, direct slots and spare regions were
+# the default from f418aa2 until the H200 read wrong KV with them at 2 units
+# (TestOneRequestAtATime, results/units/per_unit_gpu_gate/): opt-in until
+# that is fixed.
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
-# Spare regions (on by default; "0" turns them off; read by the pool
+# Spare regions (off by default, "1" turns them on; read by the pool
 # configurator): GPU bytes the host pool leaves without locs become regions
 # lent to requests as units.
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
-# Warm units (on by default where warm_units_refusal allows; "0" turns them
-# off): a request is warmed after its units are granted, into every slot it
-# holds, instead of one unit's top-k rows at admission.
+# Warm units (off by default, "1" turns them on where warm_units_refusal
+# allows): a request is warmed after its units are granted, into every slot
+# it holds, instead of one unit's top-k rows at admission.
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 # Experimental flat miss copy (read by the coordinator): N programs share all
 # requests' misses instead of a grid per request, so that the copy's waits on
@@ -123,26 +129,33 @@ def early_swap_enabled() -> bool:
     return env_default_on(ENV_EARLY_SWAP)
 
 
+def _env_opt_in(env: str) -> bool:
+    """A setting off by default: on only when its variable is set true."""
+    from sglang.srt.utils import get_bool_env_var
+
+    return get_bool_env_var(env)
+
+
 def direct_slots_enabled(speculative: bool) -> bool:
     """Whether requests whose context fits their slots swap in direct mode
-    (``ENV_DIRECT_SLOTS``): on unless "0", off with MTP (the verify swaps
+    (``ENV_DIRECT_SLOTS``): only with "1", never with MTP (the verify swaps
     several query tokens per request; "1" with MTP is refused)."""
-    return env_default_on(ENV_DIRECT_SLOTS) and not speculative
+    return _env_opt_in(ENV_DIRECT_SLOTS) and not speculative
 
 
 def spare_regions_enabled() -> bool:
     """Whether the GPU bytes the locs leave become spare regions
-    (``ENV_SPARE_REGIONS``): on unless "0"."""
-    return env_default_on(ENV_SPARE_REGIONS)
+    (``ENV_SPARE_REGIONS``): only with "1"."""
+    return _env_opt_in(ENV_SPARE_REGIONS)
 
 
 def warm_units_enabled(
     max_units: int, speculative: bool, shared_host_pool: bool
 ) -> bool:
     """Whether admissions are warmed after their units are granted
-    (``ENV_WARM_UNITS``): on unless "0", where ``warm_units_refusal`` allows
-    (there "1" is refused at startup)."""
-    return env_default_on(ENV_WARM_UNITS) and (
+    (``ENV_WARM_UNITS``): only with "1", where ``warm_units_refusal``
+    allows (elsewhere "1" is refused at startup)."""
+    return _env_opt_in(ENV_WARM_UNITS) and (
         warm_units_refusal(max_units, speculative, shared_host_pool) is None
     )
 
@@ -243,14 +256,17 @@ def warm_units_refusal(
 def nsa_kv_offload_default_max_units(
     context_len: int, buffer_size: int, recent_window: int
 ) -> int:
-    """Default units one request may hold: enough LRU slots for every
-    position of the longest context below its recent window, so that any
-    request whose context fits the idle GPU rows swaps in direct mode. Units
-    are lent only while idle and each request only what its own context
-    needs (``SparseCacheController.units_to_hold``)."""
+    """Default units one request may hold: ``DEFAULT_MAX_UNITS``, or fewer
+    when the model's context needs fewer. Units are lent only while idle and
+    each request only what its own context needs
+    (``SparseCacheController.units_to_hold``). Enough units for the whole
+    context (f418aa2) waits for the fix of the fault warm units and direct
+    slots showed on the H200."""
     from sglang.srt.mem_cache.nsa_kv_offload_units import units_for_context
 
-    return units_for_context(context_len, buffer_size, recent_window)
+    return min(
+        DEFAULT_MAX_UNITS, units_for_context(context_len, buffer_size, recent_window)
+    )
 
 
 def nsa_kv_offload_default_buffer_size(index_topk: int, query_tokens: int) -> int:

@@ -308,7 +308,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         if warm_units:
             logger.info(
-                "NSA KV offload: warm units on (%s=0 turns them off): a request "
+                "NSA KV offload: warm units on (%s=1, experimental): a request "
                 "is warmed after its units are granted, into up to %d "
                 "rows per layer instead of %d.",
                 ENV_WARM_UNITS,
@@ -317,7 +317,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         if direct_slots:
             logger.info(
-                "NSA KV offload: direct slots on (%s=0 turns them off): a "
+                "NSA KV offload: direct slots on (%s=1, experimental): a "
                 "request whose context fits its units swaps without the LRU "
                 "walk.",
                 ENV_DIRECT_SLOTS,
