@@ -2076,9 +2076,10 @@ class _OneRequestAtATime(unittest.TestCase):
     another, long prompts that walk the LRU over their units, then short ones
     that fit them (direct slots), in the same request slot, with the elastic
     settings (warm units, direct slots, spare regions: the server's default
-    from f418aa2 to d1140ab), staging lent as units and the early swap. Every page table is checked against the KV written. On
-    CUDA at the served sizes (4,096 LRU rows, window 64, top-k 2,048, 8,192
-    token chunks) with the streams the server runs; on CPU at 1/32 of them."""
+    from f418aa2 to d1140ab), staging lent as units and the early swap.
+    Every page table is checked against the KV written. On CUDA at the
+    served sizes (4,096 LRU rows, window 64, top-k 2,048, 8,192 token
+    chunks) with the streams the server runs; on CPU at 1/32 of them."""
 
     # Prompt lengths in LRU units (C rows): walkers past 2 units, then short.
     PROMPTS_IN_UNITS = (2.3, 5.5, 0.7, 1.6, 7.8, 1.95, 0.45, 3.9, 0.95)
