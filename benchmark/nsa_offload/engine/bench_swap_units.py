@@ -55,28 +55,38 @@ def topk_steps(rng, bs: int, ctx: int, k: int, window: int, steps: int, keep: fl
     return out
 
 
-def make_state(args, bs: int, units: int, kernel: str) -> LRUCacheState:
+def units_state(
+    bs: int, units: int, ctx: int, buffer_size: int, window: int, top_k: int, **kwargs
+) -> LRUCacheState:
+    """One layer's LRU state with ``bs`` requests of ``ctx`` locs, each holding
+    ``units`` units (regions side by side); ``kwargs`` go to LRUCacheState."""
     state = LRUCacheState(
         num_layers=1,
         max_num_reqs=bs,
-        num_locs=bs * args.ctx,
-        buffer_size=args.buffer_size,
-        recent_window=args.window,
-        top_k=args.top_k,
+        num_locs=bs * ctx,
+        buffer_size=buffer_size,
+        recent_window=window,
+        top_k=top_k,
         device=DEVICE,
         max_batch_size=bs,
         max_units=units,
+        **kwargs,
     )
+    rows = buffer_size + window
+    for r in range(bs):
+        state.admit_request(r, r * units * rows)
+        for u in range(1, units):
+            state.grow_request(r, u, (r * units + u) * rows)
+    return state
+
+
+def make_state(args, bs: int, units: int, kernel: str) -> LRUCacheState:
+    state = units_state(bs, units, args.ctx, args.buffer_size, args.window, args.top_k)
     state.swap_backend = TritonLRUSwap(
         state,
         max_batch_size=bs,
         split_by_unit=kernel != "fused",
     )
-    rows = args.buffer_size + args.window
-    for r in range(bs):
-        state.admit_request(r, r * units * rows)
-        for u in range(1, units):
-            state.grow_request(r, u, (r * units + u) * rows)
     return state
 
 

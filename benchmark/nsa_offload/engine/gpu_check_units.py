@@ -21,35 +21,27 @@ import sys
 
 import numpy as np
 import torch
-from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
 
 # The workload of the split-vs-fused benchmark (same folder).
-from bench_swap_units import _ints, topk_steps
+from bench_swap_units import _ints, topk_steps, units_state
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def make_state(args, bs, units, triton, req_to_token):
-    state = LRUCacheState(
-        num_layers=1,
-        max_num_reqs=bs,
-        num_locs=bs * args.ctx,
-        buffer_size=args.C,
-        recent_window=args.W,
-        top_k=args.K,
-        device=DEVICE,
+    state = units_state(
+        bs,
+        units,
+        args.ctx,
+        args.C,
+        args.W,
+        args.K,
         use_triton=triton,
-        max_batch_size=bs,
-        max_units=units,
         num_warps=args.num_warps if triton else None,
     )
-    rows = args.C + args.W
-    for r in range(bs):
-        state.admit_request(r, r * units * rows)
-        for u in range(1, units):
-            state.grow_request(r, u, (r * units + u) * rows)
-        if args.warm == "full":
-            below = args.ctx - args.W
+    if args.warm == "full":
+        below = args.ctx - args.W
+        for r in range(bs):
             locs = req_to_token[r, below - units * args.C : below].long()
             state.warm_request(0, r, locs)
     return state
