@@ -83,6 +83,8 @@ sys.path.insert(1, str(TRACES_DIR))
 
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
+    ELASTIC_ENV,
+    ELASTIC_RANK_UNITS,
     DIRECT_RE,
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
@@ -797,18 +799,18 @@ VARIANT_ENV = {
     # A request entering direct mode warmed with its newest 2,048 positions
     # below the window only (the admission's warm-up before the warm units):
     # a shorter admission stall for more first reads in its first steps.
-    "ours_bounded_warm": {
-        ENV_WARM_UNITS: "1",
-        ENV_DIRECT_SLOTS: "1",
-        ENV_DIRECT_WARM_POSITIONS: "2048",
-    },
-    # The elastic settings, the default from f418aa2 until the H200 read wrong
-    # KV with them at 2 units (results/units/per_unit_gpu_gate/): opt-in since.
-    "ours_elastic": {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1"},
+    "ours_bounded_warm": {**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "2048"},
+    # The elastic settings (server_utils.ELASTIC_ENV), with their units.
+    "ours_elastic": ELASTIC_ENV,
 }
-# Variants with a unit cap of their own: the defaults before f418aa2, and 8
-# units (the rank bench at cfdc9bc) to weigh the default's 40-unit grid.
-VARIANT_MAX_UNITS = {"ours_classic": 4, "ours_8units": 8, "ours_elastic": 40}
+# Variants with a unit cap of their own: the defaults before f418aa2 (and
+# since d1140ab), 8 units (the rank bench at cfdc9bc), and the elastic
+# settings' units of the model's context.
+VARIANT_MAX_UNITS = {
+    "ours_classic": 4,
+    "ours_8units": 8,
+    "ours_elastic": ELASTIC_RANK_UNITS,
+}
 
 
 def server_env(args, kind: str) -> Dict[str, str]:

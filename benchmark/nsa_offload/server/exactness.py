@@ -60,6 +60,7 @@ from make_checkpoint import (
     write_checkpoint,
 )
 from server_utils import (
+    ELASTIC_ENV,
     BF16_KV_ARGS,
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
@@ -122,15 +123,11 @@ WARM_DIRECT_FLAT_ENV = {
 }
 # The settings the rank bench met its latency target with (results/rank_speed/,
 # cfdc9bc): warm units, direct slots, the flat miss copy and spare regions, 8
-# units (int32 slot ids). All but the flat copy and the 8 units are the
-# default since the units are capped by each request's context; these
-# servers keep the bench's exact settings.
+# units (int32 slot ids): the elastic settings (ELASTIC_ENV) with the flat
+# copy and 8 units; these servers keep the bench's exact settings.
 TUNED_ENV = {**WARM_DIRECT_FLAT_ENV, ENV_SPARE_REGIONS: "1"}
-# The elastic settings, the server's default from f418aa2 until the H200 read
-# wrong KV with them at 2 units (results/units/per_unit_gpu_gate/); opt-in
-# since. Units sized to the context as then (40 for DeepSeek-V3.2).
-ELASTIC_ENV = {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1", ENV_SPARE_REGIONS: "1"}
-ELASTIC_UNITS = ["--nsa-kv-offload-max-units", "10"]  # the tiny context's
+# The elastic settings' units on the tiny checkpoint: its context's.
+ELASTIC_UNITS = ["--nsa-kv-offload-max-units", "10"]
 TUNED_MAX_UNITS = 8
 
 
@@ -164,13 +161,13 @@ SERVERS = {
         env={**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "0"},
         base="base_fp8",
     ),
-    # The elastic settings (the default from f418aa2 to this revert): 64/64
-    # at e20c81a, where every tiny prompt fits its units at batch 1.
+    # The elastic settings: 64/64 at e20c81a (then the default), where every
+    # tiny prompt fits its units at batch 1.
     "ours_fp8_elastic": dict(offload=ELASTIC_UNITS, env=ELASTIC_ENV, base="base_fp8"),
-    # The default with at most 2 units and the flat copy: the tiny prompts
-    # past 8,192 positions walk the LRU over two chunks of per-unit state,
-    # beside direct ones (with the default's 40 units every tiny prompt
-    # fits its units at batch 1 and none walks).
+    # The elastic settings with at most 2 units and the flat copy: the tiny
+    # prompts past 8,192 positions walk the LRU over two chunks of per-unit
+    # state, beside direct ones (with the tiny context's 10 units every tiny
+    # prompt fits its units at batch 1 and none walks).
     "ours_fp8_2units_flat": dict(
         offload=["--nsa-kv-offload-max-units", "2"],
         env={**ELASTIC_ENV, ENV_GATHER_PROGRAMS: "16"},

@@ -69,6 +69,12 @@ ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
 ENV_DIRECT_WARM_POSITIONS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_WARM_POSITIONS"
 ENV_SWAP_AFTER_ROPE = "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE"
+# The elastic settings: the server's default from f418aa2 until the H200 read
+# wrong KV with them at 2 units (results/units/per_unit_gpu_gate/), opt-in
+# since d1140ab. With them the units were sized to the model's context
+# (ELASTIC_RANK_UNITS for DeepSeek-V3.2's 163,840 positions at 4,096 rows).
+ELASTIC_ENV = {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1", ENV_SPARE_REGIONS: "1"}
+ELASTIC_RANK_UNITS = 40
 # The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
 # since 64f802f the units moved between requests over the log interval.
 UNITS_RE = re.compile(r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?\)")
