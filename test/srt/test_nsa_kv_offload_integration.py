@@ -86,6 +86,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
     StagingUnitLender,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from test_lru_cache_state import check_invariants
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -2126,9 +2127,12 @@ class _OneRequestAtATime(unittest.TestCase):
                 h.prefill([(req, chunk)], chunked_req=req)
                 done += chunk
             h.prefill([(req, n - done)])
+            self.check_lru_state(h, req, "admission")
             h.decode_step([req], first_step_of=(req,))
-            for _ in range(steps):
+            self.check_lru_state(h, req, "first step")
+            for step in range(steps):
                 h.decode_step([req])
+                self.check_lru_state(h, req, f"step {step + 2}")
             in_slots = n + steps + 1 - W <= h.controller.num_units(req.req_pool_idx) * C
             walked += not in_slots
             direct += in_slots
@@ -2137,6 +2141,34 @@ class _OneRequestAtATime(unittest.TestCase):
         # Both kinds ran, beside units lent and taken back.
         self.assertGreater(walked, 0)
         self.assertGreater(direct, 0)
+
+    def check_lru_state(self, h, req, when):
+        """The LRU state's invariants (every slot's loc maps back to it, no
+        stale map entry, each order a permutation of the held slots, ...)
+        and the request's own: unique locs and, in direct mode, position p's
+        loc in slot p or nowhere. Names the first broken one: a wrong page
+        table on the GPU then says which state went wrong, and when."""
+        r, n = req.req_pool_idx, req.seq_len
+        where = (
+            f"request {req.rid} (length {n}, "
+            f"{h.controller.num_units(r)} units, direct "
+            f"{int(h.co.lru.direct[r])}) after {when}"
+        )
+        locs = h.req_to_token[r, :n].long()
+        self.assertEqual(locs.unique().numel(), n, f"{where}: repeated locs")
+        with self.subTest(where=where):
+            check_invariants(self, h.co.lru)
+        if int(h.co.lru.direct[r]):
+            slot_loc = h.co.lru.slot_loc[:, r].long()  # (layers, slots)
+            held = slot_loc.shape[1]
+            expect = torch.full((held,), -1, dtype=torch.long, device=locs.device)
+            expect[: min(held, n)] = locs[:held]
+            wrong = (slot_loc >= 0) & (slot_loc != expect)
+            self.assertFalse(
+                bool(wrong.any()),
+                f"{where}: slots {wrong.nonzero()[:4].tolist()} (layer, slot) "
+                "hold another position's loc",
+            )
 
 
 class TestOneRequestAtATime(_OneRequestAtATime):

@@ -173,6 +173,10 @@ if _HAS_TRITON:
             )
             tl.store(miss_src_row + rank, loc.to(tl.int64), mask=miss)
             tl.store(miss_dst_row + rank, slot_row, mask=miss)
+            # The next query token may read the victims stored above (other
+            # threads'). A marker or its victim gives the same slot, but
+            # ordered, no argument is needed (test_nsa_kv_offload_kernel_hazards).
+            tl.debug_barrier()
 
     @triton.jit
     def _padding_rows(

@@ -1,0 +1,195 @@
+"""The offload's Triton kernels have no data race the interpreter could hide.
+
+Under ``TRITON_INTERPRET=1`` a launch's programs run one after another and
+every memory op on a whole block at once, so a missing barrier or two
+programs sharing an address pass every CPU test and may still fail on the
+GPU. ``triton_hazards.record_hazards`` records the kernels' loads and stores
+while the lockstep simulations and the one-request-at-a-time server run
+drive them, and every swap, copy and mapping kernel must come out clean.
+The checker's own tests show it finds such races (a kernel without its
+barrier, programs that share stores), and so does the swap kernel with its
+barriers ignored. CPU only: on CUDA the kernels are compiled.
+"""
+
+import unittest
+
+import torch
+import triton
+import triton.language as tl
+from nsa_kv_offload_verify_sim import VerifyConfig, run_verify_sim
+from sglang.srt.mem_cache import lru_cache_state as lru_mod
+from test_lru_cache_state import SimConfig, run_sim
+from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
+    _OneRequestAtATime,
+    setUpModule,
+    tearDownModule,
+)
+from triton_hazards import record_hazards
+
+INTERPRETED = lru_mod._swap_kernel_is_interpreted()
+SKIP = "the checker hooks the Triton interpreter (TRITON_INTERPRET=1, CPU)"
+
+
+@triton.jit
+def _reversed_copy(x_ptr, y_ptr, BLOCK: tl.constexpr, BARRIER: tl.constexpr):
+    # Writes a block, then reads it back in reverse: other threads' stores.
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, offs)
+    if BARRIER:
+        tl.debug_barrier()
+    tl.store(y_ptr + offs, tl.load(x_ptr + BLOCK - 1 - offs))
+
+
+@triton.jit
+def _every_program_stores(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, offs + tl.program_id(0))
+
+
+@triton.jit
+def _scatter(x_ptr, idx_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + tl.load(idx_ptr + offs), offs)
+
+
+@unittest.skipUnless(INTERPRETED, SKIP)
+class TestHazardChecker(unittest.TestCase):
+    def setUp(self):
+        self.x = torch.zeros(16, dtype=torch.int32)
+        self.y = torch.zeros(16, dtype=torch.int32)
+
+    def test_missing_barrier(self):
+        with record_hazards() as log:
+            _reversed_copy[(1,)](self.x, self.y, BLOCK=16, BARRIER=False)
+        self.assertEqual(log.counts(), {("_reversed_copy", "threads"): 1})
+        # The interpreter itself computes the right answer all the same.
+        self.assertEqual(self.y.tolist(), list(range(15, -1, -1)))
+
+    def test_barrier(self):
+        with record_hazards() as log:
+            _reversed_copy[(1,)](self.x, self.y, BLOCK=16, BARRIER=True)
+        self.assertEqual(log.counts(), {})
+        self.assertEqual(log.launches, {"_reversed_copy": 1})
+        with record_hazards(ignore_barriers=True) as log:
+            _reversed_copy[(1,)](self.x, self.y, BLOCK=16, BARRIER=True)
+        self.assertEqual(log.counts(), {("_reversed_copy", "threads"): 1})
+
+    def test_programs_sharing_stores(self):
+        with record_hazards() as log:
+            _every_program_stores[(1,)](self.x, BLOCK=16)
+        self.assertEqual(log.counts(), {})
+        with record_hazards() as log:
+            _every_program_stores[(3,)](self.x, BLOCK=16)
+        self.assertEqual(log.counts(), {("_every_program_stores", "programs"): 1})
+
+    def test_conflicting_scatter(self):
+        idx = torch.arange(16, dtype=torch.int32)
+        with record_hazards() as log:
+            _scatter[(1,)](self.x, idx, BLOCK=16)
+        self.assertEqual(log.counts(), {})
+        idx[3] = 5
+        with record_hazards() as log:
+            _scatter[(1,)](self.x, idx, BLOCK=16)
+        self.assertEqual(log.counts(), {("_scatter", "scatter"): 1})
+
+
+@unittest.skipUnless(INTERPRETED, SKIP)
+class TestSwapKernels(unittest.TestCase):
+    """The lockstep simulations of test_lru_cache_state and the multi-token
+    tests, recorded: one-token swaps (fused; split by unit, reorder deferred;
+    direct slots) and verify swaps (fused and split)."""
+
+    def assert_clean(self, log, kernels):
+        self.assertEqual(log.counts(), {}, log.report())
+        for kernel in kernels:
+            self.assertGreater(log.launches.get(kernel, 0), 0, kernel)
+
+    # The fused kernel's padding rows load lru_order and slot_loc of a stale
+    # request before they learn they pad (a round trip saved); a real row may
+    # be writing them, and the padding row drops what it read. Without
+    # padding rows no program reads another's state.
+
+    def test_fused(self):
+        cfg = SimConfig(C=48, K=32, W=7, max_batch=5, max_pad_rows=0, p_admit=0.6)
+        with record_hazards() as log:
+            run_sim(self, cfg, (True,), steps=20, seed=5)
+        self.assert_clean(log, ["_swap_layer_kernel"])
+
+    def test_units_split_deferred(self):
+        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.4)
+        with record_hazards() as log:
+            run_sim(self, cfg, (True, "deferred"), steps=20, seed=9)
+        self.assert_clean(
+            log,
+            [
+                "_swap_select_kernel",
+                "_swap_count_kernel",
+                "_swap_rank_kernel",
+                "_swap_copy_order_kernel",
+            ],
+        )
+
+    def test_direct_slots_split_and_fused(self):
+        cfg = SimConfig(
+            C=32,
+            K=16,
+            W=4,
+            units=3,
+            max_prompt=40,
+            direct=True,
+            p_keep=0.6,
+            max_pad_rows=0,
+        )
+        with record_hazards() as log:
+            sim = run_sim(self, cfg, (True, "fused"), steps=25, seed=12)
+        self.assertGreater(sim.direct_entered, 3)
+        self.assert_clean(log, ["_swap_select_kernel", "_swap_layer_kernel"])
+
+    def test_verify_swaps(self):
+        cfg = VerifyConfig(layers=1, K=8, q_max=3, C=24, W=5, units=3, max_batch=4)
+        with record_hazards() as log:
+            run_verify_sim(self, cfg, ("triton", "fused"), 10, 4)
+        self.assert_clean(
+            log,
+            [
+                "_swap_multi_classify_kernel",
+                "_swap_multi_assign_kernel",
+                "_swap_multi_layer_kernel",
+            ],
+        )
+
+    def test_barriers_ignored(self):
+        # The control: without their barriers the swap kernels race, and the
+        # checker sees it on the same run.
+        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.4)
+        with record_hazards(ignore_barriers=True) as log:
+            run_sim(self, cfg, (True, "fused"), steps=10, seed=9)
+        found = {kernel for kernel, kind in log.counts() if kind == "threads"}
+        self.assertIn("_swap_select_kernel", found)
+        self.assertIn("_swap_layer_kernel", found)
+
+
+@unittest.skipUnless(INTERPRETED, SKIP)
+class TestOneRequestAtATimeRecorded(_OneRequestAtATime):
+    """The server's kernels (swaps, miss copies, new-token backups, mapping,
+    KV quantization) through the real coordinator, with the settings of
+    ``ours_fp8_2units`` that gave wrong tokens on the H200: no race."""
+
+    PROMPTS_IN_UNITS = (2.3, 0.7, 1.95, 0.45)
+
+    def test_server_settings_two_units(self):
+        with record_hazards() as log:
+            self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+        self.assertEqual(log.counts(), {}, log.report())
+        for kernel in (
+            "_swap_select_kernel",
+            "_swap_rank_kernel",
+            "_gather_rows_kernel",
+            "_copy_rows_all_layers_kernel",
+            "_map_new_tokens_kernel",
+        ):
+            self.assertGreater(log.launches.get(kernel, 0), 0, kernel)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,301 @@
+"""A data-race checker for Triton kernels run under ``TRITON_INTERPRET=1``.
+
+The interpreter runs a launch's programs one after another, and each memory
+op on a whole block at once, so a kernel that lacks a barrier between a
+store and another thread's access of the same address, or that lets two
+programs of one launch touch the same address, gives the same results there
+as a correct kernel. On the GPU it may not. :func:`record_hazards` records
+every program's loads and stores between its barriers and reports:
+
+* ``threads``: within a program and between two barriers, two different
+  memory ops on one address, one of them a store, from different threads.
+  Threads are approximated: an op's element ``i`` and another op's element
+  ``i`` of a block of the same shape are taken for one thread (Triton gives
+  such blocks one layout); a scalar op is every thread's;
+* ``scatter``: one store op writing different values to one address;
+* ``programs``: an address one program of a launch stores and another
+  program of the same launch loads or stores.
+
+Atomics are not recorded (the hardware orders them). Test tooling: the
+product never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Hazard:
+    kernel: str
+    kind: str  # "threads", "scatter" or "programs"
+    program: Tuple[int, ...]
+    num_addresses: int
+    ops: str  # the memory ops involved: "file:line" of each
+
+
+@dataclasses.dataclass
+class _Access:
+    program: int
+    epoch: int
+    op: int
+    is_store: bool
+    where: str  # the kernel source line of the op
+    addrs: np.ndarray
+    thread: np.ndarray  # -1: every thread (a scalar op)
+    values: np.ndarray  # stores only
+
+
+class HazardLog:
+    """What :func:`record_hazards` found: ``hazards`` (first few per kernel
+    and kind) and ``launches`` (kernel name -> launches checked)."""
+
+    MAX_PER_KIND = 5
+
+    def __init__(self):
+        self.hazards: List[Hazard] = []
+        self.launches: Dict[str, int] = {}
+        self._counts: Dict[Tuple[str, str], int] = {}
+
+    def add(self, hazard: Hazard) -> None:
+        key = (hazard.kernel, hazard.kind)
+        self._counts[key] = self._counts.get(key, 0) + 1
+        if self._counts[key] <= self.MAX_PER_KIND:
+            self.hazards.append(hazard)
+
+    def counts(self) -> Dict[Tuple[str, str], int]:
+        """(kernel, kind) -> hazards found (all of them, not only the kept)."""
+        return dict(self._counts)
+
+    def report(self) -> str:
+        lines = [
+            f"{kernel}: {n} {kind} hazard(s)"
+            for (kernel, kind), n in sorted(self._counts.items())
+        ]
+        lines += [f"  {h}" for h in self.hazards]
+        return "\n".join(lines)
+
+
+class _Launch:
+    """The accesses of one kernel launch, checked when it ends."""
+
+    def __init__(self, kernel: str, log: HazardLog, strict: bool):
+        self.kernel = kernel
+        self.strict = strict
+        self.log = log
+        self.accesses: List[_Access] = []
+        self.program = -1
+        self.program_ids: List[Tuple[int, ...]] = []
+        self.epoch = 0
+        self.op = 0
+
+    def start_program(self, idx: Tuple[int, ...]) -> None:
+        self.program += 1
+        self.program_ids.append(idx)
+        self.epoch = 0
+        self.op = 0
+
+    def barrier(self) -> None:
+        self.epoch += 1
+
+    def record(self, ptrs, mask, is_store: bool, values=None) -> None:
+        self.op += 1
+        where = _kernel_line()
+        data = np.asarray(ptrs)
+        mask = np.broadcast_to(np.asarray(mask, dtype=bool), data.shape)
+        if data.size <= 1:
+            thread = np.full(data.shape, -1, dtype=np.int64)
+        else:
+            # Element i of two ops is one thread's only when the ops use the
+            # same pointer block: Triton picks each memory op's layout from
+            # its pointers' contiguity (vectorized or not).
+            key = (data.shape, data.tobytes()) if self.strict else data.shape
+            thread = ((hash(key) & 0xFFFFF) << 32) + np.arange(
+                data.size, dtype=np.int64
+            ).reshape(data.shape)
+        vals = np.zeros(0)
+        if is_store:
+            vals = np.broadcast_to(np.asarray(values), data.shape)[mask]
+        self.accesses.append(
+            _Access(
+                self.program,
+                self.epoch,
+                self.op,
+                is_store,
+                where,
+                data[mask].astype(np.uint64),
+                thread[mask],
+                vals,
+            )
+        )
+
+    # ------------------------------------------------------------- checks
+
+    def check(self) -> None:
+        self.log.launches[self.kernel] = self.log.launches.get(self.kernel, 0) + 1
+        if not self.accesses:
+            return
+        self._check_programs()
+        groups: Dict[Tuple[int, int], List[_Access]] = {}
+        for a in self.accesses:
+            if a.addrs.size:
+                groups.setdefault((a.program, a.epoch), []).append(a)
+        for (program, _), accesses in groups.items():
+            self._check_threads(program, accesses)
+
+    def _hazard(self, kind, program, num, ops) -> None:
+        self.log.add(
+            Hazard(self.kernel, kind, self.program_ids[program], int(num), ops)
+        )
+
+    def _check_programs(self) -> None:
+        if self.program < 1:
+            return
+        addr = np.concatenate([a.addrs for a in self.accesses])
+        prog = np.concatenate(
+            [np.full(a.addrs.size, a.program, np.int64) for a in self.accesses]
+        )
+        store = np.concatenate(
+            [np.full(a.addrs.size, a.is_store) for a in self.accesses]
+        )
+        stored = np.unique(addr[store])
+        if stored.size == 0:
+            return
+        touched = np.isin(addr, stored)
+        pairs = np.unique(np.stack([addr[touched], prog[touched]]), axis=1)
+        uniq, counts = np.unique(pairs[0], return_counts=True)
+        shared = uniq[counts > 1]
+        if shared.size:
+            first = int(pairs[1][np.isin(pairs[0], shared)][0])
+            ops = sorted(
+                {
+                    f"{'store' if a.is_store else 'load'} {a.where}"
+                    for a in self.accesses
+                    if np.isin(a.addrs, shared).any()
+                }
+            )
+            self._hazard("programs", first, shared.size, "; ".join(ops))
+
+    def _check_threads(self, program: int, accesses: List[_Access]) -> None:
+        for a in accesses:
+            if a.is_store and a.addrs.size > 1:
+                order = np.lexsort((a.values, a.addrs))
+                addr, vals = a.addrs[order], a.values[order]
+                same = addr[1:] == addr[:-1]
+                if np.any(same & (vals[1:] != vals[:-1])):
+                    self._hazard("scatter", program, same.sum(), a.where)
+        if len(accesses) < 2 or not any(a.is_store for a in accesses):
+            return
+        addr = np.concatenate([a.addrs for a in accesses])
+        op = np.concatenate([np.full(a.addrs.size, a.op) for a in accesses])
+        store = np.concatenate([np.full(a.addrs.size, a.is_store) for a in accesses])
+        thread = np.concatenate([a.thread for a in accesses])
+        uniq, inv = np.unique(addr, return_inverse=True)
+        n = uniq.size
+        any_store = np.zeros(n, bool)
+        np.logical_or.at(any_store, inv, store)
+        op_lo = np.full(n, np.iinfo(np.int64).max)
+        op_hi = np.full(n, -1)
+        np.minimum.at(op_lo, inv, op)
+        np.maximum.at(op_hi, inv, op)
+        th_lo = np.full(n, np.iinfo(np.int64).max)
+        th_hi = np.full(n, np.iinfo(np.int64).min)
+        np.minimum.at(th_lo, inv, thread)
+        np.maximum.at(th_hi, inv, thread)
+        bad = any_store & (op_lo != op_hi) & ((th_lo != th_hi) | (th_lo == -1))
+        if np.any(bad):
+            ids = {int(o) for o in op[bad[inv]]}
+            ops = [
+                f"{'store' if a.is_store else 'load'} {a.where}"
+                for a in accesses
+                if a.op in ids
+            ]
+            self._hazard("threads", program, bad.sum(), "; ".join(ops))
+
+
+_SKIP_DIRS = (os.sep + "triton" + os.sep, os.sep + "numpy" + os.sep)
+
+
+def _kernel_line() -> str:
+    # The innermost frame outside triton, numpy and this module: the
+    # kernel's (or its jit helper's) tl.load / tl.store line.
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != __file__ and not any(d in path for d in _SKIP_DIRS):
+            return f"{os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+@contextlib.contextmanager
+def record_hazards(strict: bool = True, ignore_barriers: bool = False):
+    """Record the hazards of every interpreted Triton launch in the block;
+    yields the :class:`HazardLog`. ``strict``: two ops share threads only
+    when they use the same pointer block (else: blocks of the same shape).
+    ``ignore_barriers``: as if the kernels had none (the checker's own test:
+    the hazards the barriers prevent must show)."""
+    from triton.runtime import interpreter
+
+    builder_cls = interpreter.InterpreterBuilder
+    log = HazardLog()
+    state = {"launch": None}
+    saved = {
+        name: getattr(builder_cls, name)
+        for name in (
+            "create_masked_load",
+            "create_masked_store",
+            "create_barrier",
+            "set_grid_idx",
+        )
+    }
+    saved_call = interpreter.GridExecutor.__call__
+
+    def masked_load(self, ptrs, mask, other, *args):
+        if state["launch"] is not None:
+            state["launch"].record(ptrs.data, mask.data, False)
+        return saved["create_masked_load"](self, ptrs, mask, other, *args)
+
+    def masked_store(self, ptrs, value, mask, *args):
+        if state["launch"] is not None:
+            state["launch"].record(ptrs.data, mask.data, True, value.data)
+        return saved["create_masked_store"](self, ptrs, value, mask, *args)
+
+    def barrier(self):
+        if state["launch"] is not None and not ignore_barriers:
+            state["launch"].barrier()
+        return saved["create_barrier"](self)
+
+    def set_grid_idx(self, *idx):
+        if state["launch"] is not None:
+            state["launch"].start_program(idx)
+        return saved["set_grid_idx"](self, *idx)
+
+    def call(self, *args, **kwargs):
+        outer = state["launch"]
+        state["launch"] = _Launch(
+            getattr(self.fn, "__name__", str(self.fn)), log, strict
+        )
+        try:
+            return saved_call(self, *args, **kwargs)
+        finally:
+            launch, state["launch"] = state["launch"], outer
+            launch.check()
+
+    builder_cls.create_masked_load = masked_load
+    builder_cls.create_masked_store = masked_store
+    builder_cls.create_barrier = barrier
+    builder_cls.set_grid_idx = set_grid_idx
+    interpreter.GridExecutor.__call__ = call
+    try:
+        yield log
+    finally:
+        for name, fn in saved.items():
+            setattr(builder_cls, name, fn)
+        interpreter.GridExecutor.__call__ = saved_call
