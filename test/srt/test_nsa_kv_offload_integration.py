@@ -50,6 +50,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
+from lru_shadow import shadow_reference
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.managers.nsa_kv_offload_coordinator import (
     NSAKVOffloadCoordinator,
@@ -67,6 +68,7 @@ from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolConfigurator,
     NSAKVOffloadPoolSizes,
@@ -85,6 +87,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
     REGION_UNIT_SOURCE,
     StagingUnitLender,
 )
+from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from test_lru_cache_state import check_invariants
 
@@ -546,8 +549,6 @@ class TestServerArgsToPools(TinyConfigDirCase):
         # The LRU swap's per-batch-row scratch grows with the slots a request
         # may hold: the sizing pays for as many rows as the coordinator
         # allocates (the request slots or the CUDA-graph batches).
-        from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
-
         locs = {}
         for max_bs in (0, 512):
             args = self._server_args(cuda_graph_max_bs=max_bs)
@@ -2087,7 +2088,9 @@ class _OneRequestAtATime(unittest.TestCase):
     SERVED_SIZES = None  # None: on CUDA only
     SPARE_REGIONS = 2
 
-    def _run(self, max_units, **coordinator_kwargs):
+    def _run(self, max_units, shadow=False, **coordinator_kwargs):
+        """``shadow``: the torch reference swap beside every Triton swap
+        (``lru_shadow``): the first swap whose outputs differ fails."""
         write = mock.patch.object(
             memory_pool_module, "set_mla_kv_buffer_triton", _set_mla_kv_rows_torch
         )
@@ -2117,6 +2120,8 @@ class _OneRequestAtATime(unittest.TestCase):
             spare_regions=self.SPARE_REGIONS,
             coordinator_kwargs=coordinator_kwargs,
         )
+        if shadow:
+            compared = self.enterContext(shadow_reference(h.co.lru))
         walked = direct = 0
         for n in lens:
             req = h.new_req()
@@ -2141,6 +2146,9 @@ class _OneRequestAtATime(unittest.TestCase):
         # Both kinds ran, beside units lent and taken back.
         self.assertGreater(walked, 0)
         self.assertGreater(direct, 0)
+        if shadow:
+            self.assertEqual(compared.compared_orders, compared.swaps)
+            self.assertGreater(compared.swaps, 0)
 
     def check_lru_state(self, h, req, when):
         """The LRU state's invariants (every slot's loc maps back to it, no
@@ -2191,6 +2199,11 @@ class TestOneRequestAtATime(_OneRequestAtATime):
         # ours_fp8_classic: 4 units, no warm units or direct slots.
         self._run(4, early_swap=True)
 
+    def test_server_defaults_two_units_shadowed(self):
+        # Every swap against the torch reference (on CUDA: the bisect's
+        # first question, which kernel output goes wrong first).
+        self._run(2, shadow=True, early_swap=True, warm_units=True, direct_slots=True)
+
 
 @unittest.skipUnless(DEVICE == "cuda", "the H200 bisect; CPU: the class above")
 class TestOneRequestAtATimeBisect(_OneRequestAtATime):
@@ -2226,9 +2239,37 @@ class TestOneRequestAtATimeBisect(_OneRequestAtATime):
             self._bisect()
 
     def test_split_kernels_at_4_warps(self):
-        from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
-
         with mock.patch.object(TritonLRUSwap, "SPLIT_MAX_WARPS", 4):
+            self._bisect()
+
+    def test_fused_kernel(self):
+        # The one-program swap over both units instead of select + reorder.
+        init = TritonLRUSwap.__init__
+
+        def fused(backend, state, *args, **kwargs):
+            init(backend, state, *args, **{**kwargs, "split_by_unit": False})
+
+        with mock.patch.object(TritonLRUSwap, "__init__", fused):
+            self._bisect()
+
+    def test_synchronized(self):
+        # The host waits for the GPU after every swap and side-stream copy:
+        # no two streams' kernels overlap.
+        begin = NSAKVOffloadCoordinator.begin_layer_swap
+        launch = SparseCacheController._launch_side
+
+        def begin_then_sync(*args, **kwargs):
+            begin(*args, **kwargs)
+            torch.cuda.synchronize()
+
+        def launch_then_sync(*args, **kwargs):
+            event = launch(*args, **kwargs)
+            torch.cuda.synchronize()
+            return event
+
+        with mock.patch.object(
+            NSAKVOffloadCoordinator, "begin_layer_swap", begin_then_sync
+        ), mock.patch.object(SparseCacheController, "_launch_side", launch_then_sync):
             self._bisect()
 
 

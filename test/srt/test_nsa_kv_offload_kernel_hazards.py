@@ -1,4 +1,5 @@
-"""The offload's Triton kernels have no data race the interpreter could hide.
+"""The offload's Triton kernels have no data race the interpreter could hide;
+the diagnosis tools for GPU-only faults find what they are meant to.
 
 Under ``TRITON_INTERPRET=1`` a launch's programs run one after another and
 every memory op on a whole block at once, so a missing barrier or two
@@ -9,16 +10,23 @@ drive them, and every swap, copy and mapping kernel must come out clean.
 The checker's own tests show it finds such races (a kernel without its
 barrier, programs that share stores), and so does the swap kernel with its
 barriers ignored. CPU only: on CUDA the kernels are compiled.
+
+``lru_shadow.shadow_reference`` (the torch reference swap beside every
+Triton swap, for the GPU bisect) must name a wrong kernel output: a page
+table entry or an ``lru_order`` entry changed behind the kernel's back.
 """
 
 import unittest
+from unittest import mock
 
 import torch
 import triton
 import triton.language as tl
+from lru_shadow import shadow_reference
 from nsa_kv_offload_verify_sim import VerifyConfig, run_verify_sim
 from sglang.srt.mem_cache import lru_cache_state as lru_mod
-from test_lru_cache_state import SimConfig, run_sim
+from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+from test_lru_cache_state import SimConfig, new_state, run_sim, swap_request_0
 from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
     _OneRequestAtATime,
     setUpModule,
@@ -189,6 +197,53 @@ class TestOneRequestAtATimeRecorded(_OneRequestAtATime):
             "_map_new_tokens_kernel",
         ):
             self.assertGreater(log.launches.get(kernel, 0), 0, kernel)
+
+
+@unittest.skipUnless(lru_mod.default_use_triton(torch.device("cpu")), SKIP)
+class TestShadowReference(unittest.TestCase):
+    def _swaps(self):
+        # Request 0 with two units, three swaps with misses and hits.
+        cfg = SimConfig(layers=1, C=8, K=4, W=2, max_reqs=2, num_locs=64, units=2)
+        state = new_state(cfg, True)
+        state.admit_request(0, 100)
+        state.grow_request(0, 1, 500)
+        r2t = torch.arange(64, dtype=torch.int32).reshape(1, 64).repeat(2, 1)
+        with shadow_reference(state) as compared:
+            for positions in ([0, 1, 2, 3], [4, 5, 1, 9], [0, 9, 20, 21]):
+                swap_request_0(state, positions, 40, r2t)
+        return compared
+
+    def test_agrees(self):
+        compared = self._swaps()
+        self.assertEqual((compared.swaps, compared.compared_orders), (3, 3))
+
+    def test_wrong_page_table(self):
+        split_swap = TritonLRUSwap._split_swap
+
+        def wrong(self, state, batch, plan_rows, *args):
+            split_swap(self, state, batch, plan_rows, *args)
+            plan_rows[0][0, 1] += 1  # the page table's second entry
+
+        with mock.patch.object(TritonLRUSwap, "_split_swap", wrong):
+            with self.assertRaisesRegex(
+                AssertionError, r"(?s)swap 1 \(layer 0\).*page_table differs"
+            ):
+                self._swaps()
+
+    def test_wrong_order(self):
+        finish = TritonLRUSwap.finish_reorder
+
+        def wrong(self):
+            pending = self._pending_reorder
+            finish(self)
+            if pending is not None:
+                pending[4][0, :2] = pending[4][0, :2].flip(0)  # lru_order
+
+        with mock.patch.object(TritonLRUSwap, "finish_reorder", wrong):
+            with self.assertRaisesRegex(
+                AssertionError, r"(?s)swap 1 .*after the reorder.*lru_order differs"
+            ):
+                self._swaps()
 
 
 if __name__ == "__main__":
