@@ -149,8 +149,9 @@ class TestSwapKernels(unittest.TestCase):
             max_pad_rows=0,
         )
         with record_hazards() as log:
-            sim = run_sim(self, cfg, (True, "fused"), steps=25, seed=12)
+            sim = run_sim(self, cfg, (True, "fused"), steps=25, seed=17)
         self.assertGreater(sim.direct_entered, 3)
+        self.assertGreater(sim.model.direct_ended, 0)  # a row left direct mode
         self.assert_clean(log, ["_swap_select_kernel", "_swap_layer_kernel"])
 
     def test_verify_swaps(self):

@@ -239,6 +239,9 @@ if _HAS_TRITON:
         # that no longer fits leaves it for good.
         direct = real & (tl.load(direct_ptr + r) != 0)
         fits = direct & (n - W <= capacity)
+        # Every thread reads the flag before one clears it (a late reader
+        # would compute the same, but ordered, no argument is needed).
+        tl.debug_barrier()
         tl.store(direct_ptr + r, 0, mask=direct & (fits == 0))
         return fits
 
