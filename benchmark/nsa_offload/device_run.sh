@@ -78,7 +78,9 @@ GPU0=${CUDA_VISIBLE_DEVICES:-0}; GPU0=${GPU0%%,*}
 rc=0
 if [ "${1:-}" = pytest ]; then
   shift
-  timeout 500 python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -40 || rc=1
+  # The whole log comes back in $OUT/pytest.txt; the failures' messages here.
+  timeout 500 python3 -m pytest -q -p no:cacheprovider -rfE "$@" > $OUT/pytest.txt 2>&1 || rc=1
+  grep -E "^(E   |FAILED|ERROR)|[0-9]+ (passed|failed)" $OUT/pytest.txt | tail -80
   set --
 fi
 # One step; "bg:STEP" runs it beside the following ones (its output in
