@@ -2120,6 +2120,7 @@ class _OneRequestAtATime(unittest.TestCase):
             spare_regions=self.SPARE_REGIONS,
             coordinator_kwargs=coordinator_kwargs,
         )
+        self.harness_ready(h)
         if shadow:
             compared = self.enterContext(shadow_reference(h.co.lru))
         walked = direct = 0
@@ -2149,6 +2150,9 @@ class _OneRequestAtATime(unittest.TestCase):
         if shadow:
             self.assertEqual(compared.compared_orders, compared.swaps)
             self.assertGreater(compared.swaps, 0)
+
+    def harness_ready(self, h):
+        """Called once the run's harness is built (subclasses watch it)."""
 
     def check_lru_state(self, h, req, when):
         """The LRU state's invariants (every slot's loc maps back to it, no

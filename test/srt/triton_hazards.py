@@ -47,6 +47,7 @@ class _Access:
     op: int
     is_store: bool
     where: str  # the kernel source line of the op
+    elsize: int  # bytes per element
     addrs: np.ndarray
     thread: np.ndarray  # -1: every thread (a scalar op)
     values: np.ndarray  # stores only
@@ -107,7 +108,8 @@ class _Launch:
     def record(self, ptrs, mask, is_store: bool, values=None) -> None:
         self.op += 1
         where = _kernel_line()
-        data = np.asarray(ptrs)
+        elsize = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
+        data = np.asarray(ptrs.data)
         mask = np.broadcast_to(np.asarray(mask, dtype=bool), data.shape)
         if data.size <= 1:
             thread = np.full(data.shape, -1, dtype=np.int64)
@@ -129,6 +131,7 @@ class _Launch:
                 self.op,
                 is_store,
                 where,
+                elsize,
                 data[mask].astype(np.uint64),
                 thread[mask],
                 vals,
@@ -219,6 +222,15 @@ class _Launch:
             self._hazard("threads", program, bad.sum(), "; ".join(ops))
 
 
+_IN_LAUNCH = [0]
+
+
+def in_launch() -> bool:
+    """Whether an interpreted Triton launch is running (its argument copies
+    to and from the host are no torch op of the program)."""
+    return _IN_LAUNCH[0] > 0
+
+
 _SKIP_DIRS = (os.sep + "triton" + os.sep, os.sep + "numpy" + os.sep)
 
 
@@ -235,12 +247,17 @@ def _kernel_line() -> str:
 
 
 @contextlib.contextmanager
-def record_hazards(strict: bool = True, ignore_barriers: bool = False):
+def record_hazards(
+    strict: bool = True, ignore_barriers: bool = False, on_launch=None
+):
     """Record the hazards of every interpreted Triton launch in the block;
     yields the :class:`HazardLog`. ``strict``: two ops share threads only
     when they use the same pointer block (else: blocks of the same shape).
     ``ignore_barriers``: as if the kernels had none (the checker's own test:
-    the hazards the barriers prevent must show)."""
+    the hazards the barriers prevent must show). ``on_launch(launch)``: called
+    after each launch with its ``kernel`` name and ``accesses`` (what
+    ``stream_races`` orders between streams); launches run with
+    ``in_launch()`` true."""
     from triton.runtime import interpreter
 
     builder_cls = interpreter.InterpreterBuilder
@@ -259,12 +276,12 @@ def record_hazards(strict: bool = True, ignore_barriers: bool = False):
 
     def masked_load(self, ptrs, mask, other, *args):
         if state["launch"] is not None:
-            state["launch"].record(ptrs.data, mask.data, False)
+            state["launch"].record(ptrs, mask.data, False)
         return saved["create_masked_load"](self, ptrs, mask, other, *args)
 
     def masked_store(self, ptrs, value, mask, *args):
         if state["launch"] is not None:
-            state["launch"].record(ptrs.data, mask.data, True, value.data)
+            state["launch"].record(ptrs, mask.data, True, value.data)
         return saved["create_masked_store"](self, ptrs, value, mask, *args)
 
     def barrier(self):
@@ -282,11 +299,15 @@ def record_hazards(strict: bool = True, ignore_barriers: bool = False):
         state["launch"] = _Launch(
             getattr(self.fn, "__name__", str(self.fn)), log, strict
         )
+        _IN_LAUNCH[0] += 1
         try:
             return saved_call(self, *args, **kwargs)
         finally:
+            _IN_LAUNCH[0] -= 1
             launch, state["launch"] = state["launch"], outer
             launch.check()
+            if on_launch is not None:
+                on_launch(launch)
 
     builder_cls.create_masked_load = masked_load
     builder_cls.create_masked_store = masked_store

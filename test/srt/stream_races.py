@@ -1,0 +1,376 @@
+"""A CUDA stream-ordering checker that runs on the CPU (test tooling).
+
+On CUDA the offload runs work on three streams: the forward's, the early
+swap's and the controller's side stream (backups, warm copies), ordered by
+``wait_stream``, events and host syncs. On the CPU every stream is inline,
+so a missing wait passes every test there. :func:`simulate_streams` gives
+the coordinator and controller fake streams and events that keep vector
+clocks instead (``torch.cuda.Stream``, ``Event``, ``current_stream``,
+``stream``, ``synchronize`` patched), records what every interpreted Triton
+launch (exact addresses, ``triton_hazards``) and every torch op (the elements
+its views and index arguments reach, through ``TorchDispatchMode``) reads
+and writes in the tracked buffers, and reports any two accesses of one
+byte from different streams, one a write, that no wait orders: a race on
+the GPU, whatever the timing.
+
+What is not modelled: the caching allocator (only buffers that live as long
+as the run are tracked, :meth:`StreamSim.track`) and CUDA-graph replays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+from unittest import mock
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from triton_hazards import in_launch, record_hazards
+
+MAX_STREAMS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Race:
+    buffer: str
+    num_bytes: int
+    first: str  # the earlier access: "write|read on STREAM by OP"
+    second: str
+
+
+class FakeStream:
+    def __init__(self, sim: "StreamSim", name: str):
+        if len(sim.streams) == MAX_STREAMS:
+            raise RuntimeError("too many simulated streams")
+        self.sim = sim
+        self.name = name
+        self.id = len(sim.streams)
+        self.clock = np.zeros(MAX_STREAMS, np.int64)
+        sim.streams.append(self)
+
+    def issue(self) -> np.ndarray:
+        """A new op on this stream: after every earlier op on it, and after
+        whatever the host has waited for."""
+        np.maximum(self.clock, self.sim.host_clock, out=self.clock)
+        self.clock[self.id] += 1
+        return self.clock.copy()
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        np.maximum(self.clock, other.clock, out=self.clock)
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        if event.clock is not None:
+            np.maximum(self.clock, event.clock, out=self.clock)
+
+    def synchronize(self) -> None:
+        np.maximum(self.sim.host_clock, self.clock, out=self.sim.host_clock)
+
+    def query(self) -> bool:
+        return True
+
+
+class FakeEvent:
+    def __init__(self, sim: "StreamSim"):
+        self.sim = sim
+        self.clock: Optional[np.ndarray] = None
+
+    def record(self, stream: Optional[FakeStream] = None) -> None:
+        stream = stream or self.sim.current
+        self.clock = stream.clock.copy()
+
+    def synchronize(self) -> None:
+        if self.clock is not None:
+            np.maximum(self.sim.host_clock, self.clock, out=self.sim.host_clock)
+
+    def query(self) -> bool:
+        return True
+
+
+class _Shadow:
+    """Per byte of one tracked buffer: its last write (stream, op count)
+    and each stream's last read since."""
+
+    def __init__(self, name: str, nbytes: int):
+        self.name = name
+        self.write_stream = np.full(nbytes, -1, np.int8)
+        self.write_count = np.zeros(nbytes, np.int64)
+        self.write_op = np.zeros(nbytes, np.int32)
+        self.read_count = np.zeros((MAX_STREAMS, nbytes), np.int64)
+        self.read_op = np.zeros((MAX_STREAMS, nbytes), np.int32)
+
+
+class StreamSim:
+    """The fake streams' clocks, the tracked buffers and the races found."""
+
+    MAX_RACES = 20
+
+    def __init__(self):
+        self.streams: List[FakeStream] = []
+        self.host_clock = np.zeros(MAX_STREAMS, np.int64)
+        self.default = FakeStream(self, "forward")
+        self.current = self.default
+        self.races: List[Race] = []
+        self.num_races = 0
+        self.ops: List[str] = [""]  # op id -> description
+        self.accesses = 0
+        self._buffers: Dict[int, Tuple[int, _Shadow]] = {}  # base -> (end, shadow)
+        self._bases = np.zeros(0, np.int64)
+        self._ends = np.zeros(0, np.int64)
+        self._shadows: List[_Shadow] = []
+        self._arange: Dict[int, torch.Tensor] = {}
+        self._paused = 0
+
+    # ------------------------------------------------------------- buffers
+
+    def track(self, name: str, tensor: torch.Tensor) -> None:
+        """Check every access of ``tensor``'s storage (a buffer that lives
+        as long as the run)."""
+        storage = tensor.untyped_storage()
+        base = storage.data_ptr()
+        if base in self._buffers or storage.nbytes() == 0:
+            return
+        shadow = _Shadow(name, storage.nbytes())
+        self._buffers[base] = (base + storage.nbytes(), shadow)
+        order = sorted(self._buffers)
+        self._bases = np.array(order, np.int64)
+        self._ends = np.array([self._buffers[b][0] for b in order], np.int64)
+        self._shadows = [self._buffers[b][1] for b in order]
+
+    def synchronize(self) -> None:
+        for s in self.streams:
+            np.maximum(self.host_clock, s.clock, out=self.host_clock)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Nothing in the block is recorded (a test's own host checks)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    # ------------------------------------------------------------ accesses
+
+    def access(self, op_name: str, reads, writes) -> None:
+        """One op on the current stream; ``reads`` / ``writes``: arrays of
+        byte addresses."""
+        if self._paused:
+            return
+        stream = self.current
+        clock = stream.issue()
+        self.ops.append(f"{op_name} on {stream.name}")
+        op = len(self.ops) - 1
+        for addrs, is_write in ((reads, False), (writes, True)):
+            if addrs is None or len(addrs) == 0:
+                continue
+            addrs = np.unique(np.asarray(addrs, np.int64))
+            slot = np.searchsorted(self._bases, addrs, side="right") - 1
+            inside = (slot >= 0) & (addrs < self._ends[np.maximum(slot, 0)])
+            for i in np.unique(slot[inside]):
+                mine = addrs[inside & (slot == i)] - self._bases[i]
+                self._check(self._shadows[i], mine, stream.id, clock, op, is_write)
+
+    def _check(self, sh: _Shadow, off, sid, clock, op, is_write) -> None:
+        self.accesses += 1
+        ws = sh.write_stream[off].astype(np.int64)
+        unordered = (ws >= 0) & (ws != sid)
+        unordered &= clock[np.maximum(ws, 0)] < sh.write_count[off]
+        if unordered.any():
+            self._race(sh, off, unordered, sh.write_op[off], "write", op, is_write)
+        if is_write:
+            for s in range(len(self.streams)):
+                if s == sid:
+                    continue
+                late = sh.read_count[s, off] > clock[s]
+                if late.any():
+                    self._race(sh, off, late, sh.read_op[s, off], "read", op, True)
+            sh.write_stream[off] = sid
+            sh.write_count[off] = clock[sid]
+            sh.write_op[off] = op
+            sh.read_count[:, off] = 0
+        else:
+            sh.read_count[sid, off] = clock[sid]
+            sh.read_op[sid, off] = op
+
+    def _race(self, sh, off, mask, prev_ops, prev_kind, op, is_write) -> None:
+        self.num_races += 1
+        if len(self.races) < self.MAX_RACES:
+            first = int(prev_ops[mask][0])
+            self.races.append(
+                Race(
+                    sh.name,
+                    int(mask.sum()),
+                    f"{prev_kind} by {self.ops[first]}",
+                    f"{'write' if is_write else 'read'} by {self.ops[op]}",
+                )
+            )
+
+    def report(self) -> str:
+        lines = [f"{self.num_races} unordered access(es) across streams"]
+        lines += [f"  {r}" for r in self.races]
+        return "\n".join(lines)
+
+    # ------------------------------------------------------- op adapters
+
+    def triton_launch(self, launch) -> None:
+        reads, writes = [], []
+        for a in launch.accesses:
+            if a.addrs.size == 0:
+                continue
+            byte = (
+                a.addrs.astype(np.int64)[:, None] + np.arange(a.elsize)[None, :]
+            ).reshape(-1)
+            (writes if a.is_store else reads).append(byte)
+        self.access(
+            launch.kernel,
+            np.concatenate(reads) if reads else None,
+            np.concatenate(writes) if writes else None,
+        )
+
+    def element_addresses(self, t: torch.Tensor) -> torch.Tensor:
+        """The byte address of each element of view ``t`` (its first byte),
+        shaped like ``t``: indexing it as an op indexes ``t`` gives the
+        elements the op reaches."""
+        storage = t.untyped_storage()
+        elsize = t.element_size()
+        n = storage.nbytes() // elsize
+        if n not in self._arange:
+            self._arange[n] = torch.arange(n, dtype=torch.int64)
+        idx = self._arange[n].as_strided(t.shape, t.stride(), t.storage_offset())
+        return storage.data_ptr() + idx * elsize
+
+    def is_tracked(self, t) -> bool:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return False
+        base = t.untyped_storage().data_ptr()
+        i = np.searchsorted(self._bases, base, side="right") - 1
+        return i >= 0 and base < self._ends[i]
+
+    def bytes_of(self, t: torch.Tensor, elems: torch.Tensor) -> np.ndarray:
+        elsize = t.element_size()
+        first = elems.reshape(-1).numpy()
+        return (first[:, None] + np.arange(elsize)[None, :]).reshape(-1)
+
+
+def _flat_tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _flat_tensors(y)
+
+
+# Ops whose written (or read) elements follow their index arguments.
+_INDEXED_WRITE = {
+    "aten::index_put_": lambda e, a: e[tuple(a[1])],
+    "aten::_index_put_impl_": lambda e, a: e[tuple(a[1])],
+    "aten::scatter_": lambda e, a: e.gather(a[1], a[2]),
+    "aten::scatter_add_": lambda e, a: e.gather(a[1], a[2]),
+    "aten::index_copy_": lambda e, a: e.index_select(a[1], a[2]),
+    "aten::index_fill_": lambda e, a: e.index_select(a[1], a[2]),
+    "aten::masked_fill_": lambda e, a: e[a[1].expand_as(e)],
+}
+_INDEXED_READ = {
+    "aten::index": lambda e, a: e[tuple(a[1])],
+    "aten::gather": lambda e, a: e.gather(a[1], a[2]),
+    "aten::index_select": lambda e, a: e.index_select(a[1], a[2]),
+}
+
+
+class _TorchOps(TorchDispatchMode):
+    """Every torch op outside the Triton launches: what it reads and writes
+    of the tracked buffers, on the current fake stream."""
+
+    def __init__(self, sim: StreamSim):
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not in_launch():
+            self._record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, func, args, kwargs) -> None:
+        sim = self.sim
+        schema = func._schema
+        name = schema.name
+        writes, reads = [], []
+        is_view = any(r.alias_info is not None for r in schema.returns) and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+        )
+        if is_view:
+            return  # views read nothing
+        for i, arg in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            for t in _flat_tensors(value):
+                if not sim.is_tracked(t):
+                    continue
+                elems = sim.element_addresses(t)
+                if written and i == 0 and name in _INDEXED_WRITE:
+                    try:
+                        elems = _INDEXED_WRITE[name](elems, args)
+                    except Exception:  # an overload the lambda does not know
+                        pass
+                elif not written and i == 0 and name in _INDEXED_READ:
+                    try:
+                        elems = _INDEXED_READ[name](elems, args)
+                    except Exception:
+                        pass
+                (writes if written else reads).append(sim.bytes_of(t, elems))
+        if reads or writes:
+            sim.access(
+                name,
+                np.concatenate(reads) if reads else None,
+                np.concatenate(writes) if writes else None,
+            )
+
+
+@contextlib.contextmanager
+def simulate_streams():
+    """Fake CUDA streams and events for the offload on the CPU; yields the
+    :class:`StreamSim` (track buffers with ``track``, read ``races``)."""
+    from sglang.srt.managers.nsa_kv_offload_coordinator import (
+        NSAKVOffloadCoordinator,
+    )
+
+    sim = StreamSim()
+
+    def new_stream(*args, **kwargs):
+        return FakeStream(sim, f"stream{len(sim.streams)}")
+
+    @contextlib.contextmanager
+    def use_stream(stream):
+        if stream is None:
+            yield
+            return
+        outer, sim.current = sim.current, stream
+        try:
+            yield
+        finally:
+            sim.current = outer
+
+    def side_stream(coordinator):
+        events = [FakeEvent(sim) for _ in range(coordinator.kv_pool.layer_num)]
+        return (
+            FakeStream(sim, f"coordinator stream {len(sim.streams)}"),
+            events,
+        )
+
+    patches = [
+        mock.patch.object(torch.cuda, "Stream", new_stream),
+        mock.patch.object(torch.cuda, "Event", lambda *a, **k: FakeEvent(sim)),
+        mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: sim.current),
+        mock.patch.object(torch.cuda, "stream", use_stream),
+        mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: sim.synchronize()),
+        mock.patch.object(NSAKVOffloadCoordinator, "_side_stream", side_stream),
+    ]
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        stack.enter_context(record_hazards(on_launch=sim.triton_launch))
+        stack.enter_context(_TorchOps(sim))
+        yield sim

@@ -1,0 +1,172 @@
+"""Every GPU access of the offload is ordered across its CUDA streams.
+
+On CUDA the coordinator runs the early swap (and the cross-layer prefetch)
+on a stream of its own and the controller its backups and warm copies on a
+side stream, ordered by ``wait_stream``, events and ``wait_backup``. On the
+CPU all of it runs inline, so a missing wait passes every other CPU test.
+Here lifecycle tests run again under ``stream_races.simulate_streams``: fake
+streams and events with vector clocks, every Triton launch's and torch op's
+reads and writes of the offload's buffers recorded, and any two accesses of
+one byte from different streams, one a write, that no wait orders fail the
+test. The harness's own host syncs (``check_host``) do not count: a server
+has none. Two controls remove a wait and must show races.
+"""
+
+import unittest
+from unittest import mock
+
+import test_nsa_kv_offload_integration as integration
+import torch
+from sglang.srt.managers.nsa_kv_offload_coordinator import (
+    NSAKVOffloadCoordinator,
+    _pad_rows,
+)
+from sglang.srt.mem_cache import lru_cache_state as lru_mod
+from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
+from stream_races import FakeStream, simulate_streams
+from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
+    _Harness,
+    _OneRequestAtATime,
+    setUpModule,
+    tearDownModule,
+)
+
+SKIP = "CPU only: on CUDA the streams are real"
+ON_CPU = not torch.cuda.is_available() and lru_mod.default_use_triton(
+    torch.device("cpu")
+)
+
+
+def track_harness(sim, h) -> None:
+    """Give the harness's controller a side stream, track the buffers that
+    live as long as it, and make its host check sync nothing."""
+    h.controller.side_stream = FakeStream(sim, "side")
+    lru = h.co.lru
+    for name in (
+        "_loc_to_slot_buf",
+        "_slot_loc_buf",
+        "_lru_buf",
+        "_unit_base_buf",
+        "_unit_index_buf",
+        "_capacity_buf",
+        "_direct_buf",
+        "counters",
+    ):
+        sim.track(f"lru.{name}", getattr(lru, name))
+    backend = lru.swap_backend
+    for name in ("_hit_flags", "_victims", "_evictable_counts", "_new_lru"):
+        if hasattr(backend, name):
+            sim.track(f"swap scratch {name}", getattr(backend, name))
+    if hasattr(backend, "_row_direct"):
+        sim.track("swap scratch _row_direct", backend._row_direct)
+    for field, t in zip(h.co._plan_buffers._fields, h.co._plan_buffers):
+        sim.track(f"plan.{field}", t)
+    if h.co.cross_layer_prefetch:
+        for field, t in zip(h.co._prefetch_plan._fields, h.co._prefetch_plan):
+            sim.track(f"prefetch plan.{field}", t)
+        sim.track("prefetch top-k", h.co._prefetch_topk)
+    sim.track("num_real_reqs", h.co.num_real_reqs)
+    for i, kv in enumerate(h.pool.kv_buffer):
+        sim.track(f"kv_buffer[{i}]", kv)
+    sim.track("loc_to_row", h.pool.loc_to_row)
+    sim.track("host pool", h.controller._host_rows[0])
+    sim.track("controller.counters", h.controller.counters)
+    sim.track("req_to_token", h.req_to_token)
+
+    def check_host(locs):
+        with sim.paused():
+            for layer in range(h.L):
+                h.t.assertTrue(
+                    torch.equal(h.host_bytes(layer, locs), h.ref[layer, locs])
+                )
+
+    h.check_host = check_host
+
+
+class _StreamOrdered:
+    """Runs each test under simulated streams; no unordered access."""
+
+    def setUp(self):
+        super().setUp()
+        self.sim = self.enterContext(simulate_streams())
+        init, sim = _Harness.__init__, self.sim
+
+        def tracked(h, *args, **kwargs):
+            init(h, *args, **kwargs)
+            track_harness(sim, h)
+
+        self.enterContext(mock.patch.object(_Harness, "__init__", tracked))
+        self.addCleanup(self.assert_ordered)
+
+    def assert_ordered(self):
+        self.assertGreater(len(self.sim.streams), 2)
+        self.assertGreater(self.sim.accesses, 0)
+        self.assertEqual(self.sim.num_races, 0, self.sim.report())
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
+class TestLifecycleStreams(_StreamOrdered, integration.TestOffloadLifecycleDefaults):
+    """Units, lent staging, the early swap: admission, decode, retraction."""
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
+class TestPrefetchStreams(_StreamOrdered, integration.TestCrossLayerPrefetchEarlySwap):
+    """The cross-layer prefetch on the early swap's stream."""
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
+class TestPDDecodeStreams(_StreamOrdered, integration.TestPDDecodeLifecycleDefaults):
+    """PD decode: KV arrives in host slots, retraction syncs."""
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
+class TestOneRequestAtATimeStreams(_StreamOrdered, _OneRequestAtATime):
+    """The settings that read wrong KV on the H200 (section 6 of
+    results/units/per_unit_gpu_gate/README.md), and the default's."""
+
+    PROMPTS_IN_UNITS = (2.3, 0.7, 5.5, 1.95, 0.45)
+
+    def test_server_settings_two_units(self):
+        self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+
+    def test_default(self):
+        self._run(4, early_swap=True)
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
+class TestMissingWaits(_OneRequestAtATime):
+    """The controls: without one of the waits the checker finds races."""
+
+    PROMPTS_IN_UNITS = (2.3, 0.7)
+
+    def _races(self, target, name, replacement):
+        with simulate_streams() as sim, mock.patch.object(target, name, replacement):
+            self.harness_ready = lambda h: track_harness(sim, h)
+            self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+        return {(r.buffer, r.first.split(" on ")[-1], r.second) for r in sim.races}
+
+    def test_forward_not_waiting_for_the_early_swap(self):
+        def take(co, layer_id, rows):
+            page_table = co._early_page_tables.pop(layer_id, None)
+            return None if page_table is None else _pad_rows(page_table, rows)
+
+        races = self._races(NSAKVOffloadCoordinator, "_take_early_page_table", take)
+        self.assertIn(
+            (
+                "plan.page_table",
+                "coordinator stream 1",
+                "read by aten::clone on forward",
+            ),
+            races,
+        )
+
+    def test_nothing_waiting_for_the_side_stream(self):
+        races = self._races(SparseCacheController, "wait_backup", lambda *a, **k: None)
+        self.assertTrue(
+            any(buf == "host pool" and "gather" in second for buf, _, second in races),
+            races,
+        )
+
+
+if __name__ == "__main__":
+    unittest.main()
