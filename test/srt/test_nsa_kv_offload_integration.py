@@ -137,6 +137,7 @@ class _TorchAllocExtendKernel:
         return launch
 
 
+_UPSTREAM_ALLOC_EXTEND = allocator_module.alloc_extend_kernel
 _alloc_extend_patch = mock.patch.object(
     allocator_module, "alloc_extend_kernel", _TorchAllocExtendKernel()
 )
@@ -850,6 +851,65 @@ class TestHooksAndLookup(unittest.TestCase):
         self.assertIs(
             nsa_offload_hooks.translate_locs_to_rows(None, page_table), page_table
         )
+
+
+@unittest.skipUnless(DEVICE == "cpu", "the transcription stands in on CPU only")
+class TestAllocExtendTranscription(unittest.TestCase):
+    """``_TorchAllocExtendKernel`` gives the locs upstream's kernel gives.
+    The interpreter cannot run that kernel as it ships: its loop bound is a
+    one-element block, which numpy 2 will not turn into an int. Here the
+    interpreter's ``__index__`` takes the element."""
+
+    def _upstream(self):
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+
+        patch_lang = interpreter._patch_lang
+
+        def index_from_one_element(fn):
+            scope = patch_lang(fn)
+            scope.set_attr(
+                tl.core.tensor,
+                "__index__",
+                lambda t: int(np.asarray(t.handle.data).reshape(-1)[0]),
+            )
+            return scope
+
+        return mock.patch.object(interpreter, "_patch_lang", index_from_one_element)
+
+    def test_same_locs(self):
+        gen = torch.Generator().manual_seed(0)
+        for case in range(12):
+            bs = 1 + case % 4
+            prefix = torch.randint(0, 300, (bs,), generator=gen)
+            prefix[0] = 0 if case % 3 == 0 else prefix[0]  # a new prompt
+            extend = torch.randint(1, 9000 if case % 2 else 200, (bs,), generator=gen)
+            seq = prefix + extend
+            # Each request's prefix on pages of its own, its last loc there.
+            last = torch.where(
+                prefix > 0,
+                (10 + 20 * torch.arange(bs)) * PAGE + (prefix - 1) % PAGE,
+                -1,
+            )
+            pages_needed = int(((seq + PAGE - 1) // PAGE).sum())
+            free_pages = torch.randperm(pages_needed + 500, generator=gen) + 200
+            outs = []
+            for kernel in (_UPSTREAM_ALLOC_EXTEND, _TorchAllocExtendKernel()):
+                out = torch.full((int(extend.sum()),), -7, dtype=torch.int64)
+                with self._upstream():
+                    kernel[(bs,)](
+                        prefix,
+                        seq,
+                        last,
+                        free_pages,
+                        out,
+                        1 << (bs - 1).bit_length(),
+                        PAGE,
+                    )
+                outs.append(out)
+            self.assertTrue(torch.equal(outs[0], outs[1]), f"case {case}")
+            self.assertFalse(bool((outs[0] == -7).any()))
 
 
 class TestStagingAllocator(unittest.TestCase):
