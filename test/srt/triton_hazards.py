@@ -9,9 +9,10 @@ every program's loads and stores between its barriers and reports:
 
 * ``threads``: within a program and between two barriers, two different
   memory ops on one address, one of them a store, from different threads.
-  Threads are approximated: an op's element ``i`` and another op's element
-  ``i`` of a block of the same shape are taken for one thread (Triton gives
-  such blocks one layout); a scalar op is every thread's;
+  Threads are approximated: element ``i`` of two ops is taken for one
+  thread's only when both ops use the same pointer block (Triton picks each
+  memory op's layout from its pointers), or, not ``strict``, blocks of the
+  same shape; a scalar op is every thread's;
 * ``scatter``: one store op writing different values to one address;
 * ``programs``: an address one program of a launch stores and another
   program of the same launch loads or stores.
@@ -95,6 +96,8 @@ class _Launch:
         self.program_ids: List[Tuple[int, ...]] = []
         self.epoch = 0
         self.op = 0
+        # Pointer blocks (or shapes) seen in this launch -> a layout id.
+        self._layouts: Dict[object, int] = {}
 
     def start_program(self, idx: Tuple[int, ...]) -> None:
         self.program += 1
@@ -118,9 +121,10 @@ class _Launch:
             # same pointer block: Triton picks each memory op's layout from
             # its pointers' contiguity (vectorized or not).
             key = (data.shape, data.tobytes()) if self.strict else data.shape
-            thread = ((hash(key) & 0xFFFFF) << 32) + np.arange(
-                data.size, dtype=np.int64
-            ).reshape(data.shape)
+            layout = self._layouts.setdefault(key, len(self._layouts))
+            thread = (layout << 32) + np.arange(data.size, dtype=np.int64).reshape(
+                data.shape
+            )
         vals = np.zeros(0)
         if is_store:
             vals = np.broadcast_to(np.asarray(values), data.shape)[mask]
@@ -247,9 +251,7 @@ def _kernel_line() -> str:
 
 
 @contextlib.contextmanager
-def record_hazards(
-    strict: bool = True, ignore_barriers: bool = False, on_launch=None
-):
+def record_hazards(strict: bool = True, ignore_barriers: bool = False, on_launch=None):
     """Record the hazards of every interpreted Triton launch in the block;
     yields the :class:`HazardLog`. ``strict``: two ops share threads only
     when they use the same pointer block (else: blocks of the same shape).
