@@ -20,6 +20,18 @@ import torch
 from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import ReferenceLRUSwap
 
+# The LRUCacheState buffers a swap reads or writes (besides its inputs).
+STATE_BUFFERS = (
+    "_loc_to_slot_buf",
+    "_slot_loc_buf",
+    "_lru_buf",
+    "_unit_base_buf",
+    "_unit_index_buf",
+    "_capacity_buf",
+    "_direct_buf",
+    "counters",
+)
+
 
 class ShadowReference:
     """The comparisons of one state's swaps (see :func:`shadow_reference`)."""
@@ -33,16 +45,7 @@ class ShadowReference:
     def copy_state(self) -> LRUCacheState:
         s = self.state
         shadow = copy.copy(s)
-        for name in (
-            "_loc_to_slot_buf",
-            "_slot_loc_buf",
-            "_lru_buf",
-            "_unit_base_buf",
-            "_unit_index_buf",
-            "_capacity_buf",
-            "_direct_buf",
-            "counters",
-        ):
+        for name in STATE_BUFFERS:
             setattr(shadow, name, getattr(s, name).clone())
         shadow._region_base_buf = shadow._unit_base_buf[:, 0]
         shadow._layer_views = None  # the reference reads the buffers
@@ -141,24 +144,16 @@ def shadow_reference(state: LRUCacheState):
         orig_finish()
         shadow_ref.after_reorder()
 
-    def swap_layer(
-        st,
-        layer,
-        topk_pos,
-        req_pool_indices,
-        seq_lens,
-        req_to_token,
-        num_real_reqs,
-        out,
-        counters,
-        num_query_tokens=1,
-        defer_reorder=False,
-    ):
-        if num_query_tokens != 1:
+    def swap_layer(*args, defer_reorder=False):
+        # LRUCacheState.swap_layer's call: (state, layer, topk_pos,
+        # req_pool_indices, seq_lens, req_to_token, num_real_reqs, out,
+        # counters, num_query_tokens).
+        st, layer, topk_pos, req_pool_indices, seq_lens, req_to_token = args[:6]
+        if len(args) > 9 and args[9] != 1:
             raise NotImplementedError("the shadow compares one-token swaps")
         shadow = shadow_ref.copy_state()
         bs = req_pool_indices.shape[0]
-        num_real = int(st.num_real_tensor(num_real_reqs, bs)[0])
+        num_real = int(st.num_real_tensor(args[6], bs)[0])
         inputs = (
             topk_pos.clone(),
             req_pool_indices.clone(),
@@ -167,29 +162,9 @@ def shadow_reference(state: LRUCacheState):
         )
         shadow_ref.swaps += 1
         where = shadow_ref._describe(layer, inputs)
-        plan = orig_swap(
-            st,
-            layer,
-            topk_pos,
-            req_pool_indices,
-            seq_lens,
-            req_to_token,
-            num_real_reqs,
-            out,
-            counters,
-            num_query_tokens,
-            defer_reorder=True,
-        )
+        plan = orig_swap(*args, defer_reorder=True)
         ref_plan = shadow.swap_backend.swap_layer(
-            shadow,
-            layer,
-            inputs[0],
-            inputs[1],
-            inputs[2],
-            req_to_token,
-            num_real,
-            None,
-            None,
+            shadow, layer, *inputs[:3], req_to_token, num_real, None, None
         )
         shadow_ref.after_swap(layer, shadow, inputs, plan, ref_plan, where)
         shadow_ref._pending = (shadow, layer, where)

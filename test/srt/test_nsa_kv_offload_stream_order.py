@@ -19,6 +19,7 @@ import test_nsa_kv_offload_integration as integration
 import test_nsa_kv_offload_mtp_v2 as mtp_v2
 import test_nsa_kv_offload_mtp_verify as mtp_verify
 import torch
+from lru_shadow import STATE_BUFFERS
 from sglang.srt.managers.nsa_kv_offload_coordinator import (
     NSAKVOffloadCoordinator,
     _pad_rows,
@@ -44,16 +45,7 @@ def track_harness(sim, h) -> None:
     live as long as it, and make its host check sync nothing."""
     h.controller.side_stream = FakeStream(sim, "side")
     lru = h.co.lru
-    for name in (
-        "_loc_to_slot_buf",
-        "_slot_loc_buf",
-        "_lru_buf",
-        "_unit_base_buf",
-        "_unit_index_buf",
-        "_capacity_buf",
-        "_direct_buf",
-        "counters",
-    ):
+    for name in STATE_BUFFERS:
         sim.track(f"lru.{name}", getattr(lru, name))
     backend = lru.swap_backend
     for name in ("_hit_flags", "_victims", "_evictable_counts", "_new_lru"):
