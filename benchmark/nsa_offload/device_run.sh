@@ -16,7 +16,7 @@
 # tiny exactness servers: bf16, retraction, leveling, 7 x 4,416 rows), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
-# arguments).
+# arguments; $PYTEST_TIMEOUT seconds, default 500).
 # The device's copy of .git can be stale: prefix the step with CODE_COMMIT=<hash of
 # the tree sent> so that the results name the code that ran (server_utils.git_commit).
 # Results go under $OUT. A cold machine compiles kernels for ~150-210 s
@@ -79,7 +79,8 @@ rc=0
 if [ "${1:-}" = pytest ]; then
   shift
   # The whole log comes back in $OUT/pytest.txt; the failures' messages here.
-  timeout 500 python3 -m pytest -q -p no:cacheprovider -rfE "$@" > $OUT/pytest.txt 2>&1 || rc=1
+  timeout ${PYTEST_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -rfE "$@" \
+    > $OUT/pytest.txt 2>&1 || rc=1
   grep -E "^(E   |FAILED|ERROR)|[0-9]+ (passed|failed)" $OUT/pytest.txt | tail -80
   set --
 fi
