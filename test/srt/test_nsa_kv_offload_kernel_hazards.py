@@ -186,18 +186,25 @@ class TestOneRequestAtATimeRecorded(_OneRequestAtATime):
 
     PROMPTS_IN_UNITS = (2.3, 0.7, 1.95, 0.45)
 
-    def test_server_settings_two_units(self):
+    def _recorded(self, gather_kernel, **kwargs):
         with record_hazards() as log:
-            self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+            self._run(2, early_swap=True, warm_units=True, direct_slots=True, **kwargs)
         self.assertEqual(log.counts(), {}, log.report())
         for kernel in (
             "_swap_select_kernel",
             "_swap_rank_kernel",
-            "_gather_rows_kernel",
+            gather_kernel,
             "_copy_rows_all_layers_kernel",
             "_map_new_tokens_kernel",
         ):
             self.assertGreater(log.launches.get(kernel, 0), 0, kernel)
+
+    def test_server_settings_two_units(self):
+        self._recorded("_gather_rows_kernel")
+
+    def test_flat_miss_copy(self):
+        # ours_fp8_2units_flat: 16 programs share every request's misses.
+        self._recorded("_gather_rows_flat_kernel", copy_flat_programs=16)
 
 
 @unittest.skipUnless(lru_mod.default_use_triton(torch.device("cpu")), SKIP)
