@@ -186,8 +186,9 @@ run_step() {
       # units), then the CUDA paths of the unit and warm-unit tests through
       # the coordinator.
       # $UNITS_CHECK_ARGS: more flags; $UNITS_CHECK_WARPS: a run per
-      # --num-warps value (default: the kernels' own).
-      for warm in full none; do
+      # --num-warps value (default: the kernels' own); $UNITS_CHECK_WARM: the
+      # warm-ups (default "full none"; "direct": direct mode).
+      for warm in ${UNITS_CHECK_WARM:-full none}; do
         for w in ${UNITS_CHECK_WARPS:-0}; do
           local warps=""; [ "$w" = 0 ] || warps="--num-warps $w"
           timeout 200 python3 benchmark/nsa_offload/engine/gpu_check_units.py \

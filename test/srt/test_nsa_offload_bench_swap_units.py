@@ -16,6 +16,7 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
 sys.path.insert(0, str(BENCH_DIR / "engine"))
 
 import bench_swap_units  # noqa: E402
+import gpu_check_units  # noqa: E402
 import offload_bench_utils  # noqa: E402
 
 TRITON_OK = torch.cuda.is_available() or lru_mod._swap_kernel_is_interpreted()
@@ -49,6 +50,42 @@ class TestBenchSwapUnits(unittest.TestCase):
             md = (Path(out) / "bench_swap_units.md").read_text()
             self.assertIn("| 2 | 3 (72) |", md)
             self.assertIn("| yes |", md)
+
+
+@unittest.skipUnless(TRITON_OK, "Triton neither on CUDA nor interpreted")
+class TestGpuCheckUnits(unittest.TestCase):
+    """``gpu_check_units.py`` (the split kernels against the torch reference,
+    swap by swap) in its three warm-ups, at tiny sizes: the kernels' direct
+    variants included, and a direct-mode run whose older half misses."""
+
+    def _check(self, *extra):
+        with tempfile.TemporaryDirectory() as d:
+            out = str(Path(d) / "units.json")
+            argv = ["gpu_check_units.py", "--out", out, "--batch-sizes", "1,2"]
+            argv += ["--units", "2", "--C", "64", "--K", "32", "--W", "8"]
+            argv += ["--steps", "5", *extra]
+            with mock.patch.object(sys, "argv", argv):
+                with self.assertRaises(SystemExit) as done:
+                    gpu_check_units.main()
+            return done.exception.code, json.loads(Path(out).read_text())
+
+    def test_warm_ups(self):
+        for extra in (["--ctx", "400"], ["--ctx", "400", "--direct-slots"]):
+            code, report = self._check(*extra)
+            self.assertEqual(code, 0, report)
+            self.assertEqual(len(report["results"]), 2)
+        code, report = self._check("--ctx", "100", "--warm", "direct")
+        self.assertEqual(code, 0, report)
+        self.assertTrue(report["config"]["direct_slots"])
+
+    def test_direct_needs_a_fitting_context(self):
+        argv = ["gpu_check_units.py", "--out", "/nonexistent/units.json"]
+        argv += ["--units", "2", "--C", "64", "--ctx", "400", "--warm", "direct"]
+        with mock.patch.object(sys, "argv", argv), self.assertRaises(
+            SystemExit
+        ) as done:
+            gpu_check_units.main()
+        self.assertEqual(done.exception.code, 2)  # argparse's error, before any run
 
 
 class TestFinishCheck(unittest.TestCase):

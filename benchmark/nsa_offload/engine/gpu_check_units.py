@@ -6,7 +6,12 @@ Each of ``bs`` requests holds ``U`` units of ``C`` slots, decodes at
 ``--ctx`` tokens with a top-k that keeps ``--keep`` of the previous step's
 positions; ``--warm full`` first warms every slot as the warm units do
 (``warm_request`` of the newest ``U x C`` positions below the window),
-``--warm none`` starts from empty units. The CPU interpreter runs the
+``--warm none`` starts from empty units. ``--direct-slots`` builds the states
+with direct slots (the kernels' direct variants, as the warm units + direct
+slots server runs them: its walkers take the LRU path of those variants);
+``--warm direct`` then installs positions from the middle of each context up
+to its window in slot = position (direct mode; the older half misses into
+their own slots): ``--ctx`` must fit the units. The CPU interpreter runs the
 kernels one program at a time and with tiny test sizes; this runs them as
 the GPU does, at 4,096-row units and top-k 2,048.
 
@@ -38,8 +43,15 @@ def make_state(args, bs, units, triton, req_to_token):
         args.K,
         use_triton=triton,
         num_warps=args.num_warps if triton else None,
+        direct_slots=args.direct_slots,
     )
-    if args.warm == "full":
+    if args.warm == "direct":
+        below = args.ctx - args.W
+        for r in range(bs):
+            state.warm_direct(
+                0, r, req_to_token[r, below // 2 : below], first_position=below // 2
+            )
+    elif args.warm == "full":
         below = args.ctx - args.W
         for r in range(bs):
             locs = req_to_token[r, below - units * args.C : below].long()
@@ -77,6 +89,7 @@ def first_difference(a, b, plan_a=None, plan_b=None):
         ("slot_loc", a.slot_loc, b.slot_loc),
         ("loc_to_slot", a.loc_to_slot, b.loc_to_slot),
         ("counters", a.counters, b.counters),
+        ("direct", a.direct, b.direct),
     ]
     for name, x, y in checks:
         if x.shape != y.shape:
@@ -131,9 +144,16 @@ def main():
     p.add_argument("--keep", type=float, default=0.44, help="top-k kept per step")
     p.add_argument(
         "--warm",
-        choices=("full", "none"),
+        choices=("full", "none", "direct"),
         default="full",
-        help="full: every slot warmed first (as warm units do); none: cold units",
+        help="full: every slot warmed first (as warm units do); none: cold units; "
+        "direct: direct mode, the newer half of each context installed "
+        "(implies --direct-slots; --ctx must fit the units)",
+    )
+    p.add_argument(
+        "--direct-slots",
+        action="store_true",
+        help="states with direct slots (the kernels' direct variants)",
     )
     p.add_argument("--seeds", default="0", help="comma-separated random seeds")
     p.add_argument(
@@ -146,6 +166,10 @@ def main():
         "kernel keeps --num-warps)",
     )
     args = p.parse_args()
+    if args.warm == "direct":
+        args.direct_slots = True
+        if args.ctx - args.W > min(_ints(args.units)) * args.C:
+            p.error(f"--warm direct: --ctx {args.ctx} does not fit the units")
     if args.reorder_warps:
         from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
@@ -162,6 +186,7 @@ def main():
                 res = run_point(args, bs, units, seed)
                 res.update(
                     warm=args.warm,
+                    direct_slots=args.direct_slots,
                     seed=seed,
                     num_warps=args.num_warps,
                     reorder_warps=args.reorder_warps,
