@@ -126,11 +126,18 @@ class StreamSim:
 
     def track(self, name: str, tensor: torch.Tensor) -> None:
         """Check every access of ``tensor``'s storage (a buffer that lives
-        as long as the run)."""
+        as long as the run). A storage at the address of one tracked before
+        starts afresh: the old one is gone (a test's earlier harness)."""
         storage = tensor.untyped_storage()
         base = storage.data_ptr()
-        if base in self._buffers or storage.nbytes() == 0:
+        if storage.nbytes() == 0:
             return
+        for old in [
+            b
+            for b, (end, _) in self._buffers.items()
+            if b < base + storage.nbytes() and base < end
+        ]:
+            del self._buffers[old]
         shadow = _Shadow(name, storage.nbytes())
         self._buffers[base] = (base + storage.nbytes(), shadow)
         order = sorted(self._buffers)
