@@ -67,9 +67,6 @@ class FakeStream:
     def synchronize(self) -> None:
         np.maximum(self.sim.host_clock, self.clock, out=self.sim.host_clock)
 
-    def query(self) -> bool:
-        return True
-
 
 class FakeEvent:
     def __init__(self, sim: "StreamSim"):
@@ -83,9 +80,6 @@ class FakeEvent:
     def synchronize(self) -> None:
         if self.clock is not None:
             np.maximum(self.sim.host_clock, self.clock, out=self.sim.host_clock)
-
-    def query(self) -> bool:
-        return True
 
 
 class _Shadow:
@@ -109,8 +103,7 @@ class StreamSim:
     def __init__(self):
         self.streams: List[FakeStream] = []
         self.host_clock = np.zeros(MAX_STREAMS, np.int64)
-        self.default = FakeStream(self, "forward")
-        self.current = self.default
+        self.current = FakeStream(self, "forward")
         self.races: List[Race] = []
         self.num_races = 0
         self.ops: List[str] = [""]  # op id -> description

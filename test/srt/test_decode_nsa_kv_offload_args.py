@@ -486,7 +486,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         args._handle_decode_nsa_kv_offload()
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
 
-    def test_default_on_settings(self):
+    def test_opt_in_settings(self):
         # Warm units, direct slots and spare regions are off unless their
         # variable is "1"; warm units only where they apply, direct slots
         # only without MTP (there "1" is refused at startup).

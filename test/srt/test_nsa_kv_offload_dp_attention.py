@@ -115,7 +115,7 @@ def _pad_like_dp_max_len(fb, num_tokens):
 # The elastic settings (the default from f418aa2 until their H200 fault) on
 # a rank of its own (DP attention):
 # units, warm units and direct slots (A's 150 tokens fit its 2 units).
-DEFAULT_ON = dict(
+ELASTIC_SETTINGS = dict(
     max_units=2,
     num_regions=3,
     coordinator_kwargs=dict(warm_units=True, direct_slots=True),
@@ -150,7 +150,7 @@ class TestIdleBatches(unittest.TestCase):
         self.assertEqual(backend.calls, ["decode"])
 
     def test_eager_idle_forward_changes_nothing(self):
-        for kwargs in ({}, DEFAULT_ON):
+        for kwargs in ({}, ELASTIC_SETTINGS):
             with self.subTest(default_on=bool(kwargs)):
                 self._eager_idle_forward_changes_nothing(**kwargs)
 
@@ -177,7 +177,7 @@ class TestIdleBatches(unittest.TestCase):
         # A CUDA graph captured for DECODE replayed for an IDLE batch
         # (raw_bs 0, padded to bs 4): seq_lens 1, out_cache_loc 0, and stale
         # req_pool_indices, here the live request's (in direct mode too).
-        for kwargs in ({}, DEFAULT_ON):
+        for kwargs in ({}, ELASTIC_SETTINGS):
             with self.subTest(default_on=bool(kwargs)):
                 self._idle_cuda_graph_replay_is_inert(**kwargs)
 
@@ -217,7 +217,7 @@ class TestIdleBatches(unittest.TestCase):
         # the batch to 5 rows. The harness's CUDA-graph padding (pool index 0,
         # seq_len 1, out_cache_loc 0) is the same as that padding, so its
         # decode step with 3 padding rows runs what the padded batch runs.
-        for kwargs in ({}, DEFAULT_ON):
+        for kwargs in ({}, ELASTIC_SETTINGS):
             with self.subTest(default_on=bool(kwargs)):
                 self._dp_max_len_padded_decode(**kwargs)
 

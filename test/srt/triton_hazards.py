@@ -11,8 +11,7 @@ every program's loads and stores between its barriers and reports:
   memory ops on one address, one of them a store, from different threads.
   Threads are approximated: element ``i`` of two ops is taken for one
   thread's only when both ops use the same pointer block (Triton picks each
-  memory op's layout from its pointers), or, not ``strict``, blocks of the
-  same shape; a scalar op is every thread's;
+  memory op's layout from its pointers); a scalar op is every thread's;
 * ``scatter``: one store op writing different values to one address;
 * ``programs``: an address one program of a launch stores and another
   program of the same launch loads or stores.
@@ -87,16 +86,15 @@ class HazardLog:
 class _Launch:
     """The accesses of one kernel launch, checked when it ends."""
 
-    def __init__(self, kernel: str, log: HazardLog, strict: bool):
+    def __init__(self, kernel: str, log: HazardLog):
         self.kernel = kernel
-        self.strict = strict
         self.log = log
         self.accesses: List[_Access] = []
         self.program = -1
         self.program_ids: List[Tuple[int, ...]] = []
         self.epoch = 0
         self.op = 0
-        # Pointer blocks (or shapes) seen in this launch -> a layout id.
+        # Pointer blocks seen in this launch -> a layout id.
         self._layouts: Dict[object, int] = {}
 
     def start_program(self, idx: Tuple[int, ...]) -> None:
@@ -120,7 +118,7 @@ class _Launch:
             # Element i of two ops is one thread's only when the ops use the
             # same pointer block: Triton picks each memory op's layout from
             # its pointers' contiguity (vectorized or not).
-            key = (data.shape, data.tobytes()) if self.strict else data.shape
+            key = (data.shape, data.tobytes())
             layout = self._layouts.setdefault(key, len(self._layouts))
             thread = (layout << 32) + np.arange(data.size, dtype=np.int64).reshape(
                 data.shape
@@ -251,13 +249,11 @@ def _kernel_line() -> str:
 
 
 @contextlib.contextmanager
-def record_hazards(strict: bool = True, ignore_barriers: bool = False, on_launch=None):
+def record_hazards(ignore_barriers: bool = False, on_launch=None):
     """Record the hazards of every interpreted Triton launch in the block;
-    yields the :class:`HazardLog`. ``strict``: two ops share threads only
-    when they use the same pointer block (else: blocks of the same shape).
-    ``ignore_barriers``: as if the kernels had none (the checker's own test:
-    the hazards the barriers prevent must show). ``on_launch(launch)``: called
-    after each launch with its ``kernel`` name and ``accesses`` (what
+    yields the :class:`HazardLog`. ``ignore_barriers``: as if the kernels
+    had none (the checker's own test: the hazards the barriers prevent must
+    show). ``on_launch(launch)``: called after each launch with its ``kernel`` name and ``accesses`` (what
     ``stream_races`` orders between streams); launches run with
     ``in_launch()`` true."""
     from triton.runtime import interpreter
@@ -298,9 +294,7 @@ def record_hazards(strict: bool = True, ignore_barriers: bool = False, on_launch
 
     def call(self, *args, **kwargs):
         outer = state["launch"]
-        state["launch"] = _Launch(
-            getattr(self.fn, "__name__", str(self.fn)), log, strict
-        )
+        state["launch"] = _Launch(getattr(self.fn, "__name__", str(self.fn)), log)
         _IN_LAUNCH[0] += 1
         try:
             return saved_call(self, *args, **kwargs)
