@@ -147,6 +147,26 @@ class TestOneRequestAtATimeStreams(_StreamOrdered, _OneRequestAtATime):
 
 
 @unittest.skipUnless(ON_CPU, SKIP)
+class TestOneRequestAtATimeTwoLayersStreams(_StreamOrdered, _OneRequestAtATime):
+    """The same with two layers, as the H200 run had: the first layer's LRU
+    reorder is deferred and runs beside the forward stream."""
+
+    PROMPTS_IN_UNITS = (2.3, 0.7, 1.95)
+    LAYERS = 2
+
+    def test_server_settings_two_units(self):
+        finish = SparseCacheController.finish_lru_reorder
+        with mock.patch.object(
+            SparseCacheController, "finish_lru_reorder", autospec=True
+        ) as deferred:
+            deferred.side_effect = finish
+            self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+        # The first layer's reorder ran deferred at every decode step: 3
+        # prompts x 15 steps (W + 7 at 1/32 of the sizes).
+        self.assertEqual(deferred.call_count, 45)
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
 class TestMissingWaits(_OneRequestAtATime):
     """The controls: without one of the waits the checker finds races."""
 
