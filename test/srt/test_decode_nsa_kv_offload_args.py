@@ -546,6 +546,35 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertIsNone(refusal(4, False, False))
         self.assertIn("--speculative-algorithm", refusal(4, True, False))
 
+    def test_slot_policy(self):
+        # SGLANG_NSA_KV_OFFLOAD_POLICY: "lru" (default) or "clock"; clock
+        # swaps one query token per request, without direct slots.
+        var = nsa_kv_offload_args.ENV_SLOT_POLICY
+        parse = nsa_kv_offload_args.slot_policy_from_env
+        with mock.patch.dict(os.environ, {var: ""}):
+            self.assertEqual(parse(), "lru")
+        with mock.patch.dict(os.environ, {var: "clock"}):
+            self.assertEqual(parse(), "clock")
+            self._server_args()._handle_decode_nsa_kv_offload()
+            self._assert_rejected(
+                "SGLANG_NSA_KV_OFFLOAD_POLICY=clock is not supported with MTP",
+                speculative_algorithm="EAGLE",
+                speculative_num_steps=1,
+                speculative_eagle_topk=1,
+                speculative_num_draft_tokens=2,
+                disable_overlap_schedule=True,
+            )
+            direct = {nsa_kv_offload_args.ENV_DIRECT_SLOTS: "1"}
+            with mock.patch.dict(os.environ, direct):
+                self._assert_rejected(
+                    "SGLANG_NSA_KV_OFFLOAD_POLICY=clock does not combine with "
+                    "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS=1"
+                )
+        with mock.patch.dict(os.environ, {var: "lfu"}):
+            self._assert_rejected(
+                "SGLANG_NSA_KV_OFFLOAD_POLICY='lfu': expected one of lru, clock"
+            )
+
     def test_reject_pd_decode_radix_cache(self):
         self._assert_rejected(
             "--disaggregation-decode-enable-radix-cache is not supported",

@@ -87,6 +87,10 @@ ENV_DIRECT_WARM_POSITIONS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_WARM_POSITIONS"
 # starts after its query rope instead of right after its indexer, so that the
 # swap's kernels do not share the SMs with the query's absorb GEMM and rope.
 ENV_SWAP_AFTER_ROPE = "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE"
+# Experimental slot replacement (read by the coordinator): "lru" (the
+# default) or "clock" (nsa_kv_offload_clock: no recency update walks the LRU
+# order every step; one query token, no direct slots).
+ENV_SLOT_POLICY = "SGLANG_NSA_KV_OFFLOAD_POLICY"
 # sglang's own: spec v2 prepares the verify on a second stream.
 ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
 # Speculative decoding the offload's multi-token swap serves (docs/MTP.md):
@@ -141,6 +145,18 @@ def direct_slots_enabled(speculative: bool) -> bool:
     (``ENV_DIRECT_SLOTS``): only with "1", never with MTP (the verify swaps
     several query tokens per request; "1" with MTP is refused)."""
     return _env_opt_in(ENV_DIRECT_SLOTS) and not speculative
+
+
+def slot_policy_from_env() -> str:
+    """The slots' replacement policy (``ENV_SLOT_POLICY``): "lru" when unset."""
+    from sglang.srt.mem_cache.nsa_kv_offload_clock import LRU_POLICY, POLICIES
+
+    value = os.environ.get(ENV_SLOT_POLICY, "") or LRU_POLICY
+    if value not in POLICIES:
+        raise ValueError(
+            f"{ENV_SLOT_POLICY}={value!r}: expected one of {', '.join(POLICIES)}"
+        )
+    return value
 
 
 def spare_regions_enabled() -> bool:
@@ -521,6 +537,18 @@ def handle_decode_nsa_kv_offload(server_args: "ServerArgs") -> None:
     )
     if why and get_bool_env_var(ENV_WARM_UNITS):
         _fail(f"{ENV_WARM_UNITS}=1 {why}.")
+    try:
+        policy = slot_policy_from_env()
+    except ValueError as e:
+        _fail(str(e) + ".")
+    if policy != "lru":
+        # It swaps one query token per request, every slot by the policy.
+        if server_args.speculative_algorithm is not None:
+            _fail(f"{ENV_SLOT_POLICY}={policy} is not supported with MTP.")
+        if get_bool_env_var(ENV_DIRECT_SLOTS):
+            _fail(
+                f"{ENV_SLOT_POLICY}={policy} does not combine with {ENV_DIRECT_SLOTS}=1."
+            )
 
     pinnable_gb = pinnable_host_memory_gb(layout.host_pools_per_node)
     host_pool_gb = server_args.nsa_kv_offload_host_pool_gb

@@ -62,12 +62,14 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
+    ENV_SLOT_POLICY,
     ENV_SWAP_AFTER_ROPE,
     ENV_WARM_UNITS,
     direct_slots_enabled,
     direct_warm_positions_from_env,
     early_swap_enabled,
     gather_programs_from_env,
+    slot_policy_from_env,
     swap_batch_rows,
     swap_query_tokens,
     warm_units_enabled,
@@ -146,6 +148,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         copy_flat_programs: Optional[int] = None,
         swap_after_rope: bool = False,
         direct_warm_positions: Optional[int] = None,
+        slot_policy: str = "lru",
     ):
         if warm_units:
             why = warm_units_refusal(
@@ -240,10 +243,18 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             direct_slots=direct_slots,
             direct_warm_positions=direct_warm_positions,
             copy_flat_programs=copy_flat_programs,
+            slot_policy=slot_policy,
             extra_units=staging_unit_capacity(
                 allocator.staging.num_pages, kv_pool.page_size, buffer_size
             ),
         )
+        if slot_policy != "lru":
+            logger.info(
+                "NSA KV offload: %s=%s (experimental): the slots' replacement "
+                "keeps a reference bit per slot instead of an LRU order.",
+                ENV_SLOT_POLICY,
+                slot_policy,
+            )
         if copy_flat_programs is not None:
             logger.info(
                 "NSA KV offload: flat miss copy (experimental, %s=%d): that many "
@@ -878,6 +889,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         copy_flat_programs=gather_programs_from_env(),
         swap_after_rope=get_bool_env_var(ENV_SWAP_AFTER_ROPE),
         direct_warm_positions=direct_warm_positions_from_env(),
+        slot_policy=slot_policy_from_env(),
         max_units=geometry.max_units,
         # Lend at most the staging kept for one long prompt being chunked.
         staging_reserve_pages=staging_reserve_rows(

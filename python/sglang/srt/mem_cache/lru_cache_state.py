@@ -60,6 +60,12 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
+from sglang.srt.mem_cache.nsa_kv_offload_clock import (
+    CLOCK_POLICY,
+    LRU_POLICY,
+    POLICIES,
+    clock_assign_slots,
+)
 from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import (
     LayerSwapPlan,
     ReferenceLRUSwap,
@@ -127,7 +133,15 @@ class LRUCacheState:
         max_query_tokens: int = 1,
         direct_slots: bool = False,
         num_units: Optional[int] = None,
+        policy: str = LRU_POLICY,
     ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
+        if policy == CLOCK_POLICY and (max_query_tokens > 1 or direct_slots):
+            raise ValueError(
+                "the clock policy swaps one query token per request without "
+                "direct slots (max_query_tokens = 1, direct_slots = False)"
+            )
         if max_query_tokens < 1:
             raise ValueError(f"max_query_tokens ({max_query_tokens}) must be >= 1")
         # One swap keeps the union of its query tokens' top-k resident at once.
@@ -173,6 +187,8 @@ class LRUCacheState:
         self.num_units = num_units
         self.max_query_tokens = max_query_tokens
         self.direct_slots = direct_slots
+        # Slot replacement: LRU order or CLOCK (nsa_kv_offload_clock).
+        self.policy = policy
         # LRU slots a request may hold across all units; it holds the first
         # capacity[r] of them.
         self.num_slots = buffer_size * max_units
@@ -197,6 +213,15 @@ class LRUCacheState:
         )
         self._lru_buf = torch.full(
             (L, num_units + 1, C0), -1, dtype=self.slot_dtype, device=dev
+        )
+        # CLOCK: a reference bit per slot (per unit chunk, like slot_loc) and
+        # a hand per request (the LRU order is then unused).
+        clock = policy == CLOCK_POLICY
+        self._ref_buf = torch.zeros(
+            (L, num_units + 1, C0) if clock else (L, 1, 1), dtype=torch.int8, device=dev
+        )
+        self._hand_buf = torch.zeros(
+            (L, max_num_reqs + 1) if clock else (L, 1), dtype=torch.int32, device=dev
         )
         # unit_index[r, u]: the chunk of unit u of request r; units it does
         # not hold (and the sink request's) name the sink chunk, so a stale
@@ -283,10 +308,16 @@ class LRUCacheState:
         return self._per_request(self._lru_buf)
 
     @property
+    def uses_clock(self) -> bool:
+        return self.policy == CLOCK_POLICY
+
+    @property
     def unit_state_bytes(self) -> int:
-        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order``; the
-        sink chunk included): what the pool sizing counts per unit."""
-        return self._slot_loc_buf.nbytes + self._lru_buf.nbytes
+        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order``, the
+        CLOCK bits; the sink chunk included): what the pool sizing counts per
+        unit."""
+        bits = self._ref_buf.nbytes if self.uses_clock else 0
+        return self._slot_loc_buf.nbytes + self._lru_buf.nbytes + bits
 
     def free_units(self) -> int:
         """Unit chunks not held by any request (host only)."""
@@ -362,7 +393,10 @@ class LRUCacheState:
         )
         self._capacity_buf[idx] = self.buffer_size
         self._direct_buf[idx] = 0
-        # Released chunks are empty already; their order is set here.
+        if self.uses_clock:
+            self._hand_buf[:, idx] = 0
+        # Released chunks are empty already (CLOCK bits clear); their order
+        # is set here.
         self._lru_buf[:, chunk_t] = self._arange_c[: self.buffer_size].to(
             self._lru_buf.dtype
         )
@@ -394,6 +428,8 @@ class LRUCacheState:
             1, torch.where(locs >= 0, locs, self.num_locs), -1
         )
         self._slot_loc_buf[:, chunks] = -1
+        if self.uses_clock:
+            self._ref_buf[:, chunks] = 0
 
     def enter_direct(self, r: int, num_positions: int) -> None:
         """Request ``r`` swaps in direct mode from its next swap on. The
@@ -485,6 +521,9 @@ class LRUCacheState:
         self._capacity_buf[r] = hi
         new = self._arange_c[lo:hi].expand(self.num_layers, -1)
         self._write_order(r, torch.cat([new, old], dim=1))
+        if self.uses_clock:
+            # The new unit's empty slots are the next victims.
+            self._hand_buf[:, r] = lo
 
     def shrink_request(self, r: int, unit: int) -> None:
         """Drop request ``r``'s last unit ``unit`` (it holds ``unit + 1``):
@@ -511,6 +550,9 @@ class LRUCacheState:
         self._unit_index_buf[r, unit] = self._sink_unit
         self._unit_base_buf[r, unit] = -1
         self._capacity_buf[r] = lo
+        if self.uses_clock:
+            hands = self._hand_buf[:, r]
+            hands.copy_(torch.where(hands >= lo, 0, hands))
 
     def warm_request(
         self,
@@ -545,8 +587,11 @@ class LRUCacheState:
         for i, layer in enumerate(layers):
             loc = locs[i : i + 1]
             lookup = loc >= 0
-            work = assign_slots(self, layer, req, base, lookup, loc)
-            reorder_lru(self, work)
+            if self.uses_clock:
+                work = clock_assign_slots(self, layer, req, base, lookup, loc)
+            else:
+                work = assign_slots(self, layer, req, base, lookup, loc)
+                reorder_lru(self, work)
             rows.append(work.row)
         return torch.cat(rows).to(torch.int32)
 

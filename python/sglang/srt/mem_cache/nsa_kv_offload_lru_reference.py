@@ -162,6 +162,15 @@ def prepare_layer_swap(
     tok_req = torch.where(real, req_in, 0)[:, None]
     loc = req_to_token[tok_req, torch.where(lookup, pos, 0)].long()
     loc = torch.where(lookup, loc, -1)
+    if state.uses_clock:
+        # The CLOCK module builds on this one (no direct slots, one token).
+        from sglang.srt.mem_cache.nsa_kv_offload_clock import clock_assign_slots
+
+        work = clock_assign_slots(
+            state, layer, req, base, lookup, loc, real, pos, in_window
+        )
+        work.num_query_tokens = q
+        return work
     fits = None
     if state.direct_slots:
         fits = direct_rows(state, req, real, n[:, 0], W)
@@ -272,7 +281,8 @@ def post_process_layer_swap(
     dst = torch.zeros((bs, k + 1), dtype=torch.int64, device=state.device)
     dst.scatter_(1, sink, work.row)
     count = work.num_misses.to(torch.int32)
-    reorder_lru(state, work)
+    if not state.uses_clock:  # CLOCK keeps no order (its swap set the bits)
+        reorder_lru(state, work)
     # LRU hits: looked-up entries served without a copy of their own (with
     # several query tokens, repeats of this step's misses count as hits).
     hits = work.hit.sum() + (work.miss & ~work.first_miss).sum()

@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import LayerSwapPlan
 
 if _HAS_TRITON:
     import triton
+    from sglang.srt.mem_cache.nsa_kv_offload_clock import _clock_swap_kernel
     from sglang.srt.mem_cache.nsa_kv_offload_lru_kernels import (
         _map_new_tokens_kernel,
         _swap_copy_order_kernel,
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 
 def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
+
+
+def _prev_pow2(x: int) -> int:
+    return 1 << (int(x).bit_length() - 1)
 
 
 def _is_capturing(device: torch.device) -> bool:
@@ -198,6 +203,10 @@ class TritonLRUSwap:
         batch, plan_rows = self.launch_rows(
             topk_pos, req_pool_indices, seq_lens, req_to_token, num_real, plan
         )
+        if state.uses_clock:
+            # One kernel, no recency update to defer.
+            self._clock_swap(state, layer, batch, plan_rows, counters, plan)
+            return plan
         # With several query tokens per swap allowed, every swap (one query
         # token too) reads the shorter window (read_window): multi kernels.
         if q > 1 or self.multi_token:
@@ -228,6 +237,42 @@ class TritonLRUSwap:
             num_warps=self.num_warps,
         )
         return plan
+
+    def _clock_swap(
+        self,
+        state: LRUCacheState,
+        layer: int,
+        batch: tuple,
+        plan_rows: tuple,
+        counters: torch.Tensor,
+        plan: LayerSwapPlan,
+    ) -> None:
+        loc_to_slot, slot_loc = state._layer_views[layer][:2]
+        # A revolution spans at least one block of the sweep (every request
+        # holds at least one unit of buffer_size slots).
+        block_s = min(self.SELECT_BLOCK, _prev_pow2(self.buffer_size))
+        _clock_swap_kernel[(batch[0].shape[0],)](
+            *batch,
+            loc_to_slot,
+            slot_loc,
+            state._ref_buf[layer],
+            state._hand_buf[layer],
+            state._unit_base_buf,
+            state._unit_index_buf,
+            state._capacity_buf,
+            counters,
+            *plan_rows,
+            plan.miss_count,
+            self._victims,
+            state._sink_req,
+            K=self.top_k,
+            C0=self.buffer_size,
+            U=self.max_units,
+            W=self.recent_window,
+            BLOCK_K=self.block_k,
+            BLOCK_S=block_s,
+            num_warps=self.split_num_warps,
+        )
 
     def _split_swap(
         self,

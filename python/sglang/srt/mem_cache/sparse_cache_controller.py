@@ -165,6 +165,8 @@ class SparseCacheController:
             direct mode with at most this many positions below its first
             window (the newest; the older ones are missed into their own
             slots when read). None: all of them.
+        slot_policy: the slots' replacement, "lru" or "clock"
+            (``nsa_kv_offload_clock``, experimental).
     """
 
     def __init__(
@@ -190,6 +192,7 @@ class SparseCacheController:
         direct_slots: bool = False,
         extra_units: int = 0,
         direct_warm_positions: Optional[int] = None,
+        slot_policy: str = "lru",
     ):
         self.host_pool = host_pool
         self.host_writer = host_writer
@@ -233,6 +236,7 @@ class SparseCacheController:
             max_units=max_units,
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
+            policy=slot_policy,
             # Every admitted request holds a region: the regions and what
             # the other sources lend are all the units that exist at once.
             num_units=max(1, num_regions + (extra_units if max_units > 1 else 0)),

@@ -1,0 +1,318 @@
+"""The CLOCK policy (``SGLANG_NSA_KV_OFFLOAD_POLICY=clock``): its torch
+reference against a plain-Python CLOCK model (the policy study's, with units),
+the Triton kernel (interpreted on CPU) against the reference bit for bit, and
+the state's refusals.
+"""
+
+import os
+import random
+import unittest
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from sglang.srt.mem_cache import lru_cache_state as lru_mod
+from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
+from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import state_index
+from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
+    _OneRequestAtATime,
+    setUpModule,
+    tearDownModule,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_OK = DEVICE == "cuda" or lru_mod._swap_kernel_is_interpreted()
+
+
+class ClockModel:
+    """One (layer, request): slots, reference bits, hand (slot ids)."""
+
+    def __init__(self, C0: int):
+        self.C0 = C0
+        self.slots = [None] * C0  # loc per slot
+        self.ref = [0] * C0
+        self.hand = 0
+
+    @property
+    def cap(self) -> int:
+        return len(self.slots)
+
+    def slot_of(self, loc):
+        return self.slots.index(loc) if loc in self.slots else None
+
+    def swap(self, locs):
+        """``locs``: looked-up locs in top-k order. Returns each one's slot
+        and the misses' (loc, slot) in top-k order."""
+        hit_slots = {self.slot_of(l) for l in locs} - {None}
+        misses = [l for l in locs if self.slot_of(l) is None]
+        cand = [
+            s
+            for s in ((self.hand + i) % self.cap for i in range(self.cap))
+            if s not in hit_slots
+        ]
+        victims = []
+        for s in cand:  # first revolution
+            if len(victims) == len(misses):
+                break
+            if self.ref[s] == 0:
+                victims.append(s)
+            else:
+                self.ref[s] = 0  # second chance used
+        for s in cand:  # second: the slots the first cleared
+            if len(victims) == len(misses):
+                break
+            if s not in victims:
+                victims.append(s)
+        if victims:
+            self.hand = (victims[-1] + 1) % self.cap
+        for s in hit_slots:
+            self.ref[s] = 1
+        for loc, s in zip(misses, victims):
+            self.slots[s] = loc
+            self.ref[s] = 0
+        slot = {l: self.slot_of(l) for l in locs}
+        return slot, list(zip(misses, victims))
+
+    def grow(self):
+        self.hand = self.cap
+        self.slots += [None] * self.C0
+        self.ref += [0] * self.C0
+
+    def shrink(self):
+        lo = self.cap - self.C0
+        self.slots, self.ref = self.slots[:lo], self.ref[:lo]
+        if self.hand >= lo:
+            self.hand = 0
+
+
+def clock_state(use_triton, layers=2, C0=16, K=8, W=2, units=3, max_reqs=4, locs=4000):
+    return LRUCacheState(
+        num_layers=layers,
+        max_num_reqs=max_reqs,
+        num_locs=locs,
+        buffer_size=C0,
+        recent_window=W,
+        top_k=K,
+        device=DEVICE,
+        use_triton=use_triton,
+        max_units=units,
+        policy="clock",
+    )
+
+
+def held(state, layer, r):
+    """(slot_loc, bits, hand) of request r in layer l, as lists."""
+    cap = int(state._capacity_buf[r])
+    idx = torch.arange(cap, device=state.device)[None, :]
+    at = state_index(state, torch.tensor([r], device=state.device), idx)[0]
+    slot_loc = state._slot_loc_buf[layer].view(-1)[at].tolist()
+    bits = state._ref_buf[layer].view(-1)[at].tolist()
+    return slot_loc, bits, int(state._hand_buf[layer, r])
+
+
+class ClockSim:
+    """Random decode steps over a few requests: admissions with warm-ups,
+    units grown and shrunk, releases, padding rows; states and models in
+    lockstep."""
+
+    def __init__(self, test, states, seed, C0=16, K=8, W=2, units=3, max_reqs=4):
+        self.t, self.states = test, states
+        self.rng = random.Random(seed)
+        self.C0, self.K, self.W, self.units = C0, K, W, units
+        self.max_reqs = max_reqs
+        self.ctx = 200
+        self.reqs = {}  # r -> [seq_len, {layer: ClockModel}]
+        self.r2t = torch.arange(max_reqs * self.ctx, dtype=torch.int32)
+        self.r2t = self.r2t.reshape(max_reqs, self.ctx).to(DEVICE)
+        self.layers = states[0].num_layers
+
+    def admit(self, r):
+        n = self.rng.randrange(5, 120)
+        models = {l: ClockModel(self.C0) for l in range(self.layers)}
+        warm = [
+            r * self.ctx + p
+            for p in range(max(0, n - self.W - self.rng.randrange(0, 12)), n - self.W)
+        ]
+        for s in self.states:
+            s.admit_request(r, 1000 + r * 100)
+            if warm:
+                s.warm_request(range(self.layers), r, torch.tensor(warm))
+        for m in models.values():
+            if warm:
+                m.swap(warm)
+        self.reqs[r] = [n, models]
+
+    def step(self):
+        rng = self.rng
+        for r in range(self.max_reqs):
+            if r not in self.reqs and rng.random() < 0.4:
+                self.admit(r)
+            elif r in self.reqs and rng.random() < 0.05:
+                for s in self.states:
+                    s.release_request(r)
+                del self.reqs[r]
+        for r, (n, models) in self.reqs.items():
+            units = models[0].cap // self.C0
+            if units < self.units and rng.random() < 0.2:
+                for s in self.states:
+                    s.grow_request(r, units, 5000 + 100 * (r * self.units + units))
+                for m in models.values():
+                    m.grow()
+            elif units > 1 and rng.random() < 0.1:
+                for s in self.states:
+                    s.shrink_request(r, units - 1)
+                for m in models.values():
+                    m.shrink()
+        batch = [r for r in self.reqs if rng.random() < 0.8]
+        if not batch:
+            return
+        for r in batch:
+            self.reqs[r][0] += 1
+        pad = rng.randrange(0, 3)
+        seq = [self.reqs[r][0] for r in batch]
+        idx = torch.tensor(batch + [0] * pad, device=DEVICE)
+        lens = torch.tensor(seq + [1] * pad, device=DEVICE)
+        for layer in range(self.layers):
+            rows = []
+            for r, n in zip(batch, seq):
+                hot = list(range(0, n, 3))
+                picks = rng.sample(range(n), min(n, self.K // 2))
+                picks += rng.sample(hot, min(len(hot), self.K - len(picks)))
+                picks = list(dict.fromkeys(picks))[: self.K]
+                rows.append(picks + [-1] * (self.K - len(picks)))
+            rows += [[-1] * self.K for _ in range(pad)]
+            topk = torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+            plans = [
+                s.swap_layer(layer, topk, idx, lens, self.r2t, num_real_reqs=len(batch))
+                for s in self.states
+            ]
+            for b, (r, n) in enumerate(zip(batch, seq)):
+                model = self.reqs[r][1][layer]
+                looked = [p for p in rows[b] if 0 <= p < n - self.W]
+                slot, loaded = model.swap([r * self.ctx + p for p in looked])
+                for s, plan in zip(self.states, plans):
+                    self.check(s, plan, b, r, layer, rows[b], n, slot, loaded)
+            for s, plan in zip(self.states, plans):
+                for b in range(len(batch), len(batch) + pad):
+                    self.t.assertEqual(int(plan.miss_count[b]), 0)
+
+    def check(self, state, plan, b, r, layer, row, n, slot, loaded):
+        model = self.reqs[r][1][layer]
+        slot_loc, bits, hand = held(state, layer, r)
+        self.t.assertEqual(slot_loc, [-1 if x is None else x for x in model.slots])
+        self.t.assertEqual(bits, model.ref)
+        self.t.assertEqual(hand, model.hand)
+        count = int(plan.miss_count[b])
+        self.t.assertEqual(count, len(loaded))
+        self.t.assertEqual(
+            plan.miss_src_loc[b, :count].tolist(), [l for l, _ in loaded]
+        )
+        unit_base = state._unit_base_buf[r].tolist()
+        rows = [unit_base[s // self.C0] + s % self.C0 for _, s in loaded]
+        self.t.assertEqual(plan.miss_dst_row[b, :count].tolist(), rows)
+        base = unit_base[0]
+        expect = []
+        for p in row:
+            if p < 0 or p >= n:
+                expect.append(-1)
+            elif p >= n - self.W:
+                expect.append(base + self.C0 + p % self.W)
+            else:
+                s = slot[r * self.ctx + p]
+                expect.append(unit_base[s // self.C0] + s % self.C0)
+        self.t.assertEqual(plan.page_table[b].tolist(), expect)
+
+
+class TestClockPolicy(unittest.TestCase):
+    def _run(self, impls, seed, steps=40):
+        states = [clock_state(u) for u in impls]
+        sim = ClockSim(self, states, seed)
+        for _ in range(steps):
+            sim.step()
+        return states
+
+    def test_reference_against_model(self):
+        for seed in range(4):
+            with self.subTest(seed=seed):
+                self._run([False], seed)
+
+    @unittest.skipUnless(TRITON_OK, "Triton not interpreted")
+    def test_triton_against_model_and_reference(self):
+        for seed in range(2):
+            with self.subTest(seed=seed):
+                ref, tri = self._run([False, True], seed, steps=25)
+                for name in (
+                    "_loc_to_slot_buf",
+                    "_slot_loc_buf",
+                    "_ref_buf",
+                    "_hand_buf",
+                ):
+                    # Sink entries (the last loc, chunk, request) may differ:
+                    # masked scatters land there.
+                    a, b = getattr(ref, name)[:, :-1], getattr(tri, name)[:, :-1]
+                    self.assertTrue(torch.equal(a, b), name)
+
+    def test_second_revolution(self):
+        # Every slot referenced: the first revolution clears all the bits,
+        # the second takes the victims from the hand on.
+        for use_triton in [False] + ([True] if TRITON_OK else []):
+            s = clock_state(use_triton, layers=1, C0=8, K=8, W=2, units=1)
+            s.admit_request(0, 100)
+            r2t = torch.arange(64, dtype=torch.int32, device=DEVICE)[None, :]
+
+            def swap(positions):
+                topk = torch.tensor([positions], dtype=torch.int32, device=DEVICE)
+                return s.swap_layer(
+                    0,
+                    topk,
+                    torch.tensor([0], device=DEVICE),
+                    torch.tensor([40], device=DEVICE),
+                    r2t,
+                )
+
+            swap(list(range(8)))  # fill slots 0..7, bits clear, hand 0
+            swap(list(range(8)))  # all hits: every bit set
+            self.assertEqual(held(s, 0, 0)[1], [1] * 8)
+            plan = swap([8, 9, 0, 1, -1, -1, -1, -1])  # 2 misses, slots 0, 1 hit
+            slot_loc, bits, hand = held(s, 0, 0)
+            # Hits 0 and 1 skipped; 2..7 cleared in the first revolution; the
+            # second takes 2 and 3.
+            self.assertEqual(slot_loc, [0, 1, 8, 9, 4, 5, 6, 7])
+            self.assertEqual(bits, [1, 1, 0, 0, 0, 0, 0, 0])
+            self.assertEqual(hand, 4)
+            self.assertEqual(plan.miss_dst_row[0, :2].tolist(), [102, 103])
+
+    def test_refusals(self):
+        with self.assertRaisesRegex(ValueError, "policy"):
+            LRUCacheState(1, 2, 10, 8, 2, 4, device=DEVICE, policy="lfu")
+        with self.assertRaisesRegex(ValueError, "clock"):
+            LRUCacheState(
+                1, 2, 10, 8, 2, 4, device=DEVICE, policy="clock", direct_slots=True
+            )
+        with self.assertRaisesRegex(ValueError, "clock"):
+            LRUCacheState(
+                1, 2, 10, 8, 2, 4, device=DEVICE, policy="clock", max_query_tokens=2
+            )
+
+
+class TestOneRequestAtATimeClock(_OneRequestAtATime):
+    """Through the real coordinator: walkers over their units and requests
+    that fit them, one after another in one slot, every page table checked
+    against the KV written."""
+
+    PROMPTS_IN_UNITS = (2.3, 0.7, 5.5, 1.95, 0.45)
+
+    def harness_ready(self, h):
+        self.assertTrue(h.co.lru.uses_clock)
+
+    def test_default_units(self):
+        self._run(4, early_swap=True, slot_policy="clock")
+
+    def test_warm_units_two_units(self):
+        self._run(2, early_swap=True, warm_units=True, slot_policy="clock")
+
+
+if __name__ == "__main__":
+    unittest.main()
