@@ -57,15 +57,24 @@ def new_state(cfg, use_triton: bool, **kwargs) -> LRUCacheState:
 def check_invariants(test: unittest.TestCase, state: LRUCacheState) -> None:
     C = state.num_slots
     lru = state.lru_order.long().cpu()
-    # Each request's order: its held slots once each, then -1.
     cap = state.capacity.long().cpu()[None, :, None]
     ar = torch.arange(C)
-    expect = torch.where(ar < cap, ar, -1).expand_as(lru)
-    held_sorted = torch.where(lru >= 0, lru, C).sort(-1).values
-    test.assertTrue(
-        torch.equal(torch.where(held_sorted < C, held_sorted, -1), expect),
-        "lru_order not a permutation of the held slots",
-    )
+    if state.uses_clock:
+        # CLOCK: a bit per held slot, clear when empty; hands in range.
+        bits = torch.where(ar < cap, lru, 0)
+        test.assertTrue(bool(((bits == 0) | (bits == 1)).all()), "CLOCK bits")
+        empty = state.slot_loc.long().cpu() < 0
+        test.assertFalse(bool((empty & (bits == 1)).any()), "bit set on an empty slot")
+        hands = state._hand_buf[:, : state.max_num_reqs].long().cpu()
+        test.assertTrue(bool((hands < cap[..., 0].clamp(min=1)).all()), "hands")
+    else:
+        # Each request's order: its held slots once each, then -1.
+        expect = torch.where(ar < cap, ar, -1).expand_as(lru)
+        held_sorted = torch.where(lru >= 0, lru, C).sort(-1).values
+        test.assertTrue(
+            torch.equal(torch.where(held_sorted < C, held_sorted, -1), expect),
+            "lru_order not a permutation of the held slots",
+        )
     # Unit chunks: each free or held once; unit_index names the held ones
     # (the sink chunk past them); a held chunk's slots are the only ones
     # with locs (free chunks are empty).

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 from sglang.srt.mem_cache import lru_cache_state as lru_mod
 from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import state_index
+from test_lru_cache_state import check_invariants
 from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
     _OneRequestAtATime,
     setUpModule,
@@ -197,6 +198,8 @@ class ClockSim:
             for s, plan in zip(self.states, plans):
                 for b in range(len(batch), len(batch) + pad):
                     self.t.assertEqual(int(plan.miss_count[b]), 0)
+        for s in self.states:
+            check_invariants(self.t, s)
 
     def check(self, state, plan, b, r, layer, row, n, slot, loaded):
         model = self.reqs[r][1][layer]

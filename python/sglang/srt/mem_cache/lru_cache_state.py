@@ -211,15 +211,17 @@ class LRUCacheState:
         self._slot_loc_buf = torch.full(
             (L, num_units + 1, C0), -1, dtype=torch.int32, device=dev
         )
-        self._lru_buf = torch.full(
-            (L, num_units + 1, C0), -1, dtype=self.slot_dtype, device=dev
-        )
-        # CLOCK: a reference bit per slot (per unit chunk, like slot_loc) and
-        # a hand per request (the LRU order is then unused).
+        # CLOCK keeps no order: the same storage holds its reference bits
+        # (one per slot, 0 when empty), so the pool sizing is the same; and
+        # a hand per request.
         clock = policy == CLOCK_POLICY
-        self._ref_buf = torch.zeros(
-            (L, num_units + 1, C0) if clock else (L, 1, 1), dtype=torch.int8, device=dev
+        self._lru_buf = torch.full(
+            (L, num_units + 1, C0),
+            0 if clock else -1,
+            dtype=self.slot_dtype,
+            device=dev,
         )
+        self._ref_buf = self._lru_buf
         self._hand_buf = torch.zeros(
             (L, max_num_reqs + 1) if clock else (L, 1), dtype=torch.int32, device=dev
         )
@@ -304,7 +306,8 @@ class LRUCacheState:
     @property
     def lru_order(self) -> torch.Tensor:
         """``lru_order[l, r]``: request ``r``'s held slots, least recently
-        used first, then -1 beyond its capacity (a gathered copy)."""
+        used first, then -1 beyond its capacity (a gathered copy). With
+        CLOCK: the reference bit of each held slot."""
         return self._per_request(self._lru_buf)
 
     @property
@@ -313,11 +316,10 @@ class LRUCacheState:
 
     @property
     def unit_state_bytes(self) -> int:
-        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order``, the
+        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order`` or the
         CLOCK bits; the sink chunk included): what the pool sizing counts per
         unit."""
-        bits = self._ref_buf.nbytes if self.uses_clock else 0
-        return self._slot_loc_buf.nbytes + self._lru_buf.nbytes + bits
+        return self._slot_loc_buf.nbytes + self._lru_buf.nbytes
 
     def free_units(self) -> int:
         """Unit chunks not held by any request (host only)."""
@@ -394,9 +396,10 @@ class LRUCacheState:
         self._capacity_buf[idx] = self.buffer_size
         self._direct_buf[idx] = 0
         if self.uses_clock:
+            # Released chunks are empty, their bits clear.
             self._hand_buf[:, idx] = 0
-        # Released chunks are empty already (CLOCK bits clear); their order
-        # is set here.
+            return
+        # Released chunks are empty already; their order is set here.
         self._lru_buf[:, chunk_t] = self._arange_c[: self.buffer_size].to(
             self._lru_buf.dtype
         )
@@ -418,6 +421,8 @@ class LRUCacheState:
         self._unit_base_buf[idx] = -1
         self._capacity_buf[idx] = 0
         self._direct_buf[idx] = 0
+        if self.uses_clock:
+            self._hand_buf[:, idx] = 0
 
     def _unmap_chunks(self, chunks: torch.Tensor) -> None:
         # The locs the chunks' slots hold stop being resident; the chunks end
@@ -513,17 +518,18 @@ class LRUCacheState:
             raise ValueError(f"grow_request: request {r} does not hold {unit} units")
         C = self.buffer_size
         lo, hi = unit * C, (unit + 1) * C
-        old = self._read_order(r)
+        old = None if self.uses_clock else self._read_order(r)
         chunk = self._take_chunk("grow_request")
         self._req_chunks[r].append(chunk)
         self._unit_index_buf[r, unit] = chunk
         self._unit_base_buf[r, unit] = base
         self._capacity_buf[r] = hi
+        if self.uses_clock:
+            # The new unit's empty slots (bits clear) are the next victims.
+            self._hand_buf[:, r] = lo
+            return
         new = self._arange_c[lo:hi].expand(self.num_layers, -1)
         self._write_order(r, torch.cat([new, old], dim=1))
-        if self.uses_clock:
-            # The new unit's empty slots are the next victims.
-            self._hand_buf[:, r] = lo
 
     def shrink_request(self, r: int, unit: int) -> None:
         """Drop request ``r``'s last unit ``unit`` (it holds ``unit + 1``):
@@ -538,15 +544,18 @@ class LRUCacheState:
                 f"shrink_request: request {r} does not hold {unit + 1} units"
             )
         lo = unit * self.buffer_size
-        order = self._read_order(r)
-        # Stable compaction: the slots below lo, in their order.
-        keep = torch.argsort((order >= lo).to(torch.int8), dim=1, stable=True)
-        kept = order.gather(1, keep)[:, :lo]
+        kept = None
+        if not self.uses_clock:
+            order = self._read_order(r)
+            # Stable compaction: the slots below lo, in their order.
+            keep = torch.argsort((order >= lo).to(torch.int8), dim=1, stable=True)
+            kept = order.gather(1, keep)[:, :lo]
         chunk = self._req_chunks[r].pop()
         self._unmap_chunks(torch.tensor([chunk], device=self.device))
         self._free_chunks.append(chunk)
         self._free_chunks.sort(reverse=True)
-        self._write_order(r, kept)
+        if kept is not None:
+            self._write_order(r, kept)
         self._unit_index_buf[r, unit] = self._sink_unit
         self._unit_base_buf[r, unit] = -1
         self._capacity_buf[r] = lo

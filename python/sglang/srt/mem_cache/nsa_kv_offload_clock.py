@@ -11,7 +11,9 @@ after the last one taken. On the synthetic and the 61-layer traces this
 misses what LRU misses (``results/policy_study/``: ``clock`` 0.995-0.999x
 HiSparse's LRU, ``lru-hitsmru`` 0.998-1.000x).
 
-What it saves is the LRU order's upkeep: no recency update walks the whole
+The bits live in the LRU order's storage (per unit chunk, like
+``slot_loc``): the state costs what it costs with LRU. What it saves is the
+LRU order's upkeep: no recency update walks the whole
 order every step (the split swap's count, rank and copy-back kernels, the
 fused kernel's permutation). One kernel per layer looks up the top-k, sweeps
 from the hand only as far as the misses need, and writes the page table.
@@ -197,7 +199,7 @@ if _HAS_TRITON:
             passed = valid & (ev_rank < num_misses)
             tl.store(
                 ref_ptr + at,
-                tl.where(taken, 2, 0).to(tl.int8),
+                tl.where(taken, 2, 0).to(ref_ptr.dtype.element_ty),
                 mask=taken | (passed & (bit == 1)),
             )
             old_loc = tl.load(slot_loc_ptr + at, mask=taken, other=-1)
@@ -233,7 +235,7 @@ if _HAS_TRITON:
         num_real_ptr,
         loc_to_slot_ptr,  # (N + 1,) this layer
         slot_loc_ptr,  # (num_units + 1, C0) int32, this layer
-        ref_ptr,  # (num_units + 1, C0) int8 reference bits, this layer
+        ref_ptr,  # (num_units + 1, C0) reference bits (lru_order's storage)
         hand_ptr,  # (max_reqs + 1,) int32 hands, this layer
         unit_base_ptr,
         unit_index_ptr,
@@ -280,7 +282,8 @@ if _HAS_TRITON:
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
         hit, miss, miss_rank, num_misses = _split_lookups(lookup, cur)
         hit_at = _state_offset(unit_index_ptr, r, cur, hit, C0, U)
-        tl.store(ref_ptr + hit_at, tl.full([BLOCK_K], 2, tl.int8), mask=hit)
+        bit_ty = ref_ptr.dtype.element_ty
+        tl.store(ref_ptr + hit_at, tl.full([BLOCK_K], 2, bit_ty), mask=hit)
         tl.debug_barrier()
 
         # Phase 2: the victims, from the hand on.
@@ -319,7 +322,7 @@ if _HAS_TRITON:
         )
         slot = tl.where(hit, cur, victim)
         ref_at = _state_offset(unit_index_ptr, r, slot, lookup, C0, U)
-        tl.store(ref_ptr + ref_at, hit.to(tl.int8), mask=lookup)
+        tl.store(ref_ptr + ref_at, hit.to(bit_ty), mask=lookup)
         slot_row, rows = _entry_rows(
             slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
         )
