@@ -17,6 +17,7 @@ from sglang.srt.mem_cache import lru_cache_state as lru_mod
 from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import state_index
 from test_lru_cache_state import check_invariants
+from triton_hazards import record_hazards
 from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
     _OneRequestAtATime,
     setUpModule,
@@ -298,6 +299,30 @@ class TestClockPolicy(unittest.TestCase):
             LRUCacheState(
                 1, 2, 10, 8, 2, 4, device=DEVICE, policy="clock", max_query_tokens=2
             )
+
+
+@unittest.skipUnless(
+    lru_mod._swap_kernel_is_interpreted(), "the recorder hooks the interpreter"
+)
+class TestClockKernelHazards(unittest.TestCase):
+    """No data race in the CLOCK kernel that the interpreter could hide
+    (``triton_hazards``); without its barriers it races (the control)."""
+
+    def _recorded(self, ignore_barriers):
+        with record_hazards(ignore_barriers=ignore_barriers) as log:
+            sim = ClockSim(self, [clock_state(True)], seed=5)
+            for _ in range(12):
+                sim.step()
+        self.assertGreater(log.launches.get("_clock_swap_kernel", 0), 0)
+        return log
+
+    def test_no_race(self):
+        log = self._recorded(False)
+        self.assertEqual(log.counts(), {}, log.report())
+
+    def test_barriers_ignored(self):
+        log = self._recorded(True)
+        self.assertIn(("_clock_swap_kernel", "threads"), log.counts())
 
 
 class TestOneRequestAtATimeClock(_OneRequestAtATime):
