@@ -34,6 +34,7 @@ class ClockModel:
     def __init__(self, C0: int):
         self.C0 = C0
         self.slots = [None] * C0  # loc per slot
+        self.where = {}  # slot per loc
         self.ref = [0] * C0
         self.hand = 0
 
@@ -42,7 +43,7 @@ class ClockModel:
         return len(self.slots)
 
     def slot_of(self, loc):
-        return self.slots.index(loc) if loc in self.slots else None
+        return self.where.get(loc)
 
     def swap(self, locs):
         """``locs``: looked-up locs in top-k order. Returns each one's slot
@@ -72,7 +73,8 @@ class ClockModel:
         for s in hit_slots:
             self.ref[s] = 1
         for loc, s in zip(misses, victims):
-            self.slots[s] = loc
+            self.where.pop(self.slots[s], None)
+            self.slots[s], self.where[loc] = loc, s
             self.ref[s] = 0
         slot = {l: self.slot_of(l) for l in locs}
         return slot, list(zip(misses, victims))
@@ -84,6 +86,8 @@ class ClockModel:
 
     def shrink(self):
         lo = self.cap - self.C0
+        for loc in self.slots[lo:]:
+            self.where.pop(loc, None)
         self.slots, self.ref = self.slots[:lo], self.ref[:lo]
         if self.hand >= lo:
             self.hand = 0
@@ -119,26 +123,35 @@ class ClockSim:
     units grown and shrunk, releases, padding rows; states and models in
     lockstep."""
 
-    def __init__(self, test, states, seed, C0=16, K=8, W=2, units=3, max_reqs=4):
+    def __init__(self, test, states, seed):
         self.t, self.states = test, states
         self.rng = random.Random(seed)
-        self.C0, self.K, self.W, self.units = C0, K, W, units
-        self.max_reqs = max_reqs
-        self.ctx = 200
+        s = states[0]
+        self.C0, self.K, self.W = s.buffer_size, s.top_k, s.recent_window
+        self.units, self.max_reqs = s.max_units, s.max_num_reqs
+        # Lengths scale with the slots (C0 = 16: prompts of 5-120 tokens).
+        self.scale = max(1, self.C0 // 16)
+        self.ctx = 200 * self.scale
         self.reqs = {}  # r -> [seq_len, {layer: ClockModel}]
-        self.r2t = torch.arange(max_reqs * self.ctx, dtype=torch.int32)
-        self.r2t = self.r2t.reshape(max_reqs, self.ctx).to(DEVICE)
+        self.r2t = torch.arange(self.max_reqs * self.ctx, dtype=torch.int32)
+        self.r2t = self.r2t.reshape(self.max_reqs, self.ctx).to(DEVICE)
         self.layers = states[0].num_layers
 
+    def row_base(self, r, unit):
+        # Disjoint GPU rows per (request, unit); the region has its window.
+        return (r * self.units + unit) * (self.C0 + self.W)
+
     def admit(self, r):
-        n = self.rng.randrange(5, 120)
+        n = self.rng.randrange(5, 120 * self.scale)
         models = {l: ClockModel(self.C0) for l in range(self.layers)}
         warm = [
             r * self.ctx + p
-            for p in range(max(0, n - self.W - self.rng.randrange(0, 12)), n - self.W)
+            for p in range(
+                max(0, n - self.W - self.rng.randrange(0, 12 * self.scale)), n - self.W
+            )
         ]
         for s in self.states:
-            s.admit_request(r, 1000 + r * 100)
+            s.admit_request(r, self.row_base(r, 0))
             if warm:
                 s.warm_request(range(self.layers), r, torch.tensor(warm))
         for m in models.values():
@@ -159,7 +172,7 @@ class ClockSim:
             units = models[0].cap // self.C0
             if units < self.units and rng.random() < 0.2:
                 for s in self.states:
-                    s.grow_request(r, units, 5000 + 100 * (r * self.units + units))
+                    s.grow_request(r, units, self.row_base(r, units))
                 for m in models.values():
                     m.grow()
             elif units > 1 and rng.random() < 0.1:
@@ -229,9 +242,17 @@ class ClockSim:
         self.t.assertEqual(plan.page_table[b].tolist(), expect)
 
 
+def assert_same_state(test, a, b):
+    for name in ("_loc_to_slot_buf", "_slot_loc_buf", "_ref_buf", "_hand_buf"):
+        # Sink entries (the last loc, chunk, request) may differ: masked
+        # scatters land there.
+        x, y = getattr(a, name)[:, :-1], getattr(b, name)[:, :-1]
+        test.assertTrue(torch.equal(x, y), name)
+
+
 class TestClockPolicy(unittest.TestCase):
-    def _run(self, impls, seed, steps=40):
-        states = [clock_state(u) for u in impls]
+    def _run(self, impls, seed, steps=40, **sizes):
+        states = [clock_state(u, **sizes) for u in impls]
         sim = ClockSim(self, states, seed)
         for _ in range(steps):
             sim.step()
@@ -246,17 +267,17 @@ class TestClockPolicy(unittest.TestCase):
     def test_triton_against_model_and_reference(self):
         for seed in range(2):
             with self.subTest(seed=seed):
-                ref, tri = self._run([False, True], seed, steps=25)
-                for name in (
-                    "_loc_to_slot_buf",
-                    "_slot_loc_buf",
-                    "_ref_buf",
-                    "_hand_buf",
-                ):
-                    # Sink entries (the last loc, chunk, request) may differ:
-                    # masked scatters land there.
-                    a, b = getattr(ref, name)[:, :-1], getattr(tri, name)[:, :-1]
-                    self.assertTrue(torch.equal(a, b), name)
+                assert_same_state(self, *self._run([False, True], seed, steps=25))
+
+    @unittest.skipUnless(DEVICE == "cuda", "the served sizes: compiled kernels")
+    def test_served_sizes(self):
+        # 4,096-row units, top-k 2,048, window 64: the kernel's blocks as a
+        # server compiles them (1,024-position sweep blocks, 2,048 entries).
+        sizes = dict(C0=4096, K=2048, W=64, units=3, max_reqs=4, locs=4 * 51200)
+        for seed in range(2):
+            with self.subTest(seed=seed):
+                states = self._run([False, True], seed, steps=10, **sizes)
+                assert_same_state(self, *states)
 
     def test_second_revolution(self):
         # Every slot referenced: the first revolution clears all the bits,
