@@ -111,6 +111,7 @@ class TestOffloadNamesMatchTheProduct(unittest.TestCase):
             "ENV_UNPROVEN_PARALLEL",
             "ENV_GATHER_PROGRAMS",
             "ENV_DIRECT_WARM_POSITIONS",
+            "ENV_SLOT_POLICY",
         ):
             with self.subTest(name=name):
                 self.assertEqual(getattr(server_utils, name), getattr(product, name))

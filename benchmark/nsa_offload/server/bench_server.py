@@ -83,6 +83,7 @@ sys.path.insert(1, str(TRACES_DIR))
 
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
+    CLOCK_ENV,
     ELASTIC_ENV,
     ELASTIC_RANK_UNITS,
     DIRECT_RE,
@@ -802,6 +803,11 @@ VARIANT_ENV = {
     "ours_bounded_warm": {**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "2048"},
     # The elastic settings (server_utils.ELASTIC_ENV), with their units.
     "ours_elastic": ELASTIC_ENV,
+    # CLOCK instead of the LRU order: the default's units; with the warm
+    # units and spare regions (no direct slots: CLOCK refuses them) and the
+    # elastic settings' units.
+    "ours_clock": CLOCK_ENV,
+    "ours_clock_warm": {**CLOCK_ENV, ENV_WARM_UNITS: "1", ENV_SPARE_REGIONS: "1"},
 }
 # Variants with a unit cap of their own: the defaults before f418aa2 (and
 # since d1140ab), 8 units (the rank bench at cfdc9bc), and the elastic
@@ -810,6 +816,7 @@ VARIANT_MAX_UNITS = {
     "ours_classic": 4,
     "ours_8units": 8,
     "ours_elastic": ELASTIC_RANK_UNITS,
+    "ours_clock_warm": ELASTIC_RANK_UNITS,
 }
 
 

@@ -60,6 +60,7 @@ from make_checkpoint import (
     write_checkpoint,
 )
 from server_utils import (
+    CLOCK_ENV,
     ELASTIC_ENV,
     BF16_KV_ARGS,
     ENV_CROSS_LAYER_PREFETCH,
@@ -187,6 +188,27 @@ SERVERS = {
     "ours_fp8_2units_nodirect": dict(
         offload=["--nsa-kv-offload-max-units", "2"],
         env={**ELASTIC_ENV, ENV_DIRECT_SLOTS: "0"},
+        base="base_fp8",
+    ),
+    # CLOCK instead of the LRU order: the default's units; one unit of 2,048
+    # rows and an 8-row window (heavy eviction, second revolutions); 2 units
+    # with warm units (walkers over two chunks beside prompts that fit).
+    "ours_fp8_clock": dict(offload=[], env=CLOCK_ENV, base="base_fp8"),
+    "ours_fp8_clock_heavy": dict(
+        offload=[
+            "--nsa-kv-offload-max-units",
+            "1",
+            "--nsa-kv-offload-gpu-buffer-size",
+            "2048",
+            "--nsa-kv-offload-recent-window",
+            "8",
+        ],
+        env=CLOCK_ENV,
+        base="base_fp8",
+    ),
+    "ours_fp8_clock_2units_warm": dict(
+        offload=["--nsa-kv-offload-max-units", "2"],
+        env={**CLOCK_ENV, ENV_WARM_UNITS: "1", ENV_SPARE_REGIONS: "1"},
         base="base_fp8",
     ),
     "ours_fp8_classic": dict(

@@ -69,6 +69,9 @@ ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
 ENV_DIRECT_WARM_POSITIONS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_WARM_POSITIONS"
 ENV_SWAP_AFTER_ROPE = "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE"
+ENV_SLOT_POLICY = "SGLANG_NSA_KV_OFFLOAD_POLICY"
+# CLOCK replacement instead of the LRU order (nsa_kv_offload_clock.py).
+CLOCK_ENV = {ENV_SLOT_POLICY: "clock"}
 # The elastic settings: the server's default from f418aa2 until the H200 read
 # wrong KV with them at 2 units (results/units/per_unit_gpu_gate/), opt-in
 # since d1140ab. With them the units were sized to the model's context
