@@ -29,6 +29,7 @@ STATE_BUFFERS = (
     "_unit_index_buf",
     "_capacity_buf",
     "_direct_buf",
+    "_hand_buf",
     "counters",
 )
 
@@ -48,6 +49,7 @@ class ShadowReference:
         for name in STATE_BUFFERS:
             setattr(shadow, name, getattr(s, name).clone())
         shadow._region_base_buf = shadow._unit_base_buf[:, 0]
+        shadow._ref_buf = shadow._lru_buf  # CLOCK's bits
         shadow._layer_views = None  # the reference reads the buffers
         shadow.swap_backend = ReferenceLRUSwap()
         return shadow
@@ -112,6 +114,10 @@ class ShadowReference:
             shadow._slot_loc_buf[layer, :sink],
         )
         out += self._diff("direct", s._direct_buf[:-1], shadow._direct_buf[:-1])
+        if s.uses_clock:
+            out += self._diff(
+                "hand", s._hand_buf[layer, :-1], shadow._hand_buf[layer, :-1]
+            )
         if out:
             raise AssertionError(where + ":\n  " + "\n  ".join(out))
 

@@ -13,16 +13,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import test_nsa_kv_offload_integration as integration
 from sglang.srt.mem_cache import lru_cache_state as lru_mod
 from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import state_index
 from test_lru_cache_state import check_invariants
-from triton_hazards import record_hazards
 from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
     _OneRequestAtATime,
     setUpModule,
     tearDownModule,
 )
+from triton_hazards import record_hazards
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_OK = DEVICE == "cuda" or lru_mod._swap_kernel_is_interpreted()
@@ -361,6 +362,47 @@ class TestOneRequestAtATimeClock(_OneRequestAtATime):
 
     def test_warm_units_two_units(self):
         self._run(2, early_swap=True, warm_units=True, slot_policy="clock")
+
+    def test_shadowed(self):
+        # Every Triton swap against the torch reference on a copy of the
+        # state (lru_shadow): bits, hands, maps, page tables.
+        self._run(2, shadow=True, early_swap=True, slot_policy="clock")
+
+
+class TestLifecycleClock(integration.TestOffloadLifecycleDefaults):
+    """The lifecycle with the server's defaults (units, lent staging, the
+    early swap), CLOCK instead of LRU: admission, decode, retraction."""
+
+    SLOT_POLICY = "clock"
+
+
+class TestCrossLayerPrefetchClock(integration.TestCrossLayerPrefetchEarlySwap):
+    """The cross-layer prefetch (another layer's top-k into this layer's
+    slots) with CLOCK."""
+
+    SLOT_POLICY = "clock"
+
+    def test_shared_topk_leaves_only_the_first_layer_missing(self):
+        # With LRU every layer's state evolves alike, so the prefetch loads
+        # exactly layer 0's misses. With CLOCK a prefetched row is hit by its
+        # layer's own swap (its bit set) while layer 0's loads start clear:
+        # the layers' victims part, and the loads differ a little.
+        h = self._harness(seed=4)
+        a, b = h.new_req(), h.new_req()
+        h.prefill([(a, 300), (b, 220)])
+        h.decode_step([a, b], first_step_of=(a, b))
+        h.controller.reset_stats()
+        for step in range(6):
+            h.decode_step([a, b], pad_rows=step % 2, shared_topk=True)
+        stats = h.controller.get_stats()
+        per_layer = h.controller.lru.counters[:, 2].tolist()
+        self.assertGreater(per_layer[0], 0)
+        self.assertEqual(per_layer[1:], [0, 0])  # demand misses after layer 0
+        self.assertGreater(stats["prefetched"], 0)
+        self.assertEqual(stats["h2d_rows"], stats["misses"] + stats["prefetched"])
+        h.finish(a)
+        h.finish(b)
+        h.check_no_leaks()
 
 
 if __name__ == "__main__":

@@ -1612,13 +1612,17 @@ class TestOffloadLifecycle(unittest.TestCase):
     MAX_UNITS = 1
     LEND_STAGING_PAGES = 0
     EARLY_SWAP = False
+    SLOT_POLICY = "lru"
 
     def _harness(self, **kwargs):
         return _Harness(
             self,
             max_units=self.MAX_UNITS,
             lend_staging_pages=self.LEND_STAGING_PAGES,
-            coordinator_kwargs={"early_swap": self.EARLY_SWAP},
+            coordinator_kwargs={
+                "early_swap": self.EARLY_SWAP,
+                "slot_policy": self.SLOT_POLICY,
+            },
             **kwargs,
         )
 
@@ -1734,13 +1738,17 @@ class TestCrossLayerPrefetch(unittest.TestCase):
     into layer l+1's LRU slots right after layer l's swap."""
 
     EARLY_SWAP = False
+    SLOT_POLICY = "lru"
 
     def _harness(self, **kwargs):
         return _Harness(
             self,
             layers=3,
             cross_layer_prefetch=True,
-            coordinator_kwargs={"early_swap": self.EARLY_SWAP},
+            coordinator_kwargs={
+                "early_swap": self.EARLY_SWAP,
+                "slot_policy": self.SLOT_POLICY,
+            },
             **kwargs,
         )
 

@@ -145,6 +145,9 @@ class TestOneRequestAtATimeStreams(_StreamOrdered, _OneRequestAtATime):
     def test_default(self):
         self._run(4, early_swap=True)
 
+    def test_clock(self):
+        self._run(4, early_swap=True, slot_policy="clock")
+
 
 @unittest.skipUnless(ON_CPU, SKIP)
 class TestOneRequestAtATimeTwoLayersStreams(_StreamOrdered, _OneRequestAtATime):
