@@ -54,6 +54,8 @@ class TestSwapKernelResources(unittest.TestCase):
         expected = {(1, k) for k in ("fused", "fused_direct")} | {
             (4, k + suffix) for k in kernels for suffix in ("", "_direct")
         }
+        # CLOCK's one kernel (SGLANG_NSA_KV_OFFLOAD_POLICY=clock), any units.
+        expected |= {(1, "clock"), (4, "clock")}
         self.assertEqual(set(rows), expected)
         # One unit: the fused kernel holds the 4096-entry walk in registers
         # (112, no stack, with Triton 3.6 as on the H200 stack). With units the
@@ -84,7 +86,8 @@ class TestSwapKernelResources(unittest.TestCase):
         rows = self._resources("--units", "40", "--served")
         names = {r["kernel"] for r in rows}
         expected = {"select", "count", "reorder_rank", "copy_order"}
-        self.assertEqual(names, expected | {k + "_direct" for k in expected})
+        direct = {k + "_direct" for k in expected}
+        self.assertEqual(names, expected | direct | {"clock"})
         for row in rows:
             self.assertEqual(row["units"], 40)
             self.assertEqual(row["stack_bytes"], 0, row)

@@ -54,6 +54,9 @@ POINTER_TYPES = {
     "new_lru_ptr": "*i16",
     "direct_ptr": "*i8",
     "row_direct_ptr": "*i8",
+    # CLOCK (nsa_kv_offload_clock): the bits in lru_order's storage, hands.
+    "ref_ptr": "*i16",
+    "hand_ptr": "*i32",
 }
 
 
@@ -105,6 +108,7 @@ def swap_kernels(
     units: int, buffer_size: int, top_k: int, window: int, query_tokens: int = 1
 ):
     """(name, kernel, constexprs, num_warps) as LRUCacheState launches them."""
+    from sglang.srt.mem_cache import nsa_kv_offload_clock as clock
     from sglang.srt.mem_cache import nsa_kv_offload_lru_kernels as lru
     from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
@@ -158,6 +162,17 @@ def swap_kernels(
             ),
             ("copy_order", lru._swap_copy_order_kernel, chunk),
         ]
+    # CLOCK's one kernel (SGLANG_NSA_KV_OFFLOAD_POLICY=clock), any units.
+    clock_block = min(TritonLRUSwap.SELECT_BLOCK, 1 << (C0.bit_length() - 1))
+    out.append(
+        (
+            "clock",
+            clock._clock_swap_kernel,
+            dict(
+                U=units, C0=C0, K=top_k, W=window, BLOCK_K=block_k, BLOCK_S=clock_block
+            ),
+        )
+    )
     # The same kernels with the direct-slots path compiled in.
     out += [
         (name + "_direct", k, dict(c, DIRECT=True))
