@@ -236,13 +236,19 @@ class CrossLayer(KeyedPolicy):
 
 
 class Clock(KeyedPolicy):
-    """CLOCK second chance over the C slots (hit slots of the step skipped)."""
+    """CLOCK second chance over the C slots (hit slots of the step skipped).
 
-    def __init__(self, C, W, max_pos, ref_on_load: int = 0):
+    ``empties_first``: while the empty slots outnumber a step's misses they
+    are taken wherever they are and the hand stays (the study's rule); else
+    the sweep finds them like any clear bit and the hand moves past them
+    (the engine's, ``nsa_kv_offload_clock``)."""
+
+    def __init__(self, C, W, max_pos, ref_on_load: int = 0, empties_first=True):
         super().__init__(C, W, max_pos, hits_mru=True)
         self.ref = np.zeros(self.C, dtype=np.int8)
         self.hand = 0
         self.ref_on_load = int(ref_on_load)
+        self.empties_first = empties_first
 
     def choose(self, ev, m, ctx):
         if m == 0:
@@ -250,7 +256,7 @@ class Clock(KeyedPolicy):
         # Sweep order: slot order starting at the hand, hit slots skipped.
         cand = np.roll(ev, -int(np.searchsorted(ev, self.hand)))
         empty = cand[self.slot_pos[cand] < 0]
-        if empty.size >= m:
+        if self.empties_first and empty.size >= m:
             return empty[:m]
         r = self.ref[cand]
         zeros = np.nonzero(r == 0)[0]
