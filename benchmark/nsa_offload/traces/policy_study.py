@@ -238,17 +238,20 @@ class CrossLayer(KeyedPolicy):
 class Clock(KeyedPolicy):
     """CLOCK second chance over the C slots (hit slots of the step skipped).
 
-    ``empties_first``: while the empty slots outnumber a step's misses they
-    are taken wherever they are and the hand stays (the study's rule); else
-    the sweep finds them like any clear bit and the hand moves past them
-    (the engine's, ``nsa_kv_offload_clock``)."""
+    ``engine_rule``: the engine's variant (``nsa_kv_offload_clock``) instead
+    of the study's: empty slots are found by the sweep like any clear bit
+    (the study takes them first wherever they are while they outnumber the
+    misses, and leaves the hand), and after a full revolution the misses
+    take the first revolution's victims before the second's (the study:
+    all of them in sweep order). Either gives the same slots resident at
+    each step but may place them differently."""
 
-    def __init__(self, C, W, max_pos, ref_on_load: int = 0, empties_first=True):
+    def __init__(self, C, W, max_pos, ref_on_load: int = 0, engine_rule=False):
         super().__init__(C, W, max_pos, hits_mru=True)
         self.ref = np.zeros(self.C, dtype=np.int8)
         self.hand = 0
         self.ref_on_load = int(ref_on_load)
-        self.empties_first = empties_first
+        self.engine_rule = engine_rule
 
     def choose(self, ev, m, ctx):
         if m == 0:
@@ -256,7 +259,7 @@ class Clock(KeyedPolicy):
         # Sweep order: slot order starting at the hand, hit slots skipped.
         cand = np.roll(ev, -int(np.searchsorted(ev, self.hand)))
         empty = cand[self.slot_pos[cand] < 0]
-        if self.empties_first and empty.size >= m:
+        if not self.engine_rule and empty.size >= m:
             return empty[:m]
         r = self.ref[cand]
         zeros = np.nonzero(r == 0)[0]
@@ -268,8 +271,8 @@ class Clock(KeyedPolicy):
         else:  # a full revolution clears every bit, the second pass takes the rest
             self.ref[cand] = 0
             ones = np.nonzero(r != 0)[0][: m - zeros.size]
-            idx = np.sort(np.concatenate([zeros, ones]))
-            victims = cand[idx]
+            idx = np.concatenate([zeros, ones])
+            victims = cand[idx if self.engine_rule else np.sort(idx)]
             self.hand = (int(cand[ones[-1]]) + 1) % self.C
         return victims
 
