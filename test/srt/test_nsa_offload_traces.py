@@ -392,6 +392,29 @@ class TestReferenceEngine(unittest.TestCase):
             self.assertEqual(res["status"], "exact", (init, res))
 
 
+class TestEnginePolicies(unittest.TestCase):
+    """The engine's LRU and CLOCK (LRUCacheState, torch path) miss exactly
+    what the policy study's models of their rules miss, swap for swap
+    (policy_engine_replay.py); the study's own CLOCK variant does not (the
+    control: the check can fail)."""
+
+    def test_engine_matches_the_study_models(self):
+        import policy_engine_replay
+        import policy_study
+
+        t = _random_trace(12, S=16, K=32, sorted_rows=False)
+        for budget in (40, 48, 70):  # 34 to 64 slots: second revolutions
+            with self.subTest(budget=budget):
+                res = policy_engine_replay.compare_at(t, budget, 6, warmup=2)
+                self.assertTrue(all(res["checks"].values()), res["checks"])
+        slots = 34
+        engine = policy_engine_replay.engine_misses(t, "clock", slots, 6)
+        study = policy_study.replay_misses(
+            t, lambda mp: policy_study.Clock(slots, 6, mp, 0)
+        )
+        self.assertFalse(bool((engine == study).all()))
+
+
 class TestEmbeddedTrace(unittest.TestCase):
     def test_replay_embedded_trace(self):
         self.assertLess(EMBEDDED_TRACE.stat().st_size, 2 * 1024 * 1024)
