@@ -7,14 +7,14 @@ hand on, in slot order over the slots the request holds, whose bit is clear
 and that this step did not hit; a set bit passed over is cleared (its second
 chance) instead. When a whole revolution finds too few, the second one takes
 the slots it cleared. Loaded slots start with a clear bit; the hand stops
-after the last one taken. On the synthetic and the 61-layer traces this
-misses what LRU misses (``results/policy_study/``: ``clock`` 0.995-0.999x
-HiSparse's LRU, ``lru-hitsmru`` 0.998-1.000x).
+after the last one taken. Replayed through this engine on the synthetic
+trace it misses about what LRU misses (``results/policy_study/engine_clock/``:
+0.989-0.999x HiSparse's LRU at 2,560-8,256 rows, the engine's LRU
+0.999-1.000x).
 
 The bits live in the LRU order's storage (per unit chunk, like
 ``slot_loc``): the state costs what it costs with LRU. What it saves is the
-LRU order's upkeep: no recency update walks the whole
-order every step (the split swap's count, rank and copy-back kernels, the
+LRU order's upkeep: no recency update walks the whole order every step (the split swap's count, rank and copy-back kernels, the
 fused kernel's permutation). One kernel per layer looks up the top-k, sweeps
 from the hand only as far as the misses need, and writes the page table.
 
@@ -45,9 +45,9 @@ LRU_POLICY = "lru"
 CLOCK_POLICY = "clock"
 POLICIES = (LRU_POLICY, CLOCK_POLICY)
 
-# Reference bit values; HIT_MARK only inside a swap (this step's hits and
-# victims: neither taken nor cleared by the sweep).
-REF_CLEAR, REF_SET, HIT_MARK = 0, 1, 2
+# Reference bit values. Inside a swap the kernel also marks this step's hits
+# and victims with 2: the sweep neither takes nor clears them.
+REF_CLEAR, REF_SET = 0, 1
 
 
 def clock_assign_slots(
