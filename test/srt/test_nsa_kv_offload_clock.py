@@ -376,6 +376,12 @@ class TestLifecycleClock(integration.TestOffloadLifecycleDefaults):
     SLOT_POLICY = "clock"
 
 
+class TestPDDecodeLifecycleClock(integration.TestPDDecodeLifecycleDefaults):
+    """PD decode (KV arrives in host slots, retraction) with CLOCK."""
+
+    SLOT_POLICY = "clock"
+
+
 class TestCrossLayerPrefetchClock(integration.TestCrossLayerPrefetchEarlySwap):
     """The cross-layer prefetch (another layer's top-k into this layer's
     slots) with CLOCK."""

@@ -2353,6 +2353,10 @@ class TestPDDecodeLifecycle(unittest.TestCase):
 
     MAX_UNITS = 1
     EARLY_SWAP = False
+    SLOT_POLICY = "lru"
+
+    def _coordinator_kwargs(self):
+        return {"early_swap": self.EARLY_SWAP, "slot_policy": self.SLOT_POLICY}
 
     def test_transfer_admit_decode_release(self):
         h = _Harness(
@@ -2361,7 +2365,7 @@ class TestPDDecodeLifecycle(unittest.TestCase):
             seed=2,
             kv_arrives_in_host=True,
             max_units=self.MAX_UNITS,
-            coordinator_kwargs={"early_swap": self.EARLY_SWAP},
+            coordinator_kwargs=self._coordinator_kwargs(),
         )
         self.assertEqual(h.allocator.staging.num_pages, 0)
         a, b = h.new_req(), h.new_req()
@@ -2385,7 +2389,7 @@ class TestPDDecodeLifecycle(unittest.TestCase):
             num_regions=3,
             max_reqs=3,
             max_units=self.MAX_UNITS,
-            coordinator_kwargs={"early_swap": self.EARLY_SWAP},
+            coordinator_kwargs=self._coordinator_kwargs(),
         )
         a, b = h.new_req(), h.new_req()
         h.transfer(a, 200)

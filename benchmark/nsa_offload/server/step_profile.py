@@ -39,11 +39,13 @@ from typing import Dict, Iterable, List, Optional, Tuple
 KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     # The fused swap and, with LRU units, the select kernel and the three of
     # the reorder (the classify and assign kernels: before the select kernel);
-    # with several query tokens (MTP verify) the multi-token ones.
+    # with several query tokens (MTP verify) the multi-token ones; with
+    # SGLANG_NSA_KV_OFFLOAD_POLICY=clock the CLOCK swap.
     (
         "swap",
         (
             "_swap_layer_kernel",
+            "_clock_swap_kernel",
             "_swap_select_kernel",
             "_swap_classify_kernel",
             "_swap_count_kernel",
