@@ -388,27 +388,11 @@ class TestCrossLayerPrefetchClock(integration.TestCrossLayerPrefetchEarlySwap):
 
     SLOT_POLICY = "clock"
 
-    def test_shared_topk_leaves_only_the_first_layer_missing(self):
-        # With LRU every layer's state evolves alike, so the prefetch loads
-        # exactly layer 0's misses. With CLOCK a prefetched row is hit by its
-        # layer's own swap (its bit set) while layer 0's loads start clear:
-        # the layers' victims part, and the loads differ a little.
-        h = self._harness(seed=4)
-        a, b = h.new_req(), h.new_req()
-        h.prefill([(a, 300), (b, 220)])
-        h.decode_step([a, b], first_step_of=(a, b))
-        h.controller.reset_stats()
-        for step in range(6):
-            h.decode_step([a, b], pad_rows=step % 2, shared_topk=True)
-        stats = h.controller.get_stats()
-        per_layer = h.controller.lru.counters[:, 2].tolist()
-        self.assertGreater(per_layer[0], 0)
-        self.assertEqual(per_layer[1:], [0, 0])  # demand misses after layer 0
-        self.assertGreater(stats["prefetched"], 0)
-        self.assertEqual(stats["h2d_rows"], stats["misses"] + stats["prefetched"])
-        h.finish(a)
-        h.finish(b)
-        h.check_no_leaks()
+    def check_prefetched(self, prefetched: int, first_layer_misses: int) -> None:
+        # A prefetched row is hit by its layer's own swap (its bit set) while
+        # layer 0's loads start clear: the layers' victims part, and the
+        # loads differ a little from twice layer 0's misses.
+        self.assertGreater(prefetched, 0)
 
 
 if __name__ == "__main__":

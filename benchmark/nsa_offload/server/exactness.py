@@ -149,6 +149,15 @@ LEVEL_SPEC = dict(
     control="base_bf16",
     batch_phase="level",
 )
+# Heavy eviction: one unit of 2,048 rows (index_topk) and an 8-row window.
+HEAVY_OFFLOAD = [
+    "--nsa-kv-offload-max-units",
+    "1",
+    "--nsa-kv-offload-gpu-buffer-size",
+    "2048",
+    "--nsa-kv-offload-recent-window",
+    "8",
+]
 SERVERS = {
     "base_fp8": dict(nc=True, repeat=True),
     "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
@@ -195,14 +204,7 @@ SERVERS = {
     # with warm units (walkers over two chunks beside prompts that fit).
     "ours_fp8_clock": dict(offload=[], env=CLOCK_ENV, base="base_fp8"),
     "ours_fp8_clock_heavy": dict(
-        offload=[
-            "--nsa-kv-offload-max-units",
-            "1",
-            "--nsa-kv-offload-gpu-buffer-size",
-            "2048",
-            "--nsa-kv-offload-recent-window",
-            "8",
-        ],
+        offload=HEAVY_OFFLOAD,
         env=CLOCK_ENV,
         base="base_fp8",
     ),
@@ -220,14 +222,7 @@ SERVERS = {
         offload=["--nsa-kv-offload-max-units", "1"], base="base_fp8"
     ),
     "ours_fp8_heavy": dict(
-        offload=[
-            "--nsa-kv-offload-max-units",
-            "1",
-            "--nsa-kv-offload-gpu-buffer-size",
-            "2048",
-            "--nsa-kv-offload-recent-window",
-            "8",
-        ],
+        offload=HEAVY_OFFLOAD,
         base="base_fp8",
     ),
     "ours_fp8_prefetch": dict(

@@ -34,6 +34,8 @@ import torch
 from sglang.srt.mem_cache.nsa_kv_offload_lru_kernels import _HAS_TRITON
 from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import (
     LayerSwapWork,
+    move_in,
+    new_work,
     slot_rows,
     state_index,
 )
@@ -67,7 +69,6 @@ def clock_assign_slots(
     C, N = state.num_slots, state.num_locs
     dev = state.device
     l2s = state._loc_to_slot_buf[layer]
-    slot_loc = state._slot_loc_buf[layer].view(-1)
     ref = state._ref_buf[layer].view(-1)
     hands = state._hand_buf[layer]
     cur = l2s[torch.where(lookup, loc, N)].long()
@@ -106,12 +107,7 @@ def clock_assign_slots(
     new_hand = torch.where(num_misses > 0, (hand + last + 1) % cap.clamp(min=1), hand)
     hands.index_put_((req,), new_hand.to(hands.dtype))
 
-    # Residency, as with LRU: victims' old locs leave, the missed locs enter.
-    addr = state_index(state, req, torch.where(miss, victim, -1))
-    old = torch.where(miss, slot_loc[addr].long(), -1)
-    l2s.index_put_((torch.where(old >= 0, old, N),), l2s.new_full((), -1))
-    l2s.index_put_((torch.where(miss, loc, N),), slot.to(l2s.dtype))
-    slot_loc.index_put_((addr,), loc.to(slot_loc.dtype))
+    addr = move_in(state, layer, req, miss, victim, loc, slot)
     # Bits: set ones passed over in the first revolution are cleared (every
     # one of them when a second ran), hits set, loaded slots clear. Entries
     # that are none of these go to the sink chunk.
@@ -122,23 +118,24 @@ def clock_assign_slots(
     hit_addr = state_index(state, req, torch.where(hit, cur, -1))
     ref.index_put_((hit_addr,), ref.new_full((), REF_SET))
 
+    # No order: the LRU fields stay empty (post_process skips the reorder).
     empty = torch.zeros((bs, 0), dtype=torch.int64, device=dev)
-    return LayerSwapWork(
-        layer=layer,
-        real=torch.ones_like(req, dtype=torch.bool) if real is None else real,
-        req=req,
-        base=base,
-        pos=loc if pos is None else pos,
-        in_window=torch.zeros_like(lookup) if in_window is None else in_window,
+    return new_work(
+        layer,
+        req,
+        base,
+        lookup,
+        loc,
+        real,
+        pos,
+        in_window,
         hit=hit,
         miss=miss,
         first_miss=miss,
-        loc=loc,
         slot=slot,
         row=row,
         miss_rank=miss_rank,
         num_misses=num_misses,
-        num_hits=hit.long().sum(1),
         order=empty,
         order_evictable=empty.bool(),
         evict_rank=empty,

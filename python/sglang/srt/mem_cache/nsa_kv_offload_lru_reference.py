@@ -320,7 +320,6 @@ def assign_slots(
     bs, k = loc.shape
     C, N = state.num_slots, state.num_locs
     l2s = state._loc_to_slot_buf[layer]
-    slot_loc = state._slot_loc_buf[layer].view(-1)
     # The sink entries of loc_to_slot may hold garbage: mask after the gather.
     cur = l2s[torch.where(lookup, loc, N)].long()
     hit = lookup & (cur >= 0)
@@ -349,12 +348,49 @@ def assign_slots(
 
     # Residency: victims' old locs leave, the missed locs enter (the other
     # entries go to the sink chunk).
+    move_in(state, layer, req, first, victim, loc, slot)
+    return new_work(
+        layer,
+        req,
+        base,
+        lookup,
+        loc,
+        real,
+        pos,
+        in_window,
+        hit=hit,
+        miss=miss,
+        first_miss=first,
+        slot=slot,
+        row=row,
+        miss_rank=miss_rank,
+        num_misses=num_misses,
+        order=order,
+        order_evictable=evictable,
+        evict_rank=evict_rank,
+    )
+
+
+def move_in(state, layer, req, first, victim, loc, slot) -> torch.Tensor:
+    """Residency after a swap: the victims' old locs leave ``loc_to_slot``,
+    the missed locs (``first``: each once) enter their slots; the other
+    entries go to the sink chunk. Returns the victims' state offsets."""
+    N = state.num_locs
+    l2s = state._loc_to_slot_buf[layer]
+    slot_loc = state._slot_loc_buf[layer].view(-1)
     addr = state_index(state, req, torch.where(first, victim, -1))
     old = torch.where(first, slot_loc[addr].long(), -1)
     l2s.index_put_((torch.where(old >= 0, old, N),), l2s.new_full((), -1))
     l2s.index_put_((torch.where(first, loc, N),), slot.to(l2s.dtype))
     slot_loc.index_put_((addr,), loc.to(slot_loc.dtype))
+    return addr
 
+
+def new_work(
+    layer, req, base, lookup, loc, real, pos, in_window, hit, **fields
+) -> LayerSwapWork:
+    """A swap's :class:`LayerSwapWork`, the optional inputs defaulted (every
+    row real, positions = locs, nothing in the window)."""
     return LayerSwapWork(
         layer=layer,
         real=torch.ones_like(req, dtype=torch.bool) if real is None else real,
@@ -363,17 +399,9 @@ def assign_slots(
         pos=loc if pos is None else pos,
         in_window=torch.zeros_like(lookup) if in_window is None else in_window,
         hit=hit,
-        miss=miss,
-        first_miss=first,
         loc=loc,
-        slot=slot,
-        row=row,
-        miss_rank=miss_rank,
-        num_misses=num_misses,
         num_hits=hit.long().sum(1),
-        order=order,
-        order_evictable=evictable,
-        evict_rank=evict_rank,
+        **fields,
     )
 
 
