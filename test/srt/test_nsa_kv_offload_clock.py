@@ -1,7 +1,10 @@
-"""The CLOCK policy (``SGLANG_NSA_KV_OFFLOAD_POLICY=clock``): its torch
-reference against a plain-Python CLOCK model (the policy study's, with units),
-the Triton kernel (interpreted on CPU) against the reference bit for bit, and
-the state's refusals.
+"""The CLOCK replacement (``SGLANG_NSA_KV_OFFLOAD_POLICY=clock``): its torch
+reference against a plain-Python CLOCK model (with units), the Triton kernel
+against the reference state for state (interpreted on CPU; compiled, at the
+served sizes too, on CUDA), the kernel under the hazard recorder, the state's
+refusals, and the policy through the real coordinator (one request at a
+time, shadowed; the lifecycle, PD decode, the cross-layer prefetch), every
+page table checked against the KV written.
 """
 
 import os
