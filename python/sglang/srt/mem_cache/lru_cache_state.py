@@ -275,6 +275,8 @@ class LRUCacheState:
             )
             for layer in range(L)
         ]
+        # CLOCK's hands per layer (launch-time slicing saved, as above).
+        self._hand_views = list(self._hand_buf.unbind(0))
         if use_triton is None:
             use_triton = default_use_triton(self.device)
         # The swap backend, chosen once.

@@ -84,10 +84,11 @@ def clock_assign_slots(
     # (hand + p) % capacity. The first takes clear bits, the second the bits
     # the first cleared (it only runs when the first took every clear one).
     cap = state._capacity_buf[req].long()
+    modulus = cap.clamp(min=1)  # padding rows hold no slot
     hand = hands[req].long()
     p = torch.arange(2 * C, device=dev).expand(bs, -1)
     valid = p < 2 * cap[:, None]
-    slot_at_p = torch.where(valid, (hand[:, None] + p) % cap.clamp(min=1)[:, None], -1)
+    slot_at_p = torch.where(valid, (hand[:, None] + p) % modulus[:, None], -1)
     at = state_index(state, req, slot_at_p)
     bit = ref[at].long()
     hit_at_p = hit_flags.gather(1, torch.where(valid, slot_at_p, C))
@@ -104,7 +105,7 @@ def clock_assign_slots(
     slot = torch.where(hit, cur, torch.where(miss, victim, -1))
     row = slot_rows(state, req, slot)
     last = torch.where(taken, p, -1).amax(1)
-    new_hand = torch.where(num_misses > 0, (hand + last + 1) % cap.clamp(min=1), hand)
+    new_hand = torch.where(num_misses > 0, (hand + last + 1) % modulus, hand)
     hands.index_put_((req,), new_hand.to(hands.dtype))
 
     addr = move_in(state, layer, req, miss, victim, loc, slot)

@@ -123,6 +123,9 @@ class TritonLRUSwap:
         # rows, every slot held: gpu_check_units.py, results/units/
         # per_unit_gpu_gate/), at 8 and 4 they did not. Root cause not found.
         self.split_num_warps = min(num_warps, self.SPLIT_MAX_WARPS)
+        # CLOCK's sweep block: a revolution spans at least one (every
+        # request holds at least one unit of buffer_size slots).
+        self.clock_block = min(self.SELECT_BLOCK, _prev_pow2(self.buffer_size))
         # Units: the fused kernel walks all U x C slots in one program.
         self.split_by_unit = (
             self.max_units > 1 if split_by_unit is None else split_by_unit
@@ -204,8 +207,30 @@ class TritonLRUSwap:
             topk_pos, req_pool_indices, seq_lens, req_to_token, num_real, plan
         )
         if state.uses_clock:
-            # One kernel, no recency update to defer.
-            self._clock_swap(state, layer, batch, plan_rows, counters, plan)
+            # One kernel, no recency update to defer; lru_order's storage
+            # holds the CLOCK bits.
+            _clock_swap_kernel[(bs,)](
+                *batch,
+                loc_to_slot,
+                slot_loc,
+                lru,
+                state._hand_views[layer],
+                state._unit_base_buf,
+                state._unit_index_buf,
+                state._capacity_buf,
+                counters,
+                *plan_rows,
+                plan.miss_count,
+                self._victims,
+                state._sink_req,
+                K=self.top_k,
+                C0=self.buffer_size,
+                U=self.max_units,
+                W=self.recent_window,
+                BLOCK_K=self.block_k,
+                BLOCK_S=self.clock_block,
+                num_warps=self.split_num_warps,
+            )
             return plan
         # With several query tokens per swap allowed, every swap (one query
         # token too) reads the shorter window (read_window): multi kernels.
@@ -237,42 +262,6 @@ class TritonLRUSwap:
             num_warps=self.num_warps,
         )
         return plan
-
-    def _clock_swap(
-        self,
-        state: LRUCacheState,
-        layer: int,
-        batch: tuple,
-        plan_rows: tuple,
-        counters: torch.Tensor,
-        plan: LayerSwapPlan,
-    ) -> None:
-        loc_to_slot, slot_loc = state._layer_views[layer][:2]
-        # A revolution spans at least one block of the sweep (every request
-        # holds at least one unit of buffer_size slots).
-        block_s = min(self.SELECT_BLOCK, _prev_pow2(self.buffer_size))
-        _clock_swap_kernel[(batch[0].shape[0],)](
-            *batch,
-            loc_to_slot,
-            slot_loc,
-            state._ref_buf[layer],
-            state._hand_buf[layer],
-            state._unit_base_buf,
-            state._unit_index_buf,
-            state._capacity_buf,
-            counters,
-            *plan_rows,
-            plan.miss_count,
-            self._victims,
-            state._sink_req,
-            K=self.top_k,
-            C0=self.buffer_size,
-            U=self.max_units,
-            W=self.recent_window,
-            BLOCK_K=self.block_k,
-            BLOCK_S=block_s,
-            num_warps=self.split_num_warps,
-        )
 
     def _split_swap(
         self,
