@@ -163,7 +163,7 @@ def swap_kernels(
             ("copy_order", lru._swap_copy_order_kernel, chunk),
         ]
     # CLOCK's one kernel (SGLANG_NSA_KV_OFFLOAD_POLICY=clock), any units.
-    clock_block = min(TritonLRUSwap.SELECT_BLOCK, 1 << (C0.bit_length() - 1))
+    clock_block = TritonLRUSwap.clock_sweep_block(C0)
     out.append(
         (
             "clock",

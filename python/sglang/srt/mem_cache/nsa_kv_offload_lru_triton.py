@@ -49,10 +49,6 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _prev_pow2(x: int) -> int:
-    return 1 << (int(x).bit_length() - 1)
-
-
 def _is_capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -123,9 +119,7 @@ class TritonLRUSwap:
         # rows, every slot held: gpu_check_units.py, results/units/
         # per_unit_gpu_gate/), at 8 and 4 they did not. Root cause not found.
         self.split_num_warps = min(num_warps, self.SPLIT_MAX_WARPS)
-        # CLOCK's sweep block: a revolution spans at least one (every
-        # request holds at least one unit of buffer_size slots).
-        self.clock_block = min(self.SELECT_BLOCK, _prev_pow2(self.buffer_size))
+        self.clock_block = self.clock_sweep_block(self.buffer_size)
         # Units: the fused kernel walks all U x C slots in one program.
         self.split_by_unit = (
             self.max_units > 1 if split_by_unit is None else split_by_unit
@@ -143,6 +137,12 @@ class TritonLRUSwap:
         # The reorder of the last split swap, when its caller deferred it.
         self._pending_reorder = None
         self._alloc_scratch(max_batch_size or state.max_num_reqs)
+
+    @classmethod
+    def clock_sweep_block(cls, buffer_size: int) -> int:
+        """Positions CLOCK's sweep reads at a time: at most a revolution
+        (every request holds at least one unit of ``buffer_size`` slots)."""
+        return min(cls.SELECT_BLOCK, 1 << (int(buffer_size).bit_length() - 1))
 
     def map_new_tokens(
         self,
