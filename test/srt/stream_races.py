@@ -13,14 +13,21 @@ and writes in the tracked buffers, and reports any two accesses of one
 byte from different streams, one a write, that no wait orders: a race on
 the GPU, whatever the timing.
 
-What is not modelled: the caching allocator (only buffers that live as long
-as the run are tracked, :meth:`StreamSim.track`) and CUDA-graph replays.
+The caching allocator is modelled too: a block belongs to the stream that
+allocated it, and once freed it may serve that stream's next allocation at
+once, on the GPU ahead of another stream's work that still reads or writes
+it (unless ``record_stream`` named that stream). Every tensor an op creates
+is followed (its Python wrappers, views included, through weak references);
+when the last one dies the block is freed, and the owner's next allocation
+that is not ordered after every other stream's use of it is reported
+(:class:`EarlyReuse`). Not modelled: CUDA-graph replays.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Dict, List, Optional, Tuple
 from unittest import mock
 
@@ -38,6 +45,33 @@ class Race:
     num_bytes: int
     first: str  # the earlier access: "write|read on STREAM by OP"
     second: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyReuse:
+    """A freed block that its stream's next allocation could take while
+    another stream's work on it was not ordered before that allocation."""
+
+    num_bytes: int
+    allocated_by: str  # "OP on STREAM"
+    used_by: str  # the other stream's last use of it: "OP on STREAM"
+    next_allocation: str
+
+
+class _Block:
+    """A block the (modelled) caching allocator handed out: its stream, the
+    op that allocated it, each stream's last use (its clock entry then), the
+    streams ``record_stream`` named, and its live Python wrappers."""
+
+    def __init__(self, base: int, nbytes: int, owner: int, op: int):
+        self.base = base
+        self.end = base + nbytes
+        self.owner = owner
+        self.op = op
+        self.use_clock = np.zeros(MAX_STREAMS, np.int64)
+        self.use_op = np.zeros(MAX_STREAMS, np.int32)
+        self.recorded = set()
+        self.wrappers = set()
 
 
 class FakeStream:
@@ -114,6 +148,17 @@ class StreamSim:
         self._shadows: List[_Shadow] = []
         self._arange: Dict[int, torch.Tensor] = {}
         self._paused = 0
+        # The caching allocator's blocks: live ones by base address, and the
+        # freed ones each stream's next allocation checks.
+        self._blocks: Dict[int, _Block] = {}
+        self._block_index = None  # (bases, ends, blocks), rebuilt when None
+        self._freed: Dict[int, List[_Block]] = {}
+        self.reuses: List[EarlyReuse] = []
+        self.num_reuses = 0
+        self.blocks_allocated = 0
+        # Blocks freed after another stream used them (recorded or not): the
+        # ones the check is about.
+        self.blocks_shared = 0
 
     # ------------------------------------------------------------- buffers
 
@@ -153,15 +198,18 @@ class StreamSim:
 
     # ------------------------------------------------------------ accesses
 
-    def access(self, op_name: str, reads, writes) -> None:
+    def access(self, op_name: str, reads, writes, blocks=()) -> None:
         """One op on the current stream; ``reads`` / ``writes``: arrays of
-        byte addresses."""
+        byte addresses; ``blocks``: the allocator's blocks it uses."""
         if self._paused:
             return
         stream = self.current
         clock = stream.issue()
         self.ops.append(f"{op_name} on {stream.name}")
         op = len(self.ops) - 1
+        for block in blocks:
+            block.use_clock[stream.id] = clock[stream.id]
+            block.use_op[stream.id] = op
         for addrs, is_write in ((reads, False), (writes, True)):
             if addrs is None or len(addrs) == 0:
                 continue
@@ -210,7 +258,95 @@ class StreamSim:
     def report(self) -> str:
         lines = [f"{self.num_races} unordered access(es) across streams"]
         lines += [f"  {r}" for r in self.races]
+        lines.append(f"{self.num_reuses} freed block(s) reused too early")
+        lines += [f"  {r}" for r in self.reuses]
         return "\n".join(lines)
+
+    # ----------------------------------------------------------- allocator
+
+    def allocated(self, op_name: str, t: torch.Tensor) -> None:
+        """``t`` holds a block just allocated on the current stream. The
+        stream's freed blocks are reusable from here: each must be free of
+        other streams' unordered work."""
+        stream = self.current
+        self._check_freed(stream, f"{op_name} on {stream.name}")
+        storage = t.untyped_storage()
+        self.ops.append(f"{op_name} on {stream.name}")
+        block = _Block(
+            storage.data_ptr(), storage.nbytes(), stream.id, len(self.ops) - 1
+        )
+        self._blocks[block.base] = block
+        self._block_index = None
+        self.blocks_allocated += 1
+        self.add_wrapper(block, t)
+
+    def block_of(self, t) -> Optional[_Block]:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return None
+        block = self._blocks.get(t.untyped_storage().data_ptr())
+        return block
+
+    def add_wrapper(self, block: _Block, t: torch.Tensor) -> None:
+        key = id(t)
+        if key not in block.wrappers:
+            block.wrappers.add(key)
+            weakref.finalize(t, self._dropped, block, key)
+
+    def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
+        block = self.block_of(t)
+        if block is not None:
+            block.recorded.add(stream.id)
+
+    def blocks_at(self, addrs: np.ndarray) -> List[_Block]:
+        """The live blocks that hold any of the byte addresses ``addrs``."""
+        if self._block_index is None:
+            order = sorted(self._blocks)
+            self._block_index = (
+                np.array(order, np.int64),
+                np.array([self._blocks[b].end for b in order], np.int64),
+                [self._blocks[b] for b in order],
+            )
+        bases, ends, blocks = self._block_index
+        if not len(bases) or addrs is None or not len(addrs):
+            return []
+        slot = np.searchsorted(bases, addrs, side="right") - 1
+        inside = (slot >= 0) & (addrs < ends[np.maximum(slot, 0)])
+        return [blocks[i] for i in np.unique(slot[inside])]
+
+    def _dropped(self, block: _Block, key: int) -> None:
+        block.wrappers.discard(key)
+        if block.wrappers:
+            return
+        if self._blocks.get(block.base) is block:
+            del self._blocks[block.base]
+            self._block_index = None
+        others = block.use_clock.copy()
+        others[block.owner] = 0
+        self.blocks_shared += bool(others.any())
+        others[list(block.recorded)] = 0
+        if others.any():
+            self._freed.setdefault(block.owner, []).append(block)
+
+    def _check_freed(self, stream: FakeStream, allocation: str) -> None:
+        freed = self._freed.pop(stream.id, [])
+        ordered = np.maximum(stream.clock, self.host_clock)
+        for block in freed:
+            late = block.use_clock > ordered
+            late[block.owner] = False
+            late[list(block.recorded)] = False
+            if not late.any():
+                continue
+            self.num_reuses += 1
+            if len(self.reuses) < self.MAX_RACES:
+                s = int(np.flatnonzero(late)[0])
+                self.reuses.append(
+                    EarlyReuse(
+                        block.end - block.base,
+                        self.ops[block.op],
+                        self.ops[int(block.use_op[s])],
+                        allocation,
+                    )
+                )
 
     # ------------------------------------------------------- op adapters
 
@@ -223,11 +359,15 @@ class StreamSim:
                 a.addrs.astype(np.int64)[:, None] + np.arange(a.elsize)[None, :]
             ).reshape(-1)
             (writes if a.is_store else reads).append(byte)
-        self.access(
-            launch.kernel,
-            np.concatenate(reads) if reads else None,
-            np.concatenate(writes) if writes else None,
-        )
+        reads = np.concatenate(reads) if reads else None
+        writes = np.concatenate(writes) if writes else None
+        blocks = {
+            id(b): b
+            for addrs in (reads, writes)
+            if addrs is not None
+            for b in self.blocks_at(addrs)
+        }
+        self.access(launch.kernel, reads, writes, list(blocks.values()))
 
     def element_addresses(self, t: torch.Tensor) -> torch.Tensor:
         """The byte address of each element of view ``t`` (its first byte),
@@ -289,9 +429,34 @@ class _TorchOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not in_launch():
-            self._record(func, args, kwargs)
-        return func(*args, **kwargs)
+        if in_launch():
+            return func(*args, **kwargs)
+        self._record(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self._follow_blocks(func, args, kwargs, out)
+        return out
+
+    def _follow_blocks(self, func, args, kwargs, out) -> None:
+        # A result on a storage no input has is a new block on the current
+        # stream (torch.tensor(data) arrives through lift_fresh); a view or
+        # an in-place result is one more wrapper of its input's block.
+        sim = self.sim
+        name = func._schema.name
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in _flat_tensors([*args, *kwargs.values()])
+        }
+        for t in _flat_tensors(out):
+            storage = t.untyped_storage()
+            if t.device.type != "cpu" or storage.nbytes() == 0:
+                continue
+            block = sim.block_of(t)
+            if block is not None:
+                sim.add_wrapper(block, t)
+            elif (
+                name == "aten::lift_fresh" or storage.data_ptr() not in inputs
+            ) and not sim.is_tracked(t):
+                sim.allocated(name, t)
 
     def _record(self, func, args, kwargs) -> None:
         sim = self.sim
@@ -321,11 +486,17 @@ class _TorchOps(TorchDispatchMode):
                     except (IndexError, RuntimeError, TypeError):
                         pass
                 (writes if written else reads).append(sim.bytes_of(t, elems))
-        if reads or writes:
+        blocks = {}
+        for t in _flat_tensors([*args, *kwargs.values()]):
+            block = sim.block_of(t)
+            if block is not None:
+                blocks[id(block)] = block
+        if reads or writes or blocks:
             sim.access(
                 name,
                 np.concatenate(reads) if reads else None,
                 np.concatenate(writes) if writes else None,
+                list(blocks.values()),
             )
 
 
@@ -336,6 +507,7 @@ def simulate_streams():
     from sglang.srt.managers.nsa_kv_offload_coordinator import (
         NSAKVOffloadCoordinator,
     )
+    from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
 
     sim = StreamSim()
 
@@ -360,7 +532,19 @@ def simulate_streams():
             events,
         )
 
+    launch_side = SparseCacheController._launch_side
+
+    def launch_side_recorded(controller, fn, tensors=()):
+        # What record_stream does on CUDA (the CPU skips it): the side
+        # stream's use of ``tensors`` holds their blocks past their free.
+        event = launch_side(controller, fn, tensors)
+        if isinstance(controller.side_stream, FakeStream):
+            for t in tensors:
+                sim.record_stream(t, controller.side_stream)
+        return event
+
     patches = [
+        mock.patch.object(SparseCacheController, "_launch_side", launch_side_recorded),
         mock.patch.object(torch.cuda, "Stream", new_stream),
         mock.patch.object(torch.cuda, "Event", lambda *a, **k: FakeEvent(sim)),
         mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: sim.current),

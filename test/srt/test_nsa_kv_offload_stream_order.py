@@ -99,6 +99,7 @@ class _StreamOrdered:
         if self.harnesses:  # tests of other parts build none
             self.assertGreater(self.sim.accesses, 0)
         self.assertEqual(self.sim.num_races, 0, self.sim.report())
+        self.assertEqual(self.sim.num_reuses, 0, self.sim.report())
 
 
 @unittest.skipUnless(ON_CPU, SKIP)
@@ -175,10 +176,14 @@ class TestMissingWaits(_OneRequestAtATime):
 
     PROMPTS_IN_UNITS = (2.3, 0.7)
 
-    def _races(self, target, name, replacement):
+    def _simulate(self, target, name, replacement):
         with simulate_streams() as sim, mock.patch.object(target, name, replacement):
             self.harness_ready = lambda h: track_harness(sim, h)
             self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+        return sim
+
+    def _races(self, target, name, replacement):
+        sim = self._simulate(target, name, replacement)
         return {(r.buffer, r.first.split(" on ")[-1], r.second) for r in sim.races}
 
     def test_forward_not_waiting_for_the_early_swap(self):
@@ -201,6 +206,32 @@ class TestMissingWaits(_OneRequestAtATime):
         self.assertTrue(
             any(buf == "host pool" and "gather" in second for buf, _, second in races),
             races,
+        )
+
+
+@unittest.skipUnless(ON_CPU, SKIP)
+class TestEarlyReuse(_OneRequestAtATime):
+    """The caching allocator's control: a block freed on one stream while
+    another still uses it is reported at its stream's next allocation."""
+
+    PROMPTS_IN_UNITS = (2.3, 0.7)
+
+    def test_side_stream_not_recorded(self):
+        with simulate_streams() as sim:
+            sim.record_stream = lambda t, stream: None
+            self.harness_ready = lambda h: track_harness(sim, h)
+            self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+        # The prefill backup's index blocks (the forward stream's), read by
+        # the side stream's copy: record_stream is what keeps them.
+        self.assertEqual(sim.num_races, 0, sim.report())
+        self.assertGreater(sim.num_reuses, 0)
+        self.assertTrue(
+            all(
+                r.allocated_by.endswith("on forward")
+                and r.used_by == "_copy_rows_all_layers_kernel on side"
+                for r in sim.reuses
+            ),
+            sim.report(),
         )
 
 
