@@ -95,9 +95,15 @@ class _StreamOrdered:
         self.enterContext(mock.patch.object(_Harness, "__init__", tracked))
         self.addCleanup(self.assert_ordered)
 
+    # Whether the run must free blocks another stream used (the caching
+    # allocator's check has something to check).
+    SHARES_BLOCKS = False
+
     def assert_ordered(self):
         if self.harnesses:  # tests of other parts build none
             self.assertGreater(self.sim.accesses, 0)
+        if self.SHARES_BLOCKS:
+            self.assertGreater(self.sim.blocks_shared, 0)
         self.assertEqual(self.sim.num_races, 0, self.sim.report())
         self.assertEqual(self.sim.num_reuses, 0, self.sim.report())
 
@@ -139,6 +145,7 @@ class TestOneRequestAtATimeStreams(_StreamOrdered, _OneRequestAtATime):
     results/units/per_unit_gpu_gate/README.md), and the default's."""
 
     PROMPTS_IN_UNITS = (2.3, 0.7, 5.5, 1.95, 0.45)
+    SHARES_BLOCKS = True
 
     def test_server_settings_two_units(self):
         self._run(2, early_swap=True, warm_units=True, direct_slots=True)
@@ -157,6 +164,7 @@ class TestOneRequestAtATimeTwoLayersStreams(_StreamOrdered, _OneRequestAtATime):
 
     PROMPTS_IN_UNITS = (2.3, 0.7, 1.95)
     LAYERS = 2
+    SHARES_BLOCKS = True
 
     def test_server_settings_two_units(self):
         finish = SparseCacheController.finish_lru_reorder
