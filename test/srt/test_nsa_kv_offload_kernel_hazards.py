@@ -49,6 +49,17 @@ def _reversed_copy(x_ptr, y_ptr, BLOCK: tl.constexpr, BARRIER: tl.constexpr):
 
 
 @triton.jit
+def _increment(x_ptr, BLOCK: tl.constexpr, BARRIER: tl.constexpr):
+    # Reads a block and writes it back: each thread its own elements, unless
+    # the block is smaller than the threads (every replica loads, one stores).
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs)
+    if BARRIER:
+        tl.debug_barrier()
+    tl.store(x_ptr + offs, x + 1)
+
+
+@triton.jit
 def _every_program_stores(x_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, offs + tl.program_id(0))
@@ -81,6 +92,18 @@ class TestHazardChecker(unittest.TestCase):
         with record_hazards(ignore_barriers=True) as log:
             _reversed_copy[(1,)](self.x, self.y, BLOCK=16, BARRIER=True)
         self.assertEqual(log.counts(), {("_reversed_copy", "threads"): 1})
+
+    def test_replicated_block(self):
+        x = torch.zeros(256, dtype=torch.int32)
+        for block, barrier, found in (
+            (256, False, {}),  # 128 threads, 2 elements each
+            (64, False, {("_increment", "threads"): 1}),  # 2 threads each
+            (64, True, {}),
+        ):
+            with record_hazards() as log:
+                _increment[(1,)](x, BLOCK=block, BARRIER=barrier, num_warps=4)
+            self.assertEqual(log.counts(), found, (block, barrier))
+        self.assertEqual(x[:64].tolist(), [3] * 64)
 
     def test_programs_sharing_stores(self):
         with record_hazards() as log:

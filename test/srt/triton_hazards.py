@@ -11,7 +11,10 @@ every program's loads and stores between its barriers and reports:
   memory ops on one address, one of them a store, from different threads.
   Threads are approximated: element ``i`` of two ops is taken for one
   thread's only when both ops use the same pointer block (Triton picks each
-  memory op's layout from its pointers); a scalar op is every thread's;
+  memory op's layout from its pointers); a scalar op is every thread's, and
+  so is a load of a block smaller than the launch's threads (``32 *
+  num_warps``): each element sits in several threads, all of which load it,
+  while a store leaves it to one of them;
 * ``scatter``: one store op writing different values to one address;
 * ``programs``: an address one program of a launch stores and another
   program of the same launch loads or stores.
@@ -48,6 +51,8 @@ class _Access:
     is_store: bool
     where: str  # the kernel source line of the op
     elsize: int  # bytes per element
+    replicated: bool  # a load of a block smaller than the threads
+    block: int  # elements in the op's block
     addrs: np.ndarray
     thread: np.ndarray  # -1: every thread (a scalar op)
     values: np.ndarray  # stores only
@@ -86,9 +91,10 @@ class HazardLog:
 class _Launch:
     """The accesses of one kernel launch, checked when it ends."""
 
-    def __init__(self, kernel: str, log: HazardLog):
+    def __init__(self, kernel: str, log: HazardLog, num_warps: int = 4):
         self.kernel = kernel
         self.log = log
+        self.threads = 32 * num_warps
         self.accesses: List[_Access] = []
         self.program = -1
         self.program_ids: List[Tuple[int, ...]] = []
@@ -112,7 +118,10 @@ class _Launch:
         elsize = max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
         data = np.asarray(ptrs.data)
         mask = np.broadcast_to(np.asarray(mask, dtype=bool), data.shape)
-        if data.size <= 1:
+        replicated = 1 < data.size < self.threads and not is_store
+        if data.size <= 1 or replicated:
+            # A scalar, or a replicated block's load (every replica loads;
+            # a store is one replica's): no one thread's.
             thread = np.full(data.shape, -1, dtype=np.int64)
         else:
             # Element i of two ops is one thread's only when the ops use the
@@ -134,6 +143,8 @@ class _Launch:
                 is_store,
                 where,
                 elsize,
+                replicated,
+                data.size,
                 data[mask].astype(np.uint64),
                 thread[mask],
                 vals,
@@ -216,12 +227,16 @@ class _Launch:
         bad = any_store & (op_lo != op_hi) & ((th_lo != th_hi) | (th_lo == -1))
         if np.any(bad):
             ids = {int(o) for o in op[bad[inv]]}
-            ops = [
-                f"{'store' if a.is_store else 'load'} {a.where}"
-                for a in accesses
-                if a.op in ids
-            ]
+            ops = [_op_name(a, self.threads) for a in accesses if a.op in ids]
             self._hazard("threads", program, bad.sum(), "; ".join(ops))
+
+
+def _op_name(a: _Access, threads: int) -> str:
+    if a.is_store:
+        return f"store {a.where}"
+    if a.replicated:
+        return f"load of {a.block} elements by {threads} threads {a.where}"
+    return f"load {a.where}"
 
 
 _IN_LAUNCH = [0]
@@ -294,7 +309,11 @@ def record_hazards(ignore_barriers: bool = False, on_launch=None):
 
     def call(self, *args, **kwargs):
         outer = state["launch"]
-        state["launch"] = _Launch(getattr(self.fn, "__name__", str(self.fn)), log)
+        state["launch"] = _Launch(
+            getattr(self.fn, "__name__", str(self.fn)),
+            log,
+            num_warps=kwargs.get("num_warps", 4),
+        )
         _IN_LAUNCH[0] += 1
         try:
             return saved_call(self, *args, **kwargs)

@@ -195,6 +195,7 @@ if _HAS_TRITON:
             ev_rank = found + tl.cumsum(ev_i, axis=0) - ev_i
             taken = evictable & (ev_rank < num_misses)
             passed = valid & (ev_rank < num_misses)
+            tl.debug_barrier()  # every replica's load before the bits change
             tl.store(
                 ref_ptr + at,
                 tl.where(taken, 2, 0).to(ref_ptr.dtype.element_ty),

@@ -278,6 +278,9 @@ if _HAS_TRITON:
         cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
         hit, miss, miss_rank, num_misses = _split_lookups(lookup, cur)
         slot = tl.where(hit, cur, pos)
+        # A top-k block smaller than the threads sits in several of them, all
+        # of which load it; only one stores: every load before any store.
+        tl.debug_barrier()
         tl.store(
             loc_to_slot_ptr + loc, pos.to(loc_to_slot_ptr.dtype.element_ty), mask=miss
         )
@@ -831,7 +834,9 @@ if _HAS_TRITON:
             b, r, u, lru_ptr, unit_index_ptr, hit_flags_ptr, C, C0, U, BLOCK_C0
         )
         if REORDER_ONLY:
-            # Every slot is in one chunk's order: the row ends all zero.
+            # Every slot is in one chunk's order: the row ends all zero (after
+            # every replica of a chunk smaller than the threads has loaded).
+            tl.debug_barrier()
             tl.store(
                 hit_flags_ptr + b.to(tl.int64) * C + order,
                 tl.zeros([BLOCK_C0], tl.int8),

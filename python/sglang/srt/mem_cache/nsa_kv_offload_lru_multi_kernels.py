@@ -87,6 +87,7 @@ if _HAS_TRITON:
             new = lookup & (cur == -1)
             new_i = new.to(tl.int32)
             rank = num_misses + tl.cumsum(new_i, axis=0) - new_i
+            tl.debug_barrier()  # every replica's load before the marks
             tl.store(
                 loc_to_slot_ptr + loc,
                 (-2 - rank).to(loc_to_slot_ptr.dtype.element_ty),
@@ -152,6 +153,7 @@ if _HAS_TRITON:
             code = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
             miss = lookup & (code < -1)
             rank = -2 - code
+            tl.debug_barrier()  # every replica's load before the maps change
             victim = _take_victims(
                 victims_row,
                 rank,
