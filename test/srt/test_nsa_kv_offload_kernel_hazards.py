@@ -60,6 +60,14 @@ def _increment(x_ptr, BLOCK: tl.constexpr, BARRIER: tl.constexpr):
 
 
 @triton.jit
+def _shifted_copy(x_ptr, y_ptr, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    # y[i] = x[i + 1]: the last read is past x unless masked.
+    offs = tl.arange(0, BLOCK)
+    mask = offs + 1 < BLOCK if MASKED else offs < BLOCK
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs + 1, mask=mask, other=0))
+
+
+@triton.jit
 def _every_program_stores(x_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, offs + tl.program_id(0))
@@ -104,6 +112,21 @@ class TestHazardChecker(unittest.TestCase):
                 _increment[(1,)](x, BLOCK=block, BARRIER=barrier, num_warps=4)
             self.assertEqual(log.counts(), found, (block, barrier))
         self.assertEqual(x[:64].tolist(), [3] * 64)
+
+    def test_out_of_bounds(self):
+        # x is a view: the bound is its storage's end, not the view's.
+        x = torch.arange(32, dtype=torch.int32)
+        past_end = {("_shifted_copy", "bounds"): 1}
+        for view, masked, found in (
+            (x[:16], False, {}),
+            (x[16:], True, {}),
+            (x[16:], False, past_end),
+            (x[:16].clone(), False, past_end),
+        ):
+            with record_hazards() as log:
+                _shifted_copy[(1,)](view, self.y, BLOCK=16, MASKED=masked)
+            self.assertEqual(log.counts(), found)
+        self.assertIn("load", log.hazards[0].ops)
 
     def test_programs_sharing_stores(self):
         with record_hazards() as log:
@@ -211,6 +234,11 @@ class TestOneRequestAtATimeRecorded(_OneRequestAtATime):
 
     def _recorded(self, gather_kernel, **kwargs):
         with record_hazards() as log:
+            # The all-layer copies reach every layer's KV and host rows
+            # through tables of their addresses.
+            self.harness_ready = lambda h: log.reachable(
+                *h.controller.device_kv_buffers, *h.controller._host_rows
+            )
             self._run(2, early_swap=True, warm_units=True, direct_slots=True, **kwargs)
         self.assertEqual(log.counts(), {}, log.report())
         for kernel in (

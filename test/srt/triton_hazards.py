@@ -17,7 +17,11 @@ every program's loads and stores between its barriers and reports:
   while a store leaves it to one of them;
 * ``scatter``: one store op writing different values to one address;
 * ``programs``: an address one program of a launch stores and another
-  program of the same launch loads or stores.
+  program of the same launch loads or stores;
+* ``bounds``: an address outside every storage the launch was given, and
+  those registered with :meth:`HazardLog.reachable` (buffers that kernels
+  reach through tables of pointers): on the GPU it reads or writes whatever
+  lies next to it, silently.
 
 Atomics are not recorded (the hardware orders them). Test tooling: the
 product never imports it.
@@ -37,7 +41,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Hazard:
     kernel: str
-    kind: str  # "threads", "scatter" or "programs"
+    kind: str  # "threads", "scatter", "programs" or "bounds"
     program: Tuple[int, ...]
     num_addresses: int
     ops: str  # the memory ops involved: "file:line" of each
@@ -68,6 +72,15 @@ class HazardLog:
         self.hazards: List[Hazard] = []
         self.launches: Dict[str, int] = {}
         self._counts: Dict[Tuple[str, str], int] = {}
+        self.extra_storages: List[Tuple[int, int]] = []
+
+    def reachable(self, *tensors) -> None:
+        """Storages every launch may reach besides its arguments' (through a
+        table of their addresses)."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            base = storage.data_ptr()
+            self.extra_storages.append((base, base + storage.nbytes()))
 
     def add(self, hazard: Hazard) -> None:
         key = (hazard.kernel, hazard.kind)
@@ -95,6 +108,8 @@ class _Launch:
         self.kernel = kernel
         self.log = log
         self.threads = 32 * num_warps
+        # The byte ranges [lo, hi) of the storages the launch was given.
+        self.storages: List[Tuple[int, int]] = []
         self.accesses: List[_Access] = []
         self.program = -1
         self.program_ids: List[Tuple[int, ...]] = []
@@ -158,6 +173,7 @@ class _Launch:
         if not self.accesses:
             return
         self._check_programs()
+        self._check_bounds()
         groups: Dict[Tuple[int, int], List[_Access]] = {}
         for a in self.accesses:
             if a.addrs.size:
@@ -197,6 +213,29 @@ class _Launch:
                 }
             )
             self._hazard("programs", first, shared.size, "; ".join(ops))
+
+    def _check_bounds(self) -> None:
+        ranges = sorted(self.storages + self.log.extra_storages)
+        lo = np.array([r[0] for r in ranges], np.uint64)
+        hi = np.array([r[1] for r in ranges], np.uint64)
+        for a in self.accesses:
+            if not a.addrs.size:
+                continue
+            i = np.searchsorted(lo, a.addrs, side="right").astype(np.int64) - 1
+            first_ok = (i >= 0) & (
+                a.addrs + np.uint64(a.elsize) <= hi[np.maximum(i, 0)]
+            )
+            # Ranges may overlap (views of one storage count once each): an
+            # address inside any of them is in bounds.
+            if not first_ok.all():
+                out = a.addrs[~first_ok]
+                inside = (out[:, None] >= lo[None, :]) & (
+                    out[:, None] + np.uint64(a.elsize) <= hi[None, :]
+                )
+                num = int((~inside.any(axis=1)).sum())
+                if num:
+                    kind = "store" if a.is_store else "load"
+                    self._hazard("bounds", a.program, num, f"{kind} {a.where}")
 
     def _check_threads(self, program: int, accesses: List[_Access]) -> None:
         for a in accesses:
@@ -314,6 +353,11 @@ def record_hazards(ignore_barriers: bool = False, on_launch=None):
             log,
             num_warps=kwargs.get("num_warps", 4),
         )
+        for arg in [*args, *kwargs.values()]:
+            if hasattr(arg, "untyped_storage"):
+                storage = arg.untyped_storage()
+                base = storage.data_ptr()
+                state["launch"].storages.append((base, base + storage.nbytes()))
         _IN_LAUNCH[0] += 1
         try:
             return saved_call(self, *args, **kwargs)
