@@ -258,7 +258,11 @@ class StreamSim:
     def report(self) -> str:
         lines = [f"{self.num_races} unordered access(es) across streams"]
         lines += [f"  {r}" for r in self.races]
-        lines.append(f"{self.num_reuses} freed block(s) reused too early")
+        lines.append(
+            f"{self.num_reuses} freed block(s) reused too early (of "
+            f"{self.blocks_allocated} allocated, {self.blocks_shared} freed "
+            "after another stream used them)"
+        )
         lines += [f"  {r}" for r in self.reuses]
         return "\n".join(lines)
 
@@ -283,8 +287,7 @@ class StreamSim:
     def block_of(self, t) -> Optional[_Block]:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
             return None
-        block = self._blocks.get(t.untyped_storage().data_ptr())
-        return block
+        return self._blocks.get(t.untyped_storage().data_ptr())
 
     def add_wrapper(self, block: _Block, t: torch.Tensor) -> None:
         key = id(t)

@@ -184,14 +184,10 @@ class TestMissingWaits(_OneRequestAtATime):
 
     PROMPTS_IN_UNITS = (2.3, 0.7)
 
-    def _simulate(self, target, name, replacement):
+    def _races(self, target, name, replacement):
         with simulate_streams() as sim, mock.patch.object(target, name, replacement):
             self.harness_ready = lambda h: track_harness(sim, h)
             self._run(2, early_swap=True, warm_units=True, direct_slots=True)
-        return sim
-
-    def _races(self, target, name, replacement):
-        sim = self._simulate(target, name, replacement)
         return {(r.buffer, r.first.split(" on ")[-1], r.second) for r in sim.races}
 
     def test_forward_not_waiting_for_the_early_swap(self):
