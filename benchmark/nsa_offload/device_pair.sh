@@ -7,7 +7,9 @@
 # once, then job i gets GPU ${PAIR_GPUS[i]} (default: i), its own $OUT/gpuI and
 # $PAIR_TIMEOUT seconds (default 570) so that the call ends before the
 # device's limit. Results: $OUT/gpuI/results.tgz and $OUT/gpuI.log. Jobs on
-# one GPU must start no servers (their ports follow the GPU): pytest steps.
+# one GPU must start no servers (their ports follow the GPU), and they
+# time-slice it: four pytest jobs of many small kernels ran ~10x slower than
+# one (results/units/per_unit_gpu_gate/ section 7).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 bash benchmark/nsa_offload/device_run.sh || exit 1
