@@ -215,27 +215,24 @@ class _Launch:
             self._hazard("programs", first, shared.size, "; ".join(ops))
 
     def _check_bounds(self) -> None:
-        ranges = sorted(self.storages + self.log.extra_storages)
-        lo = np.array([r[0] for r in ranges], np.uint64)
-        hi = np.array([r[1] for r in ranges], np.uint64)
+        # One storage may come several times (views of it): merge overlaps.
+        merged: List[List[int]] = []
+        for lo_, hi_ in sorted(self.storages + self.log.extra_storages):
+            if merged and lo_ < merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi_)
+            else:
+                merged.append([lo_, hi_])
+        lo = np.array([r[0] for r in merged], np.uint64)
+        hi = np.array([r[1] for r in merged], np.uint64)
         for a in self.accesses:
             if not a.addrs.size:
                 continue
             i = np.searchsorted(lo, a.addrs, side="right").astype(np.int64) - 1
-            first_ok = (i >= 0) & (
-                a.addrs + np.uint64(a.elsize) <= hi[np.maximum(i, 0)]
-            )
-            # Ranges may overlap (views of one storage count once each): an
-            # address inside any of them is in bounds.
-            if not first_ok.all():
-                out = a.addrs[~first_ok]
-                inside = (out[:, None] >= lo[None, :]) & (
-                    out[:, None] + np.uint64(a.elsize) <= hi[None, :]
-                )
-                num = int((~inside.any(axis=1)).sum())
-                if num:
-                    kind = "store" if a.is_store else "load"
-                    self._hazard("bounds", a.program, num, f"{kind} {a.where}")
+            inside = (i >= 0) & (a.addrs + np.uint64(a.elsize) <= hi[np.maximum(i, 0)])
+            num = int((~inside).sum())
+            if num:
+                kind = "store" if a.is_store else "load"
+                self._hazard("bounds", a.program, num, f"{kind} {a.where}")
 
     def _check_threads(self, program: int, accesses: List[_Access]) -> None:
         for a in accesses:
