@@ -8,7 +8,7 @@
 # $PAIR_TIMEOUT seconds (default 570) so that the call ends before the
 # device's limit. Results: $OUT/gpuI/results.tgz and $OUT/gpuI.log. Jobs on
 # one GPU must start no servers (their ports follow the GPU), and they
-# time-slice it: four pytest jobs of many small kernels ran ~10x slower than
+# time-slice it: four pytest jobs of many small kernels ran >10x slower than
 # one (results/units/per_unit_gpu_gate/ section 7).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
