@@ -12,7 +12,8 @@
 # (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), soak (the GPU
 # soak; $SOAK_ARGS), gputest (test/srt/test_decode_nsa_kv_offload.py;
 # $GPUTEST_ARGS), kernel-gate (after a kernel change: split = fused swap, the LRU
-# CUDA tests and three tiny exactness servers), default-gate (the default's
+# CUDA tests and three tiny exactness servers), elastic-gate (the elastic and
+# CLOCK tiny servers side by side), default-gate (the default's
 # tiny exactness servers: bf16, retraction, leveling, 7 x 4,416 rows), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
@@ -201,6 +202,19 @@ run_step() {
         test/srt/test_nsa_kv_offload_integration.py::TestPDDecodeWarmUnits \
         test/srt/test_nsa_kv_offload_integration.py::TestPDDecodeLeveling \
         test/srt/test_sparse_cache_controller.py::TestUnits 2>&1 | tail -15 || rc=1
+      ;;
+    elastic-gate)
+      # What decides the opt-in settings, in one call: the elastic server
+      # (warm units, direct slots, spare regions), the same at 2 units with
+      # the flat copy (44/64 at e20c81a, results/units/per_unit_gpu_gate/)
+      # and the CLOCK servers, on the tiny checkpoint side by side (servers,
+      # not pytest processes: those time-slice the GPU), resumed from
+      # tiny_run6's no-offload outputs. A fault seen in two of three runs
+      # needs repeats: call it again (each run takes most of a call).
+      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_elastic $resume" \
+        EXACT_ARGS_2="--servers ours_fp8_2units_flat $resume" \
+        EXACT_ARGS_3="--servers ours_fp8_clock,ours_fp8_clock_2units_warm $resume" run_step exact
       ;;
     default-gate)
       # The default (up to 4 cold units since the revert of f418aa2's elastic
