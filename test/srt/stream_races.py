@@ -20,7 +20,17 @@ it (unless ``record_stream`` named that stream). Every tensor an op creates
 is followed (its Python wrappers, views included, through weak references);
 when the last one dies the block is freed, and the owner's next allocation
 that is not ordered after every other stream's use of it is reported
-(:class:`EarlyReuse`). Not modelled: CUDA-graph replays.
+(:class:`EarlyReuse`).
+
+CUDA-graph replays are modelled by :meth:`StreamSim.graph_replay` around a
+decode forward: the kernels captured from a side stream are graph nodes,
+ordered after the launch stream's earlier work and their captured edges
+only, not after that stream's own earlier work outside the graph; the
+launch stream's later work waits for the whole graph. Inside it, what
+capture refuses or leaves out is reported (:class:`CaptureFault`): a kernel
+on a stream not forked from the capture (it would run once, at capture, and
+never at replay), a wait on an event recorded outside the graph, a host
+sync, and side-stream work not joined back into the launch stream.
 """
 
 from __future__ import annotations
@@ -58,6 +68,46 @@ class EarlyReuse:
     next_allocation: str
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureFault:
+    """What CUDA-graph capture refuses or leaves out of the graph."""
+
+    what: str
+
+
+class _Capture:
+    """One decode forward replayed from a CUDA graph launched on ``launch``:
+    each other stream works as a graph lane with an identity of its own
+    (its twin), starting from the launch stream's clock."""
+
+    def __init__(self, sim: "StreamSim", launch: "FakeStream"):
+        self.sim = sim
+        self.launch = launch
+        self.capturing = {launch}
+        self.saved = {}  # stream -> (id, name, clock) outside the graph
+
+    def enter(self) -> None:
+        sim, launch = self.sim, self.launch
+        for s in [s for s in sim.streams if s.twin_of is None and s is not launch]:
+            twin = sim.twin(s)
+            self.saved[s] = (s.id, s.name, s.clock)
+            s.id, s.name = twin.id, twin.name
+            s.clock = launch.clock.copy()
+
+    def exit(self) -> None:
+        launch = self.launch
+        for s in self.capturing - {launch}:
+            if launch.clock[s.id] < s.clock[s.id]:
+                self.sim.capture_fault(
+                    f"work on {s.name} not joined into {launch.name}"
+                )
+        # The launch stream's later work waits for every node of the graph.
+        for s in self.saved:
+            np.maximum(launch.clock, s.clock, out=launch.clock)
+        for s, (sid, name, clock) in self.saved.items():
+            s.id, s.name, s.clock = sid, name, clock
+
+
 class _Block:
     """A block the (modelled) caching allocator handed out: its stream, the
     op that allocated it, each stream's last use (its clock entry then), the
@@ -75,30 +125,60 @@ class _Block:
 
 
 class FakeStream:
-    def __init__(self, sim: "StreamSim", name: str):
+    def __init__(
+        self, sim: "StreamSim", name: str, twin_of: Optional["FakeStream"] = None
+    ):
         if len(sim.streams) == MAX_STREAMS:
             raise RuntimeError("too many simulated streams")
         self.sim = sim
         self.name = name
         self.id = len(sim.streams)
         self.clock = np.zeros(MAX_STREAMS, np.int64)
+        # A graph lane's identity (the stream it stands for while a graph
+        # replays), never issued on itself.
+        self.twin_of = twin_of
         sim.streams.append(self)
 
     def issue(self) -> np.ndarray:
         """A new op on this stream: after every earlier op on it, and after
         whatever the host has waited for."""
+        capture = self.sim.capture
+        if capture is not None and self not in capture.capturing:
+            self.sim.capture_fault(
+                f"{self.name} runs work outside the graph (not forked from "
+                f"{capture.launch.name}): at replay it would not run"
+            )
         np.maximum(self.clock, self.sim.host_clock, out=self.clock)
         self.clock[self.id] += 1
         return self.clock.copy()
 
     def wait_stream(self, other: "FakeStream") -> None:
+        capture = self.sim.capture
+        if capture is not None:
+            if other in capture.capturing:
+                capture.capturing.add(self)  # a fork of the capture
+            elif self in capture.capturing:
+                self.sim.capture_fault(
+                    f"{self.name} waits inside the graph on {other.name}, "
+                    "which is not captured"
+                )
         np.maximum(self.clock, other.clock, out=self.clock)
 
     def wait_event(self, event: "FakeEvent") -> None:
+        capture = self.sim.capture
+        if capture is not None and event.clock is not None:
+            if event.capture is capture:
+                capture.capturing.add(self)
+            elif self in capture.capturing:
+                self.sim.capture_fault(
+                    f"{self.name} waits inside the graph on an event recorded "
+                    "outside it: the replay would not wait"
+                )
         if event.clock is not None:
             np.maximum(self.clock, event.clock, out=self.clock)
 
     def synchronize(self) -> None:
+        self.sim.host_sync(f"{self.name}.synchronize()")
         np.maximum(self.sim.host_clock, self.clock, out=self.sim.host_clock)
 
 
@@ -106,12 +186,18 @@ class FakeEvent:
     def __init__(self, sim: "StreamSim"):
         self.sim = sim
         self.clock: Optional[np.ndarray] = None
+        self.capture: Optional[_Capture] = None  # recorded inside this graph
 
     def record(self, stream: Optional[FakeStream] = None) -> None:
         stream = stream or self.sim.current
         self.clock = stream.clock.copy()
+        capture = self.sim.capture
+        self.capture = (
+            capture if capture is not None and stream in capture.capturing else None
+        )
 
     def synchronize(self) -> None:
+        self.sim.host_sync("event.synchronize()")
         if self.clock is not None:
             np.maximum(self.sim.host_clock, self.clock, out=self.sim.host_clock)
 
@@ -159,6 +245,12 @@ class StreamSim:
         # Blocks freed after another stream used them (recorded or not): the
         # ones the check is about.
         self.blocks_shared = 0
+        # CUDA-graph replays (graph_replay) and what capture would refuse.
+        self.capture: Optional[_Capture] = None
+        self.graph_replays = 0
+        self.capture_faults: List[CaptureFault] = []
+        self.num_capture_faults = 0
+        self._twins: Dict[int, FakeStream] = {}
 
     # ------------------------------------------------------------- buffers
 
@@ -184,8 +276,45 @@ class StreamSim:
         self._shadows = [self._buffers[b][1] for b in order]
 
     def synchronize(self) -> None:
+        self.host_sync("torch.cuda.synchronize()")
         for s in self.streams:
             np.maximum(self.host_clock, s.clock, out=self.host_clock)
+
+    # ------------------------------------------------------- CUDA graphs
+
+    @contextlib.contextmanager
+    def graph_replay(self):
+        """The block is a forward replayed from a CUDA graph launched on the
+        current stream (see the module docstring)."""
+        if self.capture is not None:
+            raise RuntimeError("graph replays do not nest")
+        capture = _Capture(self, self.current)
+        capture.enter()
+        self.capture = capture
+        self.graph_replays += 1
+        try:
+            yield
+        finally:
+            self.capture = None
+            capture.exit()
+
+    def twin(self, stream: FakeStream) -> FakeStream:
+        """The graph-lane identity of ``stream`` (made once, reused by every
+        replay: its clock entry keeps counting up)."""
+        if stream.id not in self._twins:
+            self._twins[stream.id] = FakeStream(
+                self, f"{stream.name} (graph)", twin_of=stream
+            )
+        return self._twins[stream.id]
+
+    def host_sync(self, what: str) -> None:
+        if self.capture is not None and not self._paused:
+            self.capture_fault(f"{what} inside the graph (a host sync)")
+
+    def capture_fault(self, what: str) -> None:
+        self.num_capture_faults += 1
+        if len(self.capture_faults) < self.MAX_RACES:
+            self.capture_faults.append(CaptureFault(what))
 
     @contextlib.contextmanager
     def paused(self):
@@ -264,6 +393,11 @@ class StreamSim:
             "after another stream used them)"
         )
         lines += [f"  {r}" for r in self.reuses]
+        lines.append(
+            f"{self.num_capture_faults} capture fault(s) in {self.graph_replays} "
+            "graph replay(s)"
+        )
+        lines += [f"  {f.what}" for f in self.capture_faults]
         return "\n".join(lines)
 
     # ----------------------------------------------------------- allocator

@@ -37,6 +37,7 @@ else, including ``alloc_decode_kernel`` and ``set_mla_kv_buffer_triton``, is
 the real code. With CUDA the same tests run on the GPU.
 """
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -1187,6 +1188,13 @@ class _Harness:
         self.page_tables = []  # every decode layer's, in order
         self.initial = self.snapshot()
         self.next_rid = 0
+        # What the stream tests replace: the context a forward runs in (the
+        # scheduler's forward stream under the overlap scheduler; it is given
+        # the batch's tensors, which the scheduler keeps until the forward's
+        # result is processed) and the one a decode forward's layers run in
+        # (a CUDA-graph replay).
+        self.forward_context = contextlib.nullcontext
+        self.decode_graph_context = contextlib.nullcontext
 
     # -------------------------------------------------------------- helpers
 
@@ -1315,8 +1323,22 @@ class _Harness:
         self.t.assertTrue(bool((rows >= self.sizes.staging_start_row).all()))
         self.t.assertTrue(bool((rows < staging_end).all()))
         fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=len(chunks))
-        self.co.before_forward(fb)
-        self.write_kv(out)
+        with self.forward_context((fb, out)):
+            self.co.before_forward(fb)
+            self.write_kv(out)
+            self.check_prompt_rows(chunks)
+        if admit:
+            reqs = [r for r, _ in chunks]
+            done = [r for r in reqs if r is not chunked_req]
+            staging_before = self.staging_room()
+            regions_before = self.controller.admission_room()
+            self.co.admit_prefilled_batch(SimpleNamespace(reqs=reqs), chunked_req)
+            self.check_admitted(done, staging_before, regions_before)
+            if chunked_req is not None:
+                self.t.assertFalse(self.co.is_admitted(chunked_req))
+        return out
+
+    def check_prompt_rows(self, chunks):
         # Prefill attention reads every prompt token through loc -> row.
         for req, _ in chunks:
             locs = self.req_to_token[req.req_pool_idx, : req.seq_len]
@@ -1328,16 +1350,6 @@ class _Harness:
                         self.ref[layer, locs.long()],
                     )
                 )
-        if admit:
-            reqs = [r for r, _ in chunks]
-            done = [r for r in reqs if r is not chunked_req]
-            staging_before = self.staging_room()
-            regions_before = self.controller.admission_room()
-            self.co.admit_prefilled_batch(SimpleNamespace(reqs=reqs), chunked_req)
-            self.check_admitted(done, staging_before, regions_before)
-            if chunked_req is not None:
-                self.t.assertFalse(self.co.is_admitted(chunked_req))
-        return out
 
     def check_admitted(self, reqs, staging_before, regions_before, prompt_lens=None):
         """``reqs`` were just admitted with prompts of ``prompt_lens`` tokens."""
@@ -1457,8 +1469,18 @@ class _Harness:
             seq_lens=torch.cat([batch.seq_lens, pad_seq]),
             attn_backend=SimpleNamespace(nsa_kv_offload=self.co),
         )
-        self.co.before_forward(fb)
-        self.co.num_real_reqs.fill_(-1)  # left over from another batch
+        with self.forward_context((fb, batch, idx)):
+            self.co.before_forward(fb)
+            self.co.num_real_reqs.fill_(-1)  # left over from another batch
+            with self.decode_graph_context():
+                self.decode_layers(fb, reqs, out, pad_rows, first_step_of, shared_topk)
+        # The last layer's hook wrote the new tokens of every layer back.
+        self.check_host(out)
+        return out
+
+    def decode_layers(self, fb, reqs, out, pad_rows, first_step_of, shared_topk):
+        """The decode forward's layers: swap hooks, KV write, page table."""
+        bs = len(reqs)
         topk = None
         for layer in range(self.L):
             if topk is None or not shared_topk:
@@ -1489,9 +1511,6 @@ class _Harness:
                     self.t.assertEqual(int(plan.miss_count[b]), 0)
             if shared_topk and self.co.cross_layer_prefetch and layer > 0:
                 self.t.assertEqual(int(plan.miss_count[:bs].sum()), 0)
-        # The last layer's hook wrote the new tokens of every layer back.
-        self.check_host(out)
-        return out
 
     def write_kv_layer(self, layer, locs):
         n = locs.numel()
