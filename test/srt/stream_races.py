@@ -101,10 +101,10 @@ class _Capture:
                 self.sim.capture_fault(
                     f"work on {s.name} not joined into {launch.name}"
                 )
-        # The launch stream's later work waits for every node of the graph.
-        for s in self.saved:
-            np.maximum(launch.clock, s.clock, out=launch.clock)
+        # The launch stream's later work waits for every node of the graph;
+        # each stream is itself again, untouched by the graph's work.
         for s, (sid, name, clock) in self.saved.items():
+            np.maximum(launch.clock, s.clock, out=launch.clock)
             s.id, s.name, s.clock = sid, name, clock
 
 
