@@ -198,6 +198,39 @@ class TestCrossLayerPrefetchOption(unittest.TestCase):
         self.assertEqual(m.group(2), "77")
 
 
+class TestVariantKinds(unittest.TestCase):
+    """Every variant with env vars of its own can be named in --servers (stop
+    55's device call named ours_elastic and ours_clock: both refused)."""
+
+    def test_every_env_variant_is_runnable(self):
+        args = bench_server.parse_args(["--out", "/tmp/x"])
+        args.record = False
+        for kind, env in bench_server.VARIANT_ENV.items():
+            with self.subTest(kind=kind):
+                self.assertIn(kind, bench_server.RUNNABLE_KINDS)
+                self.assertIn(kind, bench_server.OFFLOAD_KINDS)
+                self.assertIn(kind, bench_server.LABELS)
+                served = bench_server.server_env(args, kind)
+                self.assertEqual({k: served[k] for k in env}, env)
+        for kind in bench_server.VARIANT_MAX_UNITS:
+            with self.subTest(kind=kind):
+                self.assertIn(kind, bench_server.RUNNABLE_KINDS)
+
+    def test_elastic_and_clock_keep_their_settings(self):
+        args = bench_server.parse_args(["--out", "/tmp/x"])
+        args.record = False
+        elastic = bench_server.server_env(args, "ours_elastic")
+        clock = bench_server.server_env(args, "ours_clock")
+        for name in ("ENV_WARM_UNITS", "ENV_DIRECT_SLOTS", "ENV_SPARE_REGIONS"):
+            self.assertEqual(elastic[getattr(server_utils, name)], "1")
+        self.assertIn(server_utils.ENV_SLOT_POLICY, clock)
+        self.assertNotIn(server_utils.ENV_SLOT_POLICY, elastic)
+        self.assertEqual(
+            bench_server.VARIANT_MAX_UNITS["ours_elastic"],
+            server_utils.ELASTIC_RANK_UNITS,
+        )
+
+
 class TestRankSummaries(unittest.TestCase):
     """The two committed summaries of the rank-model runs (issues 18, 20)."""
 
@@ -1322,6 +1355,9 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_speed/run_all_direct_128k/bench_server_override.json",
         "rank_speed/run_all_direct_32k/bench_server_override.json",
         "rank_speed/run_direct_flat_64_repeat/bench_server_override.json",
+        # bb34380 on an H100 (no H200 came): 32K x 8 at 14 GiB, the default
+        # and the elastic settings (no GPU memory idle: no request direct).
+        "rank_speed/run_h100_reported_32k_x8/bench_server_override.json",
     )
 
     def test_every_committed_server_kind_renders(self):

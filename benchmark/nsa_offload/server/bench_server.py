@@ -84,9 +84,9 @@ sys.path.insert(1, str(TRACES_DIR))
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
     CLOCK_ENV,
+    DIRECT_RE,
     ELASTIC_ENV,
     ELASTIC_RANK_UNITS,
-    DIRECT_RE,
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_DIRECT_WARM_POSITIONS,
@@ -136,6 +136,9 @@ OURS_VARIANT_KINDS = (
     "ours_classic",
     "ours_8units",
     "ours_bounded_warm",
+    "ours_elastic",
+    "ours_clock",
+    "ours_clock_warm",
     "ours_warm_direct_narrow",
     "ours_warm_late",
     "ours_units",
@@ -187,6 +190,10 @@ LABELS = {
     "ours_classic": "ours, the defaults before f418aa2",
     "ours_8units": "ours, at most 8 units",
     "ours_bounded_warm": "ours, direct warm-up of the newest 2,048 positions",
+    "ours_elastic": "ours, elastic settings (warm units + direct slots + spare "
+    "regions, 40 units)",
+    "ours_clock": "ours, CLOCK",
+    "ours_clock_warm": "ours, CLOCK + warm units + spare regions, 40 units",
     "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
     "narrow reorder",
     "ours_warm_late": "ours, warm units + late reorder",
@@ -277,6 +284,22 @@ def page_up(n: int) -> int:
 
 
 # ---------------------------------------------------------------- GPU memory
+
+
+def gpu_name() -> Optional[str]:
+    """The first visible GPU's name (nvidia-smi), or None: timings compare
+    only within one card kind (an H100 run beside an H200 run says nothing)."""
+    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", gpu, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+        return out.strip().splitlines()[0] or None
+    except Exception:
+        return None
 
 
 def gpu_memory_mib() -> Optional[Tuple[float, float]]:
@@ -1649,7 +1672,8 @@ def render_markdown(results: List[dict]) -> str:
             "at capacity one); "
             f"decode log every {cfg['decode_log_interval']} steps; "
             f"{cfg['layers']} layers. Started {cfg['started']}, "
-            f"{cfg['wall_s']:.0f} s."
+            + (f"on {cfg['gpu']}, " if cfg.get("gpu") else "")
+            + f"{cfg['wall_s']:.0f} s."
             + _hisparse_budget_note(cfg)
             + _interleave_note(cfg, srv)
             + _merged_calls_note(cfg),
@@ -1990,6 +2014,9 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_classic": "slateblue",
         "ours_8units": "cadetblue",
         "ours_bounded_warm": "darkkhaki",
+        "ours_elastic": "crimson",
+        "ours_clock": "indigo",
+        "ours_clock_warm": "orchid",
         "ours_warm_direct_narrow": "darkcyan",
         "ours_warm_late": "darkorange",
         "baseline_mtp": "tab:brown",
@@ -2767,6 +2794,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": " ".join(shlex.quote(a) for a in sys.argv),
             "code_commit": git_commit(),
+            "gpu": gpu_name(),
             # ours' swap schedule without the env var (rank_summaries).
             "early_swap_default": OURS_EARLY_SWAP_DEFAULT,
         },
