@@ -5,8 +5,14 @@ PYTHONPATH=python:test/srt .venv/bin/python <this file> > sizing.json.
 The sizing is the offload's own (compute_offload_pool_sizes, with the swap's
 scratch for one row per request slot); the shares are what the real
 SparseCacheController hands out to a burst of PD admissions of that many
-requests (small rows, the same region counts), after its rebalance."""
+requests (small rows, the same region counts), after its rebalance.
 
+With flags, another point: e.g. the 14 GiB budget of ../run_h100_reported_32k_x8/
+(13 request slots, 64 or 16 GiB of host pool), written to sizing_14gib.json:
+  --avail-gib 13.97 --request-slots 13 --host-gib 64,16 --units 4,40 --points 8x32768
+"""
+
+import argparse
 import json
 import sys
 
@@ -23,10 +29,8 @@ from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
 GIB = 1 << 30
 # Rank model (61 layers, fp8 FlashMLA rows 656 B, indexer 132 B), page 64,
 # window 64, host pool 84 GiB, PD decode (no staging), spare regions on.
-L, ROW, IDX, PAGE, WINDOW, HOST = 61, 656, 132, 64, 64, int(84 * GIB)
+L, ROW, IDX, PAGE, WINDOW = 61, 656, 132, 64, 64
 TOP_K, CONTEXT_LEN, NEW_TOKENS = 2048, 163840, 160
-# The budget of run_direct_flat_64/ (93.95 GiB, calibrated at 4354e87).
-AVAIL_GIB = 93.95
 # The configurator's rule without --max-running-requests: 40% of the
 # budget in regions, at most 256.
 REGION_SHARE, MAX_REGIONS = 0.4, 256
@@ -37,17 +41,20 @@ def default_units(buffer_size):
     return -(-(CONTEXT_LEN - WINDOW) // buffer_size)
 
 
-def sizes(buffer_size, units):
+def sizes(buffer_size, units, avail_gib, host_gib, request_slots=None):
     per_region = offload_bytes_per_region(L, ROW, buffer_size, WINDOW, units)
-    regions = min(MAX_REGIONS, int(REGION_SHARE * AVAIL_GIB * GIB) // per_region)
+    regions = request_slots or min(
+        MAX_REGIONS, int(REGION_SHARE * avail_gib * GIB) // per_region
+    )
     scratch = TritonLRUSwap.scratch_bytes(
         regions, TOP_K, buffer_size, units, lru_slot_id_bytes(buffer_size, units)
     )
     s = compute_offload_pool_sizes(
-        int(AVAIL_GIB * GIB), L, ROW, IDX, PAGE, buffer_size, WINDOW, regions,
-        0, HOST, None, units, 0, True, scratch,
+        int(avail_gib * GIB), L, ROW, IDX, PAGE, buffer_size, WINDOW, regions,
+        0, int(host_gib * GIB), None, units, 0, True, scratch,
     )  # fmt: skip
     return dict(
+        host_gib=host_gib,
         buffer_size=buffer_size,
         max_units=units,
         slot_id_bytes=lru_slot_id_bytes(buffer_size, units),
@@ -97,12 +104,56 @@ def shares(units_total, request_slots, max_units, buffer_size, reqs, prompt):
     )
 
 
-out = {"avail_gib": AVAIL_GIB, "context_len": CONTEXT_LEN, "points": []}
-for buffer_size, units in ((4096, default_units(4096)), (4096, 8), (4416, 7)):
-    pool = sizes(buffer_size, units)
-    for reqs, prompt in ((64, 30720), (32, 30720), (8, 131072), (1, 131072)):
-        share = shares(
-            pool["units_total"], pool["request_slots"], units, buffer_size, reqs, prompt
-        )
-        out["points"].append({**pool, **share})
-json.dump(out, sys.stdout, indent=1)
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--avail-gib",
+        type=float,
+        default=93.95,
+        help="GPU bytes the offload's pools get (default: the budget of "
+        "run_direct_flat_64/, calibrated at 4354e87)",
+    )
+    p.add_argument(
+        "--request-slots",
+        type=int,
+        help="--max-running-requests (default: the configurator's rule)",
+    )
+    p.add_argument(
+        "--host-gib", default="84", help="host pool sizes in GiB, comma-separated"
+    )
+    p.add_argument(
+        "--units",
+        help="max units per request at 4,096 rows, comma-separated (default: "
+        "the model's context, 8, and 7 units of 4,416 rows)",
+    )
+    p.add_argument(
+        "--points",
+        default="64x30720,32x30720,8x131072,1x131072",
+        help="REQUESTSxPROMPT, comma-separated",
+    )
+    args = p.parse_args(argv)
+    settings = ((4096, default_units(4096)), (4096, 8), (4416, 7))
+    if args.units:
+        settings = tuple((4096, int(u)) for u in args.units.split(","))
+    points = [tuple(map(int, x.split("x"))) for x in args.points.split(",")]
+    out = {"avail_gib": args.avail_gib, "context_len": CONTEXT_LEN, "points": []}
+    for host_gib in (float(h) for h in args.host_gib.split(",")):
+        for buffer_size, units in settings:
+            pool = sizes(
+                buffer_size, units, args.avail_gib, host_gib, args.request_slots
+            )
+            for reqs, prompt in points:
+                share = shares(
+                    pool["units_total"],
+                    pool["request_slots"],
+                    units,
+                    buffer_size,
+                    reqs,
+                    prompt,
+                )
+                out["points"].append({**pool, **share})
+    json.dump(out, sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()
