@@ -1356,7 +1356,7 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_speed/run_all_direct_32k/bench_server_override.json",
         "rank_speed/run_direct_flat_64_repeat/bench_server_override.json",
         # bb34380 on an H100 (no H200 came): 32K x 8 at 14 GiB, the default
-        # and the elastic settings (no GPU memory idle: no request direct).
+        # and warm units + direct slots + flat copy (no request direct).
         "rank_speed/run_h100_reported_32k_x8/bench_server_override.json",
     )
 
