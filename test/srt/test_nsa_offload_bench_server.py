@@ -1302,6 +1302,45 @@ if __name__ == "__main__":
     unittest.main()
 
 
+class TestCommittedSizing(unittest.TestCase):
+    """results/rank_speed/default_sizing/*.json are what its sizing.py
+    computes (the offload's own sizing and controller) with the flags its
+    README gives: a change to the sizing shows up here, not as a stale table."""
+
+    RUNS = {
+        "sizing.json": [],
+        "sizing_14gib.json": (
+            "--avail-gib 13.96 --request-slots 13 --host-gib 64,24,16,12 "
+            "--units 4,40 --points 8x32768"
+        ).split(),
+    }
+
+    def test_committed_sizing_is_computed(self):
+        import importlib.util
+        import io
+
+        folder = BENCH_DIR / "results" / "rank_speed" / "default_sizing"
+        spec = importlib.util.spec_from_file_location(
+            "default_sizing", folder / "sizing.py"
+        )
+        sizing = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sizing)
+        for name, argv in self.RUNS.items():
+            with self.subTest(run=name):
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out):
+                    sizing.main(argv)
+                with open(folder / name) as f:
+                    self.assertEqual(json.loads(out.getvalue()), json.load(f))
+        with open(folder / "sizing_14gib.json") as f:
+            rows = json.load(f)["points"]
+        # The H100 run's pools (1,564,608 locs, 13 slots, no spare region).
+        run = rows[0]
+        self.assertEqual((run["host_gib"], run["max_units"]), (64.0, 4))
+        self.assertLessEqual(abs(run["locs"] - 1564608), 64)
+        self.assertEqual(run["spare_regions"], 0)
+
+
 class TestCommittedRankSummaries(unittest.TestCase):
     """results/rank_model/ and results/rank_speed/summary.json are what
     ``--plot-only`` computes from the committed rank runs (no hand edits)."""
