@@ -286,13 +286,20 @@ def page_up(n: int) -> int:
 # ---------------------------------------------------------------- GPU memory
 
 
-def gpu_name() -> Optional[str]:
-    """The first visible GPU's name (nvidia-smi), or None: timings compare
-    only within one card kind (an H100 run beside an H200 run says nothing)."""
+def _first_gpu_query(fields: str) -> Optional[str]:
+    """One nvidia-smi CSV row (no header, no units) of ``fields`` for the
+    first GPU this process sees (``CUDA_VISIBLE_DEVICES``, e.g. when two runs
+    share a host), or None without nvidia-smi."""
     gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     try:
         out = subprocess.run(
-            ["nvidia-smi", "-i", gpu, "--query-gpu=name", "--format=csv,noheader"],
+            [
+                "nvidia-smi",
+                "-i",
+                gpu,
+                f"--query-gpu={fields}",
+                "--format=csv,noheader,nounits",
+            ],
             capture_output=True,
             text=True,
             timeout=20,
@@ -302,27 +309,20 @@ def gpu_name() -> Optional[str]:
         return None
 
 
+def gpu_name() -> Optional[str]:
+    """The first visible GPU's name: timings compare only within one card
+    kind (an H100 run beside an H200 run says nothing)."""
+    return _first_gpu_query("name")
+
+
 def gpu_memory_mib() -> Optional[Tuple[float, float]]:
-    """(total, used) MiB from nvidia-smi of the first GPU this process sees
-    (``CUDA_VISIBLE_DEVICES``, e.g. when two runs share a host), or None."""
-    gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    """(total, used) MiB of the first visible GPU, or None."""
+    row = _first_gpu_query("memory.total,memory.used")
     try:
-        out = subprocess.run(
-            [
-                "nvidia-smi",
-                "-i",
-                gpu,
-                "--query-gpu=memory.total,memory.used",
-                "--format=csv,noheader,nounits",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout
-        total, used = (float(x) for x in out.strip().splitlines()[0].split(","))
-        return total, used
-    except Exception:
+        total, used = (float(x) for x in row.split(","))
+    except (AttributeError, ValueError):  # no nvidia-smi, or "[N/A]"
         return None
+    return total, used
 
 
 def select_model(args) -> Optional[dict]:

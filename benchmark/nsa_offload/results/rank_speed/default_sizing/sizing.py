@@ -8,8 +8,8 @@ SparseCacheController hands out to a burst of PD admissions of that many
 requests (small rows, the same region counts), after its rebalance.
 
 With flags, another point: e.g. the 14 GiB budget of ../run_h100_reported_32k_x8/
-(13 request slots, 64 or 16 GiB of host pool), written to sizing_14gib.json:
-  --avail-gib 13.97 --request-slots 13 --host-gib 64,16 --units 4,40 --points 8x32768
+(13 request slots, host pools of 64 down to 12 GiB), written to sizing_14gib.json:
+  --avail-gib 13.96 --request-slots 13 --host-gib 64,24,16,12 --units 4,40 --points 8x32768
 """
 
 import argparse
