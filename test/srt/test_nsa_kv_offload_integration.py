@@ -1120,6 +1120,7 @@ class _Harness:
         lend_staging_pages=0,
         coordinator_kwargs=None,
         spare_regions=0,
+        idle_loc_units=0,
     ):
         self.t = test
         if kv_arrives_in_host:
@@ -1134,6 +1135,7 @@ class _Harness:
             page_size=PAGE,
             host_capacity_locs=num_locs,
             num_spare_regions=spare_regions,
+            idle_loc_units=idle_loc_units,
         )
         self.pool = _make_pool(self.sizes, layers, kv_fp8)
         self.allocator = NSAKVOffloadTokenToKVPoolAllocator(
@@ -1185,6 +1187,9 @@ class _Harness:
             )
         )
         self.gen = torch.Generator().manual_seed(seed)
+        # The indexer keys written per (layer, page): with the arena, KV rows
+        # lent from free pages must never land on a page in use.
+        self.index_ref = {}
         self.page_tables = []  # every decode layer's, in order
         self.initial = self.snapshot()
         self.next_rid = 0
@@ -1288,7 +1293,25 @@ class _Harness:
             index_k[pages] = torch.randint(
                 0, 256, index_k[pages].shape, dtype=torch.uint8, generator=self.gen
             ).to(DEVICE)
+            for page, keys in zip(pages.tolist(), index_k[pages]):
+                self.index_ref[layer, page] = keys.clone()
         return out
+
+    def check_index_keys(self, reqs):
+        """The indexer keys of every page ``reqs`` hold are as written."""
+        for req in reqs:
+            locs = self.req_to_token[req.req_pool_idx, : req.seq_len].long()
+            for page in torch.unique(locs // PAGE).tolist():
+                for layer in range(self.L):
+                    keys = self.index_ref.get((layer, page))
+                    if keys is None:
+                        continue  # a page only decode steps wrote
+                    got = self.pool.index_k_with_scale_buffer[layer][page]
+                    self.t.assertTrue(
+                        torch.equal(got, keys),
+                        f"{req.rid}: indexer keys of page {page} layer {layer} "
+                        "were overwritten",
+                    )
 
     def prefill(self, chunks, chunked_req=None, admit=True):
         """One extend batch: ``chunks`` = [(req, extend_len)]. ``chunked_req``
@@ -1476,6 +1499,7 @@ class _Harness:
                 self.decode_layers(fb, reqs, out, pad_rows, first_step_of, shared_topk)
         # The last layer's hook wrote the new tokens of every layer back.
         self.check_host(out)
+        self.check_index_keys(reqs)
         return out
 
     def decode_layers(self, fb, reqs, out, pad_rows, first_step_of, shared_topk):
@@ -1591,6 +1615,9 @@ class _Harness:
         r = req.req_pool_idx
         admitted = self.co.is_admitted(req)
         locs = self.req_to_token[r, : req.seq_len].long()
+        for page in torch.unique(locs // PAGE).tolist():
+            for layer in range(self.L):
+                self.index_ref.pop((layer, page), None)
         regions_before = self.controller.admission_room()
         locs_before = self.allocator.available_size()
         with mock.patch.object(

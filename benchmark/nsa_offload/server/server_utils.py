@@ -80,7 +80,9 @@ ELASTIC_ENV = {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1", ENV_SPARE_REGIONS: "1
 ELASTIC_RANK_UNITS = 40
 # The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
 # since 64f802f the units moved between requests over the log interval.
-UNITS_RE = re.compile(r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?\)")
+UNITS_RE = re.compile(
+    r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?(?:, \d+ of idle locs)?\)"
+)
 # With direct slots: the requests swapping in direct mode (slot = position).
 DIRECT_RE = re.compile(r", direct: (\d+)")
 # The server flags of the two-GPU shapes: attention TP, DP attention.

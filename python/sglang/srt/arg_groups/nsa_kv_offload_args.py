@@ -69,6 +69,11 @@ ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
 # configurator): GPU bytes the host pool leaves without locs become regions
 # lent to requests as units.
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
+# Experimental idle-loc units (off by default, "1" turns them on; read by the
+# pool configurator): each layer's KV rows and indexer keys share one buffer,
+# and the keys' bytes of free token locs are lent to requests as units
+# (docs/ELASTIC_BUFFER.md, piece 2), taken back when locs are allocated.
+ENV_IDLE_LOC_UNITS = "SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS"
 # Warm units (off by default, "1" turns them on where warm_units_refusal
 # allows): a request is warmed after its units are granted, into every slot
 # it holds, instead of one unit's top-k rows at admission.
@@ -163,6 +168,12 @@ def spare_regions_enabled() -> bool:
     """Whether the GPU bytes the locs leave become spare regions
     (``ENV_SPARE_REGIONS``): only with "1"."""
     return _env_opt_in(ENV_SPARE_REGIONS)
+
+
+def idle_loc_units_enabled() -> bool:
+    """Whether free locs' indexer keys are lent as units
+    (``ENV_IDLE_LOC_UNITS``): only with "1"."""
+    return _env_opt_in(ENV_IDLE_LOC_UNITS)
 
 
 def warm_units_enabled(

@@ -62,6 +62,7 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     ENV_DIRECT_SLOTS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
+    ENV_IDLE_LOC_UNITS,
     ENV_SLOT_POLICY,
     ENV_SWAP_AFTER_ROPE,
     ENV_WARM_UNITS,
@@ -89,8 +90,11 @@ from sglang.srt.mem_cache.nsa_kv_offload_shared_host import (
     open_shared_host_segment,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_units import (
+    IDLE_LOC_UNIT_SOURCE,
     STAGING_UNIT_SOURCE,
+    IdleLocUnitLender,
     StagingUnitLender,
+    idle_loc_reserve_pages,
     staging_unit_capacity,
 )
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
@@ -246,7 +250,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             slot_policy=slot_policy,
             extra_units=staging_unit_capacity(
                 allocator.staging.num_pages, kv_pool.page_size, buffer_size
-            ),
+            )
+            + sizes.idle_loc_units,
         )
         if slot_policy != "lru":
             logger.info(
@@ -273,6 +278,25 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 StagingUnitLender(
                     allocator.staging, buffer_size, staging_reserve_pages
                 ),
+            )
+        self._lends_idle_locs = max_units > 1 and kv_pool.uses_arena
+        if self._lends_idle_locs:
+            # The indexer keys of free locs, as KV rows (the arena); last,
+            # since a loc allocation takes them back.
+            allocator.idle_loc_lender = IdleLocUnitLender(
+                allocator, buffer_size, idle_loc_reserve_pages(sizes.num_regions)
+            )
+            self.controller.add_unit_source(
+                IDLE_LOC_UNIT_SOURCE, allocator.idle_loc_lender
+            )
+            logger.info(
+                "NSA KV offload: idle token locs lent as units (%s=1, "
+                "experimental): up to %d units of %d loc pages each, LRU state "
+                "for %d.",
+                ENV_IDLE_LOC_UNITS,
+                kv_pool.num_index_pages // allocator.idle_loc_lender.pages_per_unit,
+                allocator.idle_loc_lender.pages_per_unit,
+                sizes.idle_loc_units,
             )
 
         # Rows of the batch that are real (CUDA-graph padding rows are inert).
@@ -512,6 +536,18 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         staging = self.allocator.staging
         return self.controller.reclaim_units_of(
             STAGING_UNIT_SOURCE, lambda: staging.available_pages() >= num_pages
+        )
+
+    def reclaim_idle_locs(self, num_pages: int) -> bool:
+        """A loc allocation needs ``num_pages`` free pages: take units lent
+        from free locs back until they are free. False when that is not
+        enough."""
+        if not self._lends_idle_locs:
+            return False
+        self._wait_producer()
+        allocator = self.allocator
+        return self.controller.reclaim_units_of(
+            IDLE_LOC_UNIT_SOURCE, lambda: allocator.free_page_count() >= num_pages
         )
 
     def release(self, req: Req) -> None:
@@ -782,7 +818,12 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             + (
                 f", extra units: {stats['extra_units']} "
                 f"({stats['extra_units_lent']} of staging, "
-                f"{stats['units_moved']} moved)"
+                f"{stats['units_moved']} moved"
+                + (
+                    f", {stats['idle_loc_units_lent']} of idle locs)"
+                    if self._lends_idle_locs
+                    else ")"
+                )
                 if self.controller.max_units > 1
                 else ""
             )

@@ -22,21 +22,25 @@ the decode step writes them.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
+from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.lru_cache_state import lru_slot_dtype
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.nsa_kv_offload_units import staging_unit_capacity
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+from sglang.srt.utils import get_num_new_pages
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.managers.nsa_kv_offload_coordinator import (
         NSAKVOffloadCoordinator,
     )
+    from sglang.srt.mem_cache.nsa_kv_offload_units import IdleLocUnitLender
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +58,88 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
     def __init__(self, size: int, sizes: NSAKVOffloadPoolSizes, **kwargs):
         page_size = kwargs["page_size"]
         num_gpu_rows = sizes.kv_pool_size
-        super().__init__(size=num_gpu_rows, index_buf_size=size, **kwargs)
         self.sizes = sizes
         self.num_locs = size
         self.num_gpu_rows = num_gpu_rows
+        index_head_dim = kwargs["index_head_dim"]
+        # One page of indexer keys: fp8 keys, then an fp32 scale per block.
+        self.index_page_bytes = page_size * (
+            index_head_dim + index_head_dim // self.quant_block_size * 4
+        )
+        # Upstream's page count for index_buf_size = size.
+        self.num_index_pages = (size + page_size + 1) // page_size
+        # The arena: each layer's KV rows and indexer keys in one buffer, so
+        # that the keys of free locs can be lent as KV rows (_create_buffers).
+        self.uses_arena = sizes.idle_loc_units > 0
+        super().__init__(
+            size=num_gpu_rows,
+            index_buf_size=0 if self.uses_arena else size,
+            **kwargs,
+        )
+        if self.uses_arena:
+            # Upstream allocated one placeholder page per layer; the keys
+            # live in the arena.
+            self.index_k_with_scale_buffer = [
+                arena[self.index_offset : self.index_end].view(
+                    self.num_index_pages, self.index_page_bytes
+                )
+                for arena in self._arenas
+            ]
         # Unmapped locs write into the padding rows, like loc 0 does upstream;
         # the extra last entry keeps a -1 (padding) index at -1.
         self.loc_to_row = torch.zeros(
             size + page_size + 1, dtype=torch.int64, device=self.device
         )
         self.loc_to_row[-1] = -1
+
+    def _create_buffers(self):
+        """Upstream's KV rows, or with the arena one uint8 buffer per layer:
+
+            [0, index_offset)          the KV rows upstream allocates
+            [index_offset, index_end)  the indexer-key pages (the locs')
+            [index_end, ..)            padding to whole pages of KV rows
+
+        ``kv_buffer[layer]`` views the whole buffer as KV rows, so a run of
+        free loc pages is also a run of rows (:meth:`rows_of_pages`)."""
+        self.kv_row_bytes = self.kv_cache_dim * self.store_dtype.itemsize
+        if not self.uses_arena:
+            return super()._create_buffers()
+        kv_bytes = (self.size + self.page_size) * self.kv_row_bytes
+        # 4 KiB-aligned key pages, as an allocation of their own would be.
+        self.index_offset = _round_up(kv_bytes, 4096)
+        self.index_end = (
+            self.index_offset + self.num_index_pages * self.index_page_bytes
+        )
+        total_rows = _round_up(-(-self.index_end // self.kv_row_bytes), self.page_size)
+        with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE), (
+            torch.cuda.use_mem_pool(self.custom_mem_pool)
+            if self.custom_mem_pool
+            else nullcontext()
+        ):
+            self._arenas = [
+                torch.zeros(
+                    total_rows * self.kv_row_bytes,
+                    dtype=torch.uint8,
+                    device=self.device,
+                )
+                for _ in range(self.layer_num)
+            ]
+        self.kv_buffer = [
+            arena.view(self.store_dtype).view(total_rows, 1, self.kv_cache_dim)
+            for arena in self._arenas
+        ]
+
+    def _clear_buffers(self):
+        super()._clear_buffers()
+        if self.uses_arena:
+            del self._arenas
+
+    def rows_of_pages(self, first_page: int, num_pages: int) -> Tuple[int, int]:
+        """The KV rows ``[first, end)`` whose bytes lie within the indexer-key
+        bytes of loc pages ``first_page .. first_page + num_pages - 1``."""
+        start = self.index_offset + first_page * self.index_page_bytes
+        end = start + num_pages * self.index_page_bytes
+        return -(-start // self.kv_row_bytes), end // self.kv_row_bytes
 
     def translate_loc_to_row(self, loc: torch.Tensor) -> torch.Tensor:
         return self.loc_to_row[loc]
@@ -157,12 +233,92 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         # reach it (prepare_for_decode, release_kv_cache, retraction's
         # get/load_cpu_copy), and so must a prefill short of staging pages.
         self.nsa_kv_offload: Optional[NSAKVOffloadCoordinator] = None
+        # The lender of free loc pages as units (the arena), set with the
+        # coordinator: its runs are out of the free list but count as free.
+        self.idle_loc_lender: Optional[IdleLocUnitLender] = None
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
     def clear(self):
         super().clear()
         self.staging.clear()
         self.page_to_staging_row.fill_(-1)
+        if self.idle_loc_lender is not None:
+            # Runs still lent stay out of the free list.
+            self._drop_from_free(self.idle_loc_lender.lent_page_runs())
+
+    # ------------------------------------------------ loc pages lent as units
+
+    def free_page_count(self) -> int:
+        """Pages on the free lists (lent runs excluded)."""
+        return len(self.free_pages) + len(self.release_pages)
+
+    def available_size(self):
+        # Lent runs are free locs to the scheduler: an allocation that needs
+        # them takes their units back (_alloc_or_reclaim).
+        lent = self.idle_loc_lender.lent_pages() if self.idle_loc_lender else 0
+        return super().available_size() + lent * self.page_size
+
+    def return_pages(self, pages: torch.Tensor) -> None:
+        """A lent run back on the free list (``IdleLocUnitLender.give``)."""
+        if self.need_sort:
+            self.release_pages = torch.cat((self.release_pages, pages))
+        else:
+            self.free_pages = torch.cat((self.free_pages, pages))
+
+    def _drop_from_free(self, first_pages) -> None:
+        if not first_pages:
+            return
+        self.merge_and_sort_free()
+        lender = self.idle_loc_lender
+        runs = torch.cat([lender.run_pages(p) for p in sorted(first_pages)])
+        self.free_pages = self.free_pages[~torch.isin(self.free_pages, runs)]
+
+    def backup_state(self):
+        lender = self.idle_loc_lender
+        runs = lender.lent_page_runs() if lender is not None else frozenset()
+        return super().backup_state(), runs
+
+    def restore_state(self, state):
+        """Back to the free lists of :meth:`backup_state`, less the runs lent
+        since and plus those given back since (they were lent then)."""
+        upstream_state, lent_then = state
+        super().restore_state(upstream_state)
+        lender = self.idle_loc_lender
+        if lender is None:
+            return
+        lent_now = lender.lent_page_runs()
+        self._drop_from_free(lent_now - lent_then)
+        for first in sorted(lent_then - lent_now):
+            self.return_pages(lender.run_pages(first))
+
+    def _alloc_or_reclaim(self, alloc, num_pages: int):
+        """``alloc()``, after taking lent units back when fewer than its
+        ``num_pages`` pages are free (upstream's kernels read ``num_pages``
+        entries of the free list before they check its length)."""
+        offload = self.nsa_kv_offload
+        if (
+            self.idle_loc_lender is not None
+            and offload is not None
+            and num_pages > self.free_page_count()
+        ):
+            offload.reclaim_idle_locs(num_pages)
+        return alloc()
+
+    def alloc(self, need_size: int):
+        return self._alloc_or_reclaim(
+            lambda: super(NSAKVOffloadTokenToKVPoolAllocator, self).alloc(need_size),
+            need_size // self.page_size,
+        )
+
+    def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+        return self._alloc_or_reclaim(
+            lambda: super(NSAKVOffloadTokenToKVPoolAllocator, self).alloc_decode(
+                seq_lens, seq_lens_cpu, last_loc
+            ),
+            get_num_new_pages(
+                seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True
+            ),
+        )
 
     def alloc_extend(
         self,
@@ -175,15 +331,22 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         *args,
         **kwargs,
     ):
-        out = super().alloc_extend(
-            prefix_lens,
-            prefix_lens_cpu,
-            seq_lens,
-            seq_lens_cpu,
-            last_loc,
-            extend_num_tokens,
-            *args,
-            **kwargs,
+        out = self._alloc_or_reclaim(
+            lambda: super(NSAKVOffloadTokenToKVPoolAllocator, self).alloc_extend(
+                prefix_lens,
+                prefix_lens_cpu,
+                seq_lens,
+                seq_lens_cpu,
+                last_loc,
+                extend_num_tokens,
+                *args,
+                **kwargs,
+            ),
+            get_num_new_pages(
+                seq_lens=seq_lens_cpu,
+                page_size=self.page_size,
+                prefix_lens=prefix_lens_cpu,
+            ),
         )
         if out is None or out.numel() == 0:
             return out
@@ -336,6 +499,9 @@ class NSAKVOffloadPoolSizes:
     # Regions beyond the request slots, only ever lent as extra units: GPU
     # memory the host pool left without locs to hold (spare_region_count).
     num_spare_regions: int = 0
+    # Units of LRU state for units lent from the indexer keys of free locs
+    # (IdleLocUnitLender); > 0 puts KV rows and keys in one arena per layer.
+    idle_loc_units: int = 0
 
     @property
     def total_regions(self) -> int:
@@ -446,6 +612,25 @@ def spare_region_count(
     return int(min(fit, max_spare_regions(num_regions, max_units)))
 
 
+def idle_loc_lru_units(
+    num_locs: int,
+    indexer_bytes: int,
+    row_bytes: int,
+    buffer_size: int,
+    num_regions: int,
+    max_units: int,
+    num_spare_regions: int = 0,
+) -> int:
+    """Units of LRU state for units lent from free locs' indexer keys: as
+    many as the keys of all ``num_locs`` hold (``buffer_size`` rows each),
+    at most what the request slots can borrow beyond the spare regions."""
+    if max_units <= 1:
+        return 0
+    fit = num_locs * indexer_bytes // ((buffer_size + 1) * row_bytes)
+    room = max_spare_regions(num_regions, max_units) - num_spare_regions
+    return int(max(0, min(fit, room)))
+
+
 def staging_lru_units(
     staging_rows: int, page_size: int, buffer_size: int, max_units: int
 ) -> int:
@@ -488,6 +673,7 @@ def compute_offload_pool_sizes(
     draft_bytes_per_loc: int = 0,
     spare_regions: bool = False,
     swap_scratch_bytes: int = 0,
+    idle_loc_units: bool = False,
 ) -> NSAKVOffloadPoolSizes:
     """Split ``available_bytes`` between fixed costs (regions, staging) and
     logical token locs, and cap the locs by what the host pool holds.
@@ -495,7 +681,9 @@ def compute_offload_pool_sizes(
     stays whole on the GPU, one row per token loc). ``spare_regions``: bytes
     the capped locs leave go to spare regions (``spare_region_count``).
     ``swap_scratch_bytes``: the LRU swap's per-batch-row scratch
-    (``TritonLRUSwap.scratch_bytes``), a fixed cost."""
+    (``TritonLRUSwap.scratch_bytes``), a fixed cost. ``idle_loc_units``: the
+    locs' indexer keys may be lent as units (``idle_loc_lru_units`` units of
+    LRU state, paid from the locs' share)."""
     staging_rows = _round_up(staging_rows, page_size)
     region_bytes = offload_bytes_per_region(
         num_layers, row_bytes, buffer_size, recent_window, max_units
@@ -535,6 +723,25 @@ def compute_offload_pool_sizes(
             num_regions,
             max_units,
         )
+    num_idle_loc_units = 0
+    if idle_loc_units:
+        num_idle_loc_units = idle_loc_lru_units(
+            num_locs,
+            num_layers * indexer_bytes,
+            num_layers * row_bytes,
+            buffer_size,
+            num_regions,
+            max_units,
+            num_spare,
+        )
+        # Their LRU state comes out of the locs' bytes when those are short.
+        state = num_idle_loc_units * lru_unit_state_bytes(
+            num_layers, buffer_size, max_units
+        )
+        spare_bytes = num_spare * region_bytes
+        short = fixed + num_locs * per_loc + spare_bytes + state - available_bytes
+        if short > 0:
+            num_locs -= _round_up(-(-short // per_loc), page_size)
     return NSAKVOffloadPoolSizes(
         num_locs=num_locs,
         num_regions=num_regions,
@@ -543,6 +750,7 @@ def compute_offload_pool_sizes(
         page_size=page_size,
         host_capacity_locs=host_capacity,
         num_spare_regions=num_spare,
+        idle_loc_units=num_idle_loc_units,
     )
 
 
@@ -565,6 +773,7 @@ class NSAKVOffloadPoolConfigurator:
 
     def __init__(self, mr):
         from sglang.srt.arg_groups.nsa_kv_offload_args import (
+            idle_loc_units_enabled,
             spare_regions_enabled,
             swap_query_tokens,
         )
@@ -612,6 +821,8 @@ class NSAKVOffloadPoolConfigurator:
         )
         self.spare_regions = spare_regions_enabled()
         self._spare_regions_resolved = 0
+        self.idle_loc_units = idle_loc_units_enabled()
+        self._idle_loc_units_resolved = 0
         # The swap's scratch rows and width, as the coordinator sizes them.
         self.server_args = sa
         self.max_query_tokens = swap_query_tokens(sa)
@@ -657,6 +868,7 @@ class NSAKVOffloadPoolConfigurator:
             draft_bytes_per_loc=self.draft_bytes_per_loc,
             spare_regions=self.spare_regions,
             swap_scratch_bytes=self.swap_scratch_bytes(num_regions),
+            idle_loc_units=self.idle_loc_units,
         )
         sizes.geometry = self.geometry
         return sizes
@@ -703,6 +915,7 @@ class NSAKVOffloadPoolConfigurator:
         sizes = self.compute_sizes(budget, page_size)
         self._num_regions_resolved = sizes.num_regions
         self._spare_regions_resolved = sizes.num_spare_regions
+        self._idle_loc_units_resolved = sizes.idle_loc_units
         return NSAKVOffloadMemoryPoolConfig(
             max_total_num_tokens=sizes.num_locs,
             max_running_requests=sizes.num_regions,
@@ -737,6 +950,10 @@ class NSAKVOffloadPoolConfigurator:
             # the final request slots can borrow.
             num_spare_regions=min(
                 self._spare_regions_resolved,
+                max_spare_regions(num_regions, self.max_units),
+            ),
+            idle_loc_units=min(
+                self._idle_loc_units_resolved,
                 max_spare_regions(num_regions, self.max_units),
             ),
         )

@@ -1,0 +1,318 @@
+"""Idle token locs lent as LRU units (SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS=1).
+
+With the arena each layer's KV rows and indexer-key pages share one buffer
+(``NSAKVOffloadTokenToKVPool``), and ``IdleLocUnitLender`` lends the bytes of
+runs of free loc pages to running requests as extra units. The allocator
+counts lent pages as free and takes units back when an allocation needs them.
+
+Checked here through the real pools and coordinator (``_Harness`` of the
+integration tests, PD decode: indexer keys written into every transferred
+page): the arena's views and geometry; the sizing; the lender's runs; decode
+steps reading exact KV from lent units while transfers write keys into other
+pages; allocations that take units back; ``backup_state`` /
+``restore_state``; and a negative control: a lender that keeps its run on the
+free list lets a transfer's keys overwrite a lent unit, and the checks fail.
+"""
+
+import unittest
+from unittest import mock
+
+import torch
+from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+    NSAKVOffloadPoolSizes,
+    compute_offload_pool_sizes,
+    idle_loc_lru_units,
+    lru_unit_state_bytes,
+)
+from sglang.srt.mem_cache.nsa_kv_offload_units import (
+    IDLE_LOC_UNIT_SOURCE,
+    IdleLocUnitLender,
+    idle_loc_unit_pages,
+)
+from test_nsa_kv_offload_integration import (
+    DEVICE,
+    PAGE,
+    _alloc_extend_patch,
+    _Harness,
+    _make_pool,
+)
+
+
+def setUpModule():
+    if DEVICE == "cpu":
+        _alloc_extend_patch.start()
+
+
+def tearDownModule():
+    if DEVICE == "cpu":
+        _alloc_extend_patch.stop()
+
+
+FP8_ROW_BYTES = 656
+# One page of indexer keys: 64 x (128 fp8 + 4 B scale).
+INDEX_PAGE_BYTES = PAGE * 132
+
+
+def _sizes(num_locs, idle_loc_units, num_regions=2, region_rows=136):
+    return NSAKVOffloadPoolSizes(
+        num_locs=num_locs,
+        num_regions=num_regions,
+        region_rows=region_rows,
+        staging_rows=0,
+        page_size=PAGE,
+        host_capacity_locs=num_locs,
+        idle_loc_units=idle_loc_units,
+    )
+
+
+class TestArena(unittest.TestCase):
+    def test_views_share_one_buffer_per_layer(self):
+        sizes = _sizes(40 * PAGE, idle_loc_units=3)
+        pool = _make_pool(sizes, layer_num=2, kv_fp8=True)
+        self.assertTrue(pool.uses_arena)
+        self.assertEqual(pool.kv_row_bytes, FP8_ROW_BYTES)
+        self.assertEqual(pool.index_page_bytes, INDEX_PAGE_BYTES)
+        for layer in range(2):
+            kv = pool.kv_buffer[layer]
+            keys = pool.index_k_with_scale_buffer[layer]
+            self.assertEqual(keys.shape, (pool.num_index_pages, INDEX_PAGE_BYTES))
+            # Upstream's page count for index_buf_size = num_locs.
+            self.assertEqual(keys.shape[0], (40 * PAGE + PAGE + 1) // PAGE)
+            # Whole pages of KV rows cover every byte of both.
+            self.assertEqual(kv.shape[0] % PAGE, 0)
+            self.assertGreaterEqual(kv.numel() * kv.element_size(), pool.index_end)
+            self.assertEqual(keys.data_ptr(), kv.data_ptr() + pool.index_offset)
+            # The rows upstream allocates end before the first key page.
+            fixed_end = (sizes.kv_pool_size + PAGE) * FP8_ROW_BYTES
+            self.assertLessEqual(fixed_end, pool.index_offset)
+        # A KV row lent from pages 5..15 writes inside those pages' keys.
+        first, end = pool.rows_of_pages(5, 11)
+        self.assertGreaterEqual(end - first, 128)
+        kv_rows = pool.kv_buffer[0].view(torch.uint8).view(-1, FP8_ROW_BYTES)
+        keys = pool.index_k_with_scale_buffer[0]
+        kv_rows[first:end] = 7
+        touched = (keys != 0).any(dim=1).nonzero().flatten().tolist()
+        self.assertEqual(touched[0], 5)
+        self.assertEqual(touched[-1], 15)
+        self.assertTrue(bool((keys[6:15] == 7).all()))
+
+    def test_no_arena_without_idle_loc_units(self):
+        pool = _make_pool(_sizes(16 * PAGE, idle_loc_units=0), 1, kv_fp8=True)
+        self.assertFalse(pool.uses_arena)
+        self.assertEqual(pool.kv_buffer[0].shape[0], pool.size + PAGE)
+        self.assertNotEqual(
+            pool.index_k_with_scale_buffer[0].untyped_storage().data_ptr(),
+            pool.kv_buffer[0].untyped_storage().data_ptr(),
+        )
+
+    def test_unit_pages_hold_a_unit_wherever_the_run_starts(self):
+        pool = _make_pool(_sizes(60 * PAGE, idle_loc_units=1), 1, kv_fp8=True)
+        for unit_rows in (1, 64, 128, 200):
+            n = idle_loc_unit_pages(unit_rows, FP8_ROW_BYTES, INDEX_PAGE_BYTES)
+            for first in range(1, 60 - n):
+                lo, hi = pool.rows_of_pages(first, n)
+                self.assertGreaterEqual(hi - lo, unit_rows, (unit_rows, first))
+                # Every byte of those rows lies in the run's pages.
+                self.assertGreaterEqual(
+                    lo * FP8_ROW_BYTES,
+                    pool.index_offset + first * INDEX_PAGE_BYTES,
+                )
+                self.assertLessEqual(
+                    hi * FP8_ROW_BYTES,
+                    pool.index_offset + (first + n) * INDEX_PAGE_BYTES,
+                )
+
+
+class TestSizing(unittest.TestCase):
+    def test_idle_loc_lru_units(self):
+        # 1000 locs of 132 B keys hold 132000 B: 1 unit of 128 rows x 656 B.
+        self.assertEqual(idle_loc_lru_units(1000, 132, 656, 128, 8, 4), 1)
+        self.assertEqual(idle_loc_lru_units(10**6, 132, 656, 128, 8, 4), 24)
+        self.assertEqual(idle_loc_lru_units(10**6, 132, 656, 128, 8, 4, 20), 4)
+        self.assertEqual(idle_loc_lru_units(10**6, 132, 656, 128, 8, 1), 0)
+
+    def test_state_paid_from_the_locs(self):
+        kwargs = dict(
+            available_bytes=3 << 30,
+            num_layers=4,
+            row_bytes=656,
+            indexer_bytes=132,
+            page_size=PAGE,
+            buffer_size=2048,
+            recent_window=64,
+            num_regions=8,
+            staging_rows=0,
+            host_pool_bytes=1 << 40,
+            max_units=8,
+        )
+        off = compute_offload_pool_sizes(**kwargs)
+        on = compute_offload_pool_sizes(**kwargs, idle_loc_units=True)
+        self.assertEqual(off.idle_loc_units, 0)
+        # 8 slots borrow at most 7 units each; the keys hold more than that.
+        self.assertEqual(on.idle_loc_units, 56)
+        state = 56 * lru_unit_state_bytes(4, 2048, 8)
+        per_loc = 4 * (132 + 2) + 8
+        self.assertLess(on.num_locs, off.num_locs)
+        self.assertLessEqual(off.num_locs - on.num_locs, state // per_loc + 2 * PAGE)
+        self.assertEqual(on.num_locs % PAGE, 0)
+        # Capped locs (the host pool) leave the bytes: no locs given up.
+        capped = dict(kwargs, host_pool_bytes=4 * 656 * 100 * PAGE)
+        self.assertEqual(
+            compute_offload_pool_sizes(**capped, idle_loc_units=True).num_locs,
+            compute_offload_pool_sizes(**capped).num_locs,
+        )
+
+
+def _harness(test, idle_loc_units=6, num_locs=96 * PAGE, seed=0, **kwargs):
+    """PD decode, 2 request slots, no spare regions: with 4 units a request
+    can only grow into the free locs' keys (11 pages per unit of 128 rows)."""
+    return _Harness(
+        test,
+        kv_fp8=True,
+        seed=seed,
+        kv_arrives_in_host=True,
+        num_locs=num_locs,
+        max_units=4,
+        idle_loc_units=idle_loc_units,
+        max_ctx=8192,
+        **kwargs,
+    )
+
+
+class TestIdleLocUnits(unittest.TestCase):
+    def _lent(self, h):
+        return h.controller.units_lent_by(IDLE_LOC_UNIT_SOURCE)
+
+    def test_lent_units_read_exact_kv(self):
+        h = _harness(self, seed=1)
+        lender = h.allocator.idle_loc_lender
+        self.assertIsInstance(lender, IdleLocUnitLender)
+        self.assertEqual(lender.pages_per_unit, 11)
+        a, b = h.new_req(), h.new_req()
+        h.transfer(a, 500)
+        h.transfer(b, 450)
+        free_before = h.allocator.available_size()
+        h.decode_step([a, b], first_step_of=(a, b))
+        # Both requests grew into free locs' keys, the scheduler's view of
+        # free locs unchanged by it.
+        self.assertEqual(h.controller.num_units(a.req_pool_idx), 4)
+        self.assertEqual(h.controller.num_units(b.req_pool_idx), 4)
+        self.assertEqual(self._lent(h), 6)
+        self.assertEqual(h.allocator.available_size(), free_before)
+        rows_end = h.sizes.region_start_row + h.sizes.total_regions * (h.C + h.W)
+        for r in (a, b):
+            for base in h.co.lru.unit_base[r.req_pool_idx, 1:].tolist():
+                self.assertGreaterEqual(base, rows_end)
+        for step in range(12):
+            h.decode_step([a, b], pad_rows=step % 2)
+        self.assertGreater(h.controller.get_stats()["misses"], 0)
+        h.finish(a)
+        h.finish(b)
+        self.assertEqual(self._lent(h), 0)
+        h.check_no_leaks()
+
+    def test_transfers_take_units_back(self):
+        h = _harness(self, seed=2)
+        a, b = h.new_req(), h.new_req()
+        h.transfer(a, 900)
+        h.decode_step([a], first_step_of=(a,))
+        # The free region first (b's admission takes it back), then keys.
+        self.assertEqual(h.controller.num_units(a.req_pool_idx), 4)
+        self.assertEqual(self._lent(h), 2)
+        for _ in range(3):
+            h.decode_step([a])
+        # b's transfer needs pages a's units hold: taken back, then b's keys
+        # land there while a keeps decoding from what it still holds.
+        free_pages = h.allocator.free_page_count()
+        need = -(-3900 // PAGE)
+        self.assertGreater(need, free_pages)
+        with mock.patch.object(
+            h.co, "_wait_producer", wraps=h.co._wait_producer
+        ) as wait:
+            h.transfer(b, 3900)
+        wait.assert_called()
+        self.assertLess(self._lent(h), 2)
+        h.decode_step([a, b], first_step_of=(b,))
+        for _ in range(6):
+            h.decode_step([a, b])
+        h.finish(a)
+        h.finish(b)
+        h.check_no_leaks()
+
+    def test_out_of_locs_is_still_none(self):
+        h = _harness(self, seed=3)
+        a = h.new_req()
+        h.transfer(a, 600)
+        h.decode_step([a], first_step_of=(a,))
+        self.assertGreater(self._lent(h), 0)
+        locs_left = h.allocator.available_size()
+        # One page more than the free and lent locs: nothing is taken.
+        self.assertIsNone(h.allocator.alloc(locs_left + PAGE))
+        self.assertEqual(h.allocator.available_size(), locs_left)
+        h.decode_step([a])
+        h.finish(a)
+        h.check_no_leaks()
+
+    def test_backup_and_restore_keep_lent_runs_out(self):
+        h = _harness(self, seed=4)
+        a = h.new_req()
+        h.transfer(a, 300)
+        state = h.allocator.backup_state()
+        h.decode_step([a], first_step_of=(a,))  # lends runs after the backup
+        lent = h.allocator.idle_loc_lender.lent_page_runs()
+        self.assertTrue(lent)
+        h.allocator.restore_state(state)
+        free = set(h.allocator.free_pages.tolist())
+        for first in lent:
+            run = set(h.allocator.idle_loc_lender.run_pages(first).tolist())
+            self.assertFalse(run & free)
+        # And the other way: a backup while lent, restored after a take-back.
+        state = h.allocator.backup_state()
+        h.co.reclaim_idle_locs(h.allocator.free_page_count() + 1)
+        self.assertLess(len(h.allocator.idle_loc_lender.lent_page_runs()), len(lent))
+        h.allocator.restore_state(state)
+        pages = h.allocator.free_pages.tolist()
+        self.assertEqual(len(pages), len(set(pages)))
+        self.assertEqual(h.allocator.available_size(), h.allocator.size - 5 * PAGE)
+        for _ in range(3):
+            h.decode_step([a])
+        h.finish(a)
+        h.check_no_leaks()
+
+    def _fill_then_decode(self, h, leak):
+        """``a`` grows into free locs' keys, then ``b``'s transfer takes the
+        free list's pages, and both decode. ``leak``: before the transfer the
+        lent runs leak back onto the free list, first in line (what a lender
+        or allocator that lost track of them would do)."""
+        a, b = h.new_req(), h.new_req()
+        h.transfer(a, 300)
+        h.decode_step([a], first_step_of=(a,))
+        self.assertGreater(self._lent(h), 0)
+        if leak:
+            lender = h.allocator.idle_loc_lender
+            runs = [lender.run_pages(p) for p in lender.lent_page_runs()]
+            h.allocator.free_pages = torch.cat(runs + [h.allocator.free_pages])
+        h.transfer(b, h.allocator.free_page_count() * PAGE - 2 * PAGE)
+        h.decode_step([a, b], first_step_of=(b,))
+        for _ in range(6):
+            h.decode_step([a, b])
+        return a, b
+
+    def test_fill_then_decode(self):
+        h = _harness(self, seed=5)
+        a, b = self._fill_then_decode(h, leak=False)
+        h.finish(a)
+        h.finish(b)
+        h.check_no_leaks()
+
+    def test_negative_control_lent_runs_allocated(self):
+        """The same with the lent runs back on the free list: b's transfer
+        writes its keys over a's lent rows, and a decode step reads wrong KV
+        (or finds b's keys overwritten by a's miss copies)."""
+        h = _harness(self, seed=5)
+        with self.assertRaisesRegex(AssertionError, "read wrong KV|were overwritten"):
+            self._fill_then_decode(h, leak=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
