@@ -207,12 +207,13 @@ run_step() {
       # What decides the opt-in settings, in one call: the elastic server
       # (warm units, direct slots, spare regions), the same at 2 units with
       # the flat copy (44/64 at e20c81a, results/units/per_unit_gpu_gate/)
-      # and the CLOCK servers, on the tiny checkpoint side by side (servers,
+      # and the CLOCK servers, and the idle-loc units (ours_fp8_idle_locs), on
+      # the tiny checkpoint side by side (servers,
       # not pytest processes: those time-slice the GPU), resumed from
       # tiny_run6's no-offload outputs. A fault seen in two of three runs
       # needs repeats: call it again (316 s cold, ~175 s warm on an H100).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
-      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_elastic $resume" \
+      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_elastic,ours_fp8_idle_locs $resume" \
         EXACT_ARGS_2="--servers ours_fp8_2units_flat $resume" \
         EXACT_ARGS_3="--servers ours_fp8_clock,ours_fp8_clock_2units_warm $resume" run_step exact
       ;;

@@ -92,6 +92,7 @@ from server_utils import (  # noqa: E402
     ENV_DIRECT_WARM_POSITIONS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
+    ENV_IDLE_LOC_UNITS,
     ENV_SPARE_REGIONS,
     ENV_SWAP_AFTER_ROPE,
     ENV_UNPROVEN_PARALLEL,
@@ -137,6 +138,7 @@ OURS_VARIANT_KINDS = (
     "ours_8units",
     "ours_bounded_warm",
     "ours_elastic",
+    "ours_idle_locs",
     "ours_clock",
     "ours_clock_warm",
     "ours_warm_direct_narrow",
@@ -192,6 +194,7 @@ LABELS = {
     "ours_bounded_warm": "ours, direct warm-up of the newest 2,048 positions",
     "ours_elastic": "ours, elastic settings (warm units + direct slots + spare "
     "regions, 40 units)",
+    "ours_idle_locs": "ours, elastic settings + idle-loc units, 40 units",
     "ours_clock": "ours, CLOCK",
     "ours_clock_warm": "ours, CLOCK + warm units + spare regions, 40 units",
     "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
@@ -826,6 +829,8 @@ VARIANT_ENV = {
     "ours_bounded_warm": {**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "2048"},
     # The elastic settings (server_utils.ELASTIC_ENV), with their units.
     "ours_elastic": ELASTIC_ENV,
+    # And the indexer keys of free locs lent as units (the arena).
+    "ours_idle_locs": {**ELASTIC_ENV, ENV_IDLE_LOC_UNITS: "1"},
     # CLOCK instead of the LRU order: the default's units; with the warm
     # units and spare regions (no direct slots: CLOCK refuses them) and the
     # elastic settings' units.
@@ -839,6 +844,7 @@ VARIANT_MAX_UNITS = {
     "ours_classic": 4,
     "ours_8units": 8,
     "ours_elastic": ELASTIC_RANK_UNITS,
+    "ours_idle_locs": ELASTIC_RANK_UNITS,
     "ours_clock_warm": ELASTIC_RANK_UNITS,
 }
 
@@ -2015,6 +2021,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_8units": "cadetblue",
         "ours_bounded_warm": "darkkhaki",
         "ours_elastic": "crimson",
+        "ours_idle_locs": "chocolate",
         "ours_clock": "indigo",
         "ours_clock_warm": "orchid",
         "ours_warm_direct_narrow": "darkcyan",

@@ -60,14 +60,15 @@ from make_checkpoint import (
     write_checkpoint,
 )
 from server_utils import (
+    BF16_KV_ARGS,
     CLOCK_ENV,
     ELASTIC_ENV,
-    BF16_KV_ARGS,
     ENV_CROSS_LAYER_PREFETCH,
     ENV_DIRECT_SLOTS,
     ENV_DIRECT_WARM_POSITIONS,
     ENV_EARLY_SWAP,
     ENV_GATHER_PROGRAMS,
+    ENV_IDLE_LOC_UNITS,
     ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
     ENV_WARM_UNITS,
@@ -174,6 +175,15 @@ SERVERS = {
     # The elastic settings: 64/64 at e20c81a (then the default), where every
     # tiny prompt fits its units at batch 1.
     "ours_fp8_elastic": dict(offload=ELASTIC_UNITS, env=ELASTIC_ENV, base="base_fp8"),
+    # The elastic settings with idle-loc units instead of spare regions, 2
+    # request slots: a request's units beyond the free region come from the
+    # indexer keys of free locs (the arena; its decode log's "of idle locs").
+    "ours_fp8_idle_locs": dict(
+        offload=ELASTIC_UNITS,
+        env={**ELASTIC_ENV, ENV_SPARE_REGIONS: "0", ENV_IDLE_LOC_UNITS: "1"},
+        max_running=2,
+        base="base_fp8",
+    ),
     # The elastic settings with at most 2 units and the flat copy: the tiny
     # prompts past 8,192 positions walk the LRU over two chunks of per-unit
     # state, beside direct ones (with the tiny context's 10 units every tiny
@@ -643,7 +653,7 @@ def scan_log(path: str) -> dict:
     the run: misses are KV rows copied from host, all layers); the host pools
     the server's processes mapped (bytes per token of each) and their scope."""
     out = {"retractions": 0, "retracted_reqs": 0, "errors": 0, "offload_line": None}
-    misses, prefetched, min_hit, moved = 0, 0, None, None
+    misses, prefetched, min_hit, moved, idle_locs = 0, 0, None, None, None
     pools, ranks_per_pool = [], None
     with open(path, errors="replace") as f:
         for line in f:
@@ -672,10 +682,15 @@ def scan_log(path: str) -> dict:
                 m = UNITS_RE.search(line)
                 if m and m.group(2) is not None:
                     moved = (moved or 0) + int(m.group(2))
+                if m and m.group(3) is not None:
+                    idle_locs = max(idle_locs or 0, int(m.group(3)))
     if min_hit is not None:
         out.update(misses=misses, prefetched=prefetched, min_hit_rate=min_hit)
     if moved is not None:
         out["units_moved"] = moved
+    if idle_locs is not None:
+        # The most units the idle locs' keys lent at once (decode log).
+        out["max_idle_loc_units"] = idle_locs
     if pools:
         out.update(host_pool_bytes_per_token=pools, host_pool_ranks=ranks_per_pool)
     return out

@@ -65,6 +65,7 @@ ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
 ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
+ENV_IDLE_LOC_UNITS = "SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS"
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
 ENV_DIRECT_WARM_POSITIONS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_WARM_POSITIONS"
@@ -80,8 +81,9 @@ ELASTIC_ENV = {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1", ENV_SPARE_REGIONS: "1
 ELASTIC_RANK_UNITS = 40
 # The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
 # since 64f802f the units moved between requests over the log interval.
+# With idle-loc units: how many of them the idle locs' keys lend.
 UNITS_RE = re.compile(
-    r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?(?:, \d+ of idle locs)?\)"
+    r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?(?:, (\d+) of idle locs)?\)"
 )
 # With direct slots: the requests swapping in direct mode (slot = position).
 DIRECT_RE = re.compile(r", direct: (\d+)")

@@ -270,19 +270,10 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
         # Query tokens per request of a target-verify forward (1: no MTP).
         self.max_query_tokens = max_query_tokens
         self.lru = self.controller.lru
-        self._lends_staging = max_units > 1 and allocator.staging.num_pages > 0
-        if self._lends_staging:
-            # Between prefills the staging rows idle: lend them as units.
-            self.controller.add_unit_source(
-                STAGING_UNIT_SOURCE,
-                StagingUnitLender(
-                    allocator.staging, buffer_size, staging_reserve_pages
-                ),
-            )
         self._lends_idle_locs = max_units > 1 and kv_pool.uses_arena
         if self._lends_idle_locs:
-            # The indexer keys of free locs, as KV rows (the arena); last,
-            # since a loc allocation takes them back.
+            # The indexer keys of free locs, as KV rows (the arena): before
+            # the staging, which every prefill takes back.
             allocator.idle_loc_lender = IdleLocUnitLender(
                 allocator, buffer_size, idle_loc_reserve_pages(sizes.num_regions)
             )
@@ -299,6 +290,15 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 sizes.idle_loc_units,
             )
 
+        self._lends_staging = max_units > 1 and allocator.staging.num_pages > 0
+        if self._lends_staging:
+            # Between prefills the staging rows idle: lend them as units.
+            self.controller.add_unit_source(
+                STAGING_UNIT_SOURCE,
+                StagingUnitLender(
+                    allocator.staging, buffer_size, staging_reserve_pages
+                ),
+            )
         # Rows of the batch that are real (CUDA-graph padding rows are inert).
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
         # Target verify: its real query tokens (the write-back count).

@@ -3,11 +3,11 @@
 With ``--nsa-kv-offload-max-units U > 1`` a running request may hold up to
 ``U`` LRU units of ``C`` rows (``docs/ELASTIC_BUFFER.md``). The
 ``SparseCacheController`` borrows them from unit sources, in the order they
-were added: free decode regions first (:class:`RegionUnitSource`), then idle
-prefill staging pages (:class:`StagingUnitLender`, added by the coordinator),
-then the indexer-key memory of idle token locs (:class:`IdleLocUnitLender`,
-with the locs' arena), and gives them back when an admission, a prefill or a
-loc allocation needs the rows.
+were added: free decode regions first (:class:`RegionUnitSource`), then the
+indexer-key memory of free token locs (:class:`IdleLocUnitLender`, with the
+locs' arena), then idle prefill staging pages (:class:`StagingUnitLender`;
+both added by the coordinator), and gives them back when an admission, a loc
+allocation or a prefill needs the rows.
 
 Every source implements :class:`NSAKVOffloadUnitSource` and is known to the
 controller by its name (``REGION_UNIT_SOURCE``, ``STAGING_UNIT_SOURCE``,
