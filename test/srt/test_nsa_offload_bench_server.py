@@ -1397,6 +1397,14 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # bb34380 on an H100 (no H200 came): 32K x 8 at 14 GiB, the default
         # and warm units + direct slots + flat copy (no request direct).
         "rank_speed/run_h100_reported_32k_x8/bench_server_override.json",
+        # 85f8ec9 on an H100: the idle-loc units (ours_idle_locs) at 32K x 8 /
+        # 14 GiB (reported beside the elastic settings, pessimistic beside
+        # HiSparse), 32K x 16 / 30 GiB beside the default; the model's top-k
+        # at 32K x 8 (7 held at once: no P4).
+        "rank_speed/run_h100_idle_locs_reported_32k_x8/bench_server_override.json",
+        "rank_speed/run_h100_idle_locs_pessimistic_32k_x8/bench_server_override.json",
+        "rank_speed/run_h100_idle_locs_reported_32k_x16/bench_server_override.json",
+        "rank_speed/run_h100_idle_locs_model_32k/bench_server_model.json",
     )
 
     def test_every_committed_server_kind_renders(self):

@@ -2130,7 +2130,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     ``p4_itl_overhead_warm_rope``: with the swap after the rope (ours_warm_rope),
     ``p4_itl_overhead_warm_direct``: with direct slots too (ours_warm_direct),
     ``p4_itl_overhead_warm_direct_flat``: and the flat miss copy
-    (ours_warm_direct_flat)."""
+    (ours_warm_direct_flat); ``p4_itl_overhead_idle_locs``: the elastic
+    settings with idle-loc units (ours_idle_locs)."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2143,6 +2144,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_warm_rope": {},
         "p4_itl_overhead_warm_direct": {},
         "p4_itl_overhead_warm_direct_flat": {},
+        "p4_itl_overhead_idle_locs": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2174,6 +2176,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
             ("P4_warm_rope", "p4_itl_overhead_warm_rope"),
             ("P4_warm_direct", "p4_itl_overhead_warm_direct"),
             ("P4_warm_direct_flat", "p4_itl_overhead_warm_direct_flat"),
+            ("P4_idle_locs", "p4_itl_overhead_idle_locs"),
         ):
             if key in targets:
                 speed[out].update(_overheads(targets[key], name + ":"))

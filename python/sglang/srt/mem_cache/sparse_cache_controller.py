@@ -65,7 +65,6 @@ from sglang.srt.mem_cache.nsa_kv_offload_copy import (
 from sglang.srt.mem_cache.nsa_kv_offload_units import (
     IDLE_LOC_UNIT_SOURCE,
     REGION_UNIT_SOURCE,
-    STAGING_UNIT_SOURCE,
     NSAKVOffloadUnitSource,
     RegionUnitSource,
     units_for_context,
@@ -895,9 +894,13 @@ class SparseCacheController:
             "extra_units": sum(len(u) for u in self._req_units.values()),
             # Region units moved from the largest holders to the smallest.
             "units_moved": self.units_moved,
-            # Of those, units lent by idle prefill staging, and by the
-            # indexer keys of free locs (the arena).
-            "extra_units_lent": self.units_lent_by(STAGING_UNIT_SOURCE),
+            # Of those, units lent by the other sources (idle prefill
+            # staging), and by the indexer keys of free locs (the arena).
+            "extra_units_lent": sum(
+                self.units_lent_by(name)
+                for name in self._unit_sources
+                if name not in (REGION_UNIT_SOURCE, IDLE_LOC_UNIT_SOURCE)
+            ),
             "idle_loc_units_lent": self.units_lent_by(IDLE_LOC_UNIT_SOURCE),
             # Requests swapping in direct mode now (slot = position: no LRU
             # walk); a request leaves it on the GPU when it outgrows its slots.
