@@ -10,13 +10,17 @@ integration tests, PD decode: indexer keys written into every transferred
 page): the arena's views and geometry; the sizing; the lender's runs; decode
 steps reading exact KV from lent units while transfers write keys into other
 pages; allocations that take units back; ``backup_state`` /
-``restore_state``; and a negative control: a lender that keeps its run on the
-free list lets a transfer's keys overwrite a lent unit, and the checks fail.
+``restore_state``; a negative control: lent runs put back on the free list
+let a transfer's keys overwrite a lent unit, and the checks fail; and the
+integration tests' lifecycles (colocated with staging, PD decode with
+retraction) with the idle-loc units on.
 """
 
+import functools
 import unittest
 from unittest import mock
 
+import test_nsa_kv_offload_integration as integration
 import torch
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadPoolSizes,
@@ -29,24 +33,15 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
     IdleLocUnitLender,
     idle_loc_unit_pages,
 )
-from test_nsa_kv_offload_integration import (
-    DEVICE,
+from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
     PAGE,
-    _alloc_extend_patch,
+    TestOffloadLifecycleDefaults,
+    TestPDDecodeLifecycleDefaults,
     _Harness,
     _make_pool,
+    setUpModule,
+    tearDownModule,
 )
-
-
-def setUpModule():
-    if DEVICE == "cpu":
-        _alloc_extend_patch.start()
-
-
-def tearDownModule():
-    if DEVICE == "cpu":
-        _alloc_extend_patch.stop()
-
 
 FP8_ROW_BYTES = 656
 # One page of indexer keys: 64 x (128 fp8 + 4 B scale).
@@ -312,6 +307,57 @@ class TestIdleLocUnits(unittest.TestCase):
         h = _harness(self, seed=5)
         with self.assertRaisesRegex(AssertionError, "read wrong KV|were overwritten"):
             self._fill_then_decode(h, leak=True)
+
+
+class _IdleLocLifecycles:
+    """Every ``_Harness`` the integration tests build gets the arena and locs
+    enough to lend (64 pages: 11 per unit of 128 rows). The tests named in
+    ``LENDING_TESTS`` must lend units from idle locs (else they would test
+    nothing new)."""
+
+    LENDING_TESTS = ()
+
+    def setUp(self):
+        super().setUp()
+        lent = []
+
+        def counted_lend_run(lender, first_page):
+            lent.append(first_page)
+            return _LEND_RUN(lender, first_page)
+
+        for patcher in (
+            mock.patch.object(
+                integration,
+                "_Harness",
+                functools.partial(_Harness, idle_loc_units=6, num_locs=64 * PAGE),
+            ),
+            mock.patch.object(IdleLocUnitLender, "_lend_run", counted_lend_run),
+        ):
+            patcher.start()
+            self.addCleanup(patcher.stop)
+        if self._testMethodName in self.LENDING_TESTS:
+            self.addCleanup(lambda: self.assertTrue(lent, "no unit lent by idle locs"))
+
+
+_LEND_RUN = IdleLocUnitLender._lend_run
+
+
+class TestOffloadLifecycleIdleLocs(_IdleLocLifecycles, TestOffloadLifecycleDefaults):
+    """Colocated lifecycles (prefill staging, admission, decode, finish) with
+    idle-loc units: asked after the free regions, before the staging."""
+
+    LENDING_TESTS = (
+        "test_lifecycle_bf16",
+        "test_lifecycle_fp8",
+        "test_finish_at_prefill",
+    )
+
+
+class TestPDDecodeLifecycleIdleLocs(_IdleLocLifecycles, TestPDDecodeLifecycleDefaults):
+    """PD decode lifecycles, retraction and resume included, with idle-loc
+    units."""
+
+    LENDING_TESTS = ("test_retract_and_resume",)
 
 
 if __name__ == "__main__":

@@ -589,10 +589,11 @@ class TestServerArgsToPools(TinyConfigDirCase):
         with self.assertRaises(RuntimeError):
             configurator.compute_sizes(1 << 20, PAGE)
 
-    def _resolved_pools(self, env=None):
+    def _resolved_pools(self, env=None, **overrides):
         """Pools, allocator and coordinator as ModelRunner builds them, with
-        ``env`` set while the configurator reads it (host-bound: 0.01 GB)."""
-        args = self._server_args()
+        ``env`` set while the configurator reads it (host-bound: 0.01 GB
+        unless ``overrides`` of the server args say otherwise)."""
+        args = self._server_args(**overrides)
         mr = self._model_runner(args, 256 << 20)
         with mock.patch.dict(os.environ, env or {}):
             config = mr._resolve_memory_pool_config(0)
@@ -716,6 +717,43 @@ class TestServerArgsToPools(TinyConfigDirCase):
         )
         self.assertTrue(any("6 spare regions" in x for x in logs), logs)
         self.assertEqual(controller.idle_leaks(), [])
+
+    def test_idle_loc_units(self):
+        # A 0.1 GB host pool: 832 pages of locs, whose indexer keys hold 5
+        # units of 2,048 fp8 rows (160 pages each); the 2 request slots could
+        # borrow 6. Off (unset): upstream's buffers, no lender.
+        big = dict(nsa_kv_offload_host_pool_gb=0.1, nsa_kv_offload_gpu_buffer_size=2048)
+        env = "SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS"
+        plain = self._resolved_pools({env: ""}, **big)
+        self.assertEqual(plain[1].idle_loc_units, 0)
+        self.assertFalse(plain[0].token_to_kv_pool.uses_arena)
+        self.assertIsNone(plain[0].token_to_kv_pool_allocator.idle_loc_lender)
+        mr, sizes, coordinator, logs = self._resolved_pools({env: "1"}, **big)
+        self.assertEqual(sizes.idle_loc_units, 5)
+        self.assertEqual(sizes.num_locs, plain[1].num_locs)  # host-bound
+        pool, allocator = mr.token_to_kv_pool, mr.token_to_kv_pool_allocator
+        self.assertTrue(pool.uses_arena)
+        keys = pool.index_k_with_scale_buffer[0]
+        self.assertEqual(
+            keys.shape, plain[0].token_to_kv_pool.index_k_with_scale_buffer[0].shape
+        )
+        self.assertEqual(
+            keys.data_ptr(), pool.kv_buffer[0].data_ptr() + pool.index_offset
+        )
+        lender = allocator.idle_loc_lender
+        self.assertEqual(lender.pages_per_unit, 160)
+        # LRU state: the 2 regions, the staging's units (4) and the 5.
+        staging = staging_lru_units(sizes.staging_rows, PAGE, 2048, 4)
+        self.assertEqual(coordinator.controller.lru.num_units, 2 + staging + 5)
+        self.assertTrue(any("idle token locs lent as units" in x for x in logs), logs)
+        # Lent runs stay free to the scheduler.
+        free = allocator.available_size()
+        base = lender.take()
+        self.assertIsNotNone(base)
+        self.assertEqual(allocator.available_size(), free)
+        self.assertEqual(allocator.free_page_count() * PAGE, free - 160 * PAGE)
+        lender.give(base)
+        self.assertEqual(allocator.free_page_count() * PAGE, free)
 
 
 # ---------------------------------------------------------- small components

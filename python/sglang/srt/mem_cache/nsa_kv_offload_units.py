@@ -16,7 +16,7 @@ controller by its name (``REGION_UNIT_SOURCE``, ``STAGING_UNIT_SOURCE``,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, List, Optional, Protocol
 
 import torch
 
@@ -79,43 +79,75 @@ class RegionUnitSource:
         self.regions.free(base)
 
 
-class StagingUnitLender:
+class _PageRunLender:
+    """Lends runs of ``pages_per_unit`` free pages as units, the highest run
+    first, keeping ``reserve_pages`` free. Subclasses say where the free
+    list is and which row a run starts."""
+
+    def __init__(self, pages_per_unit: int, reserve_pages: int):
+        self.pages_per_unit = pages_per_unit
+        self.reserve_pages = reserve_pages
+        # Free page count at which the last search found no run: no new
+        # search (a host read of the free list) until the count changes.
+        self._no_run_at = None
+
+    def _free_page_count(self) -> int:
+        raise NotImplementedError
+
+    def _free_pages(self) -> List[int]:
+        raise NotImplementedError
+
+    def _set_free_pages(self, pages: List[int]) -> None:
+        raise NotImplementedError
+
+    def _lend_run(self, first_page: int) -> int:
+        """Record the run from ``first_page`` as lent; its unit's first row."""
+        raise NotImplementedError
+
+    def available(self) -> bool:
+        free = self._free_page_count()
+        if free == self._no_run_at:
+            return False
+        return free - self.reserve_pages >= self.pages_per_unit
+
+    def take(self) -> Optional[int]:
+        """First row of a unit in the highest run of free pages, or None.
+        Reads the free list on the host: only called while rebalancing."""
+        if not self.available():
+            return None
+        n = self.pages_per_unit
+        free = sorted(self._free_pages())
+        for end in range(len(free) - 1, n - 2, -1):
+            if free[end] - free[end - n + 1] == n - 1:
+                self._set_free_pages(free[: end - n + 1] + free[end + 1 :])
+                return self._lend_run(free[end - n + 1])
+        self._no_run_at = len(free)
+        return None
+
+
+class StagingUnitLender(_PageRunLender):
     """Lends runs of idle prefill staging pages as extra LRU units
     (``SparseCacheController.add_unit_source``), keeping ``reserve_pages``
     free for the next prefills; the allocator takes units back when a
     prefill needs their pages."""
 
     def __init__(self, staging: StagingRowAllocator, unit_rows: int, reserve_pages):
+        super().__init__(unit_pages(unit_rows, staging.page_size), reserve_pages)
         self.staging = staging
-        self.pages_per_unit = unit_pages(unit_rows, staging.page_size)
-        self.reserve_pages = reserve_pages
-        # Free page count at which the last search found no run: no new
-        # search (a host read of the free list) until the count changes.
-        self._no_run_at = None
 
-    def available(self) -> bool:
-        free = self.staging.available_pages()
-        if free == self._no_run_at:
-            return False
-        return free - self.reserve_pages >= self.pages_per_unit
+    def _free_page_count(self) -> int:
+        return self.staging.available_pages()
 
-    def take(self) -> Optional[int]:
-        """First row of a run of free pages (the highest run), or None.
-        Reads the free list on the host: only called while rebalancing."""
-        if not self.available():
-            return None
-        n = self.pages_per_unit
-        free = sorted(self.staging.free_pages.tolist())
-        for end in range(len(free) - 1, n - 2, -1):
-            if free[end] - free[end - n + 1] == n - 1:
-                first = free[end - n + 1]
-                rest = free[: end - n + 1] + free[end + 1 :]
-                self.staging.free_pages = torch.tensor(
-                    rest, dtype=torch.int64, device=self.staging.device
-                )
-                return self.staging.start_row + first * self.staging.page_size
-        self._no_run_at = len(free)
-        return None
+    def _free_pages(self) -> List[int]:
+        return self.staging.free_pages.tolist()
+
+    def _set_free_pages(self, pages: List[int]) -> None:
+        self.staging.free_pages = torch.tensor(
+            pages, dtype=torch.int64, device=self.staging.device
+        )
+
+    def _lend_run(self, first_page: int) -> int:
+        return self.staging.start_row + first_page * self.staging.page_size
 
     def give(self, base: int) -> None:
         first = (base - self.staging.start_row) // self.staging.page_size
@@ -142,7 +174,7 @@ def idle_loc_reserve_pages(num_regions: int) -> int:
     return 2 * num_regions
 
 
-class IdleLocUnitLender:
+class IdleLocUnitLender(_PageRunLender):
     """Lends the indexer-key memory of free token-loc pages as extra LRU units.
 
     With the arena (``NSAKVOffloadPoolSizes.idle_loc_units``) each layer's KV
@@ -152,7 +184,8 @@ class IdleLocUnitLender:
     free for the scheduler and takes units back when an allocation needs the
     pages (``NSAKVOffloadTokenToKVPoolAllocator``). ``reserve_pages`` stay free
     for the next decode steps' pages, so that a step rarely waits for a
-    take-back."""
+    take-back. The allocator hands out low pages first, so the highest runs
+    stay free longest."""
 
     def __init__(
         self,
@@ -161,16 +194,14 @@ class IdleLocUnitLender:
         reserve_pages: int,
     ):
         pool = allocator.get_kvcache()
-        self.allocator = allocator
-        self.unit_rows = unit_rows
-        self.pages_per_unit = idle_loc_unit_pages(
-            unit_rows, pool.kv_row_bytes, pool.index_page_bytes
+        super().__init__(
+            idle_loc_unit_pages(unit_rows, pool.kv_row_bytes, pool.index_page_bytes),
+            reserve_pages,
         )
-        self.reserve_pages = reserve_pages
+        self.allocator = allocator
         self._rows_of_pages = pool.rows_of_pages
         # First page of each lent run, by the unit's first row.
         self._lent = {}
-        self._no_run_at = None
 
     def lent_pages(self) -> int:
         return len(self._lent) * self.pages_per_unit
@@ -187,35 +218,22 @@ class IdleLocUnitLender:
             device=self.allocator.device,
         )
 
-    def available(self) -> bool:
-        free = self.allocator.free_page_count()
-        if free == self._no_run_at:
-            return False
-        return free - self.reserve_pages >= self.pages_per_unit
+    def _free_page_count(self) -> int:
+        return self.allocator.free_page_count()
 
-    def take(self) -> Optional[int]:
-        """First row of a unit in the highest run of free pages, or None (the
-        allocator hands out low pages first). Reads the free list on the
-        host: only called while rebalancing."""
-        if not self.available():
-            return None
-        allocator, n = self.allocator, self.pages_per_unit
-        allocator.merge_and_sort_free()
-        free = allocator.free_pages.tolist()
-        free.sort()
-        for end in range(len(free) - 1, n - 2, -1):
-            if free[end] - free[end - n + 1] == n - 1:
-                first = free[end - n + 1]
-                allocator.free_pages = torch.tensor(
-                    free[: end - n + 1] + free[end + 1 :],
-                    dtype=torch.int64,
-                    device=allocator.device,
-                )
-                base, _ = self._rows_of_pages(first, n)
-                self._lent[base] = first
-                return base
-        self._no_run_at = len(free)
-        return None
+    def _free_pages(self) -> List[int]:
+        self.allocator.merge_and_sort_free()
+        return self.allocator.free_pages.tolist()
+
+    def _set_free_pages(self, pages: List[int]) -> None:
+        self.allocator.free_pages = torch.tensor(
+            pages, dtype=torch.int64, device=self.allocator.device
+        )
+
+    def _lend_run(self, first_page: int) -> int:
+        base, _ = self._rows_of_pages(first_page, self.pages_per_unit)
+        self._lent[base] = first_page
+        return base
 
     def give(self, base: int) -> None:
         first = self._lent.pop(base)
