@@ -289,7 +289,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 allocator.idle_loc_lender.pages_per_unit,
                 sizes.idle_loc_units,
             )
-
         self._lends_staging = max_units > 1 and allocator.staging.num_pages > 0
         if self._lends_staging:
             # Between prefills the staging rows idle: lend them as units.
@@ -299,6 +298,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                     allocator.staging, buffer_size, staging_reserve_pages
                 ),
             )
+
         # Rows of the batch that are real (CUDA-graph padding rows are inert).
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
         # Target verify: its real query tokens (the write-back count).

@@ -291,23 +291,21 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         for first in sorted(lent_then - lent_now):
             self.return_pages(lender.run_pages(first))
 
-    def _alloc_or_reclaim(self, alloc, num_pages: int):
-        """``alloc()``, after taking lent units back when fewer than its
-        ``num_pages`` pages are free (upstream's kernels read ``num_pages``
+    def _alloc_or_reclaim(self, alloc, num_pages):
+        """``alloc()``, after taking lent units back when fewer pages are free
+        than it needs (``num_pages()``; upstream's kernels read that many
         entries of the free list before they check its length)."""
         offload = self.nsa_kv_offload
-        if (
-            self.idle_loc_lender is not None
-            and offload is not None
-            and num_pages > self.free_page_count()
-        ):
-            offload.reclaim_idle_locs(num_pages)
+        if self.idle_loc_lender is not None and offload is not None:
+            needed = num_pages()
+            if needed > self.free_page_count():
+                offload.reclaim_idle_locs(needed)
         return alloc()
 
     def alloc(self, need_size: int):
         return self._alloc_or_reclaim(
             lambda: super(NSAKVOffloadTokenToKVPoolAllocator, self).alloc(need_size),
-            need_size // self.page_size,
+            lambda: need_size // self.page_size,
         )
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
@@ -315,7 +313,7 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             lambda: super(NSAKVOffloadTokenToKVPoolAllocator, self).alloc_decode(
                 seq_lens, seq_lens_cpu, last_loc
             ),
-            get_num_new_pages(
+            lambda: get_num_new_pages(
                 seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True
             ),
         )
@@ -342,7 +340,7 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
                 *args,
                 **kwargs,
             ),
-            get_num_new_pages(
+            lambda: get_num_new_pages(
                 seq_lens=seq_lens_cpu,
                 page_size=self.page_size,
                 prefix_lens=prefix_lens_cpu,
