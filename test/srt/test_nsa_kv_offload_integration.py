@@ -754,6 +754,15 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(allocator.free_page_count() * PAGE, free - 160 * PAGE)
         lender.give(base)
         self.assertEqual(allocator.free_page_count() * PAGE, free)
+        # The variable set where nothing can be lent: no arena, and the log
+        # says why (0.01 GB of locs' keys hold no unit of 4,096 rows).
+        with self.assertLogs(
+            "sglang.srt.mem_cache.nsa_kv_offload_pool", "WARNING"
+        ) as warned:
+            none = self._resolved_pools({env: "1"})
+        self.assertEqual(none[1].idle_loc_units, 0)
+        self.assertFalse(none[0].token_to_kv_pool.uses_arena)
+        self.assertIn("lends nothing here: the locs' indexer keys", warned.output[0])
 
 
 # ---------------------------------------------------------- small components

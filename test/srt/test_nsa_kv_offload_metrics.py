@@ -28,6 +28,7 @@ def interval(**over):
         regions_total=4,
         extra_units=2,
         direct_requests=1,
+        idle_loc_units_lent=1,
         staging_used_rows=64,
         staging_total_rows=640,
     )
@@ -57,6 +58,7 @@ class TestNSAKVOffloadMetrics(unittest.TestCase):
         self.assertEqual(self.value("decode_regions_used"), 3)
         self.assertEqual(self.value("decode_regions_total"), 4)
         self.assertEqual(self.value("extra_units_used"), 2)
+        self.assertEqual(self.value("idle_loc_units_used"), 1)
         self.assertEqual(self.value("direct_requests"), 1)
         self.assertEqual(self.value("staging_rows_used"), 64)
         self.assertEqual(self.value("staging_rows_total"), 640)

@@ -914,6 +914,20 @@ class NSAKVOffloadPoolConfigurator:
         self._num_regions_resolved = sizes.num_regions
         self._spare_regions_resolved = sizes.num_spare_regions
         self._idle_loc_units_resolved = sizes.idle_loc_units
+        if self.idle_loc_units and not sizes.idle_loc_units:
+            from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_IDLE_LOC_UNITS
+
+            logger.warning(
+                "NSA KV offload: %s=1 lends nothing here: %s.",
+                ENV_IDLE_LOC_UNITS,
+                (
+                    "a request holds one unit (--nsa-kv-offload-max-units 1)"
+                    if self.max_units <= 1
+                    else "the locs' indexer keys hold no unit of "
+                    f"{self.buffer_size} rows, or the spare regions give the "
+                    "request slots every unit they can hold"
+                ),
+            )
         return NSAKVOffloadMemoryPoolConfig(
             max_total_num_tokens=sizes.num_locs,
             max_running_requests=sizes.num_regions,

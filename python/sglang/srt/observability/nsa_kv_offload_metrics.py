@@ -65,7 +65,14 @@ _GAUGES = (
         "extra_units_used",
         "extra_units_used",
         "extra_units",
-        "Extra LRU units lent to running requests (idle regions and staging).",
+        "Extra LRU units lent to running requests (idle regions, idle locs "
+        "and staging).",
+    ),
+    (
+        "idle_loc_units_used",
+        "idle_loc_units_used",
+        "idle_loc_units_lent",
+        "Of those, units lent by the indexer keys of free token locs.",
     ),
     (
         "direct_requests",
