@@ -35,8 +35,6 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
 )
 from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
     PAGE,
-    TestOffloadLifecycleDefaults,
-    TestPDDecodeLifecycleDefaults,
     _Harness,
     _make_pool,
     setUpModule,
@@ -342,7 +340,11 @@ class _IdleLocLifecycles:
 _LEND_RUN = IdleLocUnitLender._lend_run
 
 
-class TestOffloadLifecycleIdleLocs(_IdleLocLifecycles, TestOffloadLifecycleDefaults):
+# Through the module: imported under their own names, pytest would run the
+# integration tests' classes here a second time.
+class TestOffloadLifecycleIdleLocs(
+    _IdleLocLifecycles, integration.TestOffloadLifecycleDefaults
+):
     """Colocated lifecycles (prefill staging, admission, decode, finish) with
     idle-loc units: asked after the free regions, before the staging."""
 
@@ -353,7 +355,9 @@ class TestOffloadLifecycleIdleLocs(_IdleLocLifecycles, TestOffloadLifecycleDefau
     )
 
 
-class TestPDDecodeLifecycleIdleLocs(_IdleLocLifecycles, TestPDDecodeLifecycleDefaults):
+class TestPDDecodeLifecycleIdleLocs(
+    _IdleLocLifecycles, integration.TestPDDecodeLifecycleDefaults
+):
     """PD decode lifecycles, retraction and resume included, with idle-loc
     units."""
 
