@@ -232,6 +232,25 @@ class TestIdleLocUnits(unittest.TestCase):
         h.finish(b)
         h.check_no_leaks()
 
+    def test_full_load_takes_every_unit_back(self):
+        """Capacity is the locs': a transfer that takes all but the decode
+        pages of the locs free to the scheduler gets them, every idle-loc
+        unit back, and both requests decode exactly."""
+        h = _harness(self, seed=6)
+        a, b = h.new_req(), h.new_req()
+        h.transfer(a, 700)
+        h.decode_step([a], first_step_of=(a,))
+        self.assertEqual(self._lent(h), 2)
+        h.transfer(b, h.allocator.available_size() - 2 * PAGE)
+        self.assertEqual(self._lent(h), 0)
+        self.assertEqual(h.allocator.available_size(), 2 * PAGE)
+        h.decode_step([a, b], first_step_of=(b,))
+        for _ in range(4):
+            h.decode_step([a, b])
+        h.finish(a)
+        h.finish(b)
+        h.check_no_leaks()
+
     def test_out_of_locs_is_still_none(self):
         h = _harness(self, seed=3)
         a = h.new_req()
