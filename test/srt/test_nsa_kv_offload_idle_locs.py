@@ -139,7 +139,7 @@ class TestSizing(unittest.TestCase):
             max_units=8,
         )
         off = compute_offload_pool_sizes(**kwargs)
-        on = compute_offload_pool_sizes(**kwargs, idle_loc_units=True)
+        on = compute_offload_pool_sizes(**kwargs, lend_idle_locs=True)
         self.assertEqual(off.idle_loc_units, 0)
         # 8 slots borrow at most 7 units each; the keys hold more than that.
         self.assertEqual(on.idle_loc_units, 56)
@@ -151,7 +151,7 @@ class TestSizing(unittest.TestCase):
         # Capped locs (the host pool) leave the bytes: no locs given up.
         capped = dict(kwargs, host_pool_bytes=4 * 656 * 100 * PAGE)
         self.assertEqual(
-            compute_offload_pool_sizes(**capped, idle_loc_units=True).num_locs,
+            compute_offload_pool_sizes(**capped, lend_idle_locs=True).num_locs,
             compute_offload_pool_sizes(**capped).num_locs,
         )
 

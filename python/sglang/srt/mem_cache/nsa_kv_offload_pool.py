@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def nsa_indexer_bytes(index_head_dim: int) -> int:
+    """Bytes of one token's indexer key in a layer, as ``NSATokenToKVPool``
+    stores them: fp8 keys, then an fp32 scale per quantization block."""
+    return index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
+
+
 class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
     """``NSATokenToKVPool`` whose KV rows are addressed through ``loc_to_row``.
 
@@ -61,11 +67,7 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
         self.sizes = sizes
         self.num_locs = size
         self.num_gpu_rows = num_gpu_rows
-        index_head_dim = kwargs["index_head_dim"]
-        # One page of indexer keys: fp8 keys, then an fp32 scale per block.
-        self.index_page_bytes = page_size * (
-            index_head_dim + index_head_dim // self.quant_block_size * 4
-        )
+        self.index_page_bytes = page_size * nsa_indexer_bytes(kwargs["index_head_dim"])
         # Upstream's page count for index_buf_size = size.
         self.num_index_pages = (size + page_size + 1) // page_size
         # The arena: each layer's KV rows and indexer keys in one buffer, so
@@ -671,7 +673,7 @@ def compute_offload_pool_sizes(
     draft_bytes_per_loc: int = 0,
     spare_regions: bool = False,
     swap_scratch_bytes: int = 0,
-    idle_loc_units: bool = False,
+    lend_idle_locs: bool = False,
 ) -> NSAKVOffloadPoolSizes:
     """Split ``available_bytes`` between fixed costs (regions, staging) and
     logical token locs, and cap the locs by what the host pool holds.
@@ -679,7 +681,7 @@ def compute_offload_pool_sizes(
     stays whole on the GPU, one row per token loc). ``spare_regions``: bytes
     the capped locs leave go to spare regions (``spare_region_count``).
     ``swap_scratch_bytes``: the LRU swap's per-batch-row scratch
-    (``TritonLRUSwap.scratch_bytes``), a fixed cost. ``idle_loc_units``: the
+    (``TritonLRUSwap.scratch_bytes``), a fixed cost. ``lend_idle_locs``: the
     locs' indexer keys may be lent as units (``idle_loc_lru_units`` units of
     LRU state, paid from the locs' share)."""
     staging_rows = _round_up(staging_rows, page_size)
@@ -722,7 +724,7 @@ def compute_offload_pool_sizes(
             max_units,
         )
     num_idle_loc_units = 0
-    if idle_loc_units:
+    if lend_idle_locs:
         num_idle_loc_units = idle_loc_lru_units(
             num_locs,
             num_layers * indexer_bytes,
@@ -786,9 +788,7 @@ class NSAKVOffloadPoolConfigurator:
             mr.kv_cache_dtype
         )
         index_head_dim = get_nsa_index_head_dim(mr.model_config.hf_config)
-        self.indexer_bytes = (
-            index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
-        )
+        self.indexer_bytes = nsa_indexer_bytes(index_head_dim)
         # The KV row sglang's pool sizing counts (see sglang_pool_footprint).
         mc = mr.model_config
         self.nominal_row_bytes = (
@@ -819,7 +819,7 @@ class NSAKVOffloadPoolConfigurator:
         )
         self.spare_regions = spare_regions_enabled()
         self._spare_regions_resolved = 0
-        self.idle_loc_units = idle_loc_units_enabled()
+        self.lend_idle_locs = idle_loc_units_enabled()
         self._idle_loc_units_resolved = 0
         # The swap's scratch rows and width, as the coordinator sizes them.
         self.server_args = sa
@@ -866,7 +866,7 @@ class NSAKVOffloadPoolConfigurator:
             draft_bytes_per_loc=self.draft_bytes_per_loc,
             spare_regions=self.spare_regions,
             swap_scratch_bytes=self.swap_scratch_bytes(num_regions),
-            idle_loc_units=self.idle_loc_units,
+            lend_idle_locs=self.lend_idle_locs,
         )
         sizes.geometry = self.geometry
         return sizes
@@ -914,7 +914,7 @@ class NSAKVOffloadPoolConfigurator:
         self._num_regions_resolved = sizes.num_regions
         self._spare_regions_resolved = sizes.num_spare_regions
         self._idle_loc_units_resolved = sizes.idle_loc_units
-        if self.idle_loc_units and not sizes.idle_loc_units:
+        if self.lend_idle_locs and not sizes.idle_loc_units:
             from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_IDLE_LOC_UNITS
 
             logger.warning(

@@ -84,9 +84,10 @@ class _PageRunLender:
     first, keeping ``reserve_pages`` free. Subclasses say where the free
     list is and which row a run starts."""
 
-    def __init__(self, pages_per_unit: int, reserve_pages: int):
+    def __init__(self, pages_per_unit: int, reserve_pages: int, device):
         self.pages_per_unit = pages_per_unit
         self.reserve_pages = reserve_pages
+        self.device = device
         # Free page count at which the last search found no run: no new
         # search (a host read of the free list) until the count changes.
         self._no_run_at = None
@@ -103,6 +104,15 @@ class _PageRunLender:
     def _lend_run(self, first_page: int) -> int:
         """Record the run from ``first_page`` as lent; its unit's first row."""
         raise NotImplementedError
+
+    def run_pages(self, first_page: int) -> torch.Tensor:
+        """The pages of the run from ``first_page``."""
+        return torch.arange(
+            first_page,
+            first_page + self.pages_per_unit,
+            dtype=torch.int64,
+            device=self.device,
+        )
 
     def available(self) -> bool:
         free = self._free_page_count()
@@ -132,7 +142,9 @@ class StagingUnitLender(_PageRunLender):
     prefill needs their pages."""
 
     def __init__(self, staging: StagingRowAllocator, unit_rows: int, reserve_pages):
-        super().__init__(unit_pages(unit_rows, staging.page_size), reserve_pages)
+        super().__init__(
+            unit_pages(unit_rows, staging.page_size), reserve_pages, staging.device
+        )
         self.staging = staging
 
     def _free_page_count(self) -> int:
@@ -143,7 +155,7 @@ class StagingUnitLender(_PageRunLender):
 
     def _set_free_pages(self, pages: List[int]) -> None:
         self.staging.free_pages = torch.tensor(
-            pages, dtype=torch.int64, device=self.staging.device
+            pages, dtype=torch.int64, device=self.device
         )
 
     def _lend_run(self, first_page: int) -> int:
@@ -151,14 +163,7 @@ class StagingUnitLender(_PageRunLender):
 
     def give(self, base: int) -> None:
         first = (base - self.staging.start_row) // self.staging.page_size
-        self.staging.free(
-            torch.arange(
-                first,
-                first + self.pages_per_unit,
-                dtype=torch.int64,
-                device=self.staging.device,
-            )
-        )
+        self.staging.free(self.run_pages(first))
 
 
 def idle_loc_unit_pages(unit_rows: int, row_bytes: int, index_page_bytes: int) -> int:
@@ -197,6 +202,7 @@ class IdleLocUnitLender(_PageRunLender):
         super().__init__(
             idle_loc_unit_pages(unit_rows, pool.kv_row_bytes, pool.index_page_bytes),
             reserve_pages,
+            allocator.device,
         )
         self.allocator = allocator
         self._rows_of_pages = pool.rows_of_pages
@@ -210,14 +216,6 @@ class IdleLocUnitLender(_PageRunLender):
         """First pages of the runs lent now (``backup_state`` keeps them)."""
         return frozenset(self._lent.values())
 
-    def run_pages(self, first_page: int) -> torch.Tensor:
-        return torch.arange(
-            first_page,
-            first_page + self.pages_per_unit,
-            dtype=torch.int64,
-            device=self.allocator.device,
-        )
-
     def _free_page_count(self) -> int:
         return self.allocator.free_page_count()
 
@@ -227,7 +225,7 @@ class IdleLocUnitLender(_PageRunLender):
 
     def _set_free_pages(self, pages: List[int]) -> None:
         self.allocator.free_pages = torch.tensor(
-            pages, dtype=torch.int64, device=self.allocator.device
+            pages, dtype=torch.int64, device=self.device
         )
 
     def _lend_run(self, first_page: int) -> int:
