@@ -1405,6 +1405,12 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_speed/run_h100_idle_locs_pessimistic_32k_x8/bench_server_override.json",
         "rank_speed/run_h100_idle_locs_reported_32k_x16/bench_server_override.json",
         "rank_speed/run_h100_idle_locs_model_32k/bench_server_model.json",
+        # 5eeef49 on an H100, 14 GiB: the idle-loc units at 32K / 64K x 1 / 4
+        # and 128K x 1 / 2 beside HiSparse (128K also beside the default), the
+        # pessimistic trace at 128K x 1 / 2.
+        "rank_speed/run_h100_idle_locs_reported_32k_64k/bench_server_override.json",
+        "rank_speed/run_h100_idle_locs_reported_128k/bench_server_override.json",
+        "rank_speed/run_h100_idle_locs_pessimistic_128k/bench_server_override.json",
     )
 
     def test_every_committed_server_kind_renders(self):
