@@ -1302,6 +1302,164 @@ if __name__ == "__main__":
     unittest.main()
 
 
+class TestChurn(unittest.TestCase):
+    """--churn: requests coming and going, so that the admissions' stalls
+    reach the measured ITL."""
+
+    @staticmethod
+    def request(t_send, first, steps, step_s=0.010, stall_at=None, stall_s=0.0):
+        """A request's (time, tokens) chunks: its first token at ``first``,
+        then one every ``step_s``; the gap before token ``stall_at`` longer
+        by ``stall_s`` (an admission's copy stalling the batch)."""
+        chunks, t = [(first, 1)], first
+        for n in range(2, steps + 1):
+            t += step_s + (stall_s if n == stall_at else 0.0)
+            chunks.append((t, n))
+        return {"t_send": t_send, "chunks": chunks}
+
+    def test_first_wave_ends_staggered(self):
+        firsts = [bench_server.churn_new_tokens(160, 4, i, 0) for i in range(4)]
+        self.assertEqual(firsts, [40, 80, 120, 160])
+        self.assertEqual(bench_server.churn_new_tokens(160, 4, 0, 1), 160)
+        self.assertEqual(bench_server.churn_new_tokens(3, 8, 0, 0), 1)
+
+    def clients(self, stall_s):
+        # Client 0: a short first request, then a second one admitted at
+        # 0.5 s whose copy stalls client 1 (its 50th token) by stall_s.
+        first = self.request(0.0, 0.1, 30)
+        second = self.request(0.45, 0.5, 100)
+        other = self.request(0.0, 0.1, 150, stall_at=50, stall_s=stall_s)
+        return [[first, second], [other]]
+
+    def test_metrics_count_an_admission_stall(self):
+        calm = bench_server.churn_client_metrics(self.clients(0.0), 3)
+        stalled = bench_server.churn_client_metrics(self.clients(0.1), 3)
+        for m in (calm, stalled):
+            self.assertEqual((m["requests_ok"], m["requests"]), (3, 3))
+            # Sent inside the window (after every client's first token): one.
+            self.assertEqual(m["admissions"], 1)
+            self.assertAlmostEqual(m["ttft_s_median"], 0.05)
+            self.assertAlmostEqual(m["itl_ms_p50"], 10.0, places=6)
+        self.assertAlmostEqual(calm["itl_ms_max"], 10.0, places=6)
+        self.assertAlmostEqual(stalled["itl_ms_max"], 110.0, places=6)
+        self.assertGreater(stalled["itl_ms_mean"], calm["itl_ms_mean"])
+        self.assertLess(stalled["throughput_tok_s"], calm["throughput_tok_s"])
+        # The window ends when the first client is done (client 0 at 1.49 s).
+        self.assertAlmostEqual(calm["window_s"], 0.5 + 0.99 - 0.1)
+
+    def test_metrics_need_every_client(self):
+        m = bench_server.churn_client_metrics([[self.request(0.0, 0.1, 5)], []], 4)
+        self.assertEqual((m["requests_ok"], m["requests"]), (1, 4))
+        self.assertNotIn("itl_ms_mean", m)
+
+    def test_clients_send_back_to_back(self):
+        sent = []
+
+        def fake_generate(server, input_ids, new_tokens, timeout):
+            sent.append((tuple(input_ids[:4]), new_tokens))
+            t = time.perf_counter()
+            return t, [(t + 0.001 * n, n) for n in range(1, new_tokens + 1)]
+
+        with tempfile.TemporaryDirectory() as out:
+            server = mock.Mock(log_path=os.path.join(out, "server.log"))
+            Path(server.log_path).write_text(decode_line(2, 100.0) + "\n")
+            args = bench_server.parse_args(["--churn", "3"])
+            runs = []
+            with mock.patch.object(
+                bench_server, "generate_with_retries", fake_generate
+            ):
+                for _ in range(2):
+                    runs.append(
+                        bench_server.point_runner(args)(server, 64, 2, 8, 7, 30)
+                    )
+        self.assertEqual(len(sent), 12)
+        first, second = sent[:6], sent[6:]
+        self.assertEqual(sorted(first), sorted(second))  # the same work again
+        self.assertEqual(len({ids for ids, _ in first}), 6)  # a new prompt each
+        self.assertEqual(sorted(n for _, n in first), [4, 8, 8, 8, 8, 8])
+        for run in runs:
+            self.assertEqual(run["churn"], 3)
+            self.assertEqual(run["num_errors"], 0)
+            self.assertEqual(run["client"]["requests_ok"], 6)
+        self.assertIs(
+            bench_server.point_runner(bench_server.parse_args([])),
+            bench_server.run_point,
+        )
+
+    def test_a_failed_request_ends_its_client(self):
+        def refused(server, input_ids, new_tokens, timeout):
+            raise RuntimeError("server error: out of memory")
+
+        with tempfile.TemporaryDirectory() as out:
+            server = mock.Mock(log_path=os.path.join(out, "server.log"))
+            Path(server.log_path).write_text("")
+            with mock.patch.object(bench_server, "generate_with_retries", refused):
+                run = bench_server.run_churn_point(server, 64, 2, 8, 7, 30, 3)
+        self.assertEqual(run["num_errors"], 2)
+        self.assertIn("out of memory", run["errors"][0])
+        self.assertEqual(run["client"]["requests_ok"], 0)
+
+    @staticmethod
+    def point(itl_server, itl_client_mean, churn=3):
+        return {
+            "ctx": 32768,
+            "conc": 8,
+            "at_capacity": False,
+            "churn": churn,
+            "server": {"itl_ms": itl_server},
+            "server_runs": [{"itl_ms": itl_server}],
+            "client": {"itl_ms_mean": itl_client_mean, "itl_ms_p50": itl_server},
+        }
+
+    def test_p4_takes_the_clients_mean_itl(self):
+        base = {"points": [self.point(20.0, 21.0)]}
+        ours = {"points": [self.point(20.2, 25.2)]}
+        p4 = bench_server._p4(base, ours)
+        self.assertAlmostEqual(p4["max_overhead"], 0.2)
+        self.assertFalse(p4["met"])
+        self.assertIn("churn: client mean ITL", bench_server._p4_line("ours", p4))
+        # A burst run of the same figures: the server log's steady ratio.
+        for p in base["points"] + ours["points"]:
+            p["churn"] = 0
+        self.assertAlmostEqual(bench_server._p4(base, ours)["max_overhead"], 0.01)
+
+    def test_churn_runs_keep_out_of_the_p4_keys(self):
+        run = {
+            "config": {
+                "model": "rank",
+                "topk": "override",
+                "trace_calibration": "reported",
+                "churn": 3,
+                "command": "bench_server.py --churn 3",
+            },
+            "servers": {
+                "baseline": {"points": [self.point(20.0, 21.0)]},
+                "ours_idle_locs": {"points": [self.point(20.2, 22.05)]},
+                "hisparse": {"points": [self.point(24.0, 26.25)]},
+            },
+        }
+        speed = bench_server.rank_summaries([run])["rank_speed"]
+        self.assertEqual(
+            speed["churn_itl_overhead"],
+            {
+                "ours_idle_locs:reported:32768x8": 0.05,
+                "hisparse:reported:32768x8": 0.25,
+            },
+        )
+        self.assertEqual(speed["p4_itl_overhead_idle_locs"], {})
+        self.assertEqual(speed["hisparse_itl_overhead"], {})
+        self.assertEqual(speed["traces"], {"reported": ["bench_server.py --churn 3"]})
+
+    def test_table(self):
+        srv = {
+            "baseline": {"points": [self.point(20.0, 21.0)]},
+            "ours": {"points": [self.point(20.2, 22.0, churn=0)]},
+        }
+        table = bench_server._churn_table(srv, ["baseline", "ours"])
+        self.assertEqual(len([r for r in table if r.startswith("| 32K x 8")]), 1)
+        self.assertIn("| 21.00 / 20.00 / - / - |", table[-1])
+
+
 class TestCommittedSizing(unittest.TestCase):
     """results/rank_speed/default_sizing/*.json are what its sizing.py
     computes (the offload's own sizing and controller) with the flags its

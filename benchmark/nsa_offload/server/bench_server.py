@@ -30,6 +30,12 @@ KV transfer: requests are admitted without their prefill (long contexts at
 large batch in seconds, e.g. the rank model at 128K), their KV unwritten, so
 only with ``--topk override``.
 
+``--churn N``: requests coming and going instead of one burst per run: each
+of the ``--concurrency`` clients sends N requests back to back (a new prompt
+each, the first wave ending staggered), so that admissions, and what they
+stall, fall inside the measured window; P4 then compares the clients' mean
+ITL (a burst's steady server-log figures leave the admissions out).
+
 With MTP (``--servers baseline_mtp,ours_mtp,ours``, ``--mtp-steps``: NextN,
 eagle topk 1, spec v1) the target's verify forwards get the same top-k
 (the override maps each query row as the decode step at its length); P4's
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -139,6 +146,7 @@ OURS_VARIANT_KINDS = (
     "ours_bounded_warm",
     "ours_elastic",
     "ours_idle_locs",
+    "ours_idle_locs_bounded",
     "ours_clock",
     "ours_clock_warm",
     "ours_warm_direct_narrow",
@@ -195,6 +203,8 @@ LABELS = {
     "ours_elastic": "ours, elastic settings (warm units + direct slots + spare "
     "regions, 40 units)",
     "ours_idle_locs": "ours, elastic settings + idle-loc units, 40 units",
+    "ours_idle_locs_bounded": "ours, idle-loc units, direct warm-up of the newest "
+    "2,048 positions",
     "ours_clock": "ours, CLOCK",
     "ours_clock_warm": "ours, CLOCK + warm units + spare regions, 40 units",
     "ours_warm_direct_narrow": "ours, warm units + direct slots + flat copy + "
@@ -512,6 +522,50 @@ def client_metrics(results: List[dict], new_tokens: int) -> dict:
     return out
 
 
+def churn_client_metrics(clients: List[List[dict]], requests: int) -> dict:
+    """Client figures of a ``--churn`` run over its steady window: from when
+    every client has its first token to when the first client ends its last
+    request, so every client is busy in it (decoding, or waiting for its next
+    request's first token). ITL: each gap between a request's tokens in the
+    window, the stalls of the admissions in it included; TTFT: of the
+    requests sent in it (``admissions``)."""
+    done = [r for c in clients for r in c]
+    out: dict = {"requests_ok": len(done), "requests": requests}
+    if not done:
+        return out
+    out["ttft_s_max"] = max(r["chunks"][0][0] - r["t_send"] for r in done)
+    if not all(clients):
+        return out
+    lo = max(c[0]["chunks"][0][0] for c in clients)
+    hi = min(c[-1]["chunks"][-1][0] for c in clients)
+    out["window_s"] = max(hi - lo, 0.0)
+    if hi - lo < 0.05:
+        return out
+    tokens, gaps, ttft = 0, [], []
+    for r in done:
+        if lo <= r["t_send"] <= hi:
+            ttft.append(r["chunks"][0][0] - r["t_send"])
+        prev_t, prev_n = None, 0
+        for t, n in r["chunks"]:
+            if lo < t <= hi and n > prev_n:
+                tokens += n - prev_n
+                if prev_t is not None:
+                    gaps += [(t - prev_t) / (n - prev_n)] * (n - prev_n)
+            prev_t, prev_n = t, n
+    out.update(window_tokens=tokens, throughput_tok_s=tokens / (hi - lo))
+    out["admissions"] = len(ttft)
+    if ttft:
+        out["ttft_s_median"] = statistics.median(ttft)
+        out["ttft_s_p90"] = float(np.percentile(ttft, 90))
+    if gaps:
+        g = np.array(gaps) * 1000
+        for q in (50, 90, 99):
+            out[f"itl_ms_p{q}"] = float(np.percentile(g, q))
+        out["itl_ms_max"] = float(g.max())
+        out["itl_ms_mean"] = float(g.mean())
+    return out
+
+
 def parse_decode_lines(text: str) -> List[dict]:
     rows = []
     for line in text.splitlines():
@@ -598,44 +652,66 @@ def median_of_runs(runs: List[dict]) -> dict:
     return out
 
 
+def generate_with_retries(
+    server: Server, input_ids: List[int], new_tokens: int, timeout: float
+):
+    """``stream_generate``, sent again when refused or reset before any
+    token (the request then starts later: its TTFT counts from the retry)."""
+    for attempt in range(3):
+        try:
+            return stream_generate(server, input_ids, new_tokens, timeout)
+        except (ConnectionError, urllib.error.URLError):
+            if attempt == 2:
+                raise
+            time.sleep(0.5)
+
+
+def run_clients(conc: int, client, timeout: float) -> float:
+    """``client(i)`` for i < ``conc`` on threads that start together; the
+    seconds they took."""
+    barrier = threading.Barrier(conc)
+
+    def start(i: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+        except threading.BrokenBarrierError:
+            pass  # a thread was late: start anyway, the figures say when
+        client(i)
+
+    tic = time.time()
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(conc)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return time.time() - tic
+
+
+def log_since(server: Server, offset: int) -> str:
+    time.sleep(0.5)  # let the last decode log lines reach the file
+    with open(server.log_path, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
 def run_point(
     server: Server, ctx: int, conc: int, new_tokens: int, seed: int, timeout: float
 ) -> dict:
     prompts = make_prompts(ctx, conc, seed)
     log_off = os.path.getsize(server.log_path)
     results: List[dict] = [dict() for _ in range(conc)]
-    barrier = threading.Barrier(conc)
 
-    def worker(i: int) -> None:
+    def client(i: int) -> None:
         try:
-            barrier.wait(timeout=60)
-            for attempt in range(3):
-                try:
-                    t_send, chunks = stream_generate(
-                        server, prompts[i], new_tokens, timeout
-                    )
-                    break
-                except (ConnectionError, urllib.error.URLError):
-                    # Refused / reset before any token: retry; the request
-                    # then starts later (its TTFT counts from the retry).
-                    if attempt == 2:
-                        raise
-                    time.sleep(0.5)
+            t_send, chunks = generate_with_retries(
+                server, prompts[i], new_tokens, timeout
+            )
             results[i].update(t_send=t_send, chunks=chunks)
         except Exception as e:  # reported per request
             results[i]["error"] = f"{type(e).__name__}: {e}"
 
-    tic = time.time()
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(conc)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 10)
-    elapsed = time.time() - tic
-    time.sleep(0.5)  # let the last decode log lines reach the file
-    with open(server.log_path, errors="replace") as f:
-        f.seek(log_off)
-        segment = f.read()
+    elapsed = run_clients(conc, client, timeout)
+    segment = log_since(server, log_off)
     errors = [r["error"] for r in results if "error" in r]
     return {
         "elapsed_s": elapsed,
@@ -644,6 +720,65 @@ def run_point(
         "client": client_metrics(results, new_tokens),
         "decode_log": parse_decode_lines(segment),
     }
+
+
+def churn_new_tokens(new_tokens: int, conc: int, client: int, index: int) -> int:
+    """max_new_tokens of a client's ``index``-th request under ``--churn``:
+    the first wave ends staggered (client i after (i + 1) / conc of
+    ``new_tokens``), so that in the steady churn a request ends and the next
+    one is admitted about every new_tokens / conc steps."""
+    if index == 0:
+        return max(1, round(new_tokens * (client + 1) / conc))
+    return new_tokens
+
+
+def run_churn_point(
+    server: Server,
+    ctx: int,
+    conc: int,
+    new_tokens: int,
+    seed: int,
+    timeout: float,
+    per_client: int,
+) -> dict:
+    """``--churn``: ``conc`` clients, each sending ``per_client`` requests
+    back to back (a new prompt each: each admission moves a whole context),
+    so the batch stays at ``conc`` while requests come and go."""
+    log_off = os.path.getsize(server.log_path)
+    sent: List[List[dict]] = [[] for _ in range(conc)]
+    errors: List[str] = []
+
+    def client(i: int) -> None:
+        for j in range(per_client):
+            # The same prompts in every run of the point (greedy: the same work).
+            prompt = make_prompts(ctx, 1, [seed, i, j])[0]
+            try:
+                t_send, chunks = generate_with_retries(
+                    server, prompt, churn_new_tokens(new_tokens, conc, i, j), timeout
+                )
+            except Exception as e:  # reported per request; the client stops
+                errors.append(f"{type(e).__name__}: {e}")
+                return
+            sent[i].append({"t_send": t_send, "chunks": chunks})
+
+    elapsed = run_clients(conc, client, timeout)
+    segment = log_since(server, log_off)
+    return {
+        "elapsed_s": elapsed,
+        "errors": errors[:5],
+        "num_errors": len(errors),
+        "churn": per_client,
+        "client": churn_client_metrics(sent, conc * per_client),
+        "decode_log": parse_decode_lines(segment),
+    }
+
+
+def point_runner(args):
+    """The function that runs one point's requests: a burst (``run_point``)
+    or, with ``--churn``, requests coming and going (``run_churn_point``)."""
+    if not args.churn:
+        return run_point
+    return functools.partial(run_churn_point, per_client=args.churn)
 
 
 # ------------------------------------------------------------------- servers
@@ -831,6 +966,12 @@ VARIANT_ENV = {
     "ours_elastic": ELASTIC_ENV,
     # And the indexer keys of free locs lent as units (the arena).
     "ours_idle_locs": {**ELASTIC_ENV, ENV_IDLE_LOC_UNITS: "1"},
+    # Both: the admission stall of the idle-loc units' direct mode, bounded.
+    "ours_idle_locs_bounded": {
+        **ELASTIC_ENV,
+        ENV_IDLE_LOC_UNITS: "1",
+        ENV_DIRECT_WARM_POSITIONS: "2048",
+    },
     # CLOCK instead of the LRU order: the default's units; with the warm
     # units and spare regions (no direct slots: CLOCK refuses them) and the
     # elastic settings' units.
@@ -845,6 +986,7 @@ VARIANT_MAX_UNITS = {
     "ours_8units": 8,
     "ours_elastic": ELASTIC_RANK_UNITS,
     "ours_idle_locs": ELASTIC_RANK_UNITS,
+    "ours_idle_locs_bounded": ELASTIC_RANK_UNITS,
     "ours_clock_warm": ELASTIC_RANK_UNITS,
 }
 
@@ -1251,6 +1393,10 @@ def point_estimate_s(
     """Seconds a point's runs take (prefill, decode, overhead), on the safe
     side: the measured prefill rate replaces the guess after the first point."""
     one = ctx * conc / prefill_rate + args.new_tokens * PLAN_STEP_S
+    if args.churn:
+        # Each client's requests one after the other, each admission moving
+        # its context; the first wave ends earlier (churn_new_tokens).
+        one *= args.churn
     return (runs + profiled) * (one + PLAN_RUN_OVERHEAD_S) + profiled * PLAN_PROFILE_S
 
 
@@ -1349,14 +1495,18 @@ def measure(
         for _ in range(reps):
             timeout = max(30.0, share_end - time.time() + 30)
             runs.append(
-                run_point(server, ctx, conc, args.new_tokens, 1000 + i, timeout)
+                point_runner(args)(
+                    server, ctx, conc, args.new_tokens, 1000 + i, timeout
+                )
             )
         summarize_point(kind, point, runs, args, layers)
         prefill_rate = measured_prefill_rate(point, prefill_rate)
         if profiled:
             point["profile"] = step_profile.profile_point(
                 server,
-                lambda: run_point(server, ctx, conc, args.new_tokens, 1000 + i, 300),
+                lambda: point_runner(args)(
+                    server, ctx, conc, args.new_tokens, 1000 + i, 300
+                ),
                 conc,
                 args.profile_steps,
                 args.out,
@@ -1469,7 +1619,7 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
                 for k in order:
                     timeout = max(30.0, deadline - time.time())
                     runs[k].append(
-                        run_point(
+                        point_runner(args)(
                             servers[k], ctx, conc, args.new_tokens, 1000 + i, timeout
                         )
                     )
@@ -1587,6 +1737,17 @@ def median_ci95(
     return [float(lo) - 1, float(hi) - 1]
 
 
+def p4_overhead(row: dict) -> Optional[float]:
+    """A P4 row's ITL overhead: under --churn the client's mean ITL ratio;
+    otherwise the paired overhead where the run has one, the ratio of the
+    server log's medians else."""
+    if row.get("churn"):
+        return row.get("overhead_client_mean")
+    if row["overhead_paired"] is not None:
+        return row["overhead_paired"]
+    return row["overhead_server"]
+
+
 def _p4(base: dict, ours: dict) -> dict:
     """ITL overhead per equal-batch point; the verdict takes the paired
     overhead where the run has one, the ratio of medians otherwise."""
@@ -1597,7 +1758,10 @@ def _p4(base: dict, ours: dict) -> dict:
         b = _point(base, p["ctx"], p["conc"])
         if b is None or "batch_short" in p or "batch_short" in b:
             continue
-        ratios = _paired_ratios(p, b)
+        # Under --churn the client's mean ITL counts the admissions' stalls,
+        # which the server log's steady lines leave out: it is the figure.
+        churn = bool(p.get("churn"))
+        ratios = [] if churn else _paired_ratios(p, b)
         paired, iqr = paired_overhead(ratios) if ratios else (None, None)
         ci95 = median_ci95(ratios) if ratios else None
         i_o, i_b = p["server"].get("itl_ms"), b["server"].get("itl_ms")
@@ -1618,15 +1782,13 @@ def _p4(base: dict, ours: dict) -> dict:
                 "miss_copy_overhead": copy_ms / i_b if copy_ms and i_b else None,
             }
         )
-    vals = [
-        (
-            r["overhead_paired"]
-            if r["overhead_paired"] is not None
-            else r["overhead_server"]
-        )
-        for r in rows
-    ]
-    vals = [v for v in vals if v is not None]
+        if churn:
+            m_o, m_b = p["client"].get("itl_ms_mean"), b["client"].get("itl_ms_mean")
+            rows[-1].update(
+                churn=True,
+                overhead_client_mean=(m_o / m_b - 1) if m_o and m_b else None,
+            )
+    vals = [v for v in map(p4_overhead, rows) if v is not None]
     return {
         "rows": rows,
         "max_overhead": max(vals) if vals else None,
@@ -1755,6 +1917,7 @@ def render_markdown(results: List[dict]) -> str:
                 + f" | {_replay_cell(srv, ctx, conc)} |"
             )
         out += _cap_table(srv, kinds)
+        out += _churn_table(srv, kinds)
         out += _profile_table(srv, kinds)
         out += ["", *_targets_md(t), ""]
         for k in kinds:
@@ -1837,6 +2000,38 @@ def _cap_table(srv: dict, kinds: List[str]) -> List[str]:
         "| context | server | requests (decoding at once) | tok/s | ITL ms "
         "| misses/step | replayed misses per req-layer-step ours / HiSparse |",
         "|---:|---|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
+def _churn_table(srv: dict, kinds: List[str]) -> List[str]:
+    rows = []
+    for k in kinds:
+        for p in srv[k].get("points", []):
+            if not p.get("churn") or "skipped" in p:
+                continue
+            c = p["client"]
+            itl = " / ".join(
+                _fmt(c.get(f"itl_ms_{q}"), "{:.2f}")
+                for q in ("mean", "p50", "p99", "max")
+            )
+            rows.append(
+                f"| {p['ctx'] // 1024}K x {p['conc']} | {LABELS[k]} | {itl} "
+                f"| {_fmt(c.get('ttft_s_median'), '{:.2f}')} / "
+                f"{_fmt(c.get('ttft_s_p90'), '{:.2f}')} "
+                f"| {_fmt(c.get('admissions'), '{:.0f}')} "
+                f"| {_fmt(c.get('throughput_tok_s'), '{:.0f}')} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "Requests coming and going (`--churn`): the clients' figures over the "
+        "window where every client is busy (medians over the runs):",
+        "",
+        "| point | server | ITL ms mean / p50 / p99 / max | TTFT s median / p90 "
+        "| admissions in the window | tok/s |",
+        "|---|---|---:|---:|---:|---:|",
         *rows,
     ]
 
@@ -1941,14 +2136,23 @@ def _p4_line(label: str, p4: dict, versus: str = "no offload") -> str:
             f"IQR {lo:+.0%}..{hi:+.0%}{ci}; "
         )
 
-    return (
-        f"- **P4** ITL overhead {label} vs {versus} at equal batch (server log): "
-        + ", ".join(
-            f"{r['ctx'] // 1024}K x {r['conc']}: {_fmt(r['overhead_server'], '{:+.1%}')}"
+    def point(r):
+        head = f"{r['ctx'] // 1024}K x {r['conc']}: "
+        if r.get("churn"):
+            return (
+                head + f"{_fmt(r.get('overhead_client_mean'), '{:+.1%}')} (churn: "
+                f"client mean ITL; server log {_fmt(r['overhead_server'], '{:+.1%}')}"
+                f"{_copy_note(r)})"
+            )
+        return (
+            head + f"{_fmt(r['overhead_server'], '{:+.1%}')}"
             f" ({paired(r)}client p50 {_fmt(r['overhead_client_p50'], '{:+.1%}')}"
             f"{_copy_note(r)})"
-            for r in p4["rows"]
         )
+
+    return (
+        f"- **P4** ITL overhead {label} vs {versus} at equal batch (server log): "
+        + ", ".join(point(r) for r in p4["rows"])
         + f" (target <= +10%): **{_verdict(p4['met'])}**"
     )
 
@@ -2022,6 +2226,7 @@ def render_plots(results: List[dict], out_dir: str) -> List[str]:
         "ours_bounded_warm": "darkkhaki",
         "ours_elastic": "crimson",
         "ours_idle_locs": "chocolate",
+        "ours_idle_locs_bounded": "peru",
         "ours_clock": "indigo",
         "ours_clock_warm": "orchid",
         "ours_warm_direct_narrow": "darkcyan",
@@ -2110,8 +2315,7 @@ def _overheads(p4: dict, prefix: str = "") -> Dict[str, float]:
     """ "<prefix><context>x<batch>" -> ITL ratio - 1 (paired where run)."""
     out = {}
     for r in p4["rows"]:
-        v = r["overhead_paired"]
-        v = r["overhead_server"] if v is None else v
+        v = p4_overhead(r)
         if v is not None:
             out[f"{prefix}{r['ctx']}x{r['conc']}"] = round(v, 4)
     return out
@@ -2131,7 +2335,9 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     ``p4_itl_overhead_warm_direct``: with direct slots too (ours_warm_direct),
     ``p4_itl_overhead_warm_direct_flat``: and the flat miss copy
     (ours_warm_direct_flat); ``p4_itl_overhead_idle_locs``: the elastic
-    settings with idle-loc units (ours_idle_locs)."""
+    settings with idle-loc units (ours_idle_locs). A ``--churn`` run's ratios
+    (the clients' mean ITL, admissions included) go to ``churn_itl_overhead``
+    alone: "<server kind>:<trace>:<context>x<batch>", HiSparse's too."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
@@ -2145,6 +2351,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_warm_direct": {},
         "p4_itl_overhead_warm_direct_flat": {},
         "p4_itl_overhead_idle_locs": {},
+        "churn_itl_overhead": {},
         "swap_us_per_layer": {},
         "hisparse_itl_overhead": {},
         "traces": {},
@@ -2160,6 +2367,13 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         cfg, srv = run["config"], run["servers"]
         name = trace_name(cfg)
         speed["traces"].setdefault(name, []).append(cfg.get("command"))
+        if cfg.get("churn"):
+            for kind in srv:
+                if kind in OFFLOAD_KINDS + ("hisparse",) and "baseline" in srv:
+                    p4 = _p4(srv["baseline"], srv[kind])
+                    prefix = f"{kind}:{name}:"
+                    speed["churn_itl_overhead"].update(_overheads(p4, prefix))
+            continue
         targets = evaluate_targets(run)
         schedules = {"": "P4_early", "_inline": "P4"}
         if cfg.get("early_swap_default"):
@@ -2450,6 +2664,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         type=int,
         default=3,
         help="runs per (context, concurrency) point; its figures are medians",
+    )
+    p.add_argument(
+        "--churn",
+        type=int,
+        default=0,
+        metavar="N",
+        help="each equal-batch point as requests coming and going: each of the "
+        "--concurrency clients sends N requests back to back (the first wave "
+        "ends staggered), so the batch admits a new context every ~new-tokens "
+        "/ concurrency steps; P4 then compares the clients' mean ITL, which "
+        "counts the admissions' stalls (0: one burst per run)",
     )
     p.add_argument(
         "--interleave",
@@ -2776,6 +3001,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "cap_contexts": args.cap_contexts,
             "new_tokens": args.new_tokens,
             "repeats": args.repeats,
+            "churn": args.churn,
             "interleave": args.interleave,
             "kv_budget_gib": args.kv_budget_gib,
             "hisparse_kv_budget_gib": args.hisparse_kv_budget_gib,
