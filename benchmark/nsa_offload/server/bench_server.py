@@ -1749,8 +1749,8 @@ def p4_overhead(row: dict) -> Optional[float]:
 
 
 def _p4(base: dict, ours: dict) -> dict:
-    """ITL overhead per equal-batch point; the verdict takes the paired
-    overhead where the run has one, the ratio of medians otherwise."""
+    """ITL overhead per equal-batch point; the verdict takes each row's
+    ``p4_overhead``."""
     rows = []
     for p in ours.get("points", []):
         if "skipped" in p or p.get("at_capacity"):
