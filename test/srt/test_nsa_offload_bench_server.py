@@ -1323,6 +1323,19 @@ class TestChurn(unittest.TestCase):
         self.assertEqual(bench_server.churn_new_tokens(160, 4, 0, 1), 160)
         self.assertEqual(bench_server.churn_new_tokens(3, 8, 0, 0), 1)
 
+    def test_plan_holds_the_requests_one_after_another(self):
+        # 8 clients x 4 requests of 256 tokens at the rank model's ~23 ms step
+        # (H100, 14 GiB): each run decodes >= 4 x 256 steps, ~24 s.
+        argv = "--model rank --pd-decode --topk override --no-record --churn 4"
+        args = bench_server.parse_args(argv.split() + ["--new-tokens", "256"])
+        est = bench_server.point_estimate_s(args, 32768, 8, 1, args.prefill_rate_guess)
+        self.assertGreater(est, 4 * 256 * 0.023)
+        burst = bench_server.parse_args(argv.split()[:-2] + ["--new-tokens", "256"])
+        self.assertLess(
+            bench_server.point_estimate_s(burst, 32768, 8, 1, args.prefill_rate_guess),
+            est / 3,
+        )
+
     def clients(self, stall_s):
         # Client 0: a short first request, then a second one admitted at
         # 0.5 s whose copy stalls client 1 (its 50th token) by stall_s.

@@ -1347,6 +1347,9 @@ def warm_up(args, kind: str, server: Server) -> None:
 # behind the prefills), then the 0.5 s log wait; a profiled run also writes
 # its trace.
 PLAN_STEP_S = 0.006
+# The rank model's decode step (61 layers: 21-37 ms on an H100 at 14 GiB,
+# run_h100_idle_locs_*), for runs whose decode dominates (--churn).
+PLAN_STEP_S_RANK = 0.04
 PLAN_RUN_OVERHEAD_S = 1.5
 PLAN_PROFILE_S = 10.0
 
@@ -1392,7 +1395,8 @@ def point_estimate_s(
 ) -> float:
     """Seconds a point's runs take (prefill, decode, overhead), on the safe
     side: the measured prefill rate replaces the guess after the first point."""
-    one = ctx * conc / prefill_rate + args.new_tokens * PLAN_STEP_S
+    step_s = PLAN_STEP_S_RANK if args.model == "rank" else PLAN_STEP_S
+    one = ctx * conc / prefill_rate + args.new_tokens * step_s
     if args.churn:
         # Each client's requests one after the other, each admission moving
         # its context; the first wave ends earlier (churn_new_tokens).
