@@ -176,6 +176,19 @@ class TestIdleLocUnits(unittest.TestCase):
     def _lent(self, h):
         return h.controller.units_lent_by(IDLE_LOC_UNIT_SOURCE)
 
+    @staticmethod
+    def _decode_with_new(h, reqs, new, steps):
+        """The first step of ``new`` beside ``reqs``, then ``steps`` more."""
+        h.decode_step(reqs, first_step_of=(new,))
+        for _ in range(steps):
+            h.decode_step(reqs)
+
+    @staticmethod
+    def _finish_all(h, *reqs):
+        for r in reqs:
+            h.finish(r)
+        h.check_no_leaks()
+
     def test_lent_units_read_exact_kv(self):
         h = _harness(self, seed=1)
         lender = h.allocator.idle_loc_lender
@@ -225,12 +238,8 @@ class TestIdleLocUnits(unittest.TestCase):
             h.transfer(b, 3900)
         wait.assert_called()
         self.assertLess(self._lent(h), 2)
-        h.decode_step([a, b], first_step_of=(b,))
-        for _ in range(6):
-            h.decode_step([a, b])
-        h.finish(a)
-        h.finish(b)
-        h.check_no_leaks()
+        self._decode_with_new(h, [a, b], b, 6)
+        self._finish_all(h, a, b)
 
     def test_full_load_takes_every_unit_back(self):
         """Capacity is the locs': a transfer that takes all but the decode
@@ -244,12 +253,8 @@ class TestIdleLocUnits(unittest.TestCase):
         h.transfer(b, h.allocator.available_size() - 2 * PAGE)
         self.assertEqual(self._lent(h), 0)
         self.assertEqual(h.allocator.available_size(), 2 * PAGE)
-        h.decode_step([a, b], first_step_of=(b,))
-        for _ in range(4):
-            h.decode_step([a, b])
-        h.finish(a)
-        h.finish(b)
-        h.check_no_leaks()
+        self._decode_with_new(h, [a, b], b, 4)
+        self._finish_all(h, a, b)
 
     def test_out_of_locs_is_still_none(self):
         h = _harness(self, seed=3)
@@ -262,8 +267,7 @@ class TestIdleLocUnits(unittest.TestCase):
         self.assertIsNone(h.allocator.alloc(locs_left + PAGE))
         self.assertEqual(h.allocator.available_size(), locs_left)
         h.decode_step([a])
-        h.finish(a)
-        h.check_no_leaks()
+        self._finish_all(h, a)
 
     def test_backup_and_restore_keep_lent_runs_out(self):
         h = _harness(self, seed=4)
@@ -288,8 +292,7 @@ class TestIdleLocUnits(unittest.TestCase):
         self.assertEqual(h.allocator.available_size(), h.allocator.size - 5 * PAGE)
         for _ in range(3):
             h.decode_step([a])
-        h.finish(a)
-        h.check_no_leaks()
+        self._finish_all(h, a)
 
     def _fill_then_decode(self, h, leak):
         """``a`` grows into free locs' keys, then ``b``'s transfer takes the
@@ -305,17 +308,13 @@ class TestIdleLocUnits(unittest.TestCase):
             runs = [lender.run_pages(p) for p in lender.lent_page_runs()]
             h.allocator.free_pages = torch.cat(runs + [h.allocator.free_pages])
         h.transfer(b, h.allocator.free_page_count() * PAGE - 2 * PAGE)
-        h.decode_step([a, b], first_step_of=(b,))
-        for _ in range(6):
-            h.decode_step([a, b])
+        self._decode_with_new(h, [a, b], b, 6)
         return a, b
 
     def test_fill_then_decode(self):
         h = _harness(self, seed=5)
         a, b = self._fill_then_decode(h, leak=False)
-        h.finish(a)
-        h.finish(b)
-        h.check_no_leaks()
+        self._finish_all(h, a, b)
 
     def test_negative_control_lent_runs_allocated(self):
         """The same with the lent runs back on the free list: b's transfer
