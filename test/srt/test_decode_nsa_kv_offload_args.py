@@ -117,9 +117,10 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
         self.assertEqual(args.nsa_kv_offload_recent_window, 64)
         self.assertGreater(args.nsa_kv_offload_host_pool_gb, 0)
-        # 4 units (the context would take 163,776 / 4,096 -> 40).
+        # Units holding the model's whole context (163,840 positions) below
+        # the window: 163,776 / 4,096 -> 40.
         self.assertEqual(args.get_model_config().context_len, 163840)
-        self.assertEqual(args.nsa_kv_offload_max_units, 4)
+        self.assertEqual(args.nsa_kv_offload_max_units, 40)
 
     def test_disabled_is_untouched(self):
         args = self._server_args(
@@ -138,16 +139,16 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(args.nsa_kv_offload_host_pool_gb, 0.5)
 
     def test_max_units(self):
-        # 1 turns lending off; the default is 4, or fewer when the context
-        # below the window needs fewer: ceil((context - W) / buffer).
+        # 1 turns lending off; the default holds the context below the
+        # window: ceil((163,840 - W) / buffer), --context-length included.
         for overrides, expect in (
             (dict(nsa_kv_offload_max_units=1), 1),
             (dict(nsa_kv_offload_max_units=7), 7),
-            (dict(nsa_kv_offload_gpu_buffer_size=12288), 4),
-            (dict(context_length=8192), 2),
-            (dict(context_length=8192 + 65), 3),
-            (dict(context_length=8192, nsa_kv_offload_recent_window=512), 2),
-            (dict(context_length=32768), 4),
+            (dict(nsa_kv_offload_gpu_buffer_size=12288), 14),
+            (dict(nsa_kv_offload_gpu_buffer_size=32767), 5),
+            (dict(context_length=32768), 8),
+            (dict(context_length=32768, nsa_kv_offload_recent_window=512), 8),
+            (dict(context_length=32768 + 65), 9),
             (dict(context_length=64), 1),
         ):
             args = self._server_args(**overrides)
@@ -486,17 +487,23 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         args._handle_decode_nsa_kv_offload()
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
 
-    def test_opt_in_settings(self):
-        # Warm units, direct slots and spare regions are off unless their
-        # variable is "1"; warm units only where they apply, direct slots
+    def test_default_on_settings(self):
+        # Warm units, direct slots, spare regions and idle-loc units are on
+        # unless their variable is "0"; warm units only where they apply, direct slots
         # only without MTP (there "1" is refused at startup).
         m = nsa_kv_offload_args
-        names = (m.ENV_WARM_UNITS, m.ENV_DIRECT_SLOTS, m.ENV_SPARE_REGIONS)
+        names = (
+            m.ENV_WARM_UNITS,
+            m.ENV_DIRECT_SLOTS,
+            m.ENV_SPARE_REGIONS,
+            m.ENV_IDLE_LOC_UNITS,
+        )
         clean = {k: v for k, v in os.environ.items() if k not in names}
-        for value, on in (("", False), ("1", True), ("0", False), ("false", False)):
+        for value, on in (("", True), ("1", True), ("0", False), ("false", False)):
             env = {**clean, **{name: value for name in names}}
             with self.subTest(value=value), mock.patch.dict(os.environ, env, True):
                 self.assertEqual(m.spare_regions_enabled(), on)
+                self.assertEqual(m.idle_loc_units_enabled(), on)
                 self.assertEqual(m.direct_slots_enabled(False), on)
                 self.assertFalse(m.direct_slots_enabled(True))
                 self.assertEqual(m.warm_units_enabled(40, False, False), on)
@@ -506,7 +513,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                     (40, False, True),
                 ):
                     self.assertFalse(m.warm_units_enabled(*refused), refused)
-        # Where warm units cannot apply, a server starts without them.
+        # Where warm units cannot apply, the default starts without them.
         with mock.patch.dict(os.environ, clean, clear=True):
             self._server_args(
                 nsa_kv_offload_max_units=1

@@ -530,9 +530,12 @@ class TestServerArgsToPools(TinyConfigDirCase):
         # The prefill server writes KV into the host pool: no staging rows, so
         # the same budget holds more token locs than a colocated server's.
         sizes = {}
+        # Without idle-loc units: the locs' keys would also pay for their LRU state.
+        idle_off = {"SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS": "0"}
         for mode in ("null", "decode"):
             mr = self._model_runner(self._server_args(disaggregation_mode=mode), 0)
-            configurator = NSAKVOffloadPoolConfigurator(mr)
+            with mock.patch.dict(os.environ, idle_off):
+                configurator = NSAKVOffloadPoolConfigurator(mr)
             configurator.host_pool_bytes = 1 << 40  # GPU-bound split
             sizes[mode] = configurator.compute_sizes(64 << 20, PAGE)
         colocated, decode = sizes["null"], sizes["decode"]
@@ -579,9 +582,10 @@ class TestServerArgsToPools(TinyConfigDirCase):
         )
         configurator = NSAKVOffloadPoolConfigurator(self._model_runner(args, 1 << 30))
         # A region pays for its own unit's LRU state, whatever units a
-        # request may hold (by default 4: int16 slot ids).
-        self.assertEqual(args.nsa_kv_offload_max_units, 4)
-        per_region = offload_bytes_per_region(3, 656, 4096, 64, max_units=4)
+        # request may hold (by default those of the model's context: int32
+        # slot ids).
+        self.assertEqual(args.nsa_kv_offload_max_units, 40)
+        per_region = offload_bytes_per_region(3, 656, 4096, 64, max_units=40)
         sizes = configurator.compute_sizes(1 << 30, PAGE)
         self.assertEqual(sizes.num_regions, int(0.4 * (1 << 30)) // per_region)
         huge = configurator.compute_sizes(1 << 40, PAGE)
@@ -656,7 +660,7 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(mr.max_total_num_tokens, host_locs // PAGE * PAGE)
         self.assertEqual(sizes.num_locs, mr.max_total_num_tokens)
         self.assertEqual(sizes.num_regions, 2)
-        self.assertEqual(sizes.num_spare_regions, 0)  # off by default
+        self.assertEqual(sizes.num_spare_regions, 6)  # on by default
         self.assertEqual(sizes.region_rows, 4096 + 64)
         pool = mr.token_to_kv_pool
         self.assertIs(pool.sizes, sizes)
@@ -672,14 +676,14 @@ class TestServerArgsToPools(TinyConfigDirCase):
 
         held = sizes.describe_capacity(mr.model_config.context_len)
         self.assertTrue(any(held in line for line in logs), logs)
-        # The early swap is the default, and the log says so; warm units and
-        # direct slots are opt-in.
+        # The early swap, warm units and direct slots are the default, and
+        # the log says so.
         self.assertTrue(coordinator.early_swap)
         self.assertTrue(any("early swap on" in x for x in logs), logs)
-        self.assertFalse(coordinator.warm_units)
-        self.assertFalse(any("warm units on" in x for x in logs), logs)
-        self.assertFalse(coordinator.lru.direct_slots)
-        self.assertFalse(any("direct slots on" in x for x in logs), logs)
+        self.assertTrue(coordinator.warm_units)
+        self.assertTrue(any("warm units on" in x for x in logs), logs)
+        self.assertTrue(coordinator.lru.direct_slots)
+        self.assertTrue(any("direct slots on" in x for x in logs), logs)
         self.assertIs(get_nsa_kv_offload(allocator), coordinator)
         self.assertFalse(hasattr(pool, "nsa_kv_offload"))  # no link back
         self.assertIs(coordinator.sizes, sizes)
@@ -687,7 +691,7 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(coordinator.host_pool.size, sizes.num_locs)
         self.assertEqual(coordinator.host_pool.row_bytes, 656)
         controller = coordinator.controller
-        self.assertEqual(controller.num_free_regions(), 2)  # no spare regions
+        self.assertEqual(controller.num_free_regions(), 8)
         self.assertEqual(controller.regions.start_row, sizes.region_start_row)
         self.assertLessEqual(controller.regions.end_row, pool.kv_buffer[0].shape[0])
         self.assertEqual(controller.lru.num_locs, sizes.num_locs + PAGE)
@@ -695,12 +699,10 @@ class TestServerArgsToPools(TinyConfigDirCase):
     def test_spare_regions(self):
         # The host pool caps the locs far below the 256 MB budget: the bytes
         # left become regions the 2 request slots borrow as units (up to 3
-        # more each at 4 units), and nothing else changes (unset: none).
-        plain = self._resolved_pools({"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": ""})
+        # more each at 4 units), and nothing else changes ("0": none).
+        plain = self._resolved_pools({"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "0"})
         self.assertEqual(plain[1].num_spare_regions, 0)
-        mr, sizes, coordinator, logs = self._resolved_pools(
-            {"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "1"}
-        )
+        mr, sizes, coordinator, logs = self._resolved_pools()
         self.assertEqual(mr.max_running_requests, 2)
         self.assertEqual(sizes.num_regions, 2)
         self.assertEqual(sizes.num_locs, plain[1].num_locs)
@@ -721,14 +723,16 @@ class TestServerArgsToPools(TinyConfigDirCase):
     def test_idle_loc_units(self):
         # A 0.1 GB host pool: 832 pages of locs, whose indexer keys hold 5
         # units of 2,048 fp8 rows (160 pages each); the 2 request slots could
-        # borrow 6. Off (unset): upstream's buffers, no lender.
+        # borrow 6. Off ("0"): upstream's buffers, no lender.
         big = dict(nsa_kv_offload_host_pool_gb=0.1, nsa_kv_offload_gpu_buffer_size=2048)
         env = "SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS"
-        plain = self._resolved_pools({env: ""}, **big)
+        # Spare regions off: here they would give the slots every unit.
+        spare = {"SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS": "0"}
+        plain = self._resolved_pools({env: "0", **spare}, **big)
         self.assertEqual(plain[1].idle_loc_units, 0)
         self.assertFalse(plain[0].token_to_kv_pool.uses_arena)
         self.assertIsNone(plain[0].token_to_kv_pool_allocator.idle_loc_lender)
-        mr, sizes, coordinator, logs = self._resolved_pools({env: "1"}, **big)
+        mr, sizes, coordinator, logs = self._resolved_pools({env: "1", **spare}, **big)
         self.assertEqual(sizes.idle_loc_units, 5)
         self.assertEqual(sizes.num_locs, plain[1].num_locs)  # host-bound
         pool, allocator = mr.token_to_kv_pool, mr.token_to_kv_pool_allocator
@@ -763,6 +767,14 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(none[1].idle_loc_units, 0)
         self.assertFalse(none[0].token_to_kv_pool.uses_arena)
         self.assertIn("lends nothing here: the locs' indexer keys", warned.output[0])
+        # On by default (unset): a note, not a warning.
+        with self.assertLogs(
+            "sglang.srt.mem_cache.nsa_kv_offload_pool", "INFO"
+        ) as noted:
+            self._resolved_pools({env: ""})
+        said = [x for x in noted.output if "lends nothing here" in x]
+        self.assertEqual(len(said), 1, noted.output)
+        self.assertTrue(said[0].startswith("INFO:"), said)
 
 
 # ---------------------------------------------------------- small components

@@ -25,6 +25,7 @@ of a decode step with ``s`` draft steps (``q = s + 1``):
 
 import importlib.util
 import itertools
+import os
 import random
 import unittest
 from pathlib import Path
@@ -34,6 +35,7 @@ from unittest import mock
 # The module, not its TestCase: a TestCase in this namespace would run here too.
 import test_nsa_kv_offload_integration as integration
 import torch
+from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_IDLE_LOC_UNITS
 from sglang.srt.layers.attention import nsa_backend, nsa_offload_hooks
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSA_KV_OFFLOAD_DRAFT_LAYERS,
@@ -405,7 +407,9 @@ class TestDraftWorkerPool(integration.TinyConfigDirCase):
             disable_overlap_schedule=True,
             max_running_requests=48,  # sglang's speculative default
         )
-        plain, spec = self._configurator(), self._configurator(**mtp)
+        # Without idle-loc units, whose LRU state the locs would also pay.
+        with mock.patch.dict(os.environ, {ENV_IDLE_LOC_UNITS: "0"}):
+            plain, spec = self._configurator(), self._configurator(**mtp)
         self.assertEqual(plain.draft_bytes_per_loc, 0)
         self.assertEqual(NSA_KV_OFFLOAD_DRAFT_LAYERS, 1)
         self.assertEqual(spec.draft_bytes_per_loc, 656 + 132)  # fp8 KV + keys

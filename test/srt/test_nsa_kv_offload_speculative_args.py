@@ -253,13 +253,13 @@ class TestStartup(unittest.TestCase):
                             speculative_num_draft_tokens=steps + 1,
                         )
                     )
-                    # Default buffer: (q + 1) x index_topk; 4 units (the
-                    # model's context, 163,840, below the window takes more).
+                    # Default buffer: (q + 1) x index_topk; units hold the
+                    # model's context (163,840) below the window.
                     buffer_size = (steps + 2) * INDEX_TOPK
                     self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, buffer_size)
                     self.assertEqual(
                         args.nsa_kv_offload_max_units,
-                        min(4, -(-(163840 - 64) // buffer_size)),
+                        -(-(163840 - 64) // buffer_size),
                     )
         # Spec v2 (the overlap scheduler, sglang's default with MTP).
         for steps in (1, 2, 3):

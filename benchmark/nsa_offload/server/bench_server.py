@@ -957,6 +957,7 @@ VARIANT_ENV = {
         ENV_WARM_UNITS: "0",
         ENV_DIRECT_SLOTS: "0",
         ENV_SPARE_REGIONS: "0",
+        ENV_IDLE_LOC_UNITS: "0",
     },
     # A request entering direct mode warmed with its newest 2,048 positions
     # below the window only (the admission's warm-up before the warm units):

@@ -149,13 +149,12 @@ def offload_max_units(
     recent_window: int = 64,
 ) -> int:
     """LRU units per request an offload server runs with: ``max_units`` if
-    given, else its default, 4 or the fewer units that hold ``context_len``
-    below the window (``nsa_kv_offload_default_max_units``; the tests
-    compare)."""
+    given, else its default, the units that hold ``context_len`` below the
+    window (``nsa_kv_offload_default_max_units``; the tests compare)."""
     if max_units is not None:
         return max_units
     below_window = max(context_len - recent_window, 0)
-    return min(4, max(1, -(-below_window // (buffer_size or 4096))))
+    return max(1, -(-below_window // (buffer_size or 4096)))
 
 
 def widest_units(buffer_size: Optional[int]) -> int:

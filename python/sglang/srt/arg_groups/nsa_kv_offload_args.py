@@ -22,9 +22,6 @@ GB = 1 << 30
 
 NSA_KV_OFFLOAD_PAGE_SIZE = 64
 
-# GPU buffers one request may hold per layer by default (the H200-checked
-# default before f418aa2; nsa_kv_offload_default_max_units).
-DEFAULT_MAX_UNITS = 4
 # LRU slot ids of a request are int16 (loc_to_slot, lru_order) while its
 # units x buffer slots fit, int32 beyond (lru_slot_dtype).
 _MAX_INT16_LRU_SLOTS = 32767
@@ -58,25 +55,22 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # copy start on a side stream as soon as its top-k exists, beside the query
 # projection and rope, instead of right before its attention.
 ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
-# Direct slots (off by default, "1" turns them on, refused with MTP): a
-# request whose context fits its LRU slots keeps position p in slot p and
-# swaps without the LRU walk. Warm units, direct slots and spare regions were
-# the default from f418aa2 until the H200 read wrong KV with them at 2 units
-# (TestOneRequestAtATime, results/units/per_unit_gpu_gate/): opt-in until
-# that is fixed.
+# Direct slots (on by default without MTP; "0" turns them off): a request
+# whose context fits its LRU slots keeps position p in slot p and swaps
+# without the LRU walk.
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
-# Spare regions (off by default, "1" turns them on; read by the pool
+# Spare regions (on by default; "0" turns them off; read by the pool
 # configurator): GPU bytes the host pool leaves without locs become regions
 # lent to requests as units.
 ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
-# Experimental idle-loc units (off by default, "1" turns them on; read by the
-# pool configurator): each layer's KV rows and indexer keys share one buffer,
-# and the keys' bytes of free token locs are lent to requests as units
+# Idle-loc units (on by default; "0" turns them off; read by the pool
+# configurator): each layer's KV rows and indexer keys share one buffer, and
+# the keys' bytes of free token locs are lent to requests as units
 # (docs/ELASTIC_BUFFER.md, piece 2), taken back when locs are allocated.
 ENV_IDLE_LOC_UNITS = "SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS"
-# Warm units (off by default, "1" turns them on where warm_units_refusal
-# allows): a request is warmed after its units are granted, into every slot
-# it holds, instead of one unit's top-k rows at admission.
+# Warm units (on by default where warm_units_refusal allows; "0" turns them
+# off): a request is warmed after its units are granted, into every slot it
+# holds, instead of one unit's top-k rows at admission.
 ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
 # Experimental flat miss copy (read by the coordinator): N programs share all
 # requests' misses instead of a grid per request, so that the copy's waits on
@@ -138,18 +132,11 @@ def early_swap_enabled() -> bool:
     return env_default_on(ENV_EARLY_SWAP)
 
 
-def _env_opt_in(env: str) -> bool:
-    """A setting off by default: on only when its variable is set true."""
-    from sglang.srt.utils import get_bool_env_var
-
-    return get_bool_env_var(env)
-
-
 def direct_slots_enabled(speculative: bool) -> bool:
     """Whether requests whose context fits their slots swap in direct mode
-    (``ENV_DIRECT_SLOTS``): only with "1", never with MTP (the verify swaps
+    (``ENV_DIRECT_SLOTS``): on unless "0", off with MTP (the verify swaps
     several query tokens per request; "1" with MTP is refused)."""
-    return _env_opt_in(ENV_DIRECT_SLOTS) and not speculative
+    return env_default_on(ENV_DIRECT_SLOTS) and not speculative
 
 
 def slot_policy_from_env() -> str:
@@ -166,23 +153,23 @@ def slot_policy_from_env() -> str:
 
 def spare_regions_enabled() -> bool:
     """Whether the GPU bytes the locs leave become spare regions
-    (``ENV_SPARE_REGIONS``): only with "1"."""
-    return _env_opt_in(ENV_SPARE_REGIONS)
+    (``ENV_SPARE_REGIONS``): on unless "0"."""
+    return env_default_on(ENV_SPARE_REGIONS)
 
 
 def idle_loc_units_enabled() -> bool:
     """Whether free locs' indexer keys are lent as units
-    (``ENV_IDLE_LOC_UNITS``): only with "1"."""
-    return _env_opt_in(ENV_IDLE_LOC_UNITS)
+    (``ENV_IDLE_LOC_UNITS``): on unless "0"."""
+    return env_default_on(ENV_IDLE_LOC_UNITS)
 
 
 def warm_units_enabled(
     max_units: int, speculative: bool, shared_host_pool: bool
 ) -> bool:
     """Whether admissions are warmed after their units are granted
-    (``ENV_WARM_UNITS``): only with "1", where ``warm_units_refusal``
-    allows (elsewhere "1" is refused at startup)."""
-    return _env_opt_in(ENV_WARM_UNITS) and (
+    (``ENV_WARM_UNITS``): on unless "0", where ``warm_units_refusal`` allows
+    (there "1" is refused at startup)."""
+    return env_default_on(ENV_WARM_UNITS) and (
         warm_units_refusal(max_units, speculative, shared_host_pool) is None
     )
 
@@ -283,17 +270,14 @@ def warm_units_refusal(
 def nsa_kv_offload_default_max_units(
     context_len: int, buffer_size: int, recent_window: int
 ) -> int:
-    """Default units one request may hold: ``DEFAULT_MAX_UNITS``, or fewer
-    when the model's context needs fewer. Units are lent only while idle and
-    each request only what its own context needs
-    (``SparseCacheController.units_to_hold``). Enough units for the whole
-    context (f418aa2) waits for the fix of the fault warm units and direct
-    slots showed on the H200."""
+    """Default units one request may hold: enough LRU slots for every
+    position of the longest context below its recent window, so that any
+    request whose context fits the idle GPU rows swaps in direct mode. Units
+    are lent only while idle and each request only what its own context
+    needs (``SparseCacheController.units_to_hold``)."""
     from sglang.srt.mem_cache.nsa_kv_offload_units import units_for_context
 
-    return min(
-        DEFAULT_MAX_UNITS, units_for_context(context_len, buffer_size, recent_window)
-    )
+    return units_for_context(context_len, buffer_size, recent_window)
 
 
 def nsa_kv_offload_default_buffer_size(index_topk: int, query_tokens: int) -> int:

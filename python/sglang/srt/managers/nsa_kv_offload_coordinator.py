@@ -281,8 +281,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 IDLE_LOC_UNIT_SOURCE, allocator.idle_loc_lender
             )
             logger.info(
-                "NSA KV offload: idle token locs lent as units (%s=1, "
-                "experimental): up to %d units of %d loc pages each, LRU state "
+                "NSA KV offload: idle token locs lent as units (%s=0 turns "
+                "them off): up to %d units of %d loc pages each, LRU state "
                 "for %d.",
                 ENV_IDLE_LOC_UNITS,
                 kv_pool.num_index_pages // allocator.idle_loc_lender.pages_per_unit,
@@ -343,7 +343,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         if warm_units:
             logger.info(
-                "NSA KV offload: warm units on (%s=1, experimental): a request "
+                "NSA KV offload: warm units on (%s=0 turns them off): a request "
                 "is warmed after its units are granted, into up to %d "
                 "rows per layer instead of %d.",
                 ENV_WARM_UNITS,
@@ -352,7 +352,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
             )
         if direct_slots:
             logger.info(
-                "NSA KV offload: direct slots on (%s=1, experimental): a "
+                "NSA KV offload: direct slots on (%s=0 turns them off): a "
                 "request whose context fits its units swaps without the LRU "
                 "walk.",
                 ENV_DIRECT_SLOTS,

@@ -22,6 +22,7 @@ the decode step writes them.
 from __future__ import annotations
 
 import logging
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Tuple
@@ -917,8 +918,10 @@ class NSAKVOffloadPoolConfigurator:
         if self.lend_idle_locs and not sizes.idle_loc_units:
             from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_IDLE_LOC_UNITS
 
-            logger.warning(
-                "NSA KV offload: %s=1 lends nothing here: %s.",
+            # Asked for by name: a warning; on by default: a note.
+            asked = os.environ.get(ENV_IDLE_LOC_UNITS, "") != ""
+            (logger.warning if asked else logger.info)(
+                "NSA KV offload: %s lends nothing here: %s.",
                 ENV_IDLE_LOC_UNITS,
                 (
                     "a request holds one unit (--nsa-kv-offload-max-units 1)"
