@@ -506,6 +506,9 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 self.assertEqual(m.idle_loc_units_enabled(), on)
                 self.assertEqual(m.direct_slots_enabled(False), on)
                 self.assertFalse(m.direct_slots_enabled(True))
+                # CLOCK places every slot itself: direct slots stay off.
+                with mock.patch.dict(os.environ, {m.ENV_SLOT_POLICY: "clock"}):
+                    self.assertFalse(m.direct_slots_enabled(False))
                 self.assertEqual(m.warm_units_enabled(40, False, False), on)
                 for refused in (
                     (1, False, False),

@@ -648,9 +648,21 @@ class TestServerArgsToPools(TinyConfigDirCase):
         }
         with self.assertLogs(
             "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
-        ) as logs, mock.patch.dict(os.environ, unset):
+        ) as logs, mock.patch.dict(os.environ, {**unset, **(env or {})}):
             coordinator = create_nsa_kv_offload_coordinator(mr)
         return mr, sizes, coordinator, logs.output
+
+    def test_clock_policy_defaults(self):
+        # CLOCK places every slot by its own policy: the default-on direct
+        # slots stay off under it (the elastic-gate's CLOCK servers failed to
+        # start on the elastic defaults before), the other defaults stay on.
+        _, _, coordinator, logs = self._resolved_pools(
+            {"SGLANG_NSA_KV_OFFLOAD_POLICY": "clock"}
+        )
+        self.assertTrue(coordinator.lru.uses_clock)
+        self.assertFalse(coordinator.lru.direct_slots)
+        self.assertFalse(any("direct slots on" in x for x in logs), logs)
+        self.assertTrue(coordinator.warm_units)
 
     def test_resolved_pools(self):
         mr, sizes, coordinator, logs = self._resolved_pools()

@@ -225,7 +225,12 @@ SERVERS = {
     ),
     "ours_fp8_classic": dict(
         offload=["--nsa-kv-offload-max-units", "4"],
-        env={ENV_WARM_UNITS: "0", ENV_DIRECT_SLOTS: "0", ENV_SPARE_REGIONS: "0"},
+        env={
+            ENV_WARM_UNITS: "0",
+            ENV_DIRECT_SLOTS: "0",
+            ENV_SPARE_REGIONS: "0",
+            ENV_IDLE_LOC_UNITS: "0",
+        },
         base="base_fp8",
     ),
     "ours_fp8_1unit": dict(

@@ -134,9 +134,16 @@ def early_swap_enabled() -> bool:
 
 def direct_slots_enabled(speculative: bool) -> bool:
     """Whether requests whose context fits their slots swap in direct mode
-    (``ENV_DIRECT_SLOTS``): on unless "0", off with MTP (the verify swaps
-    several query tokens per request; "1" with MTP is refused)."""
-    return env_default_on(ENV_DIRECT_SLOTS) and not speculative
+    (``ENV_DIRECT_SLOTS``): on unless "0"; off with MTP (the verify swaps
+    several query tokens per request) and with a slot policy other than LRU
+    (CLOCK places every slot by its own policy); "1" with either is refused."""
+    from sglang.srt.mem_cache.nsa_kv_offload_clock import LRU_POLICY
+
+    return (
+        env_default_on(ENV_DIRECT_SLOTS)
+        and not speculative
+        and slot_policy_from_env() == LRU_POLICY
+    )
 
 
 def slot_policy_from_env() -> str:
