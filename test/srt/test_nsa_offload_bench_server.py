@@ -235,7 +235,9 @@ class TestRankSummaries(unittest.TestCase):
     """The two committed summaries of the rank-model runs (issues 18, 20)."""
 
     @staticmethod
-    def make_run(topk, calibration, itl, h2d, profile_swap=None, commit="abc"):
+    def make_run(
+        topk, calibration, itl, h2d, profile_swap=None, commit="abc", elastic=True
+    ):
         def point(kind, conc, at_cap=False):
             p = {
                 "ctx": 32768,
@@ -272,6 +274,7 @@ class TestRankSummaries(unittest.TestCase):
                 "layers": 61,
                 "command": f"bench_server.py --topk {topk}",
                 "code_commit": commit,
+                "elastic_default": elastic,
             },
             "servers": servers,
         }
@@ -372,6 +375,42 @@ class TestRankSummaries(unittest.TestCase):
             self.assertAlmostEqual(
                 model["p4_itl_overhead_inline"][f"32768x{conc}"], 0.04
             )
+
+    def test_classic_default_before_the_elastic_one(self):
+        # Runs before the elastic defaults: "ours" is the classic default
+        # (its own keys), ours_idle_locs the elastic defaults' settings.
+        itl = {"baseline": 10.0, "ours": 10.8, "hisparse": 12.0}
+        older = self.make_run(
+            "model", None, itl, 0.5, profile_swap=61 * 20.0, elastic=False
+        )
+        older["config"]["early_swap_default"] = True
+        idle = json.loads(json.dumps(older["servers"]["ours"]))
+        for p in idle["points"]:
+            p["server"]["itl_ms"] *= 10.1 / 10.8
+        older["servers"]["ours_idle_locs"] = idle
+        newer = self.make_run(
+            "override", "reported", dict(itl, ours=10.2), 8.0, elastic=False
+        )
+        newer["config"].update(early_swap_default=True, code_commit="722e45f")
+        out = bench_server.rank_summaries([older, newer])
+        speed, model = out["rank_speed"], out["rank_model"]
+        for conc in (1, 8):
+            with self.subTest(conc=conc):
+                self.assertAlmostEqual(
+                    speed["p4_itl_overhead_classic"][f"model:32768x{conc}"], 0.08
+                )
+                self.assertAlmostEqual(
+                    speed["p4_itl_overhead"][f"model:32768x{conc}"], 0.01
+                )
+                # Unrecorded but listed: 722e45f ran the elastic defaults.
+                self.assertAlmostEqual(
+                    speed["p4_itl_overhead"][f"reported:32768x{conc}"], 0.02
+                )
+                # rank_model/summary.json keeps each run's default.
+                self.assertAlmostEqual(model["p4_itl_overhead"][f"32768x{conc}"], 0.08)
+        self.assertNotIn("reported:32768x1", speed["p4_itl_overhead_classic"])
+        self.assertEqual(speed["swap_us_per_layer"], {})
+        self.assertEqual(speed["swap_us_per_layer_classic"], {"1": 20.0, "8": 160.0})
 
 
 class TestPrefetchServerSideBySide(unittest.TestCase):
@@ -1459,7 +1498,7 @@ class TestChurn(unittest.TestCase):
                 "hisparse:reported:32768x8": 0.25,
             },
         )
-        self.assertEqual(speed["p4_itl_overhead_idle_locs"], {})
+        self.assertEqual(speed["p4_itl_overhead"], {})
         self.assertEqual(speed["hisparse_itl_overhead"], {})
         self.assertEqual(speed["traces"], {"reported": ["bench_server.py --churn 3"]})
 
@@ -1582,6 +1621,12 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_speed/run_h100_idle_locs_reported_32k_64k/bench_server_override.json",
         "rank_speed/run_h100_idle_locs_reported_128k/bench_server_override.json",
         "rank_speed/run_h100_idle_locs_pessimistic_128k/bench_server_override.json",
+        # 722e45f (the tree of 834aede) on an H200, the elastic defaults: 30K
+        # x 64 profiled (HiSparse out of GPU memory), 32K x 8 / x 32 and 128K
+        # x 8 at 86 GiB; the --churn run at 32K x 8 / 14 GiB.
+        "rank_speed/run_h200_default_30k_x64/bench_server_override.json",
+        "rank_speed/run_h200_default_86gib/bench_server_override.json",
+        "rank_speed/run_h200_churn_32k_x8/bench_server_override.json",
     )
 
     def test_every_committed_server_kind_renders(self):

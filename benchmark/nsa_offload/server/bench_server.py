@@ -170,6 +170,14 @@ REFERENCE_KINDS = ("baseline", "baseline_mtp")
 # the runs that record this; before, "ours" was the inline swap and the
 # early one "ours_early").
 OURS_EARLY_SWAP_DEFAULT = True
+# Whether "ours" runs the elastic defaults (warm units, direct slots, spare
+# regions, idle-loc units, units of the model's context: the ours_idle_locs
+# settings) since the runs that record this; before, "ours" was the classic
+# default (up to 4 cold units), now ``ours_classic``.
+OURS_ELASTIC_DEFAULT = True
+# Runs on the elastic defaults from before the bench recorded them: stop 58's
+# H200 calls, on the tree of 834aede (the commit was 722e45f then).
+ELASTIC_DEFAULT_UNRECORDED = ("722e45f",)
 # Kinds of committed runs that no longer run, and why.
 READ_ONLY_KINDS = {
     "ours_units": "units are ours' default now (--max-units N sets them); "
@@ -197,7 +205,7 @@ LABELS = {
     "ours_warm_rope": "ours, warm units, swap after rope",
     "ours_warm_direct": "ours, warm units + direct slots",
     "ours_warm_direct_flat": "ours, warm units + direct slots + flat miss copy",
-    "ours_classic": "ours, the defaults before f418aa2",
+    "ours_classic": "ours, the classic defaults (4 cold units)",
     "ours_8units": "ours, at most 8 units",
     "ours_bounded_warm": "ours, direct warm-up of the newest 2,048 positions",
     "ours_elastic": "ours, elastic settings (warm units + direct slots + spare "
@@ -951,8 +959,9 @@ VARIANT_ENV = {
         ENV_DIRECT_SLOTS: "1",
         ENV_GATHER_PROGRAMS: "16",
     },
-    # The defaults before the units were capped by each request's context
-    # (f418aa2): 4 units, cold, no direct slots, no spare regions.
+    # The classic defaults (before f418aa2, and again from d1140ab to the
+    # elastic defaults): 4 units, cold, no direct slots, no spare regions, no
+    # idle-loc units.
     "ours_classic": {
         ENV_WARM_UNITS: "0",
         ENV_DIRECT_SLOTS: "0",
@@ -963,9 +972,11 @@ VARIANT_ENV = {
     # below the window only (the admission's warm-up before the warm units):
     # a shorter admission stall for more first reads in its first steps.
     "ours_bounded_warm": {**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "2048"},
-    # The elastic settings (server_utils.ELASTIC_ENV), with their units.
-    "ours_elastic": ELASTIC_ENV,
-    # And the indexer keys of free locs lent as units (the arena).
+    # The elastic settings (server_utils.ELASTIC_ENV), with their units,
+    # without the idle-loc units.
+    "ours_elastic": {**ELASTIC_ENV, ENV_IDLE_LOC_UNITS: "0"},
+    # And the indexer keys of free locs lent as units (the arena): the
+    # default's settings, named.
     "ours_idle_locs": {**ELASTIC_ENV, ENV_IDLE_LOC_UNITS: "1"},
     # Both: the admission stall of the idle-loc units' direct mode, bounded.
     "ours_idle_locs_bounded": {
@@ -973,14 +984,13 @@ VARIANT_ENV = {
         ENV_IDLE_LOC_UNITS: "1",
         ENV_DIRECT_WARM_POSITIONS: "2048",
     },
-    # CLOCK instead of the LRU order: the default's units; with the warm
-    # units and spare regions (no direct slots: CLOCK refuses them) and the
-    # elastic settings' units.
+    # CLOCK instead of the LRU order, on the defaults (no direct slots under
+    # CLOCK); with warm units and spare regions forced and the elastic
+    # settings' units.
     "ours_clock": CLOCK_ENV,
     "ours_clock_warm": {**CLOCK_ENV, ENV_WARM_UNITS: "1", ENV_SPARE_REGIONS: "1"},
 }
-# Variants with a unit cap of their own: the defaults before f418aa2 (and
-# since d1140ab), 8 units (the rank bench at cfdc9bc), and the elastic
+# Variants with a unit cap of their own: the classic defaults, 8 units (the rank bench at cfdc9bc), and the elastic
 # settings' units of the model's context.
 VARIANT_MAX_UNITS = {
     "ours_classic": 4,
@@ -2333,14 +2343,17 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     and ``rank_speed`` (results/rank_speed/summary.json: ITL per trace, the
     swap's GPU time per layer from the step profile, HiSparse's ITL). The ITL
     overheads are the early swap's, ours' default (``*_inline``: the inline
-    swap's), whichever server kind ran it in each run;
+    swap's), whichever server kind ran it in each run: the elastic defaults'
+    (runs that record ``elastic_default``, and ours_idle_locs, the same
+    settings, in the runs before them), ``p4_itl_overhead_classic`` the
+    classic default's ("ours" before the elastic defaults) and
+    ``swap_us_per_layer_classic`` its swap time per layer;
     ``p4_itl_overhead_warm_units``: the experimental warm units' (ours_warm),
     ``p4_itl_overhead_warm_flat``: with the flat miss copy too (ours_warm_flat),
     ``p4_itl_overhead_warm_rope``: with the swap after the rope (ours_warm_rope),
     ``p4_itl_overhead_warm_direct``: with direct slots too (ours_warm_direct),
     ``p4_itl_overhead_warm_direct_flat``: and the flat miss copy
-    (ours_warm_direct_flat); ``p4_itl_overhead_idle_locs``: the elastic
-    settings with idle-loc units (ours_idle_locs). A ``--churn`` run's ratios
+    (ours_warm_direct_flat). A ``--churn`` run's ratios
     (the clients' mean ITL, admissions included) go to ``churn_itl_overhead``
     alone: "<server kind>:<trace>:<context>x<batch>", HiSparse's too."""
     runs = [r for r in results if r["config"].get("model") == "rank"]
@@ -2355,9 +2368,10 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "p4_itl_overhead_warm_rope": {},
         "p4_itl_overhead_warm_direct": {},
         "p4_itl_overhead_warm_direct_flat": {},
-        "p4_itl_overhead_idle_locs": {},
+        "p4_itl_overhead_classic": {},
         "churn_itl_overhead": {},
         "swap_us_per_layer": {},
+        "swap_us_per_layer_classic": {},
         "hisparse_itl_overhead": {},
         "traces": {},
         "code_commit": commits[0] if len(commits) == 1 else commits,
@@ -2380,14 +2394,27 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
                     speed["churn_itl_overhead"].update(_overheads(p4, prefix))
             continue
         targets = evaluate_targets(run)
+        elastic = bool(cfg.get("elastic_default")) or (
+            cfg.get("code_commit") in ELASTIC_DEFAULT_UNRECORDED
+        )
         schedules = {"": "P4_early", "_inline": "P4"}
         if cfg.get("early_swap_default"):
             schedules = {"": "P4", "_inline": "P4_inline"}
+        if not elastic:
+            # The elastic defaults' settings, run by name before they were
+            # the default.
+            schedules["_idle_locs"] = "P4_idle_locs"
         for suffix, key in schedules.items():
             if key in targets:
                 overheads = _overheads(targets[key], name + ":")
-                speed["p4_itl_overhead" + suffix].update(overheads)
-                if name == "model":
+                out = "p4_itl_overhead" + suffix
+                if suffix == "_idle_locs":
+                    out = "p4_itl_overhead"
+                elif suffix == "" and not elastic:
+                    out = "p4_itl_overhead_classic"
+                speed[out].update(overheads)
+                if name == "model" and suffix in ("", "_inline"):
+                    # rank_model/summary.json: each run's default, whichever.
                     model["p4_itl_overhead" + suffix].update(_overheads(targets[key]))
         for key, out in (
             ("P4_warm", "p4_itl_overhead_warm_units"),
@@ -2395,7 +2422,7 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
             ("P4_warm_rope", "p4_itl_overhead_warm_rope"),
             ("P4_warm_direct", "p4_itl_overhead_warm_direct"),
             ("P4_warm_direct_flat", "p4_itl_overhead_warm_direct_flat"),
-            ("P4_idle_locs", "p4_itl_overhead_idle_locs"),
+            ("P4_classic", "p4_itl_overhead_classic"),
         ):
             if key in targets:
                 speed[out].update(_overheads(targets[key], name + ":"))
@@ -2409,7 +2436,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
                 if swap is not None:
                     per_layer = round(swap / cfg["layers"], 2)
                     # The newest run's: the swap's cost on the code measured last.
-                    speed["swap_us_per_layer"][str(p["conc"])] = per_layer
+                    out = "swap_us_per_layer" + ("" if elastic else "_classic")
+                    speed[out][str(p["conc"])] = per_layer
         cap = {k: srv.get(k, {}).get("capacity", {}) for k in ("baseline", "ours")}
         both = [
             c
@@ -3038,6 +3066,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "gpu": gpu_name(),
             # ours' swap schedule without the env var (rank_summaries).
             "early_swap_default": OURS_EARLY_SWAP_DEFAULT,
+            "elastic_default": OURS_ELASTIC_DEFAULT,
         },
         "servers": {},
     }

@@ -162,8 +162,6 @@ HEAVY_OFFLOAD = [
 SERVERS = {
     "base_fp8": dict(nc=True, repeat=True),
     "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
-    # The defaults before f418aa2: 4 units lent cold, LRU walk for every
-    # request, no spare regions.
     # Direct requests warmed with no position below the window: every older
     # position read is a miss into its own slot (the bounded warm-up at its
     # bound).
@@ -172,9 +170,13 @@ SERVERS = {
         env={**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "0"},
         base="base_fp8",
     ),
-    # The elastic settings: 64/64 at e20c81a (then the default), where every
-    # tiny prompt fits its units at batch 1.
-    "ours_fp8_elastic": dict(offload=ELASTIC_UNITS, env=ELASTIC_ENV, base="base_fp8"),
+    # The elastic settings without the idle-loc units: 64/64 at e20c81a,
+    # where every tiny prompt fits its units at batch 1.
+    "ours_fp8_elastic": dict(
+        offload=ELASTIC_UNITS,
+        env={**ELASTIC_ENV, ENV_IDLE_LOC_UNITS: "0"},
+        base="base_fp8",
+    ),
     # The elastic settings with idle-loc units instead of spare regions, 2
     # request slots: a request's units beyond the free region come from the
     # indexer keys of free locs (the arena; its decode log's "of idle locs").
@@ -223,6 +225,8 @@ SERVERS = {
         env={**CLOCK_ENV, ENV_WARM_UNITS: "1", ENV_SPARE_REGIONS: "1"},
         base="base_fp8",
     ),
+    # The classic defaults: 4 units lent cold, the LRU walk for every
+    # request, no spare regions, no idle-loc units.
     "ours_fp8_classic": dict(
         offload=["--nsa-kv-offload-max-units", "4"],
         env={
