@@ -204,8 +204,8 @@ run_step() {
         test/srt/test_sparse_cache_controller.py::TestUnits 2>&1 | tail -15 || rc=1
       ;;
     elastic-gate)
-      # What decides the opt-in settings, in one call: the elastic server
-      # (warm units, direct slots, spare regions), the same at 2 units with
+      # The elastic defaults' gate (the default since 834aede), in one call:
+      # the elastic server without idle-loc units, the same at 2 units with
       # the flat copy (44/64 at e20c81a, results/units/per_unit_gpu_gate/)
       # and the CLOCK servers, and the idle-loc units (ours_fp8_idle_locs), on
       # the tiny checkpoint side by side (servers,
@@ -218,8 +218,8 @@ run_step() {
         EXACT_ARGS_3="--servers ours_fp8_clock,ours_fp8_clock_2units_warm $resume" run_step exact
       ;;
     default-gate)
-      # The default (up to 4 cold units since the revert of f418aa2's elastic
-      # defaults; the elastic ones where a server names them) on the tiny checkpoint with bf16, fp8 and
+      # The default (the elastic defaults since 834aede: warm units, direct
+      # slots, spare regions, idle-loc units) on the tiny checkpoint with bf16, fp8 and
       # bf16 retraction, unit leveling, and the bench's 7 units of 4,416 rows
       # (with the flat copy), direct requests warmed with nothing below the
       # window (ours_fp8_lazy_direct); three runs side by side, resumed from
