@@ -112,7 +112,7 @@ def _pad_like_dp_max_len(fb, num_tokens):
     return fb
 
 
-# The server's default since f418aa2 on a rank of its own (DP attention):
+# The elastic defaults (since 834aede) on a rank of its own (DP attention):
 # units, warm units and direct slots (A's 150 tokens fit its 2 units).
 ELASTIC_SETTINGS = dict(
     max_units=2,

@@ -990,8 +990,9 @@ VARIANT_ENV = {
     "ours_clock": CLOCK_ENV,
     "ours_clock_warm": {**CLOCK_ENV, ENV_WARM_UNITS: "1", ENV_SPARE_REGIONS: "1"},
 }
-# Variants with a unit cap of their own: the classic defaults, 8 units (the rank bench at cfdc9bc), and the elastic
-# settings' units of the model's context.
+# Variants with a unit cap of their own: the classic defaults, 8 units (the
+# rank bench at cfdc9bc), and the elastic settings' units of the model's
+# context.
 VARIANT_MAX_UNITS = {
     "ours_classic": 4,
     "ours_8units": 8,
