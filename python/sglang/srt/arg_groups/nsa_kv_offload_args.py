@@ -55,7 +55,7 @@ ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
 # copy start on a side stream as soon as its top-k exists, beside the query
 # projection and rope, instead of right before its attention.
 ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
-# Direct slots (on by default without MTP; "0" turns them off): a request
+# Direct slots (on by default without MTP or CLOCK; "0" turns them off): a request
 # whose context fits its LRU slots keeps position p in slot p and swaps
 # without the LRU walk.
 ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
