@@ -2653,6 +2653,16 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
                 lru = h.controller.lru
                 direct = [int(lru.direct[r.req_pool_idx]) for r in (a, b)]
                 self.assertEqual(direct, [0, 1])
+                # Both admissions warmed: A's window and as many positions
+                # below it as its 256 slots hold, B's whole prompt.
+                ctrl = h.controller
+                win_start = 300 + 1 - ctrl.recent_window
+                rows = (300 - win_start + min(256, win_start)) + 190
+                warmed = ctrl.get_stats()
+                self.assertEqual(warmed["warmed_requests"], 2)
+                self.assertEqual(
+                    warmed["warmed_bytes"], rows * ctrl.layer_num * ctrl.row_bytes
+                )
                 rb = b.req_pool_idx
                 self.assertEqual(
                     lru.slot_loc[0, rb, :150].tolist(),
@@ -2663,7 +2673,12 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
                 self.assertEqual(int(lru.direct[rb]), 1)
                 # The decode log line counts the requests in direct mode.
                 self.assertEqual(h.controller.get_stats()["direct_requests"], 1)
-                self.assertIn(", direct: 1", h.co.get_decode_log_msg())
+                line = h.co.get_decode_log_msg()
+                self.assertIn(", direct: 1", line)
+                gb = rows * ctrl.layer_num * ctrl.row_bytes / 1e9
+                self.assertIn(f", warmed: 2 ({gb:.2f} GB)", line)
+                # Read and reset: no admission since, no "warmed".
+                self.assertNotIn("warmed", h.co.get_decode_log_msg())
                 self._finish(h, colocated, a, b)
                 self.assertEqual(h.controller.get_stats()["direct_requests"], 0)
 

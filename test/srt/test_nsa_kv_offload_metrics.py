@@ -22,6 +22,8 @@ def interval(**over):
         prefetched=2,
         h2d_bytes=5 * 656,
         d2h_bytes=656,
+        warmed_requests=1,
+        warmed_bytes=40 * 3 * 656,
         host_used_tokens=128,
         host_total_tokens=1024,
         regions_used=1,
@@ -53,6 +55,8 @@ class TestNSAKVOffloadMetrics(unittest.TestCase):
         self.assertEqual(self.value("prefetched_rows_total"), 4)
         self.assertEqual(self.value("h2d_bytes_total"), 2 * 5 * 656)
         self.assertEqual(self.value("d2h_bytes_total"), 2 * 656)
+        self.assertEqual(self.value("warmed_requests_total"), 2)
+        self.assertEqual(self.value("warmed_bytes_total"), 2 * 40 * 3 * 656)
         self.assertEqual(self.value("host_pool_used_tokens"), 256)
         self.assertEqual(self.value("host_pool_total_tokens"), 1024)
         self.assertEqual(self.value("decode_regions_used"), 3)

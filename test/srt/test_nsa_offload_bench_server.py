@@ -29,6 +29,7 @@ def decode_line(
     units=None,
     moved=None,
     direct=None,
+    warmed=None,
 ):
     line = (
         f"[t] Decode batch, #running-req: {running}, #token: 9, token usage: 0.5, "
@@ -46,6 +47,8 @@ def decode_line(
         line += ")" if moved is None else f", {moved} moved)"
     if direct is not None:
         line += f", direct: {direct}"
+    if warmed is not None:
+        line += f", warmed: {warmed[0]} ({warmed[1]:.2f} GB)"
     return line
 
 
@@ -933,6 +936,22 @@ class TestDecodeLog(unittest.TestCase):
             layers=3,
         )
         self.assertNotIn("direct_requests", m)
+
+    def test_warmed_admissions(self):
+        # The line names the admissions warmed over its interval (the
+        # coordinator's format, test_nsa_kv_offload_integration); the run's
+        # totals add them up.
+        lines = [
+            decode_line(2, 100.0, misses=10, direct=2, warmed=(2, 2.62)),
+            decode_line(2, 300.0, misses=10, direct=2),
+            decode_line(2, 300.0, misses=10, direct=2, warmed=(1, 1.31)),
+        ]
+        rows = bench_server.parse_decode_lines("\n".join(lines))
+        self.assertEqual([r.get("warmed_requests") for r in rows], [2, None, 1])
+        m = bench_server.server_metrics(rows, interval=32, layers=3)
+        self.assertEqual((m["warmed_requests"], m["warmed_gb"]), (3, 3.93))
+        m = bench_server.server_metrics(rows[1:2], interval=32, layers=3)
+        self.assertNotIn("warmed_requests", m)
 
 
 class TestRepeats(unittest.TestCase):

@@ -109,6 +109,7 @@ from server_utils import (  # noqa: E402
     PD_DECODE_FAKE_ARGS,
     SHAPES,
     UNITS_RE,
+    WARMED_RE,
     VOCAB_SIZE,
     Server,
     git_commit,
@@ -600,6 +601,10 @@ def parse_decode_lines(text: str) -> List[dict]:
         d = DIRECT_RE.search(line)
         if d:
             row["direct_requests"] = int(d.group(1))
+        w = WARMED_RE.search(line)
+        if w:
+            row["warmed_requests"] = int(w.group(1))
+            row["warmed_gb"] = float(w.group(2))
         rows.append(row)
     return rows
 
@@ -627,6 +632,10 @@ def server_metrics(rows: List[dict], interval: int, layers: int) -> dict:
     if any("units_moved" in r for r in rows):
         # Over the whole run: moves happen around admissions.
         out["units_moved"] = sum(r.get("units_moved", 0) for r in rows)
+    if any("warmed_requests" in r for r in rows):
+        # Over the whole run: the admissions' warm-ups (the batch waits).
+        out["warmed_requests"] = sum(r.get("warmed_requests", 0) for r in rows)
+        out["warmed_gb"] = round(sum(r.get("warmed_gb", 0.0) for r in rows), 2)
     use = clean or [r for r in rows if r["running"] == peak][1:]
     out["lines_used"] = len(use)
     if not use:

@@ -87,6 +87,8 @@ UNITS_RE = re.compile(
 )
 # With direct slots: the requests swapping in direct mode (slot = position).
 DIRECT_RE = re.compile(r", direct: (\d+)")
+# Admissions warmed over the log interval, and the GB their warm-ups copied.
+WARMED_RE = re.compile(r", warmed: (\d+) \(([\d.]+) GB\)")
 # The server flags of the two-GPU shapes: attention TP, DP attention.
 SHAPES = {
     "tp2": ["--tp-size", "2"],

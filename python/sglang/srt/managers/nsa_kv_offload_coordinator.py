@@ -832,6 +832,12 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                 if self.controller.lru.direct_slots
                 else ""
             )
+            + (
+                f", warmed: {stats['warmed_requests']} "
+                f"({stats['warmed_bytes'] / 1e9:.2f} GB)"
+                if stats["warmed_requests"]
+                else ""
+            )
         )
 
 

@@ -294,6 +294,10 @@ class SparseCacheController:
         self._req_unit_cap: Dict[int, int] = {}
         # Region units moved between requests to even them out (get_stats).
         self.units_moved = 0
+        # Admissions warmed and the bytes their warm-ups copied into GPU rows
+        # (get_stats; counted on the host: the copy sizes are known there).
+        self.warmed_requests = 0
+        self.warmed_bytes = 0
         # Lenders of extra units by name, asked in this order.
         self._unit_sources: Dict[str, NSAKVOffloadUnitSource] = {
             REGION_UNIT_SOURCE: RegionUnitSource(self.regions)
@@ -692,6 +696,9 @@ class SparseCacheController:
             src, dst = locs[0].contiguous(), rows[0].contiguous()
         if src.shape[-1] == 0:
             return
+        # Every layer's rows of these positions (src is per layer or shared).
+        self.warmed_requests += 1
+        self.warmed_bytes += src.shape[-1] * self.layer_num * self.row_bytes
         copy = self._h2d_all_layers if prefix_rows is None else self._d2d_all_layers
         self._launch_side(lambda: copy(src, dst), [src, dst])
         # The first decode step reads these rows: order the caller's stream.
@@ -865,6 +872,8 @@ class SparseCacheController:
 
     def reset_stats(self) -> None:
         self.units_moved = 0
+        self.warmed_requests = 0
+        self.warmed_bytes = 0
         self.counters.zero_()
         self.prefetch_counters.zero_()
         self.lru.reset_counters()
@@ -894,6 +903,11 @@ class SparseCacheController:
             "extra_units": sum(len(u) for u in self._req_units.values()),
             # Region units moved from the largest holders to the smallest.
             "units_moved": self.units_moved,
+            # Admissions warmed, and the bytes copied into their GPU rows
+            # (from host memory, or from prefill staging rows on the GPU):
+            # the admission's price, which the batch's next step waits for.
+            "warmed_requests": self.warmed_requests,
+            "warmed_bytes": self.warmed_bytes,
             # Of those, units lent by the other sources (idle prefill
             # staging), and by the indexer keys of free locs (the arena).
             "extra_units_lent": sum(

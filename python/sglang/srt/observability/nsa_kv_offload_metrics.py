@@ -33,6 +33,19 @@ _COUNTERS = (
         "units_moved",
         "Extra LRU units moved from the largest holders to the smallest.",
     ),
+    (
+        "warmed_requests",
+        "warmed_requests_total",
+        "warmed_requests",
+        "Admitted requests whose GPU rows were warmed.",
+    ),
+    (
+        "warmed_bytes",
+        "warmed_bytes_total",
+        "warmed_bytes",
+        "Bytes the admissions' warm-ups copied into GPU rows (from host memory "
+        "or prefill staging).",
+    ),
     ("h2d_bytes", "h2d_bytes_total", "h2d_bytes", "Bytes copied host to device."),
     ("d2h_bytes", "d2h_bytes_total", "d2h_bytes", "Bytes copied device to host."),
 )
