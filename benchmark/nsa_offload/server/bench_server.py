@@ -1485,6 +1485,7 @@ def measure(
     divides by it, and its warm-up already ate into the share)."""
     points: List[dict] = []
     warm_up(args, kind, server)
+    run = point_runner(args)
     recorder_ok = args.record
     prefill_rate = args.prefill_rate_guess
     plan = [(c, k, False) for c, k in equal_batch_points(args)]
@@ -1519,19 +1520,13 @@ def measure(
         runs = []
         for _ in range(reps):
             timeout = max(30.0, share_end - time.time() + 30)
-            runs.append(
-                point_runner(args)(
-                    server, ctx, conc, args.new_tokens, 1000 + i, timeout
-                )
-            )
+            runs.append(run(server, ctx, conc, args.new_tokens, 1000 + i, timeout))
         summarize_point(kind, point, runs, args, layers)
         prefill_rate = measured_prefill_rate(point, prefill_rate)
         if profiled:
             point["profile"] = step_profile.profile_point(
                 server,
-                lambda: point_runner(args)(
-                    server, ctx, conc, args.new_tokens, 1000 + i, 300
-                ),
+                lambda: run(server, ctx, conc, args.new_tokens, 1000 + i, 300),
                 conc,
                 args.profile_steps,
                 args.out,
@@ -1561,6 +1556,7 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
     round, so that a drift of the host's speed hits every server alike and
     each round gives a paired ratio (``evaluate_targets``)."""
     layers = num_model_layers()
+    run = point_runner(args)
     servers: Dict[str, Server] = {}
     with contextlib.ExitStack() as stack:
         for i, kind in enumerate(kinds):
@@ -1644,9 +1640,7 @@ def bench_interleaved(args, kinds: List[str], deadline: float, result: dict, sav
                 for k in order:
                     timeout = max(30.0, deadline - time.time())
                     runs[k].append(
-                        point_runner(args)(
-                            servers[k], ctx, conc, args.new_tokens, 1000 + i, timeout
-                        )
+                        run(servers[k], ctx, conc, args.new_tokens, 1000 + i, timeout)
                     )
                 slowest = max(slowest, time.time() - tic)
                 if time.time() - start + slowest > share:
@@ -2000,22 +1994,27 @@ def _status(r: dict) -> str:
     return first.replace("|", "/")[:100]
 
 
-def _cap_table(srv: dict, kinds: List[str]) -> List[str]:
-    rows = []
+def _flagged_points(srv: dict, kinds: List[str], flag: str):
+    """(kind, point) of the points run (not skipped) that have ``flag`` set."""
     for k in kinds:
         for p in srv[k].get("points", []):
-            if not p.get("at_capacity") or "skipped" in p:
-                continue
-            s, rp = p["server"], p.get("replay") or {}
-            rows.append(
-                f"| {p['ctx'] // 1024}K | {LABELS[k]} | {p['conc']} "
-                f"({_fmt(s.get('peak_running'), '{}')}) "
-                f"| {_fmt(s.get('throughput_tok_s'), '{:.0f}')} "
-                f"| {_fmt(s.get('itl_ms'), '{:.2f}')} "
-                f"| {_fmt(s.get('misses_per_step'), '{:.0f}')} "
-                f"| {_fmt(rp.get('ours'), '{:.0f}')} / "
-                f"{_fmt(rp.get('hisparse'), '{:.0f}')} |"
-            )
+            if p.get(flag) and "skipped" not in p:
+                yield k, p
+
+
+def _cap_table(srv: dict, kinds: List[str]) -> List[str]:
+    rows = []
+    for k, p in _flagged_points(srv, kinds, "at_capacity"):
+        s, rp = p["server"], p.get("replay") or {}
+        rows.append(
+            f"| {p['ctx'] // 1024}K | {LABELS[k]} | {p['conc']} "
+            f"({_fmt(s.get('peak_running'), '{}')}) "
+            f"| {_fmt(s.get('throughput_tok_s'), '{:.0f}')} "
+            f"| {_fmt(s.get('itl_ms'), '{:.2f}')} "
+            f"| {_fmt(s.get('misses_per_step'), '{:.0f}')} "
+            f"| {_fmt(rp.get('ours'), '{:.0f}')} / "
+            f"{_fmt(rp.get('hisparse'), '{:.0f}')} |"
+        )
     if not rows:
         return []
     return [
@@ -2031,22 +2030,18 @@ def _cap_table(srv: dict, kinds: List[str]) -> List[str]:
 
 def _churn_table(srv: dict, kinds: List[str]) -> List[str]:
     rows = []
-    for k in kinds:
-        for p in srv[k].get("points", []):
-            if not p.get("churn") or "skipped" in p:
-                continue
-            c = p["client"]
-            itl = " / ".join(
-                _fmt(c.get(f"itl_ms_{q}"), "{:.2f}")
-                for q in ("mean", "p50", "p99", "max")
-            )
-            rows.append(
-                f"| {p['ctx'] // 1024}K x {p['conc']} | {LABELS[k]} | {itl} "
-                f"| {_fmt(c.get('ttft_s_median'), '{:.2f}')} / "
-                f"{_fmt(c.get('ttft_s_p90'), '{:.2f}')} "
-                f"| {_fmt(c.get('admissions'), '{:.0f}')} "
-                f"| {_fmt(c.get('throughput_tok_s'), '{:.0f}')} |"
-            )
+    for k, p in _flagged_points(srv, kinds, "churn"):
+        c = p["client"]
+        itl = " / ".join(
+            _fmt(c.get(f"itl_ms_{q}"), "{:.2f}") for q in ("mean", "p50", "p99", "max")
+        )
+        rows.append(
+            f"| {p['ctx'] // 1024}K x {p['conc']} | {LABELS[k]} | {itl} "
+            f"| {_fmt(c.get('ttft_s_median'), '{:.2f}')} / "
+            f"{_fmt(c.get('ttft_s_p90'), '{:.2f}')} "
+            f"| {_fmt(c.get('admissions'), '{:.0f}')} "
+            f"| {_fmt(c.get('throughput_tok_s'), '{:.0f}')} |"
+        )
     if not rows:
         return []
     return [
@@ -2407,25 +2402,29 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         elastic = bool(cfg.get("elastic_default")) or (
             cfg.get("code_commit") in ELASTIC_DEFAULT_UNRECORDED
         )
-        schedules = {"": "P4_early", "_inline": "P4"}
+        # The targets of "ours" (the default) and of its inline-swap variant.
+        default, inline = ("P4_early", "P4")
         if cfg.get("early_swap_default"):
-            schedules = {"": "P4", "_inline": "P4_inline"}
+            default, inline = ("P4", "P4_inline")
+        outs = {
+            default: "p4_itl_overhead" if elastic else "p4_itl_overhead_classic",
+            inline: "p4_itl_overhead_inline",
+        }
         if not elastic:
             # The elastic defaults' settings, run by name before they were
             # the default.
-            schedules["_idle_locs"] = "P4_idle_locs"
-        for suffix, key in schedules.items():
+            outs["P4_idle_locs"] = "p4_itl_overhead"
+        for key, out in outs.items():
             if key in targets:
-                overheads = _overheads(targets[key], name + ":")
-                out = "p4_itl_overhead" + suffix
-                if suffix == "_idle_locs":
-                    out = "p4_itl_overhead"
-                elif suffix == "" and not elastic:
-                    out = "p4_itl_overhead_classic"
-                speed[out].update(overheads)
-                if name == "model" and suffix in ("", "_inline"):
-                    # rank_model/summary.json: each run's default, whichever.
-                    model["p4_itl_overhead" + suffix].update(_overheads(targets[key]))
+                speed[out].update(_overheads(targets[key], name + ":"))
+        if name == "model":
+            # rank_model/summary.json: each run's default, whichever it was.
+            for key, out in (
+                (default, "p4_itl_overhead"),
+                (inline, "p4_itl_overhead_inline"),
+            ):
+                if key in targets:
+                    model[out].update(_overheads(targets[key]))
         for key, out in (
             ("P4_warm", "p4_itl_overhead_warm_units"),
             ("P4_warm_flat", "p4_itl_overhead_warm_flat"),

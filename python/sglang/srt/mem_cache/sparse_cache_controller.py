@@ -903,11 +903,6 @@ class SparseCacheController:
             "extra_units": sum(len(u) for u in self._req_units.values()),
             # Region units moved from the largest holders to the smallest.
             "units_moved": self.units_moved,
-            # Admissions warmed, and the bytes copied into their GPU rows
-            # (from host memory, or from prefill staging rows on the GPU):
-            # the admission's price, which the batch's next step waits for.
-            "warmed_requests": self.warmed_requests,
-            "warmed_bytes": self.warmed_bytes,
             # Of those, units lent by the other sources (idle prefill
             # staging), and by the indexer keys of free locs (the arena).
             "extra_units_lent": sum(
@@ -916,6 +911,11 @@ class SparseCacheController:
                 if name not in (REGION_UNIT_SOURCE, IDLE_LOC_UNIT_SOURCE)
             ),
             "idle_loc_units_lent": self.units_lent_by(IDLE_LOC_UNIT_SOURCE),
+            # Admissions warmed, and the bytes copied into their GPU rows
+            # (from host memory, or from prefill staging rows on the GPU):
+            # the admission's price, which the batch's next step waits for.
+            "warmed_requests": self.warmed_requests,
+            "warmed_bytes": self.warmed_bytes,
             # Requests swapping in direct mode now (slot = position: no LRU
             # walk); a request leaves it on the GPU when it outgrows its slots.
             "direct_requests": (
