@@ -1646,6 +1646,11 @@ class TestCommittedRankSummaries(unittest.TestCase):
         "rank_speed/run_h200_default_30k_x64/bench_server_override.json",
         "rank_speed/run_h200_default_86gib/bench_server_override.json",
         "rank_speed/run_h200_churn_32k_x8/bench_server_override.json",
+        # f9a2494 on an H100 (no H200 came), 14 GiB, the elastic defaults: the
+        # model's top-k at 32K x 1 profiled (its x 8 held 7 at once: not here);
+        # the pessimistic trace at 32K x 1 / 8 beside HiSparse, profiled.
+        "rank_speed/run_h100_default_model_32k_x1/bench_server_model.json",
+        "rank_speed/run_h100_default_pessimistic_32k/bench_server_override.json",
     )
 
     def test_every_committed_server_kind_renders(self):
