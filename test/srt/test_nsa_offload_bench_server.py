@@ -1055,6 +1055,14 @@ class TestInterleave(unittest.TestCase):
         self.assertIsNone(p4["rows"][0]["overhead_paired"])
         self.assertAlmostEqual(p4["max_overhead"], 1.3 / 1.2 - 1)
 
+    def test_a_prefilling_server_gets_a_slot_beyond_the_batch(self):
+        # sglang marks the batch full while the last-but-one prompt's final
+        # chunk holds the last free slot: with slots = batch the last prompt
+        # waited for a request to end (peak 7 of 8 in every such run).
+        self.assertEqual(bench_server.slots_to_hold(8, pd_decode=False), 9)
+        # PD decode: requests arrive prefilled, no chunk holds a slot.
+        self.assertEqual(bench_server.slots_to_hold(8, pd_decode=True), 8)
+
     def test_a_batch_that_never_filled_is_no_p4_point(self):
         # The rank model's 32K x 8 with real prefill: the batch peaked at 7.
         args = mock.Mock(decode_log_interval=16)

@@ -109,8 +109,8 @@ from server_utils import (  # noqa: E402
     PD_DECODE_FAKE_ARGS,
     SHAPES,
     UNITS_RE,
-    WARMED_RE,
     VOCAB_SIZE,
+    WARMED_RE,
     Server,
     git_commit,
     model_weights_gib,
@@ -790,6 +790,15 @@ def run_churn_point(
     }
 
 
+def slots_to_hold(conc: int, pd_decode: bool) -> int:
+    """Request slots a server needs to decode ``conc`` prompts at once. With
+    its own prefill one more: while the last-but-one prompt's final chunk
+    holds its slot, sglang finds no slot for the last, marks the batch full
+    and keeps it so until a request ends (every run with slots = batch peaked
+    at batch - 1: rank_speed/run_h100_model_32k_x8_peak7/)."""
+    return conc if pd_decode else conc + 1
+
+
 def point_runner(args):
     """The function that runs one point's requests: a burst (``run_point``)
     or, with ``--churn``, requests coming and going (``run_churn_point``)."""
@@ -1448,7 +1457,7 @@ def summarize_point(kind: str, point: dict, runs: List[dict], args, layers: int)
         # prompt is in: the figures are those of a smaller batch.
         point["batch_short"] = (
             f"the batch never held {point['conc']} requests (peak {peak}): "
-            "more --new-tokens"
+            "more --new-tokens, or more --max-running-requests (slots_to_hold)"
         )
         log(f"[{kind}] ctx {point['ctx']} x {point['conc']}: {point['batch_short']}")
     log(
@@ -3008,7 +3017,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 offload_max_units(args.max_units, args.buffer_size),
                 args.pd_decode,
             ),
-            max(args.concurrency),
+            slots_to_hold(max(args.concurrency), args.pd_decode),
         )
     if args.host_pool_gb is None:
         # Enough host slots for every logical loc the budget allows.
