@@ -22,7 +22,6 @@ the decode step writes them.
 from __future__ import annotations
 
 import logging
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Tuple
@@ -917,9 +916,11 @@ class NSAKVOffloadPoolConfigurator:
         self._idle_loc_units_resolved = sizes.idle_loc_units
         if self.lend_idle_locs and not sizes.idle_loc_units:
             from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_IDLE_LOC_UNITS
+            from sglang.srt.utils import get_bool_env_var
 
-            # Asked for by name: a warning; on by default: a note.
-            asked = os.environ.get(ENV_IDLE_LOC_UNITS, "") != ""
+            # Asked for by name ("1", as the startup checks read it): a
+            # warning; on by default: a note.
+            asked = get_bool_env_var(ENV_IDLE_LOC_UNITS)
             (logger.warning if asked else logger.info)(
                 "NSA KV offload: %s lends nothing here: %s.",
                 ENV_IDLE_LOC_UNITS,
