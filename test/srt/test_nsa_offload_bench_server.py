@@ -1659,6 +1659,13 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # the pessimistic trace at 32K x 1 / 8 beside HiSparse, profiled.
         "rank_speed/run_h100_default_model_32k_x1/bench_server_model.json",
         "rank_speed/run_h100_default_pessimistic_32k/bench_server_override.json",
+        # ba83674 on an H100 (no H200 came), the elastic defaults, the model's
+        # top-k with a request slot beyond the batch (all held at once): 32K x
+        # 8 at 14 GiB; 16K x 32 and 8K x 64 at 30 GiB (two calls merged),
+        # profiled.
+        "rank_speed/run_h100_default_model_32k_x8/bench_server_model.json",
+        "rank_speed/run_h100_default_model_16k_x32/bench_server_model.json",
+        "rank_speed/run_h100_default_model_8k_x64/bench_server_model.json",
     )
 
     def test_every_committed_server_kind_renders(self):
