@@ -66,9 +66,13 @@ class _ControllerCase(unittest.TestCase):
         max_units=1,
         direct_slots=False,
         extra_units=0,
+        lent_units=0,
     ):
+        """``lent_units``: units of GPU rows past the regions that a second
+        source (``"lent"``, ``self.lent``) lends, like idle staging or locs."""
         R = self.C + self.W
-        self.num_gpu_rows = self.STAGING + self.NUM_REGIONS * R
+        lent_start = self.STAGING + self.NUM_REGIONS * R
+        self.num_gpu_rows = lent_start + lent_units * self.C
         self.gpu = [
             torch.zeros(
                 (self.num_gpu_rows, 1, ROW_BYTES), dtype=torch.uint8, device=DEVICE
@@ -95,8 +99,13 @@ class _ControllerCase(unittest.TestCase):
             direct_slots=direct_slots,
             warm_tokens=warm_tokens,
             max_units=max_units,
-            extra_units=extra_units,
+            extra_units=extra_units + lent_units,
         )
+        if lent_units:
+            self.lent = ListUnitSource(
+                [lent_start + i * self.C for i in range(lent_units)]
+            )
+            self.ctrl.add_unit_source("lent", self.lent)
         return self.ctrl
 
 
@@ -342,6 +351,72 @@ class TestUnits(_ControllerCase):
                         msg,
                     )
 
+    def test_lent_units_move_between_uneven_holders(self):
+        # Property, with a second source whose units a prefill takes back for
+        # a while (idle staging, idle locs): after every rebalance no request
+        # holds two or more extra units more than the poorest one below its
+        # cap, and every unit is held once (none lost, none shared).
+        self.NUM_REGIONS, self.MAX_REQS = 6, 6
+        C, W = self.C, self.W
+        moved_from = set()
+        for seed in range(30):
+            rng = random.Random(seed)
+            max_units = rng.randint(2, 5)
+            ctrl = self.make(max_units=max_units, lent_units=7)
+            move = ctrl._move_last_unit
+
+            def recording(donor, recipient, ctrl=ctrl, move=move):
+                moved_from.add(ctrl._req_units[donor][-1][1])
+                move(donor, recipient)
+
+            ctrl._move_last_unit = recording
+            caps, held_out = {}, []
+            for _ in range(30):
+                free = sorted(set(range(self.MAX_REQS)) - set(caps))
+                roll = rng.random()
+                if roll < 0.2 and self.lent.free + held_out:
+                    # A prefill takes lent units back, or gives them back.
+                    if held_out and rng.random() < 0.5:
+                        self.lent.free += held_out
+                        held_out = []
+                    else:
+                        want = len(self.lent.free) + rng.randint(1, 3)
+                        ctrl.reclaim_units_of(
+                            "lent", lambda: len(self.lent.free) >= want
+                        )
+                        k = min(want, len(self.lent.free))
+                        held_out += self.lent.free[:k]
+                        del self.lent.free[:k]
+                elif caps and (roll < 0.4 or not ctrl.can_admit() or not free):
+                    r = rng.choice(sorted(caps))
+                    ctrl.release_request(r)
+                    del caps[r]
+                else:
+                    r = rng.choice(free)
+                    seq_len = rng.choice([None, rng.randint(1, W + 6 * C)])
+                    self.assertIsNotNone(ctrl.admit_request(r, max_seq_len=seq_len))
+                    caps[r] = (
+                        max_units if seq_len is None else ctrl.units_to_hold(seq_len)
+                    )
+                ctrl.rebalance()
+                self.assertFalse(ctrl.wants_rebalance())
+                held = {r: ctrl.num_units(r) for r in caps}
+                msg = (seed, max_units, held, caps)
+                self.assertTrue(all(held[r] <= caps[r] for r in caps), msg)
+                wanting = [held[r] for r in caps if held[r] < caps[r]]
+                if wanting:
+                    self.assertLessEqual(max(held.values()), min(wanting) + 1, msg)
+                lent = [
+                    b for u in ctrl._req_units.values() for b, s in u if s == "lent"
+                ]
+                self.assertEqual(len(set(lent)), len(lent), msg)
+                self.assertEqual(len(lent) + len(self.lent.free) + len(held_out), 7)
+            for r in list(caps):
+                ctrl.release_request(r)
+            self.assertEqual(ctrl.idle_leaks(), [])
+        # Units of both sources moved over the seeds.
+        self.assertEqual(moved_from, {"regions", "lent"})
+
     def test_units_to_hold_a_context(self):
         ctrl = self.make(max_units=4)
         C, W = self.C, self.W
@@ -437,6 +512,7 @@ class TestEndToEnd(_ControllerCase):
         max_units=1,
         direct_slots=False,
         initial_reqs=None,
+        lent_units=0,
     ):
         rng = random.Random(seed)
         torch.manual_seed(seed)
@@ -445,6 +521,7 @@ class TestEndToEnd(_ControllerCase):
             warm_tokens=warm_tokens,
             max_units=max_units,
             direct_slots=direct_slots,
+            lent_units=lent_units,
         )
         L, K, C, W = self.L, self.K, self.C, self.W
         host_rows = self.host.num_rows
@@ -643,6 +720,31 @@ class TestEndToEnd(_ControllerCase):
                     initial_reqs=2,
                 )
                 self.assertGreater(stats["units_moved"], 0)
+
+    def test_exact_with_lent_units_moved(self):
+        # Units of a second source (idle staging, idle locs) lent to the
+        # first requests move to those admitted later.
+        self.NUM_REGIONS, self.MAX_REQS = 6, 8
+        moved_from = []
+        move = SparseCacheController._move_last_unit
+
+        def recording(ctrl, donor, recipient):
+            moved_from.append(ctrl._req_units[donor][-1][1])
+            move(ctrl, donor, recipient)
+
+        with mock.patch.object(SparseCacheController, "_move_last_unit", recording):
+            for use_triton, steps in ((False, 40), (True, 24)):
+                with self.subTest(use_triton=use_triton):
+                    moved_from.clear()
+                    self._run(
+                        use_triton=use_triton,
+                        seed=9,
+                        steps=steps,
+                        max_units=4,
+                        initial_reqs=2,
+                        lent_units=5,
+                    )
+                    self.assertIn("lent", moved_from)
 
     def _run_direct(self, use_triton, seed, max_units=1):
         # Prompts of 1-70 tokens on 24 slots: some fit and enter direct

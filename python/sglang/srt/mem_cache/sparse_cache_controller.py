@@ -776,15 +776,17 @@ class SparseCacheController:
 
     def _level_donor(self) -> Optional[int]:
         """A request holding two or more extra units more than the poorest one
-        below its unit cap, its newest a region unit (else None):
-        :meth:`rebalance` moves that unit once no source lends any more.
+        below its unit cap (else None): :meth:`rebalance` moves its newest
+        unit to that request once no source lends any more.
 
         Admissions into a full pool take units from the largest holders only,
-        so requests admitted last can be left with none while earlier ones
-        keep several; misses grow fast as a request's rows shrink, so an even
-        split misses least. Only a region unit moves: the free region goes to
-        the request with the fewest at once (another source may keep what it
-        gets back)."""
+        and requests admitted while prefills hold the staging and the locs
+        find the idle rows lent to earlier ones, so requests admitted last can
+        be left with none while earlier ones keep several; misses grow fast as
+        a request's rows shrink, so an even split misses least. A unit of any
+        source moves: it passes from request to request, its lender is not
+        asked (rank_speed/run_h100_default_model_8k_x64/: with region units
+        only, 8 of 64 requests kept one unit beside 45 holding three)."""
         if self.max_units == 1 or len(self._req_units) < 2:
             return None
         # The poorest among the requests that can use another unit.
@@ -793,9 +795,7 @@ class SparseCacheController:
             return None
         fewest = min(wanting)[0] - 1
         donors = [
-            (len(u), r)
-            for r, u in self._req_units.items()
-            if len(u) >= fewest + 2 and u[-1][1] == REGION_UNIT_SOURCE
+            (len(u), r) for r, u in self._req_units.items() if len(u) >= fewest + 2
         ]
         return max(donors)[1] if donors else None
 
@@ -824,19 +824,32 @@ class SparseCacheController:
             donor = self._level_donor()
             if donor is None:
                 return granted
-            # Its resident rows there are dropped (missed again if read).
-            self._shrink_last_unit(donor)
+            self._move_last_unit(donor, min(self._wanting_units())[1])
             self.units_moved += 1
 
-    def _shrink_last_unit(self, r: int) -> str:
-        """Drop request ``r``'s newest extra unit; returns its source's name."""
+    def _drop_last_unit(self, r: int) -> Tuple[int, str]:
+        """Take request ``r``'s newest extra unit from it (its resident rows
+        there are dropped: missed again if read); returns (first row, source
+        name)."""
         units = self._req_units[r]
         # Copies still in flight on the side stream may target its rows.
         self.wait_backup()
         self.lru.shrink_request(r, len(units))
-        base, source = units.pop()
+        return units.pop()
+
+    def _shrink_last_unit(self, r: int) -> str:
+        """Give request ``r``'s newest extra unit back to its source; returns
+        the source's name."""
+        base, source = self._drop_last_unit(r)
         self._unit_sources[source].give(base)
         return source
+
+    def _move_last_unit(self, donor: int, recipient: int) -> None:
+        """Pass ``donor``'s newest extra unit to ``recipient`` (its rows start
+        empty there: its LRU state is new)."""
+        base, source = self._drop_last_unit(donor)
+        self._req_units[recipient].append((base, source))
+        self.lru.grow_request(recipient, len(self._req_units[recipient]), base)
 
     def _reclaim_from(self, source: str) -> bool:
         """Give one unit of ``source`` back: the request holding the most
