@@ -9,7 +9,8 @@ Checked here through the real pools and coordinator (``_Harness`` of the
 integration tests, PD decode: indexer keys written into every transferred
 page): the arena's views and geometry; the sizing; the lender's runs; decode
 steps reading exact KV from lent units while transfers write keys into other
-pages; allocations that take units back; ``backup_state`` /
+pages; allocations that take units back; lent units moved from a request
+to a poorer one; ``backup_state`` /
 ``restore_state``; a negative control: lent runs put back on the free list
 let a transfer's keys overwrite a lent unit, and the checks fail; and the
 integration tests' lifecycles (colocated with staging, PD decode with
@@ -240,6 +241,28 @@ class TestIdleLocUnits(unittest.TestCase):
         self.assertLess(self._lent(h), 2)
         self._decode_with_new(h, [a, b], b, 6)
         self._finish_all(h, a, b)
+
+    def test_lent_units_move_to_a_later_request(self):
+        """Three slots: ``a`` and ``b`` grow into the free region and free
+        locs' keys; ``c``'s keys leave less than a unit free, and its
+        admission takes the region back from ``a`` (with the unit above it),
+        so ``b`` holds two extra units more than ``a`` and ``c``: one of its
+        idle-loc units moves (its rows start empty there), every request
+        reading exact KV (rank_speed/run_h100_default_model_8k_x64/: only
+        region units moved, later requests ran on one unit)."""
+        h = _harness(self, seed=7, num_regions=3, max_reqs=3, num_locs=128 * PAGE)
+        a, b, c = h.new_req(), h.new_req(), h.new_req()
+        h.transfer(a, 500)
+        h.transfer(b, 450)
+        h.decode_step([a, b], first_step_of=(a, b))
+        self.assertEqual(self._lent(h), 5)
+        h.transfer(c, (h.allocator.free_page_count() - 12) * PAGE)
+        self._decode_with_new(h, [a, b, c], c, 8)
+        held = [h.controller.num_units(r.req_pool_idx) for r in (a, b, c)]
+        self.assertEqual(held, [3, 3, 2])
+        self.assertEqual(self._lent(h), 5)
+        self.assertEqual(h.controller.get_stats()["units_moved"], 1)
+        self._finish_all(h, a, b, c)
 
     def test_full_load_takes_every_unit_back(self):
         """Capacity is the locs': a transfer that takes all but the decode
