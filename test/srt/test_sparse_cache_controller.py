@@ -351,6 +351,35 @@ class TestUnits(_ControllerCase):
                         msg,
                     )
 
+    def _admit_or_release(self, ctrl, rng, caps, release, longest):
+        """Release a random request (``release``, or when none can be
+        admitted) or admit one whose longest context is random (at most
+        ``longest`` positions; or none: ``max_units``), its cap in ``caps``."""
+        free = sorted(set(range(self.MAX_REQS)) - set(caps))
+        if caps and (release or not ctrl.can_admit() or not free):
+            r = rng.choice(sorted(caps))
+            ctrl.release_request(r)
+            del caps[r]
+            return
+        r = rng.choice(free)
+        seq_len = rng.choice([None, rng.randint(1, longest)])
+        self.assertIsNotNone(ctrl.admit_request(r, max_seq_len=seq_len))
+        caps[r] = ctrl.max_units if seq_len is None else ctrl.units_to_hold(seq_len)
+
+    def _rebalance_and_check_level(self, ctrl, caps, msg):
+        """Rebalance; then no request is above its cap or holds two or more
+        units more than the poorest one below its cap. Returns (units held
+        by request, whether one is below its cap)."""
+        ctrl.rebalance()
+        self.assertFalse(ctrl.wants_rebalance())
+        held = {r: ctrl.num_units(r) for r in caps}
+        msg = (msg, held, caps)
+        self.assertTrue(all(held[r] <= caps[r] for r in caps), msg)
+        wanting = [held[r] for r in caps if held[r] < caps[r]]
+        if wanting:
+            self.assertLessEqual(max(held.values()), min(wanting) + 1, msg)
+        return held, bool(wanting)
+
     def test_lent_units_move_between_uneven_holders(self):
         # Property, with a second source whose units a prefill takes back for
         # a while (idle staging, idle locs): after every rebalance no request
@@ -372,7 +401,6 @@ class TestUnits(_ControllerCase):
             ctrl._move_last_unit = recording
             caps, held_out = {}, []
             for _ in range(30):
-                free = sorted(set(range(self.MAX_REQS)) - set(caps))
                 roll = rng.random()
                 if roll < 0.2 and self.lent.free + held_out:
                     # A prefill takes lent units back, or gives them back.
@@ -387,25 +415,10 @@ class TestUnits(_ControllerCase):
                         k = min(want, len(self.lent.free))
                         held_out += self.lent.free[:k]
                         del self.lent.free[:k]
-                elif caps and (roll < 0.4 or not ctrl.can_admit() or not free):
-                    r = rng.choice(sorted(caps))
-                    ctrl.release_request(r)
-                    del caps[r]
                 else:
-                    r = rng.choice(free)
-                    seq_len = rng.choice([None, rng.randint(1, W + 6 * C)])
-                    self.assertIsNotNone(ctrl.admit_request(r, max_seq_len=seq_len))
-                    caps[r] = (
-                        max_units if seq_len is None else ctrl.units_to_hold(seq_len)
-                    )
-                ctrl.rebalance()
-                self.assertFalse(ctrl.wants_rebalance())
-                held = {r: ctrl.num_units(r) for r in caps}
-                msg = (seed, max_units, held, caps)
-                self.assertTrue(all(held[r] <= caps[r] for r in caps), msg)
-                wanting = [held[r] for r in caps if held[r] < caps[r]]
-                if wanting:
-                    self.assertLessEqual(max(held.values()), min(wanting) + 1, msg)
+                    self._admit_or_release(ctrl, rng, caps, roll < 0.4, W + 6 * C)
+                msg = (seed, max_units)
+                self._rebalance_and_check_level(ctrl, caps, msg)
                 lent = [
                     b for u in ctrl._req_units.values() for b, s in u if s == "lent"
                 ]
@@ -467,27 +480,12 @@ class TestUnits(_ControllerCase):
             ctrl = self.make(max_units=max_units)
             caps = {}
             for _ in range(25):
-                free = sorted(set(range(self.MAX_REQS)) - set(caps))
-                if caps and (rng.random() < 0.3 or not ctrl.can_admit() or not free):
-                    r = rng.choice(sorted(caps))
-                    ctrl.release_request(r)
-                    del caps[r]
-                else:
-                    r = rng.choice(free)
-                    seq_len = rng.choice([None, rng.randint(1, W + 7 * C)])
-                    self.assertIsNotNone(ctrl.admit_request(r, max_seq_len=seq_len))
-                    caps[r] = (
-                        max_units if seq_len is None else ctrl.units_to_hold(seq_len)
-                    )
-                ctrl.rebalance()
-                self.assertFalse(ctrl.wants_rebalance())
-                held = {r: ctrl.num_units(r) for r in caps}
-                msg = (seed, max_units, held, caps)
-                self.assertTrue(all(held[r] <= caps[r] for r in caps), msg)
-                wanting = [held[r] for r in caps if held[r] < caps[r]]
+                release = rng.random() < 0.3
+                self._admit_or_release(ctrl, rng, caps, release, W + 7 * C)
+                msg = (seed, max_units)
+                held, wanting = self._rebalance_and_check_level(ctrl, caps, msg)
                 if wanting:
                     self.assertEqual(ctrl.num_free_regions(), 0, msg)
-                    self.assertLessEqual(max(held.values()), min(wanting) + 1, msg)
                 self.assertEqual(
                     ctrl.num_free_regions() + sum(held.values()), self.NUM_REGIONS, msg
                 )
