@@ -442,7 +442,13 @@ class TestRunOrchestration(FakeServerCase):
         self.assertEqual(s["host_pool"]["max_fill_seen"], 0.96)  # the gauges
         self.assertEqual(s["metrics"]["sglang:num_requests_total"], 7.0)
         fails = [k for k, v in s["criteria"].items() if not v]
-        self.assertEqual(fails, ["requests >= 5000"])
+        # Whether a load sample (every 0.02 s) falls inside a request's 0.2 s
+        # wait is timing: on a loaded CI machine none may (a fresh-clone run
+        # at f58c195 beside other tests); the criterion follows the count.
+        expected = ["requests >= 5000"]
+        if s["waited_on_host_pool"] == 0:
+            expected.append("requests waited on the host pool")
+        self.assertEqual(fails, expected)
 
 
 def sample(t, waiting, used, total, max_total=100):
