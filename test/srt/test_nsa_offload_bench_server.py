@@ -670,6 +670,10 @@ class TestPrefetchServerSideBySide(unittest.TestCase):
         self.assertEqual(kept, {"baseline": True, "ours": True})
         self.assertNotIn("ours_warm", shares)
         self.assertTrue(res["error"].startswith("skipped: time budget"), res)
+        # The message adds up: start + first point + the spare exceed what is
+        # left (the 8K x 64 call of stop 60 read "280 s left for ... 90 s and
+        # ... 170 s" without the spare).
+        self.assertIn(f"and {bench_server.START_SPARE_S} s to spare)", res["error"])
 
     def test_first_point_runs_after_the_warm_up(self):
         # The H200 run of 17529c5 skipped the no-offload point: its share was

@@ -1302,7 +1302,8 @@ def bench_server(
     if not start_fits(remaining, startup_guess, first):
         res["error"] = (
             f"skipped: time budget ({remaining:.0f} s left for a start of "
-            f"~{startup_guess:.0f} s and a first point of ~{first:.0f} s)"
+            f"~{startup_guess:.0f} s, a first point of ~{first:.0f} s and "
+            f"{START_SPARE_S} s to spare)"
         )
         log(f"[{kind}] {res['error']}")
         return res
@@ -1396,10 +1397,15 @@ def equal_batch_points(args) -> List[Tuple[int, int]]:
     ]
 
 
+# Seconds a server's start-up and first point leave to spare (its shutdown,
+# the reports).
+START_SPARE_S = 30
+
+
 def start_fits(remaining_s: float, startup_guess_s: float, first_point_s: float):
     """Whether a server's start-up and first point fit in the time left: one
     started only to skip its points costs its start-up for nothing."""
-    return remaining_s >= startup_guess_s + first_point_s + 30
+    return remaining_s >= startup_guess_s + first_point_s + START_SPARE_S
 
 
 def first_point_estimate_s(args) -> float:
