@@ -2094,7 +2094,8 @@ class TestUnitsLifecycle(unittest.TestCase):
             h.decode_step([b, c], pad_rows=1)
         self.assertGreater(co.get_stats()["misses"], 0)
         self.assertIn(
-            "regions: 3/3, extra units: 1 (0 of staging, 0 moved)",
+            "regions: 3/3, extra units: 1 (0 of staging, 0 moved), "
+            "units per request: 1-2",
             h.co.get_decode_log_msg(),
         )
         h.finish(b)

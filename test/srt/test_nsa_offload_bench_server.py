@@ -30,6 +30,7 @@ def decode_line(
     moved=None,
     direct=None,
     warmed=None,
+    per_request=None,
 ):
     line = (
         f"[t] Decode batch, #running-req: {running}, #token: 9, token usage: 0.5, "
@@ -45,6 +46,8 @@ def decode_line(
     if units is not None:
         line += f", extra units: {units} (0 of staging"
         line += ")" if moved is None else f", {moved} moved)"
+    if per_request is not None:
+        line += f", units per request: {per_request[0]}-{per_request[1]}"
     if direct is not None:
         line += f", direct: {direct}"
     if warmed is not None:
@@ -933,6 +936,28 @@ class TestDecodeLog(unittest.TestCase):
             bench_server._misses_cell(ours, 30720, 3),
             f"{m['misses_per_step']:.0f} ({m['misses_per_req_layer_step']:.0f}), 2 direct",
         )
+
+    def test_units_per_request(self):
+        # Since stop 60 the line names the poorest and the richest request's
+        # units (at 8K x 64 an uneven split, not logged then, made +19.2%).
+        lines = [
+            decode_line(3, 100.0, misses=10, units=4, moved=0, per_request=(1, 3)),
+            decode_line(3, 300.0, misses=10, units=6, moved=0, per_request=(1, 3)),
+            decode_line(3, 300.0, misses=10, units=6, moved=1, per_request=(2, 3)),
+            decode_line(3, 300.0, misses=10, units=6, moved=0, per_request=(3, 3)),
+        ]
+        rows = bench_server.parse_decode_lines("\n".join(lines))
+        self.assertEqual([r["fewest_units"] for r in rows], [1, 1, 2, 3])
+        self.assertEqual(rows[0]["extra_units"], 4)  # the units field still parses
+        m = bench_server.server_metrics(rows, interval=32, layers=3)
+        self.assertEqual((m["fewest_units"], m["most_units"]), (2, 3))
+        ours = {"points": [{"ctx": 8192, "conc": 3, "at_capacity": False, "server": m}]}
+        self.assertTrue(
+            bench_server._misses_cell(ours, 8192, 3).endswith(", units 2-3")
+        )
+        # Older logs: no such field, no such key.
+        old = bench_server.parse_decode_lines(decode_line(3, 300.0, misses=10, units=6))
+        self.assertNotIn("fewest_units", old[0])
         # Without direct slots: no field.
         m = bench_server.server_metrics(
             bench_server.parse_decode_lines(decode_line(3, 300.0, misses=10)),

@@ -268,10 +268,19 @@ class TestUnits(_ControllerCase):
         # 5 and 4 extra units.
         self.NUM_REGIONS = 12
         ctrl = self.make(max_units=6)
-        for r in (0, 1, 2):
-            ctrl.admit_request(r)
-            ctrl.rebalance()
+        self.assertEqual(
+            (ctrl.get_stats()["fewest_units"], ctrl.get_stats()["most_units"]), (0, 0)
+        )
+        ctrl.admit_request(0)
+        ctrl.admit_request(1)
+        ctrl.rebalance()
+        ctrl.admit_request(2)  # takes a region unit back from 0 or 1
+        stats = ctrl.get_stats()
+        self.assertEqual((stats["fewest_units"], stats["most_units"]), (1, 6))
+        ctrl.rebalance()
         self.assertEqual([ctrl.num_units(r) for r in (0, 1, 2)], [4, 4, 4])
+        stats = ctrl.get_stats()
+        self.assertEqual((stats["fewest_units"], stats["most_units"]), (4, 4))
         self.assertEqual(ctrl.get_stats()["units_moved"], 3)
         self.assertFalse(ctrl.wants_rebalance())
         self.assertEqual(ctrl.num_free_regions(), 0)

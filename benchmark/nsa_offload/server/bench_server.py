@@ -108,6 +108,7 @@ from server_utils import (  # noqa: E402
     HISPARSE_CONFIG,
     PD_DECODE_FAKE_ARGS,
     SHAPES,
+    UNITS_PER_REQUEST_RE,
     UNITS_RE,
     VOCAB_SIZE,
     WARMED_RE,
@@ -598,6 +599,10 @@ def parse_decode_lines(text: str) -> List[dict]:
             row["extra_units"] = int(u.group(1))
             if u.group(2) is not None:
                 row["units_moved"] = int(u.group(2))
+        per_req = UNITS_PER_REQUEST_RE.search(line)
+        if per_req:
+            row["fewest_units"] = int(per_req.group(1))
+            row["most_units"] = int(per_req.group(2))
         d = DIRECT_RE.search(line)
         if d:
             row["direct_requests"] = int(d.group(1))
@@ -649,7 +654,7 @@ def server_metrics(rows: List[dict], interval: int, layers: int) -> dict:
         out["misses_per_req_layer_step"] = misses / (interval * peak * layers)
         out["hit_rate"] = statistics.median(r["hit_rate"] for r in use)
         out["h2d_gbps"] = statistics.median(r["h2d_gbps"] for r in use)
-    for key in ("extra_units", "direct_requests"):
+    for key in ("extra_units", "direct_requests", "fewest_units", "most_units"):
         if all(key in r for r in use):
             out[key] = statistics.median(r[key] for r in use)
     return out
@@ -2135,6 +2140,9 @@ def _misses_cell(ours: dict, ctx: int, conc: int) -> str:
     if s.get("direct_requests") is not None:
         # With direct slots: how many of the batch swap without the LRU walk.
         cell += f", {s['direct_requests']:.0f} direct"
+    if s.get("fewest_units") is not None:
+        # The units of the poorest and the richest request (an uneven split).
+        cell += f", units {s['fewest_units']:.0f}-{s['most_units']:.0f}"
     return cell
 
 

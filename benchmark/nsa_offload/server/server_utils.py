@@ -85,6 +85,8 @@ ELASTIC_RANK_UNITS = 40
 UNITS_RE = re.compile(
     r"extra units: (\d+) \(\d+ of staging(?:, (\d+) moved)?(?:, (\d+) of idle locs)?\)"
 )
+# Since stop 60: the units the poorest and the richest running request hold.
+UNITS_PER_REQUEST_RE = re.compile(r", units per request: (\d+)-(\d+)")
 # With direct slots: the requests swapping in direct mode (slot = position).
 DIRECT_RE = re.compile(r", direct: (\d+)")
 # Admissions warmed over the log interval, and the GB their warm-ups copied.

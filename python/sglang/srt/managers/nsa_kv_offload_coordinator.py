@@ -824,6 +824,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                     if self._lends_idle_locs
                     else ")"
                 )
+                + f", units per request: {stats['fewest_units']}-{stats['most_units']}"
                 if self.controller.max_units > 1
                 else ""
             )

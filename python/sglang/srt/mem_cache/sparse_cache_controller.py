@@ -899,6 +899,7 @@ class SparseCacheController:
         )
         lookups = hits + misses
         prefetched = int(self.prefetch_counters[:, 2].sum())
+        held = [1 + len(u) for u in self._req_units.values()]
         return {
             "lru_hits": hits,
             "window_hits": window,
@@ -914,8 +915,12 @@ class SparseCacheController:
             # Extra LRU units running requests hold: free regions and units
             # lent by the other sources (idle prefill staging).
             "extra_units": sum(len(u) for u in self._req_units.values()),
-            # Region units moved from the largest holders to the smallest.
+            # Units moved from the largest holders to the smallest.
             "units_moved": self.units_moved,
+            # Units held by the poorest and the richest running request now
+            # (0 when none runs): an uneven split misses most.
+            "fewest_units": min(held, default=0),
+            "most_units": max(held, default=0),
             # Of those, units lent by the other sources (idle prefill
             # staging), and by the indexer keys of free locs (the arena).
             "extra_units_lent": sum(
