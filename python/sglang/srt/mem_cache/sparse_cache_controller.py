@@ -774,10 +774,11 @@ class SparseCacheController:
         candidates = self._wanting_units()
         return min(candidates)[1] if candidates else None
 
-    def _level_donor(self) -> Optional[int]:
-        """A request holding two or more extra units more than the poorest one
-        below its unit cap (else None): :meth:`rebalance` moves its newest
-        unit to that request once no source lends any more.
+    def _level_move(self) -> Optional[Tuple[int, int]]:
+        """(donor, recipient): a request holding two or more extra units more
+        than the poorest one below its unit cap, and that poorest one (else
+        None): :meth:`rebalance` moves the donor's newest unit to it once no
+        source lends any more.
 
         Admissions into a full pool take units from the largest holders only,
         and requests admitted while prefills hold the staging and the locs
@@ -793,20 +794,18 @@ class SparseCacheController:
         wanting = self._wanting_units()
         if not wanting:
             return None
-        fewest = min(wanting)[0] - 1
-        donors = [
-            (len(u), r) for r, u in self._req_units.items() if len(u) >= fewest + 2
-        ]
-        return max(donors)[1] if donors else None
+        held, recipient = min(wanting)
+        donors = [(len(u), r) for r, u in self._req_units.items() if len(u) > held]
+        return (max(donors)[1], recipient) if donors else None
 
     def wants_rebalance(self) -> bool:
         """Whether :meth:`rebalance` would hand out or move a unit (host only)."""
-        return self._grow_candidate() is not None or self._level_donor() is not None
+        return self._grow_candidate() is not None or self._level_move() is not None
 
     def rebalance(self) -> int:
         """Hand idle rows out as extra units, fewest units first, free regions
-        before other sources; then even out region units between requests
-        (:meth:`_level_donor`). The caller's stream must already wait for every
+        before other sources; then even out units between requests
+        (:meth:`_level_move`). The caller's stream must already wait for every
         forward that may still read the LRU state. Returns the units handed
         out (a moved unit counts once)."""
         granted = 0
@@ -818,14 +817,19 @@ class SparseCacheController:
                         break
                 else:
                     break
-                self._req_units[r].append((base, name))
-                self.lru.grow_request(r, len(self._req_units[r]), base)
+                self._add_unit(r, base, name)
                 granted += 1
-            donor = self._level_donor()
-            if donor is None:
+            move = self._level_move()
+            if move is None:
                 return granted
-            self._move_last_unit(donor, min(self._wanting_units())[1])
+            self._move_last_unit(*move)
             self.units_moved += 1
+
+    def _add_unit(self, r: int, base: int, source: str) -> None:
+        """Give request ``r`` the unit at row ``base`` lent by ``source`` (its
+        slots start empty)."""
+        self._req_units[r].append((base, source))
+        self.lru.grow_request(r, len(self._req_units[r]), base)
 
     def _drop_last_unit(self, r: int) -> Tuple[int, str]:
         """Take request ``r``'s newest extra unit from it (its resident rows
@@ -847,9 +851,7 @@ class SparseCacheController:
     def _move_last_unit(self, donor: int, recipient: int) -> None:
         """Pass ``donor``'s newest extra unit to ``recipient`` (its rows start
         empty there: its LRU state is new)."""
-        base, source = self._drop_last_unit(donor)
-        self._req_units[recipient].append((base, source))
-        self.lru.grow_request(recipient, len(self._req_units[recipient]), base)
+        self._add_unit(recipient, *self._drop_last_unit(donor))
 
     def _reclaim_from(self, source: str) -> bool:
         """Give one unit of ``source`` back: the request holding the most
@@ -899,7 +901,7 @@ class SparseCacheController:
         )
         lookups = hits + misses
         prefetched = int(self.prefetch_counters[:, 2].sum())
-        held = [1 + len(u) for u in self._req_units.values()]
+        held = [self.num_units(r) for r in self._req_units]
         return {
             "lru_hits": hits,
             "window_hits": window,
