@@ -2118,12 +2118,18 @@ class TestUnitsLifecycle(unittest.TestCase):
         for _ in range(3):
             h.decode_step([a])
         # B's 400-token prompt needs 7 staging pages: one staging unit comes
-        # back first; its admission then needs a region: A gives back its
-        # newest units until the region is among them.
+        # back first; its admission then needs a region: A's region unit
+        # sits below its other staging unit, so its rows are copied into
+        # that unit's rows (which back its slots from then on) and A keeps
+        # two units.
         b = h.new_req()
+        co.reset_stats()
         h.prefill([(b, 400)])
-        self.assertEqual(co.num_units(a.req_pool_idx), 1)
+        self.assertEqual(co.num_units(a.req_pool_idx), 2)
         self.assertEqual(co.num_units(b.req_pool_idx), 1)
+        self.assertIn(
+            "units reclaimed: 2 (1 kept by a copy)", h.co.get_decode_log_msg()
+        )
         h.decode_step([a, b], first_step_of=(b,), pad_rows=1)
         # With B's staging released, both take staging units again.
         self.assertEqual(co.get_stats()["extra_units_lent"], 4)

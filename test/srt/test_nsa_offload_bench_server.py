@@ -31,6 +31,7 @@ def decode_line(
     direct=None,
     warmed=None,
     per_request=None,
+    reclaimed=None,
 ):
     line = (
         f"[t] Decode batch, #running-req: {running}, #token: 9, token usage: 0.5, "
@@ -48,6 +49,8 @@ def decode_line(
         line += ")" if moved is None else f", {moved} moved)"
     if per_request is not None:
         line += f", units per request: {per_request[0]}-{per_request[1]}"
+    if reclaimed is not None:
+        line += f", units reclaimed: {reclaimed[0]} ({reclaimed[1]} kept by a copy)"
     if direct is not None:
         line += f", direct: {direct}"
     if warmed is not None:
@@ -965,6 +968,34 @@ class TestDecodeLog(unittest.TestCase):
             layers=3,
         )
         self.assertNotIn("direct_requests", m)
+
+    def test_units_reclaimed(self):
+        # Since stop 61 the line names the units taken back over its
+        # interval (the coordinator's format, test_nsa_kv_offload_integration)
+        # when any was; the run's totals add them up.
+        lines = [
+            decode_line(3, 100.0, misses=10, units=4, per_request=(1, 3)),
+            decode_line(
+                3, 300.0, misses=10, units=6, per_request=(2, 3), reclaimed=(3, 1)
+            ),
+            decode_line(
+                3, 300.0, misses=10, units=6, per_request=(2, 3), reclaimed=(2, 2)
+            ),
+        ]
+        rows = bench_server.parse_decode_lines("\n".join(lines))
+        self.assertNotIn("units_reclaimed", rows[0])
+        self.assertEqual((rows[1]["units_reclaimed"], rows[1]["units_kept"]), (3, 1))
+        m = bench_server.server_metrics(rows, interval=32, layers=3)
+        self.assertEqual((m["units_reclaimed"], m["units_kept"]), (5, 3))
+        self.assertEqual((m["fewest_units"], m["most_units"]), (2, 3))
+        ours = {"points": [{"ctx": 8192, "conc": 3, "at_capacity": False, "server": m}]}
+        self.assertTrue(
+            bench_server._misses_cell(ours, 8192, 3).endswith(
+                ", units 2-3, 5 reclaimed (3 kept)"
+            )
+        )
+        m = bench_server.server_metrics(rows[:1], interval=32, layers=3)
+        self.assertNotIn("units_reclaimed", m)
 
     def test_warmed_admissions(self):
         # The line names the admissions warmed over its interval (the

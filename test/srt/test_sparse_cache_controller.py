@@ -17,6 +17,7 @@ from unittest import mock
 
 import torch
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
+from sglang.srt.mem_cache.nsa_kv_offload_units import REGION_UNIT_SOURCE
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import (
     RegionAllocator,
@@ -217,29 +218,51 @@ class TestUnits(_ControllerCase):
         self.assertEqual(ctrl.num_units(5), 3)
 
     def test_other_sources_and_buried_units(self):
-        ctrl = self.make(max_units=3, extra_units=2)
-        extra = ListUnitSource([1000, 2000])
-        ctrl.add_unit_source("extra", extra)
+        ctrl = self.make(max_units=3, lent_units=2)
+        first_lent, second_lent = self.lent.free
         for r in (0, 1, 2):
             ctrl.admit_request(r)
         # No free region: the other source lends, fewest units first.
         self.assertEqual(ctrl.rebalance(), 2)
         self.assertEqual(ctrl.lru.free_units(), 0)
-        self.assertEqual(ctrl.lru.unit_base[0, 1].item(), 1000)
-        self.assertEqual(ctrl.lru.unit_base[1, 1].item(), 2000)
+        self.assertEqual(ctrl.lru.unit_base[0, 1].item(), first_lent)
+        self.assertEqual(ctrl.lru.unit_base[1, 1].item(), second_lent)
         self.assertEqual(ctrl.get_stats()["extra_units_lent"], 2)
         self.assertEqual(ctrl.admission_room(), 0)  # lent units are no regions
         ctrl.release_request(2)
         self.assertEqual(ctrl.rebalance(), 1)  # the freed region goes to 0
         self.assertEqual(ctrl.num_units(0), 3)  # region, lent, region
-        # Taking the lent units back: request 0's region unit sits on top of
-        # its lent one, so it goes back to the free regions first.
-        ok = ctrl.reclaim_units_of("extra", lambda: len(extra.free) == 2)
+        region_unit = ctrl.lru.unit_base[0, 2].item()
+        # What request 0's slots of its lent unit hold, in every layer.
+        rows = slice(first_lent, first_lent + self.C)
+        for layer, buf in enumerate(self.gpu):
+            buf[rows] = torch.arange(self.C, device=DEVICE).view(-1, 1, 1) + layer
+        held = [buf[rows].clone() for buf in self.gpu]
+        ctrl.reset_stats()
+        # Taking the lent units back: request 0's lent unit sits below its
+        # region unit, so its rows are copied into the region unit's rows,
+        # which back its slots from then on, and the newest slots are
+        # dropped: one unit's rows lost, not two.
+        ok = ctrl.reclaim_units_of("lent", lambda: len(self.lent.free) == 2)
         self.assertTrue(ok)
-        self.assertEqual([ctrl.num_units(r) for r in (0, 1)], [1, 1])
-        self.assertEqual(ctrl.num_free_regions(), 1)
-        self.assertEqual(ctrl.lru.capacity[:2].tolist(), [self.C, self.C])
-        self.assertFalse(ctrl.reclaim_units_of("extra", lambda: len(extra.free) == 3))
+        ctrl.synchronize()
+        self.assertEqual([ctrl.num_units(r) for r in (0, 1)], [2, 1])
+        self.assertEqual(ctrl.num_free_regions(), 0)
+        self.assertEqual(ctrl.lru.unit_base[0, 1].item(), region_unit)
+        self.assertEqual(ctrl.lru.unit_base[0, 2].item(), -1)
+        self.assertEqual(ctrl._req_units[0], [(region_unit, REGION_UNIT_SOURCE)])
+        for buf, want in zip(self.gpu, held):
+            self.assertTrue(torch.equal(buf[region_unit : region_unit + self.C], want))
+        self.assertEqual(ctrl.lru.capacity[:2].tolist(), [2 * self.C, self.C])
+        stats = ctrl.get_stats()
+        self.assertEqual((stats["units_reclaimed"], stats["units_kept"]), (2, 1))
+        self.assertFalse(
+            ctrl.reclaim_units_of("lent", lambda: len(self.lent.free) == 3)
+        )
+        # An admission takes the region back (the newest unit: no copy).
+        ctrl.admit_request(2)
+        self.assertEqual(ctrl.num_units(0), 1)
+        self.assertEqual(ctrl.get_stats()["units_kept"], 1)
 
     def test_units_need_lru_state(self):
         # The LRU state is held per unit: a source lending more units than
@@ -520,7 +543,10 @@ class TestEndToEnd(_ControllerCase):
         direct_slots=False,
         initial_reqs=None,
         lent_units=0,
+        reclaim_lent_every=0,
     ):
+        """``reclaim_lent_every``: every that many steps, take one unit back
+        from the second source (as prefill staging does)."""
         rng = random.Random(seed)
         torch.manual_seed(seed)
         ctrl = self.make(
@@ -596,6 +622,9 @@ class TestEndToEnd(_ControllerCase):
             # Free regions become extra LRU units (max_units > 1); the next
             # admission takes one back.
             units_granted.append(ctrl.rebalance())
+            if reclaim_lent_every and step % reclaim_lent_every == 0:
+                want = len(self.lent.free) + 1
+                ctrl.reclaim_units_of("lent", lambda: len(self.lent.free) >= want)
 
             # One decode step: each live request appends one token and writes
             # it into its window row in every layer.
@@ -752,6 +781,25 @@ class TestEndToEnd(_ControllerCase):
                         lent_units=5,
                     )
                     self.assertIn("lent", moved_from)
+
+    def test_exact_with_buried_units_kept(self):
+        # Units taken back from below a request's newest one (a region for
+        # an admission, a lent unit for its lender): their rows are copied
+        # into the newest unit's rows, whose slots are dropped instead.
+        self.NUM_REGIONS, self.MAX_REQS = 6, 8
+        for use_triton, steps in ((False, 40), (True, 24)):
+            with self.subTest(use_triton=use_triton):
+                stats = self._run(
+                    use_triton=use_triton,
+                    seed=13,
+                    steps=steps,
+                    max_units=4,
+                    initial_reqs=2,
+                    lent_units=5,
+                    reclaim_lent_every=3,
+                )
+                self.assertGreater(stats["units_kept"], 0)
+                self.assertGreater(stats["units_reclaimed"], stats["units_kept"])
 
     def _run_direct(self, use_triton, seed, max_units=1):
         # Prompts of 1-70 tokens on 24 slots: some fit and enter direct

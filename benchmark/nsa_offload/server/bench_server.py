@@ -109,6 +109,7 @@ from server_utils import (  # noqa: E402
     PD_DECODE_FAKE_ARGS,
     SHAPES,
     UNITS_PER_REQUEST_RE,
+    UNITS_RECLAIMED_RE,
     UNITS_RE,
     VOCAB_SIZE,
     WARMED_RE,
@@ -603,6 +604,10 @@ def parse_decode_lines(text: str) -> List[dict]:
         if per_req:
             row["fewest_units"] = int(per_req.group(1))
             row["most_units"] = int(per_req.group(2))
+        reclaimed = UNITS_RECLAIMED_RE.search(line)
+        if reclaimed:
+            row["units_reclaimed"] = int(reclaimed.group(1))
+            row["units_kept"] = int(reclaimed.group(2))
         d = DIRECT_RE.search(line)
         if d:
             row["direct_requests"] = int(d.group(1))
@@ -637,6 +642,10 @@ def server_metrics(rows: List[dict], interval: int, layers: int) -> dict:
     if any("units_moved" in r for r in rows):
         # Over the whole run: moves happen around admissions.
         out["units_moved"] = sum(r.get("units_moved", 0) for r in rows)
+    if any("units_reclaimed" in r for r in rows):
+        # Over the whole run: prefills and admissions take units back.
+        out["units_reclaimed"] = sum(r.get("units_reclaimed", 0) for r in rows)
+        out["units_kept"] = sum(r.get("units_kept", 0) for r in rows)
     if any("warmed_requests" in r for r in rows):
         # Over the whole run: the admissions' warm-ups (the batch waits).
         out["warmed_requests"] = sum(r.get("warmed_requests", 0) for r in rows)
@@ -2143,6 +2152,9 @@ def _misses_cell(ours: dict, ctx: int, conc: int) -> str:
     if s.get("fewest_units") is not None:
         # The units of the poorest and the richest request (an uneven split).
         cell += f", units {s['fewest_units']:.0f}-{s['most_units']:.0f}"
+    if s.get("units_reclaimed"):
+        # Units taken back over the run (their rows read again on misses).
+        cell += f", {s['units_reclaimed']:.0f} reclaimed ({s['units_kept']:.0f} kept)"
     return cell
 
 

@@ -87,6 +87,9 @@ UNITS_RE = re.compile(
 )
 # Since stop 60: the units the poorest and the richest running request hold.
 UNITS_PER_REQUEST_RE = re.compile(r", units per request: (\d+)-(\d+)")
+# Since stop 61: units taken back by their lenders over the log interval, and
+# of those the ones whose rows a copy kept (shown when any was taken back).
+UNITS_RECLAIMED_RE = re.compile(r", units reclaimed: (\d+) \((\d+) kept by a copy\)")
 # With direct slots: the requests swapping in direct mode (slot = position).
 DIRECT_RE = re.compile(r", direct: (\d+)")
 # Admissions warmed over the log interval, and the GB their warm-ups copied.

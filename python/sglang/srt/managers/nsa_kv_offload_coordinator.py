@@ -825,6 +825,12 @@ class NSAKVOffloadCoordinator(NSAKVOffloadVerifyMixin):
                     else ")"
                 )
                 + f", units per request: {stats['fewest_units']}-{stats['most_units']}"
+                + (
+                    f", units reclaimed: {stats['units_reclaimed']} "
+                    f"({stats['units_kept']} kept by a copy)"
+                    if stats["units_reclaimed"]
+                    else ""
+                )
                 if self.controller.max_units > 1
                 else ""
             )

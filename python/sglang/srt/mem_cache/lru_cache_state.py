@@ -533,6 +533,15 @@ class LRUCacheState:
         new = self._arange_c[lo:hi].expand(self.num_layers, -1)
         self._write_order(r, torch.cat([new, old], dim=1))
 
+    def rebase_unit(self, r: int, unit: int, base: int) -> None:
+        """Request ``r``'s unit ``unit`` (an extra one) is backed by the GPU
+        rows from ``base`` on: the caller has copied its rows there. Its slots
+        and their LRU state stay as they are."""
+        self.swap_backend.check_settled("rebase_unit")
+        if not 1 <= unit < len(self._req_chunks.get(r, ())):
+            raise ValueError(f"rebase_unit: request {r} holds no extra unit {unit}")
+        self._unit_base_buf[r, unit] = base
+
     def shrink_request(self, r: int, unit: int) -> None:
         """Drop request ``r``'s last unit ``unit`` (it holds ``unit + 1``):
         the locs its slots hold stop being resident in every layer (the host

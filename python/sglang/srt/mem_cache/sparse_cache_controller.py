@@ -13,12 +13,14 @@
 
 With ``max_units = U > 1`` (the server's default is 4) free regions are also
 handed out as extra LRU units: a request may hold up to ``U`` units
-(:meth:`rebalance`), and gives its extra ones back, newest first, when an
-admission finds no free region; rebalancing also moves region units from the
-largest holders to the smallest until they differ by at most one. Other
-sources of idle rows can lend units too (:meth:`add_unit_source`: the
-coordinator adds idle prefill staging rows) and take them back when they need
-them (:meth:`reclaim_units_of`). A request's window stays in its region.
+(:meth:`rebalance`), and gives one back when an admission finds no free
+region (the largest holder; its newest unit's slots are dropped, an older
+unit's rows copied there first when the region is an older one);
+rebalancing also moves units from the largest holders to the smallest until
+they differ by at most one. Other sources of idle rows can lend units too
+(:meth:`add_unit_source`: the coordinator adds idle prefill staging rows)
+and take them back the same way when they need them
+(:meth:`reclaim_units_of`). A request's window stays in its region.
 
 Per layer of a decode step the attention backend calls :meth:`swap_one_layer`:
 the LRU swap writes the page table (GPU rows in top-k order) and the miss list,
@@ -292,8 +294,12 @@ class SparseCacheController:
         # Most units each request is lent (units_to_hold of its longest
         # context): a unit beyond them would hold nothing it reads.
         self._req_unit_cap: Dict[int, int] = {}
-        # Region units moved between requests to even them out (get_stats).
+        # Units moved between requests to even them out, units taken back by
+        # their lenders, and of those the ones whose rows a copy kept
+        # (get_stats).
         self.units_moved = 0
+        self.units_reclaimed = 0
+        self.units_kept = 0
         # Admissions warmed and the bytes their warm-ups copied into GPU rows
         # (get_stats; counted on the host: the copy sizes are known there).
         self.warmed_requests = 0
@@ -841,12 +847,10 @@ class SparseCacheController:
         self.lru.shrink_request(r, len(units))
         return units.pop()
 
-    def _shrink_last_unit(self, r: int) -> str:
-        """Give request ``r``'s newest extra unit back to its source; returns
-        the source's name."""
+    def _shrink_last_unit(self, r: int) -> None:
+        """Give request ``r``'s newest extra unit back to its source."""
         base, source = self._drop_last_unit(r)
         self._unit_sources[source].give(base)
-        return source
 
     def _move_last_unit(self, donor: int, recipient: int) -> None:
         """Pass ``donor``'s newest extra unit to ``recipient`` (its rows start
@@ -854,11 +858,14 @@ class SparseCacheController:
         self._add_unit(recipient, *self._drop_last_unit(donor))
 
     def _reclaim_from(self, source: str) -> bool:
-        """Give one unit of ``source`` back: the request holding the most
-        units (highest pool index first) among those holding one gives its
-        newest units back until one of ``source`` is among them (the others
-        go back to their sources for the next rebalance). Their resident locs
-        are dropped, nothing is copied. False when no request holds one."""
+        """Give one unit of ``source`` back, from the request holding the most
+        units (highest pool index first) among those holding one. The
+        request's newest unit's slots are dropped (their resident locs:
+        nothing is copied back, the host pool keeps every token); when the
+        unit of ``source`` is an older one, its rows are first copied into
+        the newest unit's rows (:meth:`_keep_unit_rows`), so that the request
+        loses one unit's rows, not those of every unit lent after it. False
+        when no request holds one."""
         donors = [
             (len(u), r)
             for r, u in self._req_units.items()
@@ -867,9 +874,30 @@ class SparseCacheController:
         if not donors:
             return False
         _, r = max(donors)
-        while self._shrink_last_unit(r) != source:
-            pass
+        units = self._req_units[r]
+        k = max(i for i, (_, src) in enumerate(units) if src == source)
+        if k != len(units) - 1:
+            self._keep_unit_rows(r, k)
+        self._shrink_last_unit(r)
+        self.units_reclaimed += 1
         return True
+
+    def _keep_unit_rows(self, r: int, k: int) -> None:
+        """Copy the rows of request ``r``'s extra unit ``k`` (``k``: index
+        into its extra units) into those of its newest unit, which back unit
+        ``k``'s slots from then on; the newest entry then names unit ``k``'s
+        old rows and lender, given back next. One all-layer GPU copy of a
+        unit's rows, on the side stream after the work enqueued so far (the
+        caller's stream already waits for every forward that may read them;
+        side-stream copies into either unit's rows were issued before it)."""
+        units = self._req_units[r]
+        (kept_base, kept_source), (last_base, last_source) = units[k], units[-1]
+        rows = torch.arange(self.buffer_size, dtype=torch.int64, device=self.device)
+        src, dst = rows + kept_base, rows + last_base
+        self._launch_side(lambda: self._d2d_all_layers(src, dst), [src, dst])
+        self.lru.rebase_unit(r, k + 1, last_base)
+        units[k], units[-1] = (last_base, last_source), (kept_base, kept_source)
+        self.units_kept += 1
 
     def _reclaim_unit(self) -> bool:
         """Free a region for an admission (see :meth:`_reclaim_from`)."""
@@ -887,6 +915,8 @@ class SparseCacheController:
 
     def reset_stats(self) -> None:
         self.units_moved = 0
+        self.units_reclaimed = 0
+        self.units_kept = 0
         self.warmed_requests = 0
         self.warmed_bytes = 0
         self.counters.zero_()
@@ -919,6 +949,12 @@ class SparseCacheController:
             "extra_units": sum(len(u) for u in self._req_units.values()),
             # Units moved from the largest holders to the smallest.
             "units_moved": self.units_moved,
+            # Units taken back for admissions, prefill staging and token locs
+            # (their rows dropped, read again on a miss), and of those the
+            # units whose rows a copy kept (a newer unit's rows dropped
+            # instead).
+            "units_reclaimed": self.units_reclaimed,
+            "units_kept": self.units_kept,
             # Units held by the poorest and the richest running request now
             # (0 when none runs): an uneven split misses most.
             "fewest_units": min(held, default=0),
