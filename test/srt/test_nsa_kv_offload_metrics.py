@@ -24,6 +24,9 @@ def interval(**over):
         d2h_bytes=656,
         warmed_requests=1,
         warmed_bytes=40 * 3 * 656,
+        units_moved=1,
+        units_reclaimed=3,
+        units_kept=1,
         host_used_tokens=128,
         host_total_tokens=1024,
         regions_used=1,
@@ -57,6 +60,9 @@ class TestNSAKVOffloadMetrics(unittest.TestCase):
         self.assertEqual(self.value("d2h_bytes_total"), 2 * 656)
         self.assertEqual(self.value("warmed_requests_total"), 2)
         self.assertEqual(self.value("warmed_bytes_total"), 2 * 40 * 3 * 656)
+        self.assertEqual(self.value("units_moved_total"), 2)
+        self.assertEqual(self.value("units_reclaimed_total"), 6)
+        self.assertEqual(self.value("units_kept_total"), 2)
         self.assertEqual(self.value("host_pool_used_tokens"), 256)
         self.assertEqual(self.value("host_pool_total_tokens"), 1024)
         self.assertEqual(self.value("decode_regions_used"), 3)

@@ -34,6 +34,20 @@ _COUNTERS = (
         "Extra LRU units moved from the largest holders to the smallest.",
     ),
     (
+        "units_reclaimed",
+        "units_reclaimed_total",
+        "units_reclaimed",
+        "Extra LRU units taken back by their lenders (admissions, prefill "
+        "staging, token locs).",
+    ),
+    (
+        "units_kept",
+        "units_kept_total",
+        "units_kept",
+        "Of those, units below the request's newest whose rows a GPU copy kept "
+        "(the newest unit's slots dropped instead).",
+    ),
+    (
         "warmed_requests",
         "warmed_requests_total",
         "warmed_requests",
