@@ -742,25 +742,29 @@ class TestEndToEnd(_ControllerCase):
     def test_exact_with_units_triton(self):
         self._run(use_triton=True, seed=5, steps=30, max_units=2)
 
-    def test_exact_with_units_moved(self):
-        # Enough regions that admissions leave requests uneven and units
-        # move between them (their resident rows dropped, read again).
+    def _run_uneven(self, check, **kwargs):
+        """Both swap paths with 6 regions for up to 8 requests, 2 admitted
+        first, up to 4 units each: admissions leave requests uneven and
+        units move between them (their resident rows dropped, read again).
+        ``check`` gets each run's stats."""
         self.NUM_REGIONS, self.MAX_REQS = 6, 8
         for use_triton, steps in ((False, 40), (True, 24)):
             with self.subTest(use_triton=use_triton):
                 stats = self._run(
                     use_triton=use_triton,
-                    seed=6,
                     steps=steps,
                     max_units=4,
                     initial_reqs=2,
+                    **kwargs,
                 )
-                self.assertGreater(stats["units_moved"], 0)
+                check(stats)
+
+    def test_exact_with_units_moved(self):
+        self._run_uneven(lambda s: self.assertGreater(s["units_moved"], 0), seed=6)
 
     def test_exact_with_lent_units_moved(self):
         # Units of a second source (idle staging, idle locs) lent to the
         # first requests move to those admitted later.
-        self.NUM_REGIONS, self.MAX_REQS = 6, 8
         moved_from = []
         move = SparseCacheController._move_last_unit
 
@@ -768,38 +772,22 @@ class TestEndToEnd(_ControllerCase):
             moved_from.append(ctrl._req_units[donor][-1][1])
             move(ctrl, donor, recipient)
 
+        def check(_):
+            self.assertIn("lent", moved_from)
+            moved_from.clear()
+
         with mock.patch.object(SparseCacheController, "_move_last_unit", recording):
-            for use_triton, steps in ((False, 40), (True, 24)):
-                with self.subTest(use_triton=use_triton):
-                    moved_from.clear()
-                    self._run(
-                        use_triton=use_triton,
-                        seed=9,
-                        steps=steps,
-                        max_units=4,
-                        initial_reqs=2,
-                        lent_units=5,
-                    )
-                    self.assertIn("lent", moved_from)
+            self._run_uneven(check, seed=9, lent_units=5)
 
     def test_exact_with_buried_units_kept(self):
         # Units taken back from below a request's newest one (a region for
         # an admission, a lent unit for its lender): their rows are copied
         # into the newest unit's rows, whose slots are dropped instead.
-        self.NUM_REGIONS, self.MAX_REQS = 6, 8
-        for use_triton, steps in ((False, 40), (True, 24)):
-            with self.subTest(use_triton=use_triton):
-                stats = self._run(
-                    use_triton=use_triton,
-                    seed=13,
-                    steps=steps,
-                    max_units=4,
-                    initial_reqs=2,
-                    lent_units=5,
-                    reclaim_lent_every=3,
-                )
-                self.assertGreater(stats["units_kept"], 0)
-                self.assertGreater(stats["units_reclaimed"], stats["units_kept"])
+        def check(stats):
+            self.assertGreater(stats["units_kept"], 0)
+            self.assertGreater(stats["units_reclaimed"], stats["units_kept"])
+
+        self._run_uneven(check, seed=13, lent_units=5, reclaim_lent_every=3)
 
     def _run_direct(self, use_triton, seed, max_units=1):
         # Prompts of 1-70 tokens on 24 slots: some fit and enter direct
