@@ -245,10 +245,10 @@ class TestIdleLocUnits(unittest.TestCase):
     def test_lent_units_move_to_a_later_request(self):
         """Three slots: ``a`` and ``b`` grow into the free region and free
         locs' keys; ``c``'s keys leave less than a unit free, and its
-        admission takes the region back from ``a`` (with the unit above it),
-        so ``b`` holds two extra units more than ``a`` and ``c``: one of its
-        idle-loc units moves (its rows start empty there), every request
-        reading exact KV (rank_speed/run_h100_default_model_8k_x64/: only
+        admission takes the region back from ``a`` (its rows copied into
+        ``a``'s newest unit's rows, whose slots are dropped instead), so ``b``
+        holds two or more units more than ``c``: one of its idle-loc units
+        moves (its rows start empty there), every request reading exact KV (rank_speed/run_h100_default_model_8k_x64/: only
         region units moved, later requests ran on one unit)."""
         h = _harness(self, seed=7, num_regions=3, max_reqs=3, num_locs=128 * PAGE)
         a, b, c = h.new_req(), h.new_req(), h.new_req()

@@ -11,16 +11,16 @@
 * a side stream and events for the copies that are off the critical path
   (backups to host, warming a newly admitted request).
 
-With ``max_units = U > 1`` (the server's default is 4) free regions are also
-handed out as extra LRU units: a request may hold up to ``U`` units
-(:meth:`rebalance`), and gives one back when an admission finds no free
-region (the largest holder; its newest unit's slots are dropped, an older
-unit's rows copied there first when the region is an older one);
-rebalancing also moves units from the largest holders to the smallest until
-they differ by at most one. Other sources of idle rows can lend units too
-(:meth:`add_unit_source`: the coordinator adds idle prefill staging rows)
-and take them back the same way when they need them
-(:meth:`reclaim_units_of`). A request's window stays in its region.
+With ``max_units = U > 1`` (the server's default: the units that hold the
+model's context) free regions are also handed out as extra LRU units: a
+request may hold up to ``U`` units (:meth:`rebalance`), and gives one back
+when an admission finds no free region (the largest holder; its newest
+unit's slots are dropped, an older unit's rows copied there first when the
+region is an older one); rebalancing also moves units from the largest
+holders to the smallest until they differ by at most one. Other sources of
+idle rows can lend units too (:meth:`add_unit_source`: the coordinator adds
+idle prefill staging rows) and take them back the same way when they need
+them (:meth:`reclaim_units_of`). A request's window stays in its region.
 
 Per layer of a decode step the attention backend calls :meth:`swap_one_layer`:
 the LRU swap writes the page table (GPU rows in top-k order) and the miss list,
@@ -847,11 +847,6 @@ class SparseCacheController:
         self.lru.shrink_request(r, len(units))
         return units.pop()
 
-    def _shrink_last_unit(self, r: int) -> None:
-        """Give request ``r``'s newest extra unit back to its source."""
-        base, source = self._drop_last_unit(r)
-        self._unit_sources[source].give(base)
-
     def _move_last_unit(self, donor: int, recipient: int) -> None:
         """Pass ``donor``'s newest extra unit to ``recipient`` (its rows start
         empty there: its LRU state is new)."""
@@ -878,7 +873,8 @@ class SparseCacheController:
         k = max(i for i, (_, src) in enumerate(units) if src == source)
         if k != len(units) - 1:
             self._keep_unit_rows(r, k)
-        self._shrink_last_unit(r)
+        base, _ = self._drop_last_unit(r)
+        self._unit_sources[source].give(base)
         self.units_reclaimed += 1
         return True
 
@@ -947,6 +943,14 @@ class SparseCacheController:
             # Extra LRU units running requests hold: free regions and units
             # lent by the other sources (idle prefill staging).
             "extra_units": sum(len(u) for u in self._req_units.values()),
+            # Of those, units lent by the other sources (idle prefill
+            # staging), and by the indexer keys of free locs (the arena).
+            "extra_units_lent": sum(
+                self.units_lent_by(name)
+                for name in self._unit_sources
+                if name not in (REGION_UNIT_SOURCE, IDLE_LOC_UNIT_SOURCE)
+            ),
+            "idle_loc_units_lent": self.units_lent_by(IDLE_LOC_UNIT_SOURCE),
             # Units moved from the largest holders to the smallest.
             "units_moved": self.units_moved,
             # Units taken back for admissions, prefill staging and token locs
@@ -959,14 +963,6 @@ class SparseCacheController:
             # (0 when none runs): an uneven split misses most.
             "fewest_units": min(held, default=0),
             "most_units": max(held, default=0),
-            # Of those, units lent by the other sources (idle prefill
-            # staging), and by the indexer keys of free locs (the arena).
-            "extra_units_lent": sum(
-                self.units_lent_by(name)
-                for name in self._unit_sources
-                if name not in (REGION_UNIT_SOURCE, IDLE_LOC_UNIT_SOURCE)
-            ),
-            "idle_loc_units_lent": self.units_lent_by(IDLE_LOC_UNIT_SOURCE),
             # Admissions warmed, and the bytes copied into their GPU rows
             # (from host memory, or from prefill staging rows on the GPU):
             # the admission's price, which the batch's next step waits for.
