@@ -21,7 +21,7 @@ cd "$ROOT"
 unset PYTHONPATH
 
 # The whole suite unless the arguments name tests (paths or node ids).
-targets=(test/srt)
+targets=(test)
 for arg in "$@"; do
     if [[ "$arg" == test/* || ("$arg" != -* && -e "$arg") ]]; then
         targets=()

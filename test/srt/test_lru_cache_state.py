@@ -1,4 +1,4 @@
-"""LRUCacheState: torch reference vs fused Triton kernel vs a plain-Python model.
+"""LRUCacheState: torch reference vs the Triton kernels vs a plain-Python model.
 
 On a CPU-only machine the Triton kernel runs under the interpreter: set
 TRITON_INTERPRET=1 before anything imports triton-jitted sglang modules (this
@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = DEVICE == "cuda" or lru_mod._swap_kernel_is_interpreted()
+TRITON_OK = DEVICE == "cuda" or lru_mod.swap_kernel_is_interpreted()
 TRITON_SKIP_REASON = (
     "Triton kernel not interpreted on this CPU machine: set TRITON_INTERPRET=1 "
     "before sglang.srt.mem_cache.lru_cache_state is first imported"
@@ -59,22 +59,13 @@ def check_invariants(test: unittest.TestCase, state: LRUCacheState) -> None:
     lru = state.lru_order.long().cpu()
     cap = state.capacity.long().cpu()[None, :, None]
     ar = torch.arange(C)
-    if state.uses_clock:
-        # CLOCK: a bit per held slot, clear when empty; hands in range.
-        bits = torch.where(ar < cap, lru, 0)
-        test.assertTrue(bool(((bits == 0) | (bits == 1)).all()), "CLOCK bits")
-        empty = state.slot_loc.long().cpu() < 0
-        test.assertFalse(bool((empty & (bits == 1)).any()), "bit set on an empty slot")
-        hands = state._hand_buf[:, : state.max_num_reqs].long().cpu()
-        test.assertTrue(bool((hands < cap[..., 0].clamp(min=1)).all()), "hands")
-    else:
-        # Each request's order: its held slots once each, then -1.
-        expect = torch.where(ar < cap, ar, -1).expand_as(lru)
-        held_sorted = torch.where(lru >= 0, lru, C).sort(-1).values
-        test.assertTrue(
-            torch.equal(torch.where(held_sorted < C, held_sorted, -1), expect),
-            "lru_order not a permutation of the held slots",
-        )
+    # Each request's order: its held slots once each, then -1.
+    expect = torch.where(ar < cap, ar, -1).expand_as(lru)
+    held_sorted = torch.where(lru >= 0, lru, C).sort(-1).values
+    test.assertTrue(
+        torch.equal(torch.where(held_sorted < C, held_sorted, -1), expect),
+        "lru_order not a permutation of the held slots",
+    )
     # Unit chunks: each free or held once; unit_index names the held ones
     # (the sink chunk past them); a held chunk's slots are the only ones
     # with locs (free chunks are empty).
@@ -268,7 +259,6 @@ class Sim:
         self.steps = 0
         self.direct_entered = 0
         self.direct_units_entered = 0  # of those, past one unit's slots
-        self.direct_partial_entered = 0  # of those, the newest positions only
 
     # -- lifecycle
 
@@ -331,18 +321,14 @@ class Sim:
             self.model.grow(r, units[-1])
         if below_window > (len(units) + 1) * cfg.C:
             return
-        # Sometimes only the newest positions (a bounded warm-up): the older
-        # slots stay empty, their positions missed into them when read.
-        first = rng.choice([0, rng.randint(0, below_window)])
-        older = self.reqs[r]["locs"][first:below_window]
+        older = self.reqs[r]["locs"][:below_window]
         layers = list(range(cfg.layers))
-        expect = self.model.warm_direct(layers, r, older, first)
+        expect = self.model.warm_direct(layers, r, older)
         self.direct_entered += 1
         self.direct_units_entered += below_window > cfg.C
-        self.direct_partial_entered += first > 0
         for state in self.states:
             arg = torch.tensor(older, dtype=torch.int64, device=DEVICE)
-            rows = state.warm_direct(layers, r, arg, first_position=first)
+            rows = state.warm_direct(layers, r, arg)
             self.test.assertEqual(rows.cpu().tolist(), expect)
 
     def warm(self, r: int) -> None:
@@ -522,7 +508,7 @@ class Sim:
             state.finish_reorder()
             self.test.assertEqual(plan_rows(plan, bs), before)
         backend = state.swap_backend
-        if state.use_triton and backend.split_by_unit and not backend.multi_token:
+        if state.use_triton and backend.max_query_tokens == 1:
             # The reorder leaves the hit flags zero for the next select (the
             # multi-token kernels zero them before use instead).
             flags = state.swap_backend._hit_flags
@@ -534,20 +520,11 @@ class Sim:
 
 
 def impl_state(cfg, impl) -> LRUCacheState:
-    """``impl``: False (reference), True (Triton), "fused" (Triton, the
-    one-program swap even with units) or "deferred" (Triton, every swap's
-    reorder deferred, the victim scan in blocks of 8 lru positions)."""
+    """``impl``: False (reference), True (Triton) or "deferred" (Triton, every
+    swap's reorder deferred, the victim scan in blocks of 8 lru positions)."""
     if impl == "deferred":
         state = new_state(cfg, True)
         state.swap_backend.SELECT_BLOCK = 8
-        return state
-    if impl == "fused":
-        state = new_state(cfg, True)
-        state.swap_backend = TritonLRUSwap(
-            state,
-            max_batch_size=state.swap_backend._scratch_rows,
-            split_by_unit=False,
-        )
         return state
     return new_state(cfg, impl)
 
@@ -585,7 +562,7 @@ class TestLRUCacheStateBasics(unittest.TestCase):
         with self.assertRaises(ValueError):
             LRUCacheState(1, 2, 10, 1 << 31, 8, 4, device=DEVICE, use_triton=False)
         # Slot ids: int16 while units x buffer fit (the default sizes), int32
-        # beyond (SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS=1).
+        # beyond.
         self.assertEqual(lru_mod.lru_slot_dtype(32767), torch.int16)
         self.assertEqual(lru_mod.lru_slot_dtype(32768), torch.int32)
         s = LRUCacheState(1, 2, 10, 8192, 8, 4, max_units=4, device=DEVICE)
@@ -601,7 +578,7 @@ class TestLRUCacheStateBasics(unittest.TestCase):
         # Unit chunks: two requests at four units by default, fewer if asked.
         self.assertEqual(s.num_units, 8)
         # What the pool sizing pays per unit (int32 ids here), the sink too.
-        from sglang.srt.mem_cache.nsa_kv_offload_pool import lru_unit_state_bytes
+        from sglang.srt.mem_cache.nsa_kv_offload_sizing import lru_unit_state_bytes
 
         per_unit = lru_unit_state_bytes(1, 8192, 4)
         self.assertEqual(per_unit, 8192 * (4 + 4))
@@ -690,29 +667,6 @@ class TestLRUCacheStateBasics(unittest.TestCase):
             self.assertEqual(s.counters[1].tolist(), [4, 0, 0])
             check_invariants(self, s)
 
-    def test_counters_elsewhere(self):
-        # A cross-layer prefetch counts its hits and loads apart.
-        for use_triton in self._impls():
-            s = LRUCacheState(2, 3, 100, 8, 2, 4, device=DEVICE, use_triton=use_triton)
-            s.admit_request(2, 50)
-            r2t = torch.zeros((3, 16), dtype=torch.int32, device=DEVICE)
-            r2t[2, :4] = torch.tensor([40, 41, 42, 43])
-            args = (
-                torch.tensor([[0, 1, 2, -1]], device=DEVICE),
-                torch.tensor([2], device=DEVICE),
-                torch.tensor([10], device=DEVICE),
-                r2t,
-            )
-            elsewhere = torch.zeros(3, dtype=torch.int64, device=DEVICE)
-            plan = s.swap_layer(1, *args, counters=elsewhere)
-            self.assertEqual(plan.miss_count.tolist(), [3])
-            self.assertEqual(elsewhere.tolist(), [0, 0, 3])
-            self.assertEqual(s.counters.tolist(), [[0, 0, 0], [0, 0, 0]])
-            s.swap_layer(1, *args)  # now resident: hits, in the layer's counters
-            self.assertEqual(s.counters[1].tolist(), [3, 0, 0])
-            self.assertEqual(elsewhere.tolist(), [0, 0, 3])
-            check_invariants(self, s)
-
     def test_padding_rows_are_noops(self):
         # Stale padding rows point at a live request with positions it holds.
         for use_triton in self._impls():
@@ -740,7 +694,7 @@ class TestLRUCacheStateBasics(unittest.TestCase):
                 self.assertTrue(torch.equal(a, b))
             self.assertEqual(s.counters[0].tolist(), [0, 0, 4])
 
-    def test_reference_steps_match_fused_signature(self):
+    def test_reference_steps_compose_to_swap_layer(self):
         # The three public reference steps compose to swap_layer.
         cfg = SimConfig(layers=1, C=8, K=4, W=2, max_reqs=2, num_locs=64)
         a, b = new_state(cfg, False), new_state(cfg, False)
@@ -855,11 +809,6 @@ class TestTritonMatchesReference(unittest.TestCase):
         self.assertGreaterEqual(seen["most_units"], 5, seen)
         self.assertGreater(seen["scattered_steps"], 5, seen)
 
-    def test_units_split_kernels_match_fused(self):
-        # With units the swap runs split by unit; the fused kernel handles
-        # units too, and both must leave the same state (and match the model).
-        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
-        run_sim(self, cfg, (True, "fused", False), steps=30, seed=8)
 
 
 @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
@@ -898,8 +847,8 @@ class TestWideSlotIds(unittest.TestCase):
         self._run((False,), seed=9)
 
     @unittest.skipUnless(TRITON_OK, "Triton unavailable")
-    def test_split_and_fused_kernels(self):
-        self._run((True, "fused", False), seed=10)
+    def test_kernels(self):
+        self._run((True, "deferred", False), seed=10)
 
     def test_slot_ids_above_int16(self):
         # 5 units of 8192 LRU slots: ids up to 40959. 17 steps of fresh
@@ -953,7 +902,7 @@ class TestDirectSlots(unittest.TestCase):
     in slot p and swaps without the LRU walk, until it outgrows them."""
 
     def _impls(self):
-        return [False, True, "fused"] if TRITON_OK else [False]
+        return [False, True, "deferred"] if TRITON_OK else [False]
 
     def _swap(self, state, positions, seq_len, r2t):
         return swap_request_0(state, positions, seq_len, r2t)
@@ -1018,11 +967,11 @@ class TestDirectSlots(unittest.TestCase):
         self.assertGreater(sim.model.direct_ended, 0)
 
     @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
-    def test_units_split_and_fused(self):
+    def test_units_kernels(self):
         cfg = SimConfig(
             C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
         )
-        sim = run_sim(self, cfg, (True, "fused", False), steps=40, seed=12)
+        sim = run_sim(self, cfg, (True, "deferred", False), steps=40, seed=12)
         self.assertGreater(sim.direct_entered, 3)
         self.assertGreater(sim.model.direct_ended, 0)
 
@@ -1086,41 +1035,13 @@ class TestDirectSlots(unittest.TestCase):
     def test_warm_direct_across_units_against_model(self):
         # Prompts up to 3 units long, some warmed whole across the units they
         # were granted (warm units with direct slots); shrinks end it.
-        impls = (False, True, "fused") if TRITON_OK else (False,)
+        impls = (False, True) if TRITON_OK else (False,)
         cfg = SimConfig(
             C=32, K=16, W=4, units=3, max_prompt=90, direct=True, p_direct=0.7
         )
-        sim = run_sim(self, cfg, impls, steps=50, seed=21)
+        sim = run_sim(self, cfg, impls, steps=50, seed=22)
         self.assertGreater(sim.direct_units_entered, 2)
-        self.assertGreater(sim.direct_partial_entered, 0)
         self.assertGreater(sim.model.direct_ended, 0)
-
-    def test_warm_direct_newest_positions_only(self):
-        # A bounded warm-up: positions 10..17 of an 18-below-the-window
-        # prompt in slots 10..17; position 3, never warmed, is a miss into
-        # slot 3 (empty), then a hit.
-        r2t = (10 + torch.arange(40, dtype=torch.int32, device=DEVICE)).repeat(2, 1)
-        for impl in self._impls():
-            with self.subTest(impl=impl):
-                state = self._three_units(impl)
-                rows = state.warm_direct(
-                    range(2), 0, r2t[0, 10:18].long(), first_position=10
-                )
-                expect = [202, 203, 204, 205, 206, 207, 300, 301]
-                self.assertEqual(rows.tolist(), [expect, expect])
-                self.assertEqual(state.slot_loc[0, 0, :10].tolist(), [-1] * 10)
-                self.assertEqual(state.direct[0].item(), 1)
-                plan = self._swap(state, [3, 12, 21, -1], 22, r2t)
-                self.assertEqual(plan.page_table[0].tolist(), [103, 204, 109, -1])
-                self.assertEqual(int(plan.miss_count[0]), 1)
-                self.assertEqual(plan.miss_src_loc[0, 0].item(), 13)
-                self.assertEqual(plan.miss_dst_row[0, 0].item(), 103)
-                plan = self._swap(state, [3, -1, -1, -1], 22, r2t)
-                self.assertEqual(int(plan.miss_count[0]), 0)
-                with self.assertRaisesRegex(ValueError, "positions 20..27 exceed"):
-                    state.release_request(0)
-                    state.admit_request(0, 100)
-                    state.warm_direct(0, 0, r2t[0, :8].long(), first_position=20)
 
 
 class TestUnits(unittest.TestCase):

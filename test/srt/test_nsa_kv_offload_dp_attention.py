@@ -29,7 +29,7 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_UNPROVEN_PARALLEL
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
-from sglang.srt.mem_cache.nsa_kv_offload_pool import NSAKVOffloadPoolConfigurator
+from sglang.srt.mem_cache.nsa_kv_offload_sizing import NSAKVOffloadPoolConfigurator
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 DEVICE, PAGE = integ.DEVICE, integ.PAGE

@@ -23,7 +23,7 @@ from unittest import mock
 
 import test_nsa_kv_offload_integration as integration
 import torch
-from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolSizes,
     compute_offload_pool_sizes,
     idle_loc_lru_units,

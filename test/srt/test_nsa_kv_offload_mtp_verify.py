@@ -37,7 +37,7 @@ import test_nsa_kv_offload_integration as integration
 import torch
 from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_IDLE_LOC_UNITS
 from sglang.srt.layers.attention import nsa_backend, nsa_offload_hooks
-from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSA_KV_OFFLOAD_DRAFT_LAYERS,
     compute_offload_pool_sizes,
     lru_slot_id_bytes,

@@ -2,7 +2,7 @@
 argument checks, and the torch reference and Triton kernels (fused and split;
 under TRITON_INTERPRET=1 on a CPU machine) against
 ``lru_model.LRUModel.swap_multi`` over random verify workloads
-(``nsa_kv_offload_verify_sim.VerifySim``), seeded and property-based.
+(``mtp_verify_sim.VerifySim``), seeded and property-based.
 """
 
 import unittest
@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lru_model import LRUModel
-from nsa_kv_offload_verify_sim import (
+from mtp_verify_sim import (
     DEVICE,
     TRITON_OK,
     TRITON_SKIP,

@@ -8,7 +8,7 @@ import random
 import unittest
 
 import torch
-from nsa_kv_offload_verify_sim import DEVICE, TRITON_OK, TRITON_SKIP
+from mtp_verify_sim import DEVICE, TRITON_OK, TRITON_SKIP
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
 

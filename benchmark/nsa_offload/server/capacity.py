@@ -51,7 +51,7 @@ def capacity_bound(tokens: int, region_rows: int) -> float:
 def model_rows(args):
     # On a CPU machine: the venv of scripts/setup_cpu_env.sh (its torchvision
     # fix-up lets sglang import there).
-    from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+    from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
         compute_offload_pool_sizes,
         offload_bytes_per_loc,
         offload_bytes_per_region,

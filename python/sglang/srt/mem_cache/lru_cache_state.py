@@ -60,11 +60,9 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
-from sglang.srt.mem_cache.nsa_kv_offload_clock import (
-    CLOCK_POLICY,
-    LRU_POLICY,
-    POLICIES,
-    clock_assign_slots,
+from sglang.srt.mem_cache.nsa_kv_offload_lru_kernels import (
+    _HAS_TRITON,
+    swap_kernel_is_interpreted,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import (
     LayerSwapPlan,
@@ -74,11 +72,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_lru_reference import (
     slot_rows,
     state_index,
 )
-from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import (
-    _HAS_TRITON,
-    TritonLRUSwap,
-    _swap_kernel_is_interpreted,
-)
+from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
 __all__ = ["LayerSwapPlan", "LRUCacheState", "default_use_triton"]
 
@@ -91,13 +85,12 @@ def default_use_triton(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and _swap_kernel_is_interpreted()
+    return device.type == "cpu" and swap_kernel_is_interpreted()
 
 
 def lru_slot_dtype(num_slots: int) -> torch.dtype:
     """dtype of a request's LRU slot ids (``loc_to_slot``, ``lru_order``):
-    int16 while its ``units x buffer_size`` slots fit (the default sizes),
-    int32 beyond (``SGLANG_NSA_KV_OFFLOAD_WIDE_SLOT_IDS=1``)."""
+    int16 while its ``units x buffer_size`` slots fit, int32 beyond."""
     return torch.int16 if num_slots <= torch.iinfo(torch.int16).max else torch.int32
 
 
@@ -133,15 +126,7 @@ class LRUCacheState:
         max_query_tokens: int = 1,
         direct_slots: bool = False,
         num_units: Optional[int] = None,
-        policy: str = LRU_POLICY,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"policy {policy!r} is not one of {POLICIES}")
-        if policy == CLOCK_POLICY and (max_query_tokens > 1 or direct_slots):
-            raise ValueError(
-                "the clock policy swaps one query token per request without "
-                "direct slots (max_query_tokens = 1, direct_slots = False)"
-            )
         if max_query_tokens < 1:
             raise ValueError(f"max_query_tokens ({max_query_tokens}) must be >= 1")
         # One swap keeps the union of its query tokens' top-k resident at once.
@@ -187,8 +172,6 @@ class LRUCacheState:
         self.num_units = num_units
         self.max_query_tokens = max_query_tokens
         self.direct_slots = direct_slots
-        # Slot replacement: LRU order or CLOCK (nsa_kv_offload_clock).
-        self.policy = policy
         # LRU slots a request may hold across all units; it holds the first
         # capacity[r] of them.
         self.num_slots = buffer_size * max_units
@@ -211,19 +194,8 @@ class LRUCacheState:
         self._slot_loc_buf = torch.full(
             (L, num_units + 1, C0), -1, dtype=torch.int32, device=dev
         )
-        # CLOCK keeps no order: the same storage holds its reference bits
-        # (one per slot, 0 when empty), so the pool sizing is the same; and
-        # a hand per request.
-        clock = policy == CLOCK_POLICY
         self._lru_buf = torch.full(
-            (L, num_units + 1, C0),
-            0 if clock else -1,
-            dtype=self.slot_dtype,
-            device=dev,
-        )
-        self._ref_buf = self._lru_buf
-        self._hand_buf = torch.zeros(
-            (L, max_num_reqs + 1) if clock else (L, 1), dtype=torch.int32, device=dev
+            (L, num_units + 1, C0), -1, dtype=self.slot_dtype, device=dev
         )
         # unit_index[r, u]: the chunk of unit u of request r; units it does
         # not hold (and the sink request's) name the sink chunk, so a stale
@@ -275,8 +247,6 @@ class LRUCacheState:
             )
             for layer in range(L)
         ]
-        # CLOCK's hands per layer (launch-time slicing saved, as above).
-        self._hand_views = list(self._hand_buf.unbind(0))
         if use_triton is None:
             use_triton = default_use_triton(self.device)
         # The swap backend, chosen once.
@@ -308,19 +278,13 @@ class LRUCacheState:
     @property
     def lru_order(self) -> torch.Tensor:
         """``lru_order[l, r]``: request ``r``'s held slots, least recently
-        used first, then -1 beyond its capacity (a gathered copy). With
-        CLOCK: the reference bit of each held slot."""
+        used first, then -1 beyond its capacity (a gathered copy)."""
         return self._per_request(self._lru_buf)
 
     @property
-    def uses_clock(self) -> bool:
-        return self.policy == CLOCK_POLICY
-
-    @property
     def unit_state_bytes(self) -> int:
-        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order`` or the
-        CLOCK bits; the sink chunk included): what the pool sizing counts per
-        unit."""
+        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order``; the
+        sink chunk included): what the pool sizing counts per unit."""
         return self._slot_loc_buf.nbytes + self._lru_buf.nbytes
 
     def free_units(self) -> int:
@@ -397,10 +361,6 @@ class LRUCacheState:
         )
         self._capacity_buf[idx] = self.buffer_size
         self._direct_buf[idx] = 0
-        if self.uses_clock:
-            # Released chunks are empty, their bits clear.
-            self._hand_buf[:, idx] = 0
-            return
         # Released chunks are empty already; their order is set here.
         self._lru_buf[:, chunk_t] = self._arange_c[: self.buffer_size].to(
             self._lru_buf.dtype
@@ -423,8 +383,6 @@ class LRUCacheState:
         self._unit_base_buf[idx] = -1
         self._capacity_buf[idx] = 0
         self._direct_buf[idx] = 0
-        if self.uses_clock:
-            self._hand_buf[:, idx] = 0
 
     def _unmap_chunks(self, chunks: torch.Tensor) -> None:
         # The locs the chunks' slots hold stop being resident; the chunks end
@@ -435,8 +393,6 @@ class LRUCacheState:
             1, torch.where(locs >= 0, locs, self.num_locs), -1
         )
         self._slot_loc_buf[:, chunks] = -1
-        if self.uses_clock:
-            self._ref_buf[:, chunks] = 0
 
     def enter_direct(self, r: int, num_positions: int) -> None:
         """Request ``r`` swaps in direct mode from its next swap on. The
@@ -460,23 +416,11 @@ class LRUCacheState:
         r: int,
         locs: torch.Tensor,
         num_slots: Optional[int] = None,
-        first_position: int = 0,
     ) -> torch.Tensor:
-        """Direct mode's warm-up: position ``p`` (loc
-        ``locs[p - first_position]``, the positions from ``first_position``
-        up to the first window) into slot ``p`` of each of ``layers``, across
-        the units request ``r`` holds, then direct mode. Slots below
-        ``first_position`` stay empty: a read of such a position is a miss
-        into its own slot.
-
-        ``r`` must hold no resident loc (a fresh admission, its units granted
-        or not) and at least ``first_position + len(locs)`` slots. Its LRU
-        order becomes slot order (direct mode does not read it): should
-        decode outgrow the slots, the LRU swap then evicts the oldest
-        positions first. ``num_slots``: the slots ``r`` holds, when the caller
-        knows them (checked against the units it holds). Returns
-        ``(len(layers), n)`` int32 GPU rows; the caller fills them.
-        """
+        """Direct mode's warm-up: position ``p`` (loc ``locs[p]``) into slot
+        ``p`` of each of ``layers`` across the units ``r`` holds (none resident
+        yet; ``num_slots``: checked against them), its order slot order, then
+        direct mode. Returns ``(len(layers), n)`` int32 GPU rows to fill."""
         self.swap_backend.check_settled("warm_direct")
         layers = [layers] if isinstance(layers, int) else list(layers)
         locs = locs.reshape(-1).to(device=self.device, dtype=torch.int64)
@@ -486,15 +430,14 @@ class LRUCacheState:
             raise ValueError(
                 f"warm_direct: request {r} holds {capacity} slots, not {num_slots}"
             )
-        end = first_position + n
-        if first_position < 0 or end > capacity:
+        if n > capacity:
             raise ValueError(
-                f"warm_direct: positions {first_position}..{end - 1} exceed the "
-                f"{capacity} slots request {r} holds"
+                f"warm_direct: positions 0..{n - 1} exceed the {capacity} slots "
+                f"request {r} holds"
             )
-        self.enter_direct(r, end)
+        self.enter_direct(r, n)
         req = self._as_index(r)[:1]
-        slot = torch.arange(first_position, end, dtype=torch.int64, device=self.device)
+        slot = torch.arange(n, dtype=torch.int64, device=self.device)
         layer_idx = torch.tensor(layers, dtype=torch.int64, device=self.device)
         self._loc_to_slot_buf[layer_idx[:, None], locs[None, :]] = slot.to(
             self.slot_dtype
@@ -520,16 +463,12 @@ class LRUCacheState:
             raise ValueError(f"grow_request: request {r} does not hold {unit} units")
         C = self.buffer_size
         lo, hi = unit * C, (unit + 1) * C
-        old = None if self.uses_clock else self._read_order(r)
+        old = self._read_order(r)
         chunk = self._take_chunk("grow_request")
         self._req_chunks[r].append(chunk)
         self._unit_index_buf[r, unit] = chunk
         self._unit_base_buf[r, unit] = base
         self._capacity_buf[r] = hi
-        if self.uses_clock:
-            # The new unit's empty slots (bits clear) are the next victims.
-            self._hand_buf[:, r] = lo
-            return
         new = self._arange_c[lo:hi].expand(self.num_layers, -1)
         self._write_order(r, torch.cat([new, old], dim=1))
 
@@ -555,24 +494,18 @@ class LRUCacheState:
                 f"shrink_request: request {r} does not hold {unit + 1} units"
             )
         lo = unit * self.buffer_size
-        kept = None
-        if not self.uses_clock:
-            order = self._read_order(r)
-            # Stable compaction: the slots below lo, in their order.
-            keep = torch.argsort((order >= lo).to(torch.int8), dim=1, stable=True)
-            kept = order.gather(1, keep)[:, :lo]
+        order = self._read_order(r)
+        # Stable compaction: the slots below lo, in their order.
+        keep = torch.argsort((order >= lo).to(torch.int8), dim=1, stable=True)
+        kept = order.gather(1, keep)[:, :lo]
         chunk = self._req_chunks[r].pop()
         self._unmap_chunks(torch.tensor([chunk], device=self.device))
         self._free_chunks.append(chunk)
         self._free_chunks.sort(reverse=True)
-        if kept is not None:
-            self._write_order(r, kept)
+        self._write_order(r, kept)
         self._unit_index_buf[r, unit] = self._sink_unit
         self._unit_base_buf[r, unit] = -1
         self._capacity_buf[r] = lo
-        if self.uses_clock:
-            hands = self._hand_buf[:, r]
-            hands.copy_(torch.where(hands >= lo, 0, hands))
 
     def warm_request(
         self,
@@ -607,11 +540,8 @@ class LRUCacheState:
         for i, layer in enumerate(layers):
             loc = locs[i : i + 1]
             lookup = loc >= 0
-            if self.uses_clock:
-                work = clock_assign_slots(self, layer, req, base, lookup, loc)
-            else:
-                work = assign_slots(self, layer, req, base, lookup, loc)
-                reorder_lru(self, work)
+            work = assign_slots(self, layer, req, base, lookup, loc)
+            reorder_lru(self, work)
             rows.append(work.row)
         return torch.cat(rows).to(torch.int32)
 
@@ -671,32 +601,14 @@ class LRUCacheState:
         req_to_token: torch.Tensor,
         num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
         out: Optional[LayerSwapPlan] = None,
-        counters: Optional[torch.Tensor] = None,
         num_query_tokens: int = 1,
         defer_reorder: bool = False,
     ) -> LayerSwapPlan:
-        """Swap one layer for a batch: page table in top-k order + copy plan.
-
-        ``num_real_reqs`` is a 1-element int32 device tensor (rows at or past it
-        are CUDA-graph padding); ``None`` means every row is real. ``out`` holds
-        preallocated buffers with at least ``bs`` rows (CUDA-graph capture);
-        the returned plan views their first ``bs`` rows. ``counters`` (3,)
-        int64 receives the hit / window / miss counts instead of the layer's
-        own (a prefetch counts apart from the demand swaps).
-
-        ``num_query_tokens = q > 1`` (at most ``max_query_tokens``): each of
-        the ``bs`` requests has ``q`` query tokens; ``topk_pos`` is
-        ``(bs * q, K)``, request-major, and ``seq_lens[b]`` counts them all
-        (query token ``j`` sits at position ``seq_lens[b] - q + j``). The plan
-        has a page-table row per query token (``(bs * q, K)``) and one copy
-        list per request (``(bs, q * K)``, each missing loc once); rows of
-        ``out`` count as above (page table: ``bs * q``). See ``docs/MTP.md``.
-
-        ``defer_reorder``: the plan is final when this returns, but the
-        recency update (``lru_order``) of a one-token swap with units waits
-        for :meth:`finish_reorder`, so a caller can put it after the miss
-        copy; until then the state refuses every other change.
-        """
+        """One layer's swap: page table in top-k order + copy plan. Rows at
+        or past ``num_real_reqs`` (device tensor) are padding; ``out``: static
+        buffers (CUDA graphs); ``q = num_query_tokens`` rows of ``topk_pos`` per
+        request (``docs/MTP.md``); ``defer_reorder``: the recency update waits
+        for :meth:`finish_reorder` (docs/ENGINE.md, "Per-layer swap semantics")."""
         q = num_query_tokens
         if not 1 <= q <= self.max_query_tokens:
             raise ValueError(
@@ -716,7 +628,6 @@ class LRUCacheState:
             req_to_token,
             num_real_reqs,
             out,
-            counters,
             q,
             defer_reorder=defer_reorder,
         )

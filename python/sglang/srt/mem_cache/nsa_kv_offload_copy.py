@@ -37,10 +37,8 @@ DEFAULT_BLOCK_ROWS = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_ALL_LAYER_BLOCK_ROWS = 8
 # At most this many programs per gather launch by default: a decode step's
-# plan is (bs, K) but holds ~K / 100 misses per row, and at batch 64 a grid of
-# one program per tile (8192, nearly all empty) made the copy ~10-35% slower
-# from a large host pool on the H200 (bench_gather_shape.py,
-# results/rank_speed/gather_shape/); batch 1-8 keep one program per tile.
+# plan is (bs, K) but holds few misses per row, and a grid of one program per
+# tile at large batches is nearly all empty programs (docs/ENGINE.md).
 DEFAULT_MAX_GATHER_PROGRAMS = 1024
 # ... with each program looping over at most this many tiles (static loop).
 MAX_GATHER_ITERS = 8
@@ -225,70 +223,6 @@ def _gather_rows_kernel(
 
 
 @triton.jit
-def _gather_rows_flat_kernel(
-    src_ptr,
-    dst_ptr,
-    src_idx_ptr,
-    dst_idx_ptr,
-    count_ptr,
-    counters_ptr,
-    bs,
-    src_idx_stride,
-    dst_idx_stride,
-    ROW_WORDS: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
-    HEAD_COLS: tl.constexpr,
-    TAIL_COLS: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    STATS: tl.constexpr,
-    COUNTER_IDX: tl.constexpr,
-):
-    # The copy lists of all batch rows as one list (row b's entries after
-    # those of rows < b), in tiles of BLOCK_ROWS entries: program pid copies
-    # tiles pid, pid + nprog, ... A tile may span batch rows.
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs_b = tl.arange(0, BLOCK_B)
-    counts = tl.load(count_ptr + offs_b, mask=offs_b < bs, other=0).to(tl.int32)
-    counts = tl.maximum(counts, 0)
-    ends = tl.cumsum(counts, axis=0)  # inclusive: row b's entries end there
-    total = tl.sum(counts, axis=0)
-
-    if STATS:
-        if pid == 0:
-            _count_rows(counters_ptr, COUNTER_IDX, total, ROW_BYTES)
-
-    num_tiles = tl.cdiv(total, BLOCK_ROWS)
-    tile = pid + total * 0  # a tensor: the loop runs in the interpreter too
-    while tile < num_tiles:
-        j = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_mask = j < total
-        # Entry j belongs to the first batch row whose entries end past it.
-        before = ends[None, :] <= j[:, None]
-        b = tl.sum(before.to(tl.int32), axis=1)
-        i = j - tl.sum(tl.where(before, counts[None, :], 0), axis=1)
-        b64 = b.to(tl.int64)
-        src_rows = tl.load(
-            src_idx_ptr + b64 * src_idx_stride + i, mask=row_mask, other=0
-        )
-        dst_rows = tl.load(
-            dst_idx_ptr + b64 * dst_idx_stride + i, mask=row_mask, other=0
-        )
-        _copy_tile(
-            src_ptr,
-            dst_ptr,
-            src_rows.to(tl.int64),
-            dst_rows.to(tl.int64),
-            row_mask,
-            ROW_WORDS,
-            HEAD_COLS,
-            TAIL_COLS,
-        )
-        tile += nprog
-
-
-@triton.jit
 def _copy_rows_all_layers_kernel(
     src_layer_ptrs,
     dst_layer_ptrs,
@@ -361,7 +295,6 @@ def gather_rows(
     num_warps: int = DEFAULT_NUM_WARPS,
     programs_per_row: Optional[int] = None,
     split_tail: bool = True,
-    flat_programs: Optional[int] = None,
 ) -> None:
     """Copy ``count[b]`` rows per batch row: ``dst[dst_idx[b, i]] = src[src_idx[b, i]]``.
 
@@ -378,10 +311,6 @@ def gather_rows(
             capped at ``DEFAULT_MAX_GATHER_PROGRAMS // bs`` programs, but no
             fewer than keep each program's loop within ``MAX_GATHER_ITERS``
             tiles. Smaller values make each program loop over more tiles.
-        flat_programs: instead, a grid of this many programs sharing the
-            tiles of all rows' copy lists as one list: the copy then holds
-            at most that many SMs while it waits on host reads, whatever the
-            batch (a forward-stream kernel beside it keeps the others).
     """
     bs, k = src_idx.shape
     assert dst_idx.shape == (bs, k), (src_idx.shape, dst_idx.shape)
@@ -404,28 +333,6 @@ def gather_rows(
     stats = counters is not None
     if stats:
         assert counters.dtype == torch.int64 and counters.numel() >= NUM_COUNTERS
-    if flat_programs is not None:
-        _gather_rows_flat_kernel[(max(1, min(flat_programs, bs * num_tiles)),)](
-            src_w,
-            dst_w,
-            src_idx,
-            dst_idx,
-            count,
-            counters if stats else count,
-            bs,
-            src_idx.stride(0),
-            dst_idx.stride(0),
-            ROW_WORDS=row_words,
-            ROW_BYTES=row_bytes,
-            HEAD_COLS=head,
-            TAIL_COLS=tail,
-            BLOCK_ROWS=block_rows,
-            BLOCK_B=triton.next_power_of_2(bs),
-            STATS=stats,
-            COUNTER_IDX=counter_idx,
-            num_warps=num_warps,
-        )
-        return
     _gather_rows_kernel[(bs, programs_per_row)](
         src_w,
         dst_w,

@@ -14,28 +14,28 @@ except ImportError:  # pragma: no cover - triton ships with every CUDA build
 
 def swap_kernel_is_interpreted() -> bool:
     # triton.jit picks the interpreter from TRITON_INTERPRET at decoration time.
-    return _HAS_TRITON and not isinstance(_swap_layer_kernel, triton.JITFunction)
+    return _HAS_TRITON and not isinstance(_swap_select_kernel, triton.JITFunction)
 
 
-# Fused swap kernel: one program per batch row (grid (bs,)), three phases.
-#   1. classify the K top-k entries (padding / window / hit via a loc_to_slot
-#      gather / miss); exclusive cumsum gives each miss its rank; hit slots are
-#      flagged in per-row scratch.
-#   2. walk lru_order (C entries): gather the hit flags, cumsum ranks the
-#      evictable slots; the first num_misses of them are the victims (their old
-#      locs leave loc_to_slot) and are written to scratch by rank; lru_order is
-#      permuted in place to [untaken evictables, victims, hits].
-#   3. each miss gathers its victim by rank, updates loc_to_slot / slot_loc and
-#      the page table; the copy list is compacted by miss rank.
-# Scatter -> gather between phases (by slot, by rank) crosses threads, so it
-# goes through global scratch with tl.debug_barrier() (bar.sync orders the
-# CTA's global memory accesses). Whole-row blocks (next pow2 of K and C) keep
-# the scans in registers: C=4096, K=2048 at 16 warps is ~116 registers, no
-# spills (ptxas, sm_90).
+# The swap of one layer, one token per request, in two launches' worth of
+# kernels (docs/ENGINE.md, "Per-layer swap semantics"):
+#   _swap_select_kernel (bs,): classify the top-k entries (padding / window /
+#     hit / miss), choose the victims by scanning lru_order from its least
+#     recent end a block at a time, write the page table in top-k order and
+#     the copy list. The attention needs nothing more.
+#   the reorder, which only lru_order and the hit flags feel, so it may run
+#   after the miss copy (TritonLRUSwap's defer_reorder), before the next swap:
+#   _swap_count_kernel (bs, U): evictable slots per unit chunk of lru_order;
+#   _swap_rank_kernel (bs, U): each chunk's new positions, to scratch; clears
+#     the chunk's hit flags for the next select;
+#   _swap_copy_order_kernel (bs, U): the new order back into lru_order.
+# A scatter followed by a gather of the same scratch in another thread
+# mapping goes through global memory with tl.debug_barrier() between them
+# (bar.sync orders the CTA's global memory accesses).
 if _HAS_TRITON:
 
-    # Steps shared by the one-token kernels (fused and split) and the
-    # multi-token ones (nsa_kv_offload_lru_multi_kernels).
+    # Steps shared by the one-token kernels and the multi-token ones
+    # (nsa_kv_offload_lru_multi_kernels).
     @triton.jit
     def _request_row(req_pool_ptr, b, sink_req):
         # The batch row's request pool index, clamped into the state (padding
@@ -49,8 +49,7 @@ if _HAS_TRITON:
         # per unit chunk) of entry idx (a slot id or an order position) of
         # request r: chunk unit_index[r, idx // C0], entry idx % C0. Callers
         # mask entries the request does not hold (idx >= its capacity).
-        # int32 offsets (LRUCacheState checks (num_units + 1) x C0 fits): an
-        # int64 vector would cost the fused kernel its registers.
+        # int32 offsets: LRUCacheState checks that (num_units + 1) x C0 fits.
         if U == 1:
             chunk = tl.load(unit_index_ptr + r)
             return chunk * C0 + idx
@@ -125,20 +124,6 @@ if _HAS_TRITON:
             num_evictable + p - ev_rank,
         )
         return new_pos, evictable & (ev_rank < num_misses)
-
-    @triton.jit
-    def _walk_lru(flags_row, order, mask_c, offs_c, num_misses):
-        # Phase 2 of a fused kernel (the whole lru_order in one block, mask_c:
-        # the held positions, whose slots are the held ones): rank the
-        # evictable slots (not hit); the first num_misses are taken.
-        hit = tl.load(flags_row + order, mask=mask_c, other=1)
-        evictable = mask_c & (hit == 0)
-        ev_i = evictable.to(tl.int32)
-        ev_rank = tl.cumsum(ev_i, axis=0) - ev_i
-        new_pos, taken = _lru_new_positions(
-            evictable, ev_rank, offs_c, num_misses, tl.sum(ev_i, axis=0)
-        )
-        return ev_rank, new_pos, taken
 
     @triton.jit
     def _evict_victims(
@@ -313,200 +298,6 @@ if _HAS_TRITON:
             "direct_ptr",
         ]
     )
-    def _swap_layer_kernel(
-        topk_ptr,
-        topk_stride,
-        req_pool_ptr,
-        seq_lens_ptr,
-        req_to_token_ptr,
-        req_to_token_stride,
-        num_real_ptr,
-        loc_to_slot_ptr,  # (N + 1,) int16 (int32: wide slot ids), this layer
-        slot_loc_ptr,  # (num_units + 1, C0) int32, this layer
-        lru_ptr,  # (num_units + 1, C0) int16 (int32: wide slot ids), this layer
-        unit_base_ptr,  # (max_reqs + 1, U) int32, unit 0 = the region
-        unit_index_ptr,  # (max_reqs + 1, U) int32: each unit's state chunk
-        capacity_ptr,  # (max_reqs + 1,) int32
-        counters_ptr,  # (3,) int64, this layer
-        page_table_ptr,
-        page_table_stride,
-        miss_src_ptr,
-        miss_src_stride,
-        miss_dst_ptr,
-        miss_dst_stride,
-        miss_count_ptr,
-        hit_flags_ptr,  # (rows, C) int8 scratch
-        victims_ptr,  # (rows, K) int32 scratch
-        sink_req,  # max_reqs: the last row of the per-request tensors
-        direct_ptr,  # (max_reqs + 1,) int8: requests in direct mode
-        K: tl.constexpr,
-        C: tl.constexpr,  # LRU slots of all units (U x C0)
-        C0: tl.constexpr,  # LRU slots of one unit
-        U: tl.constexpr,
-        W: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-        DIRECT: tl.constexpr = False,  # the state has direct_slots
-    ):
-        # One program per batch row; rows touch disjoint state (distinct
-        # requests own distinct locs and slots), so programs never race.
-        b = tl.program_id(0)
-        offs_k = tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        offs_c = tl.arange(0, BLOCK_C)
-        num_real = tl.load(num_real_ptr)
-        # Loads that are in bounds for padding rows too (stale but valid pool
-        # index, clamped anyway) go before the branch: saves a round trip.
-        r = _request_row(req_pool_ptr, b, sink_req)
-        n = tl.load(seq_lens_ptr + b).to(tl.int32)
-        base = tl.load(unit_base_ptr + r * U)
-        capacity = tl.load(capacity_ptr + r)
-        pos = tl.load(topk_ptr + b * topk_stride + offs_k, mask=mask_k, other=-1)
-        pos = pos.to(tl.int32)
-        pt_row = page_table_ptr + b * page_table_stride
-        go_direct = False
-        if DIRECT:
-            go_direct = _direct_fits(direct_ptr, r, n, capacity, b < num_real, W)
-        if go_direct:
-            _direct_row(
-                pos,
-                n,
-                offs_k,
-                mask_k,
-                r,
-                base,
-                req_to_token_ptr,
-                req_to_token_stride,
-                loc_to_slot_ptr,
-                slot_loc_ptr,
-                unit_base_ptr,
-                unit_index_ptr,
-                counters_ptr,
-                pt_row,
-                miss_src_ptr + b * miss_src_stride,
-                miss_dst_ptr + b * miss_dst_stride,
-                miss_count_ptr + b,
-                C,
-                C0,
-                U,
-                W,
-            )
-            return
-        # The order's positions the request holds (its capacity); the hit
-        # flags this swap sets and reads are at its held slot ids too. With
-        # one unit every admitted request holds all C, and a padding row's
-        # stale request points at the sink chunk: a mask the compiler drops.
-        if U == 1:
-            held = offs_c < C
-        else:
-            held = offs_c < capacity
-        order_at = _state_offset(unit_index_ptr, r, offs_c, held, C0, U)
-        order = tl.load(lru_ptr + order_at, mask=held, other=0).to(tl.int32)
-        old_loc = tl.load(
-            slot_loc_ptr + _state_offset(unit_index_ptr, r, order, held, C0, U),
-            mask=held,
-            other=-1,
-        )
-
-        if b >= num_real:
-            tl.store(pt_row + offs_k, tl.full([BLOCK_K], -1, tl.int32), mask=mask_k)
-            tl.store(miss_count_ptr + b, 0)
-            return
-
-        flags_row = hit_flags_ptr + b.to(tl.int64) * C
-        victims_row = victims_ptr + b.to(tl.int64) * K
-        tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=held)
-
-        # Phase 1: classify entries (padding / window / hit / miss).
-        in_window, lookup, loc = _classify_topk(
-            pos, n, n, mask_k, r, req_to_token_ptr, req_to_token_stride, W
-        )
-        cur = tl.load(loc_to_slot_ptr + loc, mask=lookup, other=-1).to(tl.int32)
-        hit, miss, miss_rank, num_misses = _split_lookups(lookup, cur)
-        num_hits = tl.sum(hit.to(tl.int32), axis=0)
-        # Scatter hit flags by slot: the recency pass needs them by lru position,
-        # a different thread mapping, so they go through global scratch. The
-        # barriers order the zeroing, this scatter and the gather below.
-        tl.debug_barrier()
-        tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
-        tl.debug_barrier()
-
-        # Phase 2: walk lru_order, rank evictable (not hit) slots, reorder.
-        ev_rank, new_pos, taken = _walk_lru(flags_row, order, held, offs_c, num_misses)
-        _evict_victims(
-            loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C
-        )
-        # Every thread has read lru_order (the scans above synchronize, the
-        # barrier makes it explicit) before the in-place permutation.
-        tl.debug_barrier()
-        tl.store(
-            lru_ptr + _state_offset(unit_index_ptr, r, new_pos, held, C0, U),
-            order.to(lru_ptr.dtype.element_ty),
-            mask=held,
-        )
-
-        # Phase 3: misses take their victims; page table in top-k order.
-        victim = _take_victims(
-            victims_row,
-            miss_rank,
-            miss,
-            loc,
-            loc_to_slot_ptr,
-            slot_loc_ptr,
-            unit_index_ptr,
-            r,
-            C0,
-            U,
-        )
-        slot = tl.where(hit, cur, victim)
-        slot_row, rows = _entry_rows(
-            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
-        )
-        tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(
-            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
-        )
-        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
-        tl.store(miss_count_ptr + b, num_misses)
-        _add_counters(
-            counters_ptr,
-            num_hits,
-            tl.sum(in_window.to(tl.int32), axis=0),
-            num_misses,
-        )
-
-    # Split swap for U > 1 units (C = U x C0 slots): the fused kernel walks
-    # all C slots in one program, which costs U times the one-unit swap. Here
-    # the swap is cut where the attention stops needing it:
-    #   _swap_select_kernel (bs,): phases 1 and 3 of the fused kernel, with
-    #     phase 2 cut down to choosing the victims: a scan of lru_order from
-    #     its least recent end, a block at a time, until num_misses evictable
-    #     slots are found (one block in steady state: hits are rare there).
-    #     The page table and the copy list are final when it ends.
-    #   the reorder, which only lru_order and the hit flags feel, so it may run
-    #   after the miss copy, beside the attention (TritonLRUSwap's
-    #   defer_reorder), as long as it runs before the next swap on the stream:
-    #   _swap_count_kernel (bs, U): evictable slots per chunk (a chunk = C0
-    #     positions of lru_order);
-    #   _swap_rank_kernel (bs, U): the chunk's new positions with its rank
-    #     offset, to scratch (other chunks still read theirs); clears the
-    #     chunk's hit flags, so the next select finds them zero;
-    #   _swap_copy_order_kernel (bs, U): the new order back into lru_order.
-    # Same victims, same order, same maps as the fused kernel: the first
-    # num_misses evictable slots in lru order are the victims in both.
-    @triton.jit(
-        do_not_specialize_on_alignment=[
-            "req_pool_ptr",
-            "seq_lens_ptr",
-            "num_real_ptr",
-            "loc_to_slot_ptr",
-            "unit_base_ptr",
-            "capacity_ptr",
-            "counters_ptr",
-            "miss_count_ptr",
-            "direct_ptr",
-        ]
-    )
     def _swap_select_kernel(
         topk_ptr,
         topk_stride,
@@ -616,9 +407,7 @@ if _HAS_TRITON:
         )
         tl.debug_barrier()
 
-        # Phase 3: misses take their victims; page table in top-k order (as
-        # in the fused kernel, inline: through a shared helper the fused one
-        # spills at 16 warps, kernel_resources.py).
+        # Phase 3: misses take their victims; page table in top-k order.
         victim = _take_victims(
             victims_row,
             miss_rank,

@@ -4,8 +4,8 @@ request (MTP target verify), launched by
 torch reference is ``nsa_kv_offload_lru_reference`` (``num_query_tokens``).
 
 A request's ``Q`` top-k rows are one list of ``Q x K`` entries. The swap is the
-one-token swap of ``nsa_kv_offload_lru_kernels`` with phases 1 and 3 looped
-over the query tokens:
+one-token swap of ``nsa_kv_offload_lru_kernels`` with its classify and assign
+steps looped over the query tokens:
 
 1. per query token: classify its entries; a loc that is not resident and not
    yet missed by an earlier query token of the step is this step's next miss:
@@ -42,7 +42,6 @@ if _HAS_TRITON:
         _request_row,
         _state_offset,
         _take_victims,
-        _walk_lru,
         _zero_flags_by_unit,
     )
 
@@ -207,145 +206,6 @@ if _HAS_TRITON:
         # this step's misses too).
         _add_counters(counters_ptr, num_lookups - num_misses, num_window, num_misses)
 
-    @triton.jit(
-        do_not_specialize_on_alignment=[
-            "req_pool_ptr",
-            "seq_lens_ptr",
-            "num_real_ptr",
-            "loc_to_slot_ptr",
-            "unit_base_ptr",
-            "capacity_ptr",
-            "counters_ptr",
-            "miss_count_ptr",
-        ]
-    )
-    def _swap_multi_layer_kernel(
-        topk_ptr,  # (bs * Q, K) positions, request-major
-        topk_stride,
-        req_pool_ptr,
-        seq_lens_ptr,  # (bs,) lengths with all Q query tokens
-        req_to_token_ptr,
-        req_to_token_stride,
-        num_real_ptr,
-        loc_to_slot_ptr,
-        slot_loc_ptr,
-        lru_ptr,
-        unit_base_ptr,
-        unit_index_ptr,
-        capacity_ptr,
-        counters_ptr,
-        page_table_ptr,  # (bs * Q, K)
-        page_table_stride,
-        miss_src_ptr,  # (bs, Q * K)
-        miss_src_stride,
-        miss_dst_ptr,
-        miss_dst_stride,
-        miss_count_ptr,
-        hit_flags_ptr,  # (rows, C) int8 scratch
-        victims_ptr,  # (rows, Q * K) int32 scratch
-        sink_req,
-        K: tl.constexpr,
-        Q: tl.constexpr,
-        C: tl.constexpr,
-        C0: tl.constexpr,
-        U: tl.constexpr,
-        W: tl.constexpr,
-        WR: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        BLOCK_C: tl.constexpr,
-    ):
-        # One program per request, as _swap_layer_kernel.
-        b = tl.program_id(0)
-        if b >= tl.load(num_real_ptr):
-            _padding_rows(
-                page_table_ptr, page_table_stride, miss_count_ptr, b, K, Q, BLOCK_K
-            )
-            return
-        r = _request_row(req_pool_ptr, b, sink_req)
-        n = tl.load(seq_lens_ptr + b).to(tl.int32)
-        base = tl.load(unit_base_ptr + r * U)
-        capacity = tl.load(capacity_ptr + r)
-        offs_c = tl.arange(0, BLOCK_C)
-        mask_c = offs_c < C
-        flags_row = hit_flags_ptr + b.to(tl.int64) * C
-        victims_row = victims_ptr + b.to(tl.int64) * (Q * K)
-        tl.store(flags_row + offs_c, tl.zeros([BLOCK_C], tl.int8), mask=mask_c)
-        tl.debug_barrier()
-
-        num_misses, num_lookups, num_window = _mark_query_misses(
-            topk_ptr,
-            topk_stride,
-            b,
-            r,
-            n,
-            req_to_token_ptr,
-            req_to_token_stride,
-            loc_to_slot_ptr,
-            flags_row,
-            K,
-            Q,
-            WR,
-            BLOCK_K,
-        )
-
-        # Phase 2 as in _swap_layer_kernel, on the held positions.
-        if U == 1:
-            held = mask_c
-        else:
-            held = offs_c < capacity
-        order_at = _state_offset(unit_index_ptr, r, offs_c, held, C0, U)
-        order = tl.load(lru_ptr + order_at, mask=held, other=0).to(tl.int32)
-        ev_rank, new_pos, taken = _walk_lru(flags_row, order, held, offs_c, num_misses)
-        # Loaded for the victims only (fewer live registers across the scan).
-        old_loc = tl.load(
-            slot_loc_ptr + _state_offset(unit_index_ptr, r, order, taken, C0, U),
-            mask=taken,
-            other=-1,
-        )
-        _evict_victims(
-            loc_to_slot_ptr, old_loc, taken, victims_row, ev_rank, order, BLOCK_C
-        )
-        tl.debug_barrier()
-        tl.store(
-            lru_ptr + _state_offset(unit_index_ptr, r, new_pos, held, C0, U),
-            order.to(lru_ptr.dtype.element_ty),
-            mask=held,
-        )
-
-        _assign_query_rows(
-            topk_ptr,
-            topk_stride,
-            b,
-            r,
-            n,
-            base,
-            req_to_token_ptr,
-            req_to_token_stride,
-            loc_to_slot_ptr,
-            slot_loc_ptr,
-            unit_base_ptr,
-            unit_index_ptr,
-            page_table_ptr,
-            page_table_stride,
-            miss_src_ptr + b * miss_src_stride,
-            miss_dst_ptr + b * miss_dst_stride,
-            victims_row,
-            K,
-            Q,
-            C,
-            C0,
-            U,
-            W,
-            WR,
-            BLOCK_K,
-        )
-        tl.store(miss_count_ptr + b, num_misses)
-        _add_multi_counters(counters_ptr, num_misses, num_lookups, num_window)
-
-    # With units the swap runs split by unit (see nsa_kv_offload_lru_kernels):
-    # _swap_multi_classify_kernel (phase 1), the one-token _swap_count_kernel
-    # and _swap_rank_kernel (phase 2, victims row of Q x K), then
-    # _swap_multi_assign_kernel (phase 3).
     @triton.jit(
         do_not_specialize_on_alignment=[
             "req_pool_ptr",

@@ -84,7 +84,6 @@ class ReferenceLRUSwap:
         req_to_token: torch.Tensor,
         num_real_reqs: Optional[Union[torch.Tensor, int]],
         out: Optional[LayerSwapPlan],
-        counters: Optional[torch.Tensor],
         num_query_tokens: int = 1,
         defer_reorder: bool = False,
     ) -> LayerSwapPlan:
@@ -102,9 +101,7 @@ class ReferenceLRUSwap:
         page_table = build_gpu_page_table(
             state, work, out=None if out is None else out.page_table
         )
-        return post_process_layer_swap(
-            state, work, page_table, out=out, counters=counters
-        )
+        return post_process_layer_swap(state, work, page_table, out=out)
 
     def check_settled(self, what: str) -> None:
         pass
@@ -162,15 +159,6 @@ def prepare_layer_swap(
     tok_req = torch.where(real, req_in, 0)[:, None]
     loc = req_to_token[tok_req, torch.where(lookup, pos, 0)].long()
     loc = torch.where(lookup, loc, -1)
-    if state.uses_clock:
-        # The CLOCK module builds on this one (no direct slots, one token).
-        from sglang.srt.mem_cache.nsa_kv_offload_clock import clock_assign_slots
-
-        work = clock_assign_slots(
-            state, layer, req, base, lookup, loc, real, pos, in_window
-        )
-        work.num_query_tokens = q
-        return work
     fits = None
     if state.direct_slots:
         fits = direct_rows(state, req, real, n[:, 0], W)
@@ -271,7 +259,6 @@ def post_process_layer_swap(
     work: LayerSwapWork,
     page_table: torch.Tensor,
     out: Optional[LayerSwapPlan] = None,
-    counters: Optional[torch.Tensor] = None,
 ) -> LayerSwapPlan:
     """Compact the misses into the copy list and apply the recency rule."""
     bs, k = work.miss.shape
@@ -281,15 +268,12 @@ def post_process_layer_swap(
     dst = torch.zeros((bs, k + 1), dtype=torch.int64, device=state.device)
     dst.scatter_(1, sink, work.row)
     count = work.num_misses.to(torch.int32)
-    if not state.uses_clock:  # CLOCK keeps no order (its swap set the bits)
-        reorder_lru(state, work)
+    reorder_lru(state, work)
     # LRU hits: looked-up entries served without a copy of their own (with
     # several query tokens, repeats of this step's misses count as hits).
     hits = work.hit.sum() + (work.miss & ~work.first_miss).sum()
     stats = torch.stack([hits, work.in_window.sum(), work.first_miss.sum()])
-    if counters is None:
-        counters = state.counters[work.layer]
-    counters += stats.to(torch.int64)
+    state.counters[work.layer] += stats.to(torch.int64)
     plan = LayerSwapPlan(page_table, src[:, :k], dst[:, :k].to(torch.int32), count)
     if out is None:
         return plan

@@ -1,42 +1,30 @@
-"""Extra LRU units of the decode NSA KV offload: who lends them.
+"""LRU units of the decode NSA KV offload: who holds which GPU rows.
 
-With ``--nsa-kv-offload-max-units U > 1`` a running request may hold up to
-``U`` LRU units of ``C`` rows (``docs/ELASTIC_BUFFER.md``). The
-``SparseCacheController`` borrows them from unit sources, in the order they
-were added: free decode regions first (:class:`RegionUnitSource`), then the
-indexer-key memory of free token locs (:class:`IdleLocUnitLender`, with the
-locs' arena), then idle prefill staging pages (:class:`StagingUnitLender`;
-both added by the coordinator), and gives them back when an admission, a loc
-allocation or a prefill needs the rows.
-
-Every source implements :class:`NSAKVOffloadUnitSource` and is known to the
-controller by its name (``REGION_UNIT_SOURCE``, ``STAGING_UNIT_SOURCE``,
-``IDLE_LOC_UNIT_SOURCE``).
+A request admitted for decode holds its region (unit 0: ``C`` LRU rows and its
+``W``-row window ring) and, while GPU memory idles, extra units of ``C`` rows
+lent by named sources: free decode regions (:class:`RegionAllocator`), the
+indexer-key bytes of free token locs (:class:`IdleLocUnitLender`) and idle
+prefill staging pages (:class:`StagingUnitLender`). :class:`UnitLedger` keeps
+that bookkeeping on the host and decides who grows, who moves a unit to whom
+and whose unit a lender takes back; ``SparseCacheController`` carries the
+decisions out on the LRU state and the GPU (``docs/ELASTIC_BUFFER.md``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Protocol
+import heapq
+from typing import Dict, List, Optional, Protocol, Tuple
 
 import torch
 
-if TYPE_CHECKING:
-    from sglang.srt.mem_cache.nsa_kv_offload_pool import (
-        NSAKVOffloadTokenToKVPoolAllocator,
-        StagingRowAllocator,
-    )
-    from sglang.srt.mem_cache.sparse_cache_controller import RegionAllocator
-
-
-REGION_UNIT_SOURCE = "regions"  # free decode regions (always there)
-STAGING_UNIT_SOURCE = "staging"  # idle prefill staging pages (coordinator)
+REGION_UNIT_SOURCE = "regions"  # free decode regions
 IDLE_LOC_UNIT_SOURCE = "idle_locs"  # indexer keys of free locs (the arena)
+STAGING_UNIT_SOURCE = "staging"  # idle prefill staging pages
 
 
 def units_for_context(seq_len: int, buffer_size: int, recent_window: int) -> int:
-    """LRU units of ``buffer_size`` slots that hold every position of a
-    ``seq_len`` context below its recent window (what direct slots need; at
-    least one)."""
+    """Units of ``buffer_size`` slots holding every position of a ``seq_len``
+    context below its recent window (at least one)."""
     return max(1, -(-max(seq_len - recent_window, 0) // buffer_size))
 
 
@@ -50,8 +38,21 @@ def staging_unit_capacity(num_pages: int, page_size: int, unit_rows: int) -> int
     return num_pages // unit_pages(unit_rows, page_size)
 
 
-class NSAKVOffloadUnitSource(Protocol):
-    """A lender of extra LRU units (``buffer_size`` rows each)."""
+def idle_loc_unit_pages(unit_rows: int, row_bytes: int, index_page_bytes: int) -> int:
+    """Loc pages whose indexer-key bytes hold ``unit_rows`` whole KV rows
+    wherever the run starts (its first row may start one row after its first
+    byte)."""
+    return -(-(unit_rows + 1) * row_bytes // index_page_bytes)
+
+
+def idle_loc_reserve_pages(num_regions: int) -> int:
+    """Free loc pages the idle-loc lender leaves: two decode pages per request
+    slot (the overlap scheduler allocates one step ahead)."""
+    return 2 * num_regions
+
+
+class UnitSource(Protocol):
+    """A lender of LRU units (``buffer_size`` rows each)."""
 
     def available(self) -> bool:
         """Whether :meth:`take` may find a unit (host only, cheap)."""
@@ -63,50 +64,67 @@ class NSAKVOffloadUnitSource(Protocol):
         """Take back the unit starting at row ``base``."""
 
 
-class RegionUnitSource:
-    """Free regions, lent as extra LRU units (the first unit source)."""
+class RegionAllocator:
+    """Free list of ``num_regions`` contiguous regions of ``region_rows`` GPU
+    rows from ``start_row``; the lowest free region goes first. As a unit
+    source it lends whole free regions."""
 
-    def __init__(self, regions: RegionAllocator):
-        self.regions = regions
+    def __init__(self, start_row: int, region_rows: int, num_regions: int):
+        if start_row < 0 or region_rows <= 0 or num_regions < 0:
+            raise ValueError(
+                f"bad regions: start_row={start_row} region_rows={region_rows} "
+                f"num_regions={num_regions}"
+            )
+        self.start_row = start_row
+        self.region_rows = region_rows
+        self.num_regions = num_regions
+        self.clear()
 
-    def available(self) -> bool:
-        return self.regions.available_size() > 0
+    def clear(self) -> None:
+        self._free: List[int] = list(range(self.num_regions))
+        self._used = set()
 
-    def take(self) -> Optional[int]:
-        return self.regions.alloc_contiguous()
+    @property
+    def end_row(self) -> int:
+        return self.start_row + self.num_regions * self.region_rows
 
-    def give(self, base: int) -> None:
-        self.regions.free(base)
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc_contiguous(self) -> Optional[int]:
+        """First row of a free region, or None when every region is taken."""
+        if not self._free:
+            return None
+        region = heapq.heappop(self._free)
+        self._used.add(region)
+        return self.start_row + region * self.region_rows
+
+    def free(self, base_row: int) -> None:
+        region, rem = divmod(base_row - self.start_row, self.region_rows)
+        if rem != 0 or region not in self._used:
+            raise ValueError(f"row {base_row} is not the base of an allocated region")
+        self._used.remove(region)
+        heapq.heappush(self._free, region)
+
+    available = available_size
+    take = alloc_contiguous
+    give = free
 
 
 class _PageRunLender:
     """Lends runs of ``pages_per_unit`` free pages as units, the highest run
-    first, keeping ``reserve_pages`` free. Subclasses say where the free
-    list is and which row a run starts."""
+    first, keeping ``reserve_pages`` free. Subclasses say where the free list
+    is and which row a run starts."""
 
     def __init__(self, pages_per_unit: int, reserve_pages: int, device):
         self.pages_per_unit = pages_per_unit
         self.reserve_pages = reserve_pages
         self.device = device
-        # Free page count at which the last search found no run: no new
-        # search (a host read of the free list) until the count changes.
+        # Free page count at which the last search found no run: no new search
+        # (a host read of the free list) until the count changes.
         self._no_run_at = None
 
-    def _free_page_count(self) -> int:
-        raise NotImplementedError
-
-    def _free_pages(self) -> List[int]:
-        raise NotImplementedError
-
-    def _set_free_pages(self, pages: List[int]) -> None:
-        raise NotImplementedError
-
-    def _lend_run(self, first_page: int) -> int:
-        """Record the run from ``first_page`` as lent; its unit's first row."""
-        raise NotImplementedError
-
     def run_pages(self, first_page: int) -> torch.Tensor:
-        """The pages of the run from ``first_page``."""
         return torch.arange(
             first_page,
             first_page + self.pages_per_unit,
@@ -121,8 +139,8 @@ class _PageRunLender:
         return free - self.reserve_pages >= self.pages_per_unit
 
     def take(self) -> Optional[int]:
-        """First row of a unit in the highest run of free pages, or None.
-        Reads the free list on the host: only called while rebalancing."""
+        """First row of a unit in the highest run of free pages, or None (reads
+        the free list on the host: only while rebalancing)."""
         if not self.available():
             return None
         n = self.pages_per_unit
@@ -136,12 +154,10 @@ class _PageRunLender:
 
 
 class StagingUnitLender(_PageRunLender):
-    """Lends runs of idle prefill staging pages as extra LRU units
-    (``SparseCacheController.add_unit_source``), keeping ``reserve_pages``
-    free for the next prefills; the allocator takes units back when a
-    prefill needs their pages."""
+    """Idle prefill staging pages lent as units, ``reserve_pages`` kept free
+    for the next prefills; a prefill short of pages takes units back."""
 
-    def __init__(self, staging: StagingRowAllocator, unit_rows: int, reserve_pages):
+    def __init__(self, staging, unit_rows: int, reserve_pages: int):
         super().__init__(
             unit_pages(unit_rows, staging.page_size), reserve_pages, staging.device
         )
@@ -166,38 +182,15 @@ class StagingUnitLender(_PageRunLender):
         self.staging.free(self.run_pages(first))
 
 
-def idle_loc_unit_pages(unit_rows: int, row_bytes: int, index_page_bytes: int) -> int:
-    """Loc pages whose indexer-key bytes hold ``unit_rows`` whole KV rows
-    wherever the run starts (a run's first row may start up to one row after
-    its first byte)."""
-    return -(-(unit_rows + 1) * row_bytes // index_page_bytes)
-
-
-def idle_loc_reserve_pages(num_regions: int) -> int:
-    """Free loc pages the idle-loc lender leaves: two decode pages per
-    request slot (the overlap scheduler allocates one step ahead)."""
-    return 2 * num_regions
-
-
 class IdleLocUnitLender(_PageRunLender):
-    """Lends the indexer-key memory of free token-loc pages as extra LRU units.
+    """The indexer-key bytes of free token-loc pages lent as units: with the
+    arena a run of free loc pages is also a run of KV rows
+    (``NSAKVOffloadTokenToKVPool.rows_of_pages``). A lent run leaves the
+    allocator's free list but counts as free; an allocation that needs it
+    takes its unit back. ``reserve_pages`` stay free for the next decode
+    steps; the allocator hands out low pages first, so high runs are lent."""
 
-    With the arena (``NSAKVOffloadPoolSizes.idle_loc_units``) each layer's KV
-    rows and indexer-key pages share one buffer, so the bytes of a run of free
-    loc pages are also KV rows (``NSAKVOffloadTokenToKVPool.rows_of_pages``).
-    A lent run leaves the allocator's free list; the allocator counts it as
-    free for the scheduler and takes units back when an allocation needs the
-    pages (``NSAKVOffloadTokenToKVPoolAllocator``). ``reserve_pages`` stay free
-    for the next decode steps' pages, so that a step rarely waits for a
-    take-back. The allocator hands out low pages first, so the highest runs
-    stay free longest."""
-
-    def __init__(
-        self,
-        allocator: NSAKVOffloadTokenToKVPoolAllocator,
-        unit_rows: int,
-        reserve_pages: int,
-    ):
+    def __init__(self, allocator, unit_rows: int, reserve_pages: int):
         pool = allocator.get_kvcache()
         super().__init__(
             idle_loc_unit_pages(unit_rows, pool.kv_row_bytes, pool.index_page_bytes),
@@ -236,3 +229,156 @@ class IdleLocUnitLender(_PageRunLender):
     def give(self, base: int) -> None:
         first = self._lent.pop(base)
         self.allocator.return_pages(self.run_pages(first))
+
+
+Unit = Tuple[int, str]  # (first GPU row, name of its source)
+
+
+class UnitLedger:
+    """Host bookkeeping of the units every admitted request holds, and the
+    decisions on them: who grows (fewest units first), what moves to even
+    them out, whose unit goes back to a lender. It changes no GPU state: the
+    controller carries each decision out on the LRU state first."""
+
+    def __init__(self, regions: RegionAllocator, max_units: int):
+        self.regions = regions
+        self.max_units = max_units
+        # Lenders by name, asked in this order: free regions first.
+        self.sources: Dict[str, UnitSource] = {REGION_UNIT_SOURCE: regions}
+        self._base: Dict[int, int] = {}  # request -> its region's first row
+        self._units: Dict[int, List[Unit]] = {}  # extra units, oldest first
+        # Most units a request is lent: what its longest context needs.
+        self._cap: Dict[int, int] = {}
+
+    def add_source(self, name: str, source: UnitSource) -> None:
+        if name in self.sources:
+            raise ValueError(f"unit source {name!r} is already added")
+        self.sources[name] = source
+
+    # ------------------------------------------------------------- requests
+
+    def requests(self) -> List[int]:
+        return list(self._base)
+
+    def is_admitted(self, r: int) -> bool:
+        return r in self._base
+
+    def base(self, r: int) -> Optional[int]:
+        return self._base.get(r)
+
+    def units(self, r: int) -> List[Unit]:
+        """Request ``r``'s extra units, oldest first (a live list)."""
+        return self._units[r]
+
+    def num_units(self, r: int) -> int:
+        """Units request ``r`` holds, its region included (0: not admitted)."""
+        return 1 + len(self._units[r]) if r in self._base else 0
+
+    def admit(self, r: int, base: int, cap: int) -> None:
+        if r in self._base:
+            raise ValueError(f"request {r} is already admitted")
+        self._base[r], self._units[r], self._cap[r] = base, [], cap
+
+    def release(self, r: int) -> None:
+        """Forget request ``r``; its region and extra units go back."""
+        self.regions.free(self._base.pop(r))
+        del self._cap[r]
+        for base, source in self._units.pop(r):
+            self.sources[source].give(base)
+
+    def lent_by(self, source: str) -> int:
+        """Extra units running requests hold from ``source``."""
+        return sum(src == source for u in self._units.values() for _, src in u)
+
+    def admission_room(self) -> int:
+        """Requests that can be admitted now: free regions plus the regions
+        held as extra units (an admission takes one back)."""
+        return self.regions.available_size() + self.lent_by(REGION_UNIT_SOURCE)
+
+    # ------------------------------------------------------------ decisions
+
+    def _wanting(self) -> List[Tuple[int, int]]:
+        # (units held, request) of the requests below their cap.
+        return [
+            (len(u) + 1, r) for r, u in self._units.items() if len(u) + 1 < self._cap[r]
+        ]
+
+    def grow_candidate(self) -> Optional[int]:
+        """The request with the fewest units below its cap (lowest index first),
+        if some source can lend a unit."""
+        if self.max_units == 1 or not any(s.available() for s in self.sources.values()):
+            return None
+        wanting = self._wanting()
+        return min(wanting)[1] if wanting else None
+
+    def lend(self) -> Optional[Unit]:
+        """A unit from the first source that lends one, or None."""
+        for name, source in self.sources.items():
+            base = source.take() if source.available() else None
+            if base is not None:
+                return base, name
+        return None
+
+    def level_move(self) -> Optional[Tuple[int, int]]:
+        """(donor, recipient): a request with two or more extra units more than
+        the poorest request below its cap, and that one; else None. Misses grow
+        fast as a request's rows shrink, so an even split misses least."""
+        wanting = self._wanting() if len(self._units) > 1 else []
+        if self.max_units == 1 or not wanting:
+            return None
+        held, recipient = min(wanting)
+        donors = [(len(u), r) for r, u in self._units.items() if len(u) > held]
+        return (max(donors)[1], recipient) if donors else None
+
+    def reclaim_choice(self, source: str) -> Optional[Tuple[int, int]]:
+        """(request, k): the newest unit ``k`` (index into its extra units) of
+        ``source`` held by the request holding the most units (highest index
+        first); None when no request holds one."""
+        donors = [
+            (len(u), r)
+            for r, u in self._units.items()
+            if any(s == source for _, s in u)
+        ]
+        if not donors:
+            return None
+        r = max(donors)[1]
+        units = self._units[r]
+        return r, max(i for i, (_, s) in enumerate(units) if s == source)
+
+    # -------------------------------------------------------------- changes
+
+    def add(self, r: int, unit: Unit) -> int:
+        """Give request ``r`` ``unit``; returns the units it holds now."""
+        self._units[r].append(unit)
+        return len(self._units[r]) + 1
+
+    def pop_last(self, r: int) -> Unit:
+        """Take request ``r``'s newest extra unit off its list."""
+        return self._units[r].pop()
+
+    def swap_with_last(self, r: int, k: int) -> None:
+        """Extra unit ``k`` of request ``r`` and its newest trade places (its
+        rows were copied into the newest's: the newest then goes back)."""
+        units = self._units[r]
+        units[k], units[-1] = units[-1], units[k]
+
+    # ---------------------------------------------------------------- stats
+
+    def spread(self) -> Tuple[int, int]:
+        """Units of the poorest and the richest admitted request (0, 0: none)."""
+        held = [self.num_units(r) for r in self._units]
+        return min(held, default=0), max(held, default=0)
+
+    def idle_leaks(self) -> List[str]:
+        """What is still held although no request should be left."""
+        leaks = []
+        if self._base:
+            held = sorted(self._base)
+            leaks.append(f"{len(held)} request(s) still admitted (req pool {held[:8]})")
+        free = self.regions.available_size()
+        if free != self.regions.num_regions:
+            leaks.append(f"decode regions free: {free} of {self.regions.num_regions}")
+        for name in self.sources:
+            if self.lent_by(name):
+                leaks.append(f"{self.lent_by(name)} unit(s) still lent by {name}")
+        return leaks

@@ -1,10 +1,10 @@
-"""Prometheus metrics of the decode NSA KV offload (``--enable-metrics``).
+"""Prometheus metrics and the decode log line of the decode NSA KV offload.
 
-The scheduler hands the offload its metric labels; the offload then feeds
-these collectors where it reads its device counters for the decode log line
-(one host sync per log interval, none on the decode path), and once more
-when the scheduler goes idle. Counters accumulate what each interval moved;
-gauges hold the state at the last log or idle check.
+The scheduler hands the offload its metric labels (``--enable-metrics``); the
+offload feeds these collectors where it reads its device counters for the
+decode log line (one host sync per log interval, none on the decode path) and
+once more when the scheduler goes idle. Counters accumulate what each interval
+moved; gauges hold the state at the last log or idle check.
 """
 
 from typing import Dict, Optional
@@ -21,12 +21,6 @@ _COUNTERS = (
         "Top-k lookups found in the recent-window rows.",
     ),
     ("misses", "misses_total", "misses", "Top-k lookups copied from host memory."),
-    (
-        "prefetched_rows",
-        "prefetched_rows_total",
-        "prefetched",
-        "Rows the cross-layer prefetch loaded ahead of their layer.",
-    ),
     (
         "units_moved",
         "units_moved_total",
@@ -61,6 +55,18 @@ _COUNTERS = (
         "or prefill staging).",
     ),
     ("h2d_bytes", "h2d_bytes_total", "h2d_bytes", "Bytes copied host to device."),
+    (
+        "verify_checked_rows",
+        "verify_checked_rows_total",
+        "verify_checked_rows",
+        "KV rows read by attention that the verify mode compared with the full pool.",
+    ),
+    (
+        "verify_mismatches",
+        "verify_mismatches_total",
+        "verify_mismatches",
+        "Of those, rows that differed (or were skipped or read by mistake).",
+    ),
     ("d2h_bytes", "d2h_bytes_total", "d2h_bytes", "Bytes copied device to host."),
 )
 _GAUGES = (
@@ -158,3 +164,41 @@ class NSAKVOffloadMetricsCollector:
         for attr, _, key, _ in _GAUGES:
             if key in stats:
                 getattr(self, attr).labels(**self.labels).set(stats[key])
+
+
+def decode_log_suffix(stats: Dict[str, float], interval_s: float) -> str:
+    """``, nsa-offload hit rate: ...`` for the scheduler's decode log line, from
+    one interval's stats (``NSAKVOffloadCoordinator.get_stats``)."""
+    lookups = stats["lru_hits"] + stats["window_hits"] + stats["misses"]
+    hit_rate = (lookups - stats["misses"]) / max(lookups, 1)
+    parts = [
+        f"nsa-offload hit rate: {hit_rate:.3f}",
+        f"misses: {stats['misses']}",
+        f"H2D: {stats['h2d_bytes'] / max(interval_s, 1e-9) / 1e9:.2f} GB/s",
+        f"regions: {stats['regions_used']}/{stats['regions_total']}",
+    ]
+    if stats["max_units"] > 1:
+        parts.append(
+            f"extra units: {stats['extra_units']} ({stats['extra_units_lent']} of "
+            f"staging, {stats['units_moved']} moved, "
+            f"{stats['idle_loc_units_lent']} of idle locs)"
+        )
+        parts.append(
+            f"units per request: {stats['fewest_units']}-{stats['most_units']}"
+        )
+        if stats["units_reclaimed"]:
+            parts.append(
+                f"units reclaimed: {stats['units_reclaimed']} "
+                f"({stats['units_kept']} kept by a copy)"
+            )
+    parts.append(f"direct: {stats['direct_requests']}")
+    if stats["warmed_requests"]:
+        parts.append(
+            f"warmed: {stats['warmed_requests']} ({stats['warmed_bytes'] / 1e9:.2f} GB)"
+        )
+    if "verify_checked_total" in stats:
+        parts.append(
+            f"verify: {stats['verify_checked_total']} rows checked, "
+            f"{stats['verify_mismatches_total']} mismatches"
+        )
+    return ", " + ", ".join(parts)

@@ -18,7 +18,7 @@ import sys
 
 import torch
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
-from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     compute_offload_pool_sizes,
     lru_slot_id_bytes,
     offload_bytes_per_region,

@@ -16,7 +16,7 @@ Two obstacles (see "CPU test environment" in the design notes):
   fallbacks behave as on a machine without the kernels.
 
 Product code must never rely on these shims: they are installed by
-``test/srt/conftest.py`` only.
+``test/conftest.py`` only.
 """
 
 from __future__ import annotations

@@ -24,8 +24,10 @@ from pathlib import Path
 import pytest
 
 TEST_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TEST_DIR.parents[1]
+REPO_ROOT = TEST_DIR.parent
 REPO_PYTHON_DIR = REPO_ROOT / "python"
+# Shared helpers, the checkers and the product tests import each other by name.
+IMPORT_DIRS = [TEST_DIR / d for d in ("helpers", "checkers", "srt")]
 
 
 def _drop_repo_python_dir() -> None:
@@ -39,15 +41,16 @@ def _drop_repo_python_dir() -> None:
 
 
 _drop_repo_python_dir()
-if str(TEST_DIR) not in sys.path:
-    sys.path.insert(0, str(TEST_DIR))
+for _dir in IMPORT_DIRS:
+    if str(_dir) not in sys.path:
+        sys.path.insert(0, str(_dir))
 
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise pytest.UsageError(
-            "triton was imported before test/srt/conftest.py could set "
+            "triton was imported before test/conftest.py could set "
             "TRITON_INTERPRET=1; set it in the environment"
         )
     os.environ.setdefault("TRITON_INTERPRET", "1")

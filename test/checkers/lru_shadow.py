@@ -29,7 +29,6 @@ STATE_BUFFERS = (
     "_unit_index_buf",
     "_capacity_buf",
     "_direct_buf",
-    "_hand_buf",
     "counters",
 )
 
@@ -49,7 +48,6 @@ class ShadowReference:
         for name in STATE_BUFFERS:
             setattr(shadow, name, getattr(s, name).clone())
         shadow._region_base_buf = shadow._unit_base_buf[:, 0]
-        shadow._ref_buf = shadow._lru_buf  # CLOCK's bits
         shadow._layer_views = None  # the reference reads the buffers
         shadow.swap_backend = ReferenceLRUSwap()
         return shadow
@@ -114,10 +112,6 @@ class ShadowReference:
             shadow._slot_loc_buf[layer, :sink],
         )
         out += self._diff("direct", s._direct_buf[:-1], shadow._direct_buf[:-1])
-        if s.uses_clock:
-            out += self._diff(
-                "hand", s._hand_buf[layer, :-1], shadow._hand_buf[layer, :-1]
-            )
         if out:
             raise AssertionError(where + ":\n  " + "\n  ".join(out))
 
@@ -153,9 +147,9 @@ def shadow_reference(state: LRUCacheState):
     def swap_layer(*args, defer_reorder=False):
         # LRUCacheState.swap_layer's call: (state, layer, topk_pos,
         # req_pool_indices, seq_lens, req_to_token, num_real_reqs, out,
-        # counters, num_query_tokens).
+        # num_query_tokens).
         st, layer, topk_pos, req_pool_indices, seq_lens, req_to_token = args[:6]
-        if len(args) > 9 and args[9] != 1:
+        if len(args) > 8 and args[8] != 1:
             raise NotImplementedError("the shadow compares one-token swaps")
         shadow = shadow_ref.copy_state()
         bs = req_pool_indices.shape[0]
@@ -170,7 +164,7 @@ def shadow_reference(state: LRUCacheState):
         where = shadow_ref._describe(layer, inputs)
         plan = orig_swap(*args, defer_reorder=True)
         ref_plan = shadow.swap_backend.swap_layer(
-            shadow, layer, *inputs[:3], req_to_token, num_real, None, None
+            shadow, layer, *inputs[:3], req_to_token, num_real, None
         )
         shadow_ref.after_swap(layer, shadow, inputs, plan, ref_plan, where)
         shadow_ref._pending = (shadow, layer, where)

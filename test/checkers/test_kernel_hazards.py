@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from lru_shadow import shadow_reference
-from nsa_kv_offload_verify_sim import VerifyConfig, run_verify_sim
+from mtp_verify_sim import VerifyConfig, run_verify_sim
 from sglang.srt.mem_cache import lru_cache_state as lru_mod
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from test_lru_cache_state import SimConfig, new_state, run_sim, swap_request_0

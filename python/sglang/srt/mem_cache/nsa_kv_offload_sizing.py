@@ -1,0 +1,475 @@
+"""GPU memory sizing of the decode NSA KV offload.
+
+With the offload on, ModelRunner's pool sizing goes through
+:class:`NSAKVOffloadPoolConfigurator`: the KV budget sglang's own pool would
+take is split between fixed costs (prefill staging rows, one decode region of
+``C + W`` rows per request slot, the swap's scratch) and logical token locs
+(indexer keys, the LRU map), capped by the host pool; what capped locs leave
+becomes spare regions lent as units (docs/ELASTIC_BUFFER.md).
+``max_total_num_tokens`` is then the number of locs and ``max_running_requests``
+the number of decode regions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from sglang.srt.mem_cache.lru_cache_state import lru_slot_dtype
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+from sglang.srt.mem_cache.nsa_kv_offload_units import staging_unit_capacity
+from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+
+logger = logging.getLogger(__name__)
+
+# KV layers of the MTP draft worker (DeepSeek-V3.2's one NextN layer).
+NSA_KV_OFFLOAD_DRAFT_LAYERS = 1
+# Default decode regions when --max-running-requests is not set: at most this
+# share of the KV budget goes to regions, and at most this many regions.
+_DEFAULT_REGION_BUDGET_FRACTION = 0.4
+_DEFAULT_MAX_REGIONS = 256
+
+
+def nsa_indexer_bytes(index_head_dim: int) -> int:
+    """Bytes of one token's indexer key in a layer, as ``NSATokenToKVPool``
+    stores them: fp8 keys, then an fp32 scale per quantization block."""
+    return index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
+
+
+@dataclass
+class NSAKVOffloadPoolSizes:
+    """How the offload splits the GPU KV budget (all counts per rank)."""
+
+    num_locs: int  # logical token locs = host slots
+    num_regions: int  # decode regions = request slots
+    region_rows: int  # R = C + W
+    staging_rows: int
+    page_size: int
+    host_capacity_locs: int
+    # Regions beyond the request slots, only ever lent as extra units: GPU
+    # memory the host pool left without locs to hold (spare_region_count).
+    num_spare_regions: int = 0
+    # Units of LRU state for units lent from the indexer keys of free locs
+    # (IdleLocUnitLender); > 0 puts KV rows and keys in one arena per layer.
+    idle_loc_units: int = 0
+
+    @property
+    def total_regions(self) -> int:
+        """Regions the controller manages: request slots plus spare ones."""
+        return self.num_regions + self.num_spare_regions
+
+    @property
+    def kv_pool_size(self) -> int:
+        """``size`` of the KV pool: rows after the leading padding page."""
+        return _round_up(
+            self.staging_rows + self.total_regions * self.region_rows, self.page_size
+        )
+
+    @property
+    def staging_start_row(self) -> int:
+        return self.page_size
+
+    @property
+    def region_start_row(self) -> int:
+        return self.page_size + self.staging_rows
+
+    def requests_that_fit(self, tokens: int) -> int:
+        """Requests of ``tokens`` tokens (prompt + output) held at once: each
+        needs a decode region and its token locs (whole pages)."""
+        return min(self.num_regions, self.num_locs // _round_up(tokens, self.page_size))
+
+    def describe_capacity(self, context_len: int) -> str:
+        """``16K x 254, 32K x 177, ..., 131584 x 62`` (the last: the context
+        length), for the startup log: what ``--max-running-requests`` traded
+        decode regions for."""
+        held = [
+            f"{n // 1024}K x {self.requests_that_fit(n)}"
+            for n in (16384, 32768, 65536, 131072)
+            if n < context_len
+        ]
+        held.append(f"{context_len} x {self.requests_that_fit(context_len)}")
+        return ", ".join(held)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def lru_slot_id_bytes(buffer_size: int, max_units: int) -> int:
+    """Bytes of one LRU slot id (``lru_slot_dtype``)."""
+    return lru_slot_dtype(buffer_size * max_units).itemsize
+
+
+def offload_bytes_per_loc(
+    num_layers: int, indexer_bytes: int, slot_id_bytes: int = 2
+) -> int:
+    """GPU bytes per logical token loc: indexer keys, the LRU residency map
+    (a slot id per layer: ``lru_slot_id_bytes``) and ``loc_to_row`` (int64)."""
+    return num_layers * (indexer_bytes + slot_id_bytes) + 8
+
+
+def lru_unit_state_bytes(num_layers: int, buffer_size: int, max_units: int) -> int:
+    """GPU bytes of the LRU state of one unit (``LRUCacheState`` holds it per
+    unit): ``slot_loc`` int32 and an ``lru_order`` slot id per slot and layer
+    (``lru_slot_id_bytes``: wide enough for ``max_units`` units)."""
+    return num_layers * buffer_size * (4 + lru_slot_id_bytes(buffer_size, max_units))
+
+
+def offload_bytes_per_region(
+    num_layers: int,
+    row_bytes: int,
+    buffer_size: int,
+    recent_window: int,
+    max_units: int = 1,
+) -> int:
+    """GPU bytes per region (a request slot, or a spare region): its KV rows
+    plus the LRU state of the one unit it is. More units per request cost
+    no bytes per request slot: the units are regions and staging rows,
+    each counted where it exists."""
+    rows = buffer_size + recent_window
+    return num_layers * rows * row_bytes + lru_unit_state_bytes(
+        num_layers, buffer_size, max_units
+    )
+
+
+def sglang_pool_footprint(
+    available_bytes: int, nominal_cell_bytes: int, real_cell_bytes: int
+) -> int:
+    """GPU bytes sglang's own NSA pool takes for ``available_bytes``: it
+    counts ``available_bytes // nominal_cell_bytes`` tokens, its nominal cell
+    being (kv_lora_rank + qk_rope_head_dim) KV elements plus the indexer keys
+    per layer, and allocates each a ``real_cell_bytes`` cell (the fp8
+    FlashMLA row is 656 B, not 576: ~11% more than the budget)."""
+    return available_bytes // nominal_cell_bytes * real_cell_bytes
+
+
+def max_spare_regions(num_regions: int, max_units: int) -> int:
+    """What the request slots can borrow: ``max_units - 1`` extra units each."""
+    return num_regions * max(0, max_units - 1)
+
+
+def spare_region_count(
+    leftover_bytes: int, region_bytes: int, num_regions: int, max_units: int
+) -> int:
+    """Spare regions the GPU bytes left after the locs pay for (the host pool
+    or ``--max-total-tokens`` capped the locs), up to what the request slots
+    can borrow (``max_spare_regions``). A spare region costs
+    ``region_bytes`` (``offload_bytes_per_region``: its KV rows and its
+    unit's LRU state)."""
+    if max_units <= 1 or leftover_bytes <= 0:
+        return 0
+    fit = leftover_bytes // region_bytes
+    return int(min(fit, max_spare_regions(num_regions, max_units)))
+
+
+def idle_loc_lru_units(
+    num_locs: int,
+    indexer_bytes: int,
+    row_bytes: int,
+    buffer_size: int,
+    num_regions: int,
+    max_units: int,
+    num_spare_regions: int = 0,
+) -> int:
+    """Units of LRU state for units lent from free locs' indexer keys: as
+    many as the keys of all ``num_locs`` hold (``buffer_size`` rows each),
+    at most what the request slots can borrow beyond the spare regions."""
+    if max_units <= 1:
+        return 0
+    fit = num_locs * indexer_bytes // ((buffer_size + 1) * row_bytes)
+    room = max_spare_regions(num_regions, max_units) - num_spare_regions
+    return int(max(0, min(fit, room)))
+
+
+def staging_lru_units(
+    staging_rows: int, page_size: int, buffer_size: int, max_units: int
+) -> int:
+    """Units idle prefill staging may lend at once (``StagingUnitLender``),
+    each with a unit of LRU state: none with one unit per request."""
+    if max_units <= 1:
+        return 0
+    return staging_unit_capacity(staging_rows // page_size, page_size, buffer_size)
+
+
+def staging_reserve_rows(prefill_budget: int, num_regions: int, page_size: int) -> int:
+    """Staging rows for two prefill batches (the overlap scheduler prepares one
+    while another runs) and the partly used last page of every request in a
+    batch (at most one per decode region; 64 at least)."""
+    return 2 * prefill_budget + max(64, num_regions) * page_size
+
+
+def prefill_staging_rows(
+    context_len: int, prefill_budget: int, num_regions: int, page_size: int
+) -> int:
+    """GPU rows colocated prefills hold until their KV is backed up: one prompt
+    being chunked (up to the context length) and ``staging_reserve_rows``.
+    Sized for the worst case: running out would fail a prefill."""
+    return context_len + staging_reserve_rows(prefill_budget, num_regions, page_size)
+
+
+def compute_offload_pool_sizes(
+    available_bytes: int,
+    num_layers: int,
+    row_bytes: int,
+    indexer_bytes: int,
+    page_size: int,
+    buffer_size: int,
+    recent_window: int,
+    num_regions: int,
+    staging_rows: int,
+    host_pool_bytes: int,
+    max_total_tokens: Optional[int] = None,
+    max_units: int = 1,
+    extra_bytes_per_loc: int = 0,
+    swap_scratch_bytes: int = 0,
+) -> NSAKVOffloadPoolSizes:
+    """Split ``available_bytes`` between fixed costs (regions, staging, the
+    swap's scratch) and logical token locs, capped by the host pool; the bytes
+    capped locs leave become spare regions, and with units the locs' indexer
+    keys lend units too (their LRU state paid from the locs' share).
+    ``extra_bytes_per_loc``: the MTP draft worker's NextN KV, the verify pool."""
+    staging_rows = _round_up(staging_rows, page_size)
+    region_bytes = offload_bytes_per_region(
+        num_layers, row_bytes, buffer_size, recent_window, max_units
+    )
+    # The staging rows, the regions and the LRU state of the units the
+    # staging may lend.
+    staging_units = staging_lru_units(staging_rows, page_size, buffer_size, max_units)
+    fixed = (
+        num_layers * (page_size + staging_rows) * row_bytes
+        + num_regions * region_bytes
+        + staging_units * lru_unit_state_bytes(num_layers, buffer_size, max_units)
+        + swap_scratch_bytes
+    )
+    per_loc = offload_bytes_per_loc(
+        num_layers, indexer_bytes, lru_slot_id_bytes(buffer_size, max_units)
+    )
+    per_loc += extra_bytes_per_loc
+    host_capacity = host_pool_bytes // (num_layers * row_bytes)
+    num_locs = min((available_bytes - fixed) // per_loc, host_capacity)
+    if max_total_tokens is not None:
+        num_locs = min(num_locs, max_total_tokens)
+    num_locs = num_locs // page_size * page_size
+    if num_locs <= 0:
+        raise RuntimeError(
+            "NSA KV offload: not enough GPU memory for "
+            f"{num_regions} decode regions of {buffer_size + recent_window} rows and "
+            f"{staging_rows} staging rows ({fixed / (1 << 30):.2f} GB of "
+            f"{available_bytes / (1 << 30):.2f} GB available). Lower "
+            "--max-running-requests or --nsa-kv-offload-gpu-buffer-size, or raise "
+            "--mem-fraction-static."
+        )
+    num_spare = spare_region_count(
+        available_bytes - fixed - num_locs * per_loc,
+        region_bytes,
+        num_regions,
+        max_units,
+    )
+    num_idle_loc_units = idle_loc_lru_units(
+        num_locs,
+        num_layers * indexer_bytes,
+        num_layers * row_bytes,
+        buffer_size,
+        num_regions,
+        max_units,
+        num_spare,
+    )
+    # Their LRU state comes out of the locs' bytes when those are short.
+    state = num_idle_loc_units * lru_unit_state_bytes(
+        num_layers, buffer_size, max_units
+    )
+    short = fixed + (num_locs * per_loc) + num_spare * region_bytes + state
+    short -= available_bytes
+    if short > 0:
+        num_locs -= _round_up(-(-short // per_loc), page_size)
+    return NSAKVOffloadPoolSizes(
+        num_locs=num_locs,
+        num_regions=num_regions,
+        region_rows=buffer_size + recent_window,
+        staging_rows=staging_rows,
+        page_size=page_size,
+        host_capacity_locs=host_capacity,
+        num_spare_regions=num_spare,
+        idle_loc_units=num_idle_loc_units,
+    )
+
+
+# KV layers of the MTP draft worker (DeepSeek-V3.2's one NextN layer).
+NSA_KV_OFFLOAD_DRAFT_LAYERS = 1
+
+# Default decode regions when --max-running-requests is not set: at most this
+# share of the KV budget goes to regions, and at most this many regions.
+_DEFAULT_REGION_BUDGET_FRACTION = 0.4
+_DEFAULT_MAX_REGIONS = 256
+
+
+class NSAKVOffloadPoolConfigurator:
+    """Memory-pool sizing with the offload on; plugs into ModelRunner's pool
+    sizing like upstream's configurators (see the module docstring)."""
+
+    def __init__(self, mr):
+        from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
+        from sglang.srt.configs.model_config import get_nsa_index_head_dim
+
+        sa, mc = mr.server_args, mr.model_config
+        self.options = NSAKVOffloadOptions.from_server_args(sa, mc.hf_config)
+        self.num_layers = mr.num_effective_layers
+        elem = torch._utils._element_size(mr.kv_cache_dtype)
+        self.row_bytes = mr.calculate_mla_kv_cache_dim() * elem
+        self.indexer_bytes = nsa_indexer_bytes(get_nsa_index_head_dim(mc.hf_config))
+        # The KV row sglang's pool sizing counts (see sglang_pool_footprint).
+        self.nominal_row_bytes = (mc.kv_lora_rank + mc.qk_rope_head_dim) * elem
+        self.host_pool_bytes = int(self.options.host_pool_gb * (1 << 30))
+        # Per rank: with DP attention --max-running-requests counts all ranks.
+        self.user_max_running_requests = (
+            None
+            if sa.max_running_requests is None
+            else sa.max_running_requests // max(mr.dp_size, 1)
+        )
+        self.context_len = mc.context_len
+        self.max_total_tokens = sa.max_total_tokens
+        # Per-loc bytes beyond the offload's: the MTP draft worker's plain NSA
+        # pool (its NextN layer, as sglang's configurators count it) and the
+        # verify mode's full KV pool.
+        self.extra_bytes_per_loc = 0
+        if sa.speculative_algorithm is not None:
+            self.extra_bytes_per_loc += NSA_KV_OFFLOAD_DRAFT_LAYERS * (
+                self.row_bytes + self.indexer_bytes
+            )
+        if self.options.verify:
+            self.extra_bytes_per_loc += self.num_layers * self.row_bytes
+        self._resolved: Optional[NSAKVOffloadPoolSizes] = None
+
+    def staging_rows(self, num_regions: int, page_size: int) -> int:
+        if self.options.kv_arrives_in_host:
+            return 0
+        return prefill_staging_rows(
+            self.context_len, self.options.prefill_budget, num_regions, page_size
+        )
+
+    def _num_regions(self, available_bytes: int) -> int:
+        if self.user_max_running_requests is not None:
+            return self.user_max_running_requests
+        o = self.options
+        per_region = offload_bytes_per_region(
+            self.num_layers, self.row_bytes, o.buffer_size, o.recent_window, o.max_units
+        )
+        share = int(_DEFAULT_REGION_BUDGET_FRACTION * available_bytes) // per_region
+        return max(1, min(_DEFAULT_MAX_REGIONS, share))
+
+    def compute_sizes(
+        self, available_bytes: int, page_size: int, num_regions: Optional[int] = None
+    ) -> NSAKVOffloadPoolSizes:
+        o = self.options
+        if num_regions is None:
+            num_regions = self._num_regions(available_bytes)
+        return compute_offload_pool_sizes(
+            available_bytes=available_bytes,
+            num_layers=self.num_layers,
+            row_bytes=self.row_bytes,
+            indexer_bytes=self.indexer_bytes,
+            page_size=page_size,
+            buffer_size=o.buffer_size,
+            recent_window=o.recent_window,
+            num_regions=num_regions,
+            staging_rows=self.staging_rows(num_regions, page_size),
+            host_pool_bytes=self.host_pool_bytes,
+            max_total_tokens=self.max_total_tokens,
+            max_units=o.max_units,
+            extra_bytes_per_loc=self.extra_bytes_per_loc,
+            swap_scratch_bytes=self.swap_scratch_bytes(num_regions),
+        )
+
+    def swap_scratch_bytes(self, num_regions: int) -> int:
+        """The LRU swap's scratch, for the batch rows the coordinator sizes."""
+        o = self.options
+        return TritonLRUSwap.scratch_bytes(
+            rows=swap_batch_rows(o, num_regions),
+            top_k=o.top_k,
+            buffer_size=o.buffer_size,
+            max_units=o.max_units,
+            slot_id_bytes=lru_slot_id_bytes(o.buffer_size, o.max_units),
+            max_query_tokens=o.query_tokens,
+        )
+
+    def budget_bytes(self, available_bytes: int) -> int:
+        """What sglang's own pool would take for the same
+        ``--mem-fraction-static``: the offload uses the GPU memory the server
+        would use without it."""
+        return sglang_pool_footprint(
+            available_bytes,
+            self.num_layers * (self.nominal_row_bytes + self.indexer_bytes),
+            self.num_layers * (self.row_bytes + self.indexer_bytes),
+        )
+
+    def calculate_pool_sizes(
+        self, available_bytes: int, page_size: int
+    ) -> "NSAKVOffloadMemoryPoolConfig":
+        sizes = self.compute_sizes(self.budget_bytes(available_bytes), page_size)
+        self._resolved = sizes
+        return NSAKVOffloadMemoryPoolConfig(
+            max_total_num_tokens=sizes.num_locs,
+            max_running_requests=sizes.num_regions,
+            nsa_kv_offload_configurator=self,
+        )
+
+    def calculate_pool_sizes_from_max_tokens(
+        self, max_total_num_tokens: int, page_size: int
+    ) -> "NSAKVOffloadMemoryPoolConfig":
+        resolved = self._resolved
+        return NSAKVOffloadMemoryPoolConfig(
+            max_total_num_tokens=max_total_num_tokens // page_size * page_size,
+            max_running_requests=resolved.num_regions if resolved else None,
+            nsa_kv_offload_configurator=self,
+        )
+
+    def final_sizes(
+        self, num_locs: int, num_regions: int, page_size: int
+    ) -> NSAKVOffloadPoolSizes:
+        """The pool layout for the resolved token and request counts (spare
+        regions and idle-loc units as sized, never more than the final request
+        slots can borrow)."""
+        resolved = self._resolved
+        most = max_spare_regions(num_regions, self.options.max_units)
+        return NSAKVOffloadPoolSizes(
+            num_locs=num_locs,
+            num_regions=num_regions,
+            region_rows=self.options.region_rows,
+            staging_rows=_round_up(
+                self.staging_rows(num_regions, page_size), page_size
+            ),
+            page_size=page_size,
+            host_capacity_locs=self.host_pool_bytes
+            // (self.num_layers * self.row_bytes),
+            num_spare_regions=min(resolved.num_spare_regions if resolved else 0, most),
+            idle_loc_units=min(resolved.idle_loc_units if resolved else 0, most),
+        )
+
+
+def swap_batch_rows(options, max_running_requests: int) -> int:
+    """Batch rows the swap's plans and scratch are sized for: the request slots
+    or the CUDA-graph batches, whichever is larger."""
+    return max(max_running_requests, options.cuda_graph_max_bs)
+
+
+@dataclass
+class NSAKVOffloadMemoryPoolConfig(MemoryPoolConfig):
+    """Upstream's resolved pool sizes plus the configurator that computed them
+    (ModelRunner keeps it until it builds the pools: ``nsa_kv_offload_pool_kwargs``)."""
+
+    nsa_kv_offload_configurator: Optional[NSAKVOffloadPoolConfigurator] = None
+
+
+def nsa_kv_offload_pool_kwargs(model_runner) -> dict:
+    """Extra kwargs of the offload's KV pool: its layout for the resolved token
+    and request counts, computed by the configurator that sized the pools."""
+    configurator = model_runner.memory_pool_config.nsa_kv_offload_configurator
+    sizes = configurator.final_sizes(
+        num_locs=model_runner.max_total_num_tokens,
+        num_regions=model_runner.max_running_requests,
+        page_size=model_runner.page_size,
+    )
+    return {"sizes": sizes, "verify": configurator.options.verify is not None}
