@@ -9,6 +9,8 @@ Runs before any test module is imported:
   before triton is imported), so Triton kernels run on the CPU;
 * installs the test-only shims of ``cpu_shims`` (torchvision op schemas,
   ``sgl_kernel`` stubs) before sglang is imported;
+* registers the ``full`` marker: the slow tier, skipped unless pytest runs
+  with ``--full`` (``bash scripts/test.sh --full``);
 * registers the ``requires_cuda`` marker: ``@pytest.mark.requires_cuda``
   tests are skipped without a CUDA device (``cpu_shims.requires_cuda`` is the
   same as a ``unittest`` decorator);
@@ -83,19 +85,33 @@ except ImportError:  # pragma: no cover - hypothesis is in requirements
     pass
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the slow tier (tests marked 'full'; see test/README.md)",
+    )
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "requires_cuda: the test needs a CUDA device (skipped without)"
     )
+    config.addinivalue_line(
+        "markers", "full: slow tier, run only with --full (the GPU gate runs it)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
-    if cpu_shims.cuda_available():
-        return
-    skip = pytest.mark.skip(reason="requires a CUDA device")
+    skip_full = pytest.mark.skip(reason="slow tier: run with --full")
+    skip_cuda = pytest.mark.skip(reason="requires a CUDA device")
+    full = config.getoption("--full")
+    cuda = cpu_shims.cuda_available()
     for item in items:
-        if "requires_cuda" in item.keywords:
-            item.add_marker(skip)
+        if "full" in item.keywords and not full:
+            item.add_marker(skip_full)
+        if "requires_cuda" in item.keywords and not cuda:
+            item.add_marker(skip_cuda)
 
 
 def pytest_report_header(config):

@@ -3,17 +3,18 @@
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a, or
 #     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
-# STEP: checks (GPU correctness, no servers), phases (the swap's time by
-# kernel phase), engine (GPU checks + P1/P2 benchmarks), units (LRU units: GPU tests,
+# STEP: checks (GPU correctness, no servers), engine (GPU checks + P1/P2
+# benchmarks), units (LRU units: GPU tests,
 # exactness with/without, a server with units), swap-units (the swap with
-# units: split vs fused kernels), e2e (servers: exactness,
+# units: its time, the kernels vs the torch reference), e2e (servers: exactness,
 # capacity, idle; args in $E2E_ARGS), bench (server throughput/ITL vs no
 # offload and HiSparse; $BENCH_TOPK model|override, $BENCH_ARGS), exact
 # (exactness on a generated checkpoint; $EXACT_MODEL, $EXACT_ARGS), soak (the GPU
 # soak; $SOAK_ARGS), gputest (test/srt/test_decode_nsa_kv_offload.py;
-# $GPUTEST_ARGS), kernel-gate (after a kernel change: split = fused swap, the LRU
-# CUDA tests and three tiny exactness servers), elastic-gate (the elastic and
-# CLOCK tiny servers side by side), default-gate (the default's
+# $GPUTEST_ARGS), kernel-gate (after a kernel change: the swap kernels = the
+# reference with units, the LRU CUDA tests and three tiny exactness servers),
+# elastic-gate (the tiny servers of idle-loc units and of 2 units side by
+# side), default-gate (the default's
 # tiny exactness servers: bf16, retraction, leveling, 7 x 4,416 rows), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
@@ -121,12 +122,8 @@ run_step() {
       (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e_units \
         --port $((31000 + 100 * GPU0)) --max-units 4 ${E2E_ARGS:-}) 2>&1 | tail -30 || rc=1
       ;;
-    phases)
-      # Where the one-token swap's time goes: the kernel cut after each phase.
-      timeout 150 python3 benchmark/nsa_offload/engine/bench_swap_phases.py --out $OUT/swap_phases.json 2>&1 | tail -12 || rc=1
-      ;;
     swap-units)
-      # The LRU swap with units: split kernels vs the fused one (time, equality).
+      # The LRU swap with units: its time, the kernels vs the torch reference.
       timeout 240 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/swap_units 2>&1 | tail -20 || rc=1
       ;;
     exact)
@@ -159,27 +156,26 @@ run_step() {
       ;;
     kernel-gate)
       # After any change to the swap, reorder or copy kernels, before timing
-      # it: the split swap against the fused one at the served sizes (4096
-      # slots, top-k 2048, 32K contexts, beside the rest), the LRU state's
-      # CUDA tests, then the tiny checkpoint end to end (the default; the
-      # same with warm units, direct slots and spare regions off by name;
-      # the elastic settings with 2 units and the flat copy, walks beside
-      # direct requests, 44/64 at e20c81a; resumed from tiny_run6's
-      # no-offload outputs). The CPU interpreter and the kernel tests passed a
+      # it: the swap kernels against the torch reference at the served sizes
+      # (4096 slots, top-k 2048, 32K contexts, beside the rest), the LRU
+      # state's CUDA tests, then the tiny checkpoint end to end (the default;
+      # one unit, the fixed buffer; 2 units, walks beside direct requests,
+      # whose flat-copy twin read wrong KV at e20c81a, 44/64; resumed from
+      # tiny_run6's no-offload outputs). The CPU interpreter and the kernel tests passed a
       # rewrite that the end-to-end run caught (results/exactness/tiny_reorder_regression/).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       (timeout 240 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/gate_swap_units \
         --batch-sizes 1,8,32 --units 2,4 --repeats 3 > $OUT/gate_swap_units.log 2>&1) &
-      local split_vs_fused=$!
+      local swap_units=$!
       GPUTEST_ARGS="test/srt/test_lru_cache_state.py::TestTritonMatchesReference \
         test/srt/test_lru_cache_state.py::TestDirectSlots test/srt/test_lru_cache_state.py::TestCudaGraph \
         test/srt/test_lru_cache_state.py::TestUnits test/srt/test_nsa_kv_offload_multi_token.py" \
         GPUTEST_TIMEOUT=200 run_step gputest
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8 $resume" \
-        EXACT_ARGS_2="--servers ours_fp8_classic $resume" \
-        EXACT_ARGS_3="--servers ours_fp8_2units_flat $resume" run_step exact
-      wait $split_vs_fused || rc=1
-      echo "=== split vs fused swap"; tail -12 $OUT/gate_swap_units.log
+        EXACT_ARGS_2="--servers ours_fp8_1unit $resume" \
+        EXACT_ARGS_3="--servers ours_fp8_2units $resume" run_step exact
+      wait $swap_units || rc=1
+      echo "=== swap kernels vs reference"; tail -12 $OUT/gate_swap_units.log
       ;;
     units-check)
       # The split swap against the torch reference at the served sizes
@@ -205,29 +201,26 @@ run_step() {
       ;;
     elastic-gate)
       # The elastic defaults' gate (the default since 834aede), in one call:
-      # the elastic server without idle-loc units, the same at 2 units with
-      # the flat copy (44/64 at e20c81a, results/units/per_unit_gpu_gate/)
-      # and the CLOCK servers, and the idle-loc units (ours_fp8_idle_locs), on
-      # the tiny checkpoint side by side (servers,
-      # not pytest processes: those time-slice the GPU), resumed from
-      # tiny_run6's no-offload outputs. A fault seen in two of three runs
-      # needs repeats: call it again (316 s cold, ~175 s warm on an H100).
+      # the idle-loc units (ours_fp8_idle_locs, 2 request slots) and 2 units
+      # (walks beside direct requests; its flat-copy twin read wrong KV,
+      # 44/64 at e20c81a, results/units/per_unit_gpu_gate/), on the tiny
+      # checkpoint side by side (servers, not pytest processes: those
+      # time-slice the GPU), resumed from tiny_run6's no-offload outputs. A
+      # fault seen in two of three runs needs repeats: call it again.
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
-      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_elastic,ours_fp8_idle_locs $resume" \
-        EXACT_ARGS_2="--servers ours_fp8_2units_flat $resume" \
-        EXACT_ARGS_3="--servers ours_fp8_clock,ours_fp8_clock_2units_warm $resume" run_step exact
+      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_idle_locs $resume" \
+        EXACT_ARGS_2="--servers ours_fp8_2units $resume" run_step exact
       ;;
     default-gate)
       # The default (the elastic defaults since 834aede: warm units, direct
       # slots, spare regions, idle-loc units) on the tiny checkpoint with bf16, fp8 and
-      # bf16 retraction, unit leveling, and the bench's 7 units of 4,416 rows
-      # (with the flat copy), direct requests warmed with nothing below the
-      # window (ours_fp8_lazy_direct); three runs side by side, resumed from
-      # tiny_run6's no-offload outputs (kernel-gate runs the fp8 default).
+      # bf16 retraction, unit leveling, and the bench's 7 units of 4,416 rows;
+      # three runs side by side, resumed from tiny_run6's no-offload outputs
+      # (kernel-gate runs the fp8 default).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_bf16,ours_fp8_retract $resume" \
         EXACT_ARGS_2="--servers ours_bf16_retract,ours_fp8_tuned_4416 $resume" \
-        EXACT_ARGS_3="--servers ours_bf16_level,ours_fp8_lazy_direct $resume" run_step exact
+        EXACT_ARGS_3="--servers ours_bf16_level $resume" run_step exact
       ;;
     soak)
       # The GPU soak (issue 21): soak.py, more flags in $SOAK_ARGS.

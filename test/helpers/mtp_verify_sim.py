@@ -1,7 +1,7 @@
 """Random MTP verify workload for the multi-token swap tests (docs/MTP.md).
 
-``VerifySim`` drives ``LRUCacheState`` backends (torch reference, Triton fused
-or split) and ``lru_model.LRUModel.swap_multi`` in lockstep: each step appends
+``VerifySim`` drives ``LRUCacheState`` backends (torch reference, Triton)
+and ``lru_model.LRUModel.swap_multi`` in lockstep: each step appends
 ``q`` drafts per request, swaps every layer with ``q`` query tokens whose
 top-k overlap, and accepts 1..q of them; rejected drafts' locs carry the next
 step's drafts (same positions) or go back to the free list for new requests.
@@ -13,6 +13,7 @@ import os
 import random
 from dataclasses import dataclass
 from typing import List
+from unittest import mock
 
 import torch
 
@@ -20,9 +21,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lru_model import LRUModel
-from sglang.srt.mem_cache import lru_cache_state as lru_mod
-from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
-from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+from sglang.srt.mem_cache import lru_cache_state as lru_cache_state_module
+from sglang.srt.mem_cache import memory_pool as memory_pool_module
+from sglang.srt.mem_cache import sparse_cache_controller as controller_module
+from sglang.srt.mem_cache.lru_cache_state import (
+    LayerSwapPlan,
+    LRUCacheState,
+    default_use_triton,
+)
 from test_lru_cache_state import (
     Sim,
     assert_state_matches_model,
@@ -31,8 +37,44 @@ from test_lru_cache_state import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TRITON_OK = DEVICE == "cuda" or lru_mod._swap_kernel_is_interpreted()
+# On CUDA, or on CPU under TRITON_INTERPRET=1 (conftest.py sets it).
+TRITON_OK = default_use_triton(torch.device(DEVICE))
 TRITON_SKIP = "Triton kernels neither on CUDA nor interpreted (TRITON_INTERPRET=1)"
+
+
+def get_mla_kv_rows_torch(kv_buffer, loc, cache_k_nope, cache_k_rope):
+    """What sglang's ``get_mla_kv_buffer_triton`` does: ``nope_i | rope_i`` =
+    row ``loc[i]`` of ``kv_buffer``, converted to the outputs' dtype."""
+    n = loc.numel()
+    rows = kv_buffer.view(kv_buffer.shape[0], -1)[loc.to(torch.int64)]
+    nope, rope = cache_k_nope.view(n, -1), cache_k_rope.view(n, -1)
+    nope.copy_(rows[:, : nope.shape[1]])
+    rope.copy_(rows[:, nope.shape[1] : nope.shape[1] + rope.shape[1]])
+
+
+def cpu_torch_paths():
+    """``mock.patch`` objects for the real-pools tests on CPU (none on CUDA):
+    the torch swap (``ReferenceLRUSwap``, bit-exact with the kernels), the
+    torch miss / backup copies and the torch KV row write and read instead of
+    their Triton kernels, which the interpreter runs ~100x slower. For tests of the
+    wiring around the kernels (the kernels have their own tests); start them
+    in ``setUpModule`` before any pool or coordinator is built."""
+    if DEVICE != "cpu":
+        return []
+    from offload_harness import set_mla_kv_rows_torch
+
+    return [
+        mock.patch.object(
+            lru_cache_state_module, "default_use_triton", lambda device: False
+        ),
+        mock.patch.object(controller_module, "copy_kernels_interpreted", lambda: False),
+        mock.patch.object(
+            memory_pool_module, "set_mla_kv_buffer_triton", set_mla_kv_rows_torch
+        ),
+        mock.patch.object(
+            memory_pool_module, "get_mla_kv_buffer_triton", get_mla_kv_rows_torch
+        ),
+    ]
 
 
 @dataclass
@@ -63,9 +105,10 @@ class VerifyConfig:
 
 
 def new_state(cfg: VerifyConfig, impl: str) -> LRUCacheState:
-    """``impl``: "reference", "triton" (default kernels), "fused" or "split"
-    (the multi-token Triton swap forced to one program / split kernels)."""
-    state = LRUCacheState(
+    """``impl``: "reference" (the torch swap) or "triton" (the kernels)."""
+    if impl not in ("reference", "triton"):
+        raise ValueError(f"unknown swap implementation {impl!r}")
+    return LRUCacheState(
         num_layers=cfg.layers,
         max_num_reqs=cfg.max_reqs,
         num_locs=cfg.num_locs,
@@ -77,13 +120,6 @@ def new_state(cfg: VerifyConfig, impl: str) -> LRUCacheState:
         max_units=cfg.units,
         max_query_tokens=cfg.q_max,
     )
-    if impl in ("fused", "split"):
-        state.swap_backend = TritonLRUSwap(
-            state,
-            max_batch_size=state.swap_backend._scratch_rows,
-            multi_split=impl == "split",
-        )
-    return state
 
 
 def plan_rows(plan: LayerSwapPlan, bs: int):

@@ -2,7 +2,7 @@
 
 ``run_ranks`` spawns ``world`` processes joined by a gloo process group; each
 builds the real pools and ``NSAKVOffloadCoordinator`` of one attention-TP rank
-(``test_nsa_kv_offload_integration._Harness``) around the one host pool they
+(``offload_harness.OffloadHarness``) around the one host pool they
 share (``nsa_kv_offload_shared_host``) and plays the same schedule with the
 same seed, as TP ranks do: the same requests, token locs and top-k, and the
 same KV bytes (the latent is replicated). Rank 0 writes the host pool; the
@@ -18,11 +18,14 @@ rank 0 writes in the same forward), and every reader's page tables must read
 exactly the KV the test wrote, misses included, i.e. the rows rank 0 wrote.
 
 Each scenario returns a short result per rank (``"ok ..."`` or the failure)
-to the parent through a queue.
+to the parent through a queue. On CPU the ranks take the torch paths of the
+swap, the copies and the KV rows (``mtp_verify_sim.cpu_torch_paths``; the
+kernels have their own tests, the GPU runs them here).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import os
@@ -59,26 +62,18 @@ class GlooGroup:
         dist.barrier()
 
 
-def _harness_module():
-    import test_nsa_kv_offload_integration as integ
-
-    return integ
-
-
 def make_tp_harness(group, **kwargs):
-    integ = _harness_module()
+    from offload_harness import OffloadHarness, sync
 
-    class TPRankHarness(integ._Harness):
-        """One attention-TP rank: the harness around a shared host pool."""
+    class TPRankHarness(OffloadHarness):
+        """One attention-TP rank: the harness around a shared host pool (its
+        options: direct slots on, warm units off)."""
 
-        def __init__(self, test, direct_slots=False, **kw):
+        def __init__(self, test, **kw):
             self.group = group
             self.rank = group.rank_in_group
             self._pending_host_checks = []
-            # A shared host pool's default: direct slots on, warm units off
-            # (warm_units_enabled).
-            coordinator_kwargs = dict(host_pool_group=group, direct_slots=direct_slots)
-            super().__init__(test, coordinator_kwargs=coordinator_kwargs, **kw)
+            super().__init__(test, host_pool_group=group, **kw)
 
         def check_host(self, locs):
             # Rank 0 reads what it wrote itself; a reader only after the next
@@ -91,13 +86,16 @@ def make_tp_harness(group, **kwargs):
         def forward_barrier(self):
             # On a GPU host the collective orders GPU work: finish this rank's
             # first (a CPU barrier alone would not wait for its kernels).
-            integ._sync()
+            sync()
             self.group.barrier()
             pending, self._pending_host_checks = self._pending_host_checks, []
             for locs in pending:
-                integ._Harness.check_host(self, locs)
+                OffloadHarness.check_host(self, locs)
 
-    return TPRankHarness(unittest.TestCase(), **kwargs)
+    h = TPRankHarness(unittest.TestCase(), **kwargs)
+    assert h.options.shares_host_pool and h.options.direct_slots
+    assert not h.options.warm_units
+    return h
 
 
 def _host_digest(h) -> str:
@@ -144,13 +142,12 @@ def scenario_layout_mismatch(group):
     return "ok (no error)"
 
 
-def scenario_lifecycle(group, max_units=1, direct_slots=False):
+def scenario_lifecycle(group, max_units=1):
     """Chunked prefill, admission, decode with misses, finish, slot reuse.
-    With direct slots, B (130 tokens) fits one unit's 128 slots below its
-    first window and swaps in direct mode, A (160) does not."""
-    h = make_tp_harness(
-        group, max_units=max_units, lend_staging_pages=0, direct_slots=direct_slots
-    )
+    Direct slots: B (130 tokens) fits one unit's 128 slots below its first
+    window and swaps in direct mode (warmed from its staging rows into slots
+    0..n-1), A (160) does not."""
+    h = make_tp_harness(group, max_units=max_units, lend_staging_pages=0)
     a, b = h.new_req(), h.new_req()
     h.forward_barrier()
     h.prefill([(a, 100)], chunked_req=a)
@@ -189,15 +186,18 @@ def scenario_naive_warm(group):
     """Negative control: the readers warm a new request from host memory at
     admission (instead of their staging rows) before rank 0 has backed it up.
     Their first decode step must read wrong KV."""
+    from offload_harness import sync
+
     h = make_tp_harness(group)
     a = h.new_req()
     h.forward_barrier()
     h.prefill([(a, 150)], admit=False)
     batch = SimpleNamespace(reqs=[a])
     if h.rank != 0:
-        h.co.shares_host_pool = False  # warm from host slots
+        # Warm from host slots, as a rank with a host pool of its own does.
+        h.co.options = dataclasses.replace(h.co.options, shares_host_pool=False)
         h.co.admit_prefilled_batch(batch, None)
-    _harness_module()._sync()  # the readers' warm is done before rank 0 writes
+    sync()  # the readers' warm is done before rank 0 writes
     group.barrier()
     if h.rank == 0:
         h.co.admit_prefilled_batch(batch, None)
@@ -211,9 +211,6 @@ SCENARIOS = {
     "layout_mismatch": scenario_layout_mismatch,
     "lifecycle": scenario_lifecycle,
     "lifecycle_units": lambda group: scenario_lifecycle(group, max_units=2),
-    "lifecycle_direct": lambda group: scenario_lifecycle(
-        group, max_units=2, direct_slots=True
-    ),
     "naive_warm": scenario_naive_warm,
 }
 
@@ -230,7 +227,12 @@ def _rank_main(rank, world, init_file, names, queue):
         world_size=world,
         timeout=datetime.timedelta(seconds=600),
     )
-    _harness_module().setUpModule()
+    import offload_harness
+    from mtp_verify_sim import cpu_torch_paths
+
+    offload_harness.setUpModule()
+    for patch in cpu_torch_paths():
+        patch.start()
     group = GlooGroup()
     for name in names:
         try:

@@ -16,13 +16,15 @@ from unittest import mock
 
 from sglang.srt.arg_groups import nsa_kv_offload_args
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
-    ENV_UNPROVEN_PARALLEL,
     GB,
+    NSAKVOffloadOptions,
     NSAKVOffloadRankLayout,
 )
+from sglang.srt.mem_cache import nsa_kv_offload_sizing as sizing
 from sglang.srt.server_args import ServerArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 TINY_DSV32_CONFIG = (
     REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
 )
@@ -95,6 +97,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 "12.5",
                 "--nsa-kv-offload-max-units",
                 "2",
+                "--nsa-kv-offload-verify",
             ]
         )
         self.assertTrue(parsed.enable_decode_nsa_kv_offload)
@@ -102,6 +105,14 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(parsed.nsa_kv_offload_recent_window, 128)
         self.assertEqual(parsed.nsa_kv_offload_host_pool_gb, 12.5)
         self.assertEqual(parsed.nsa_kv_offload_max_units, 2)
+        self.assertEqual(parsed.nsa_kv_offload_verify, "fail")  # bare flag
+        for mode in ("fail", "count"):
+            with_mode = parser.parse_args(
+                ["--model-path", "m", "--nsa-kv-offload-verify", mode]
+            )
+            self.assertEqual(with_mode.nsa_kv_offload_verify, mode)
+        with self.assertRaises(SystemExit), mock.patch("sys.stderr"):
+            parser.parse_args(["--model-path", "m", "--nsa-kv-offload-verify", "x"])
 
         defaults = parser.parse_args(["--model-path", self.dsv32_dir])
         self.assertFalse(defaults.enable_decode_nsa_kv_offload)
@@ -109,6 +120,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertEqual(defaults.nsa_kv_offload_recent_window, 64)
         self.assertIsNone(defaults.nsa_kv_offload_host_pool_gb)
         self.assertIsNone(defaults.nsa_kv_offload_max_units)
+        self.assertIsNone(defaults.nsa_kv_offload_verify)
 
     def test_defaults_resolved(self):
         args = self._server_args(nsa_kv_offload_host_pool_gb=None)
@@ -166,26 +178,15 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         )
 
     def test_wide_slot_ids_beyond_int16(self):
-        # units x buffer above 32767 takes int32 slot ids, said in the log;
-        # the pool sizes the wider ids (2 more bytes per slot id).
-        args = self._server_args(nsa_kv_offload_max_units=24)
-        with self.assertLogs(nsa_kv_offload_args.logger, "INFO") as logs:
-            args._handle_decode_nsa_kv_offload()
-        self.assertEqual(args.nsa_kv_offload_max_units, 24)
-        self.assertIn("int32 LRU slot ids for 24 units", "".join(logs.output))
-        args = self._server_args(nsa_kv_offload_max_units=7)
-        with self.assertLogs(nsa_kv_offload_args.logger, "INFO") as logs:
-            args._handle_decode_nsa_kv_offload()
-        self.assertNotIn("int32 LRU slot ids", "".join(logs.output))
-        from sglang.srt.mem_cache import nsa_kv_offload_pool as pool
-
-        self.assertEqual(pool.lru_slot_id_bytes(4096, 7), 2)
-        self.assertEqual(pool.lru_slot_id_bytes(4096, 8), 4)
+        # units x buffer above 32767 takes int32 slot ids; the pool sizes the
+        # wider ids (2 more bytes per slot id).
+        self.assertEqual(sizing.lru_slot_id_bytes(4096, 7), 2)
+        self.assertEqual(sizing.lru_slot_id_bytes(4096, 8), 4)
         # A region pays for its own unit's LRU state: wide ids cost 2 more
         # bytes per slot and layer of it, more units per request nothing.
         self.assertEqual(
-            pool.offload_bytes_per_region(61, 656, 4096, 64, 24)
-            - pool.offload_bytes_per_region(61, 656, 4096, 64, 7),
+            sizing.offload_bytes_per_region(61, 656, 4096, 64, 24)
+            - sizing.offload_bytes_per_region(61, 656, 4096, 64, 7),
             61 * 4096 * 2,
         )
 
@@ -206,73 +207,50 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "cannot be combined with --enable-hisparse", enable_hisparse=True
         )
 
-    def test_early_swap_with_prefetch_starts(self):
-        # The prefetch then runs on the early swap's stream (coordinator).
-        both = {
-            nsa_kv_offload_args.ENV_EARLY_SWAP: "1",
-            nsa_kv_offload_args.ENV_CROSS_LAYER_PREFETCH: "1",
-        }
-        for env in (both, {nsa_kv_offload_args.ENV_EARLY_SWAP: "1"}):
-            with self.subTest(env=env), mock.patch.dict(os.environ, env):
-                self._server_args()._handle_decode_nsa_kv_offload()
-
-    def test_early_swap_default(self):
-        # On by default, with the prefetch too (MTP or not: the coordinator
-        # asks without it); 0 / 1 choose.
-        early, prefetch = (
-            nsa_kv_offload_args.ENV_EARLY_SWAP,
-            nsa_kv_offload_args.ENV_CROSS_LAYER_PREFETCH,
+    def test_verify_mode(self):
+        # The verify mode needs the offload; its options follow the flag.
+        for mode in (None, "fail", "count"):
+            args = self._server_args(nsa_kv_offload_verify=mode)
+            args._handle_decode_nsa_kv_offload()
+            options = NSAKVOffloadOptions.from_server_args(args)
+            self.assertEqual(options.verify, mode)
+        self._assert_rejected(
+            "--nsa-kv-offload-verify 'loud': expected one of fail, count",
+            nsa_kv_offload_verify="loud",
         )
-        enabled = nsa_kv_offload_args.early_swap_enabled
-        cases = [
-            ({}, True),
-            ({early: ""}, True),
-            ({prefetch: "1"}, True),
-            ({early: "0"}, False),
-            ({early: "0", prefetch: "1"}, False),
-            ({early: "1"}, True),
-        ]
-        for env, expected in cases:
-            with self.subTest(env=env):
-                clean = {
-                    k: v for k, v in os.environ.items() if k not in (early, prefetch)
-                }
-                with mock.patch.dict(os.environ, {**clean, **env}, clear=True):
-                    self.assertEqual(enabled(), expected)
+        args = self._server_args(
+            enable_decode_nsa_kv_offload=False, nsa_kv_offload_verify="fail"
+        )
+        with self.assertRaisesRegex(ValueError, "needs --enable-decode-nsa-kv-offload"):
+            args._handle_decode_nsa_kv_offload()
 
-    def test_gather_programs_env(self):
-        # The experimental flat miss copy: unset = the default grid; a
-        # positive integer = that many programs; anything else fails at start.
-        var = nsa_kv_offload_args.ENV_GATHER_PROGRAMS
-        parse = nsa_kv_offload_args.gather_programs_from_env
-        clean = {k: v for k, v in os.environ.items() if k != var}
-        for value, expected in (("", None), ("16", 16), ("1", 1)):
-            with self.subTest(value=value):
-                with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
-                    self.assertEqual(parse(), expected)
-        with mock.patch.dict(os.environ, clean, clear=True):
-            self.assertIsNone(parse())
-        for value in ("0", "-4", "x", "2.5"):
-            with self.subTest(value=value):
-                with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
-                    with self.assertRaisesRegex(ValueError, "expected an integer"):
-                        parse()
-
-    def test_direct_warm_positions_env(self):
-        # The experimental bounded direct warm-up: unset = every position; 0
-        # or more = at most that many; anything else fails at start.
-        var = nsa_kv_offload_args.ENV_DIRECT_WARM_POSITIONS
-        parse = nsa_kv_offload_args.direct_warm_positions_from_env
-        clean = {k: v for k, v in os.environ.items() if k != var}
-        for value, expected in (("", None), ("0", 0), ("4096", 4096)):
-            with self.subTest(value=value):
-                with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
-                    self.assertEqual(parse(), expected)
-        for value in ("-1", "x", "1e3"):
-            with self.subTest(value=value):
-                with mock.patch.dict(os.environ, {**clean, var: value}, clear=True):
-                    with self.assertRaisesRegex(ValueError, "expected an integer >= 0"):
-                        parse()
+    def test_options_from_resolved_args(self):
+        # What the offload is built with: the resolved args, and the won
+        # features by what they need (warm units: units, one query token, a
+        # host pool of its own; direct slots: one query token).
+        args = self._server_args()
+        args._handle_decode_nsa_kv_offload()
+        o = NSAKVOffloadOptions.from_server_args(args)
+        self.assertEqual(
+            (o.top_k, o.buffer_size, o.recent_window, o.max_units), (2048, 4096, 64, 40)
+        )
+        self.assertEqual((o.query_tokens, o.kv_arrives_in_host), (1, False))
+        self.assertTrue(o.warm_units and o.direct_slots)
+        self.assertEqual(o.region_rows, 4160)
+        one = self._server_args(nsa_kv_offload_max_units=1)
+        one._handle_decode_nsa_kv_offload()
+        o = NSAKVOffloadOptions.from_server_args(one)
+        self.assertFalse(o.warm_units)
+        self.assertTrue(o.direct_slots)
+        pd = self._server_args(disaggregation_mode="decode")
+        pd._handle_decode_nsa_kv_offload()
+        self.assertTrue(NSAKVOffloadOptions.from_server_args(pd).kv_arrives_in_host)
+        with self._with_unproven_parallel(True):
+            tp = self._server_args(tp_size=2)
+            tp._handle_decode_nsa_kv_offload()
+        o = NSAKVOffloadOptions.from_server_args(tp)
+        self.assertTrue(o.shares_host_pool)
+        self.assertFalse(o.warm_units)
 
     def test_reject_unsupported_speculative_decoding(self):
         # MTP's supported settings start (test_nsa_kv_offload_speculative_args).
@@ -302,9 +280,8 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
     def test_reject_tensor_parallelism(self):
         with self._with_unproven_parallel(False):
             self._assert_rejected(
-                "tensor parallelism (--tp-size 8) has not run on GPUs yet: the host "
-                "pool its attention-TP ranks share (rank 0 writes, every rank reads) "
-                f"is simulated on CPU only ({ENV_UNPROVEN_PARALLEL}=1",
+                "tensor parallelism (--tp-size 8) has not run on GPUs yet (tested on "
+                f"CPU only); {ENV_UNPROVEN_PARALLEL}=1 lets it start",
                 tp_size=8,
             )
 
@@ -312,8 +289,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         with self._with_unproven_parallel(False):
             self._assert_rejected(
                 "DP attention (--enable-dp-attention --dp-size 8) has not run on GPUs "
-                "yet: its IDLE batches, the DP-attention padding of decode batches "
-                "(eager and CUDA graphs) and admission per rank are tested on CPU only",
+                f"yet (tested on CPU only); {ENV_UNPROVEN_PARALLEL}=1",
                 tp_size=8,
                 dp_size=8,
                 enable_dp_attention=True,
@@ -486,104 +462,6 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         args = self._server_args(disaggregation_mode="decode")
         args._handle_decode_nsa_kv_offload()
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
-
-    def test_default_on_settings(self):
-        # Warm units, direct slots, spare regions and idle-loc units are on
-        # unless their variable is "0"; warm units only where they apply, direct slots
-        # only without MTP (there "1" is refused at startup).
-        m = nsa_kv_offload_args
-        names = (
-            m.ENV_WARM_UNITS,
-            m.ENV_DIRECT_SLOTS,
-            m.ENV_SPARE_REGIONS,
-            m.ENV_IDLE_LOC_UNITS,
-        )
-        clean = {k: v for k, v in os.environ.items() if k not in names}
-        for value, on in (("", True), ("1", True), ("0", False), ("false", False)):
-            env = {**clean, **{name: value for name in names}}
-            with self.subTest(value=value), mock.patch.dict(os.environ, env, True):
-                self.assertEqual(m.spare_regions_enabled(), on)
-                self.assertEqual(m.idle_loc_units_enabled(), on)
-                self.assertEqual(m.direct_slots_enabled(False), on)
-                self.assertFalse(m.direct_slots_enabled(True))
-                # CLOCK places every slot itself: direct slots stay off.
-                with mock.patch.dict(os.environ, {m.ENV_SLOT_POLICY: "clock"}):
-                    self.assertFalse(m.direct_slots_enabled(False))
-                self.assertEqual(m.warm_units_enabled(40, False, False), on)
-                for refused in (
-                    (1, False, False),
-                    (40, True, False),
-                    (40, False, True),
-                ):
-                    self.assertFalse(m.warm_units_enabled(*refused), refused)
-        # Where warm units cannot apply, the default starts without them.
-        with mock.patch.dict(os.environ, clean, clear=True):
-            self._server_args(
-                nsa_kv_offload_max_units=1
-            )._handle_decode_nsa_kv_offload()
-
-    def test_warm_units_only_where_they_apply(self):
-        # Warm units forced on ("1"): PD decode or colocated, with units, no
-        # MTP, no host pool shared by attention-TP ranks.
-        env = {nsa_kv_offload_args.ENV_WARM_UNITS: "1"}
-        with mock.patch.dict(os.environ, env):
-            for overrides in ({}, dict(disaggregation_mode="decode")):
-                with self.subTest(**overrides):
-                    self._server_args(**overrides)._handle_decode_nsa_kv_offload()
-            self._assert_rejected(
-                "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 needs "
-                "--nsa-kv-offload-max-units above 1",
-                nsa_kv_offload_max_units=1,
-            )
-            with self._with_unproven_parallel(True):
-                # DP attention: a pool per rank; attention TP: one shared.
-                self._server_args(
-                    tp_size=8, dp_size=8, enable_dp_attention=True
-                )._handle_decode_nsa_kv_offload()
-                self._assert_rejected(
-                    "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS=1 does not combine with a "
-                    "host pool shared by attention-TP ranks",
-                    tp_size=2,
-                )
-        # Direct slots combine with them: a request that fits its units
-        # enters direct mode when it is warmed.
-        direct = dict(env, **{nsa_kv_offload_args.ENV_DIRECT_SLOTS: "1"})
-        with mock.patch.dict(os.environ, direct):
-            self._server_args(
-                disaggregation_mode="decode"
-            )._handle_decode_nsa_kv_offload()
-        refusal = nsa_kv_offload_args.warm_units_refusal
-        self.assertIsNone(refusal(4, False, False))
-        self.assertIn("--speculative-algorithm", refusal(4, True, False))
-
-    def test_slot_policy(self):
-        # SGLANG_NSA_KV_OFFLOAD_POLICY: "lru" (default) or "clock"; clock
-        # swaps one query token per request, without direct slots.
-        var = nsa_kv_offload_args.ENV_SLOT_POLICY
-        parse = nsa_kv_offload_args.slot_policy_from_env
-        with mock.patch.dict(os.environ, {var: ""}):
-            self.assertEqual(parse(), "lru")
-        with mock.patch.dict(os.environ, {var: "clock"}):
-            self.assertEqual(parse(), "clock")
-            self._server_args()._handle_decode_nsa_kv_offload()
-            self._assert_rejected(
-                "SGLANG_NSA_KV_OFFLOAD_POLICY=clock is not supported with MTP",
-                speculative_algorithm="EAGLE",
-                speculative_num_steps=1,
-                speculative_eagle_topk=1,
-                speculative_num_draft_tokens=2,
-                disable_overlap_schedule=True,
-            )
-            direct = {nsa_kv_offload_args.ENV_DIRECT_SLOTS: "1"}
-            with mock.patch.dict(os.environ, direct):
-                self._assert_rejected(
-                    "SGLANG_NSA_KV_OFFLOAD_POLICY=clock does not combine with "
-                    "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS=1"
-                )
-        with mock.patch.dict(os.environ, {var: "lfu"}):
-            self._assert_rejected(
-                "SGLANG_NSA_KV_OFFLOAD_POLICY='lfu': expected one of lru, clock"
-            )
 
     def test_reject_pd_decode_radix_cache(self):
         self._assert_rejected(

@@ -810,7 +810,6 @@ class TestTritonMatchesReference(unittest.TestCase):
         self.assertGreater(seen["scattered_steps"], 5, seen)
 
 
-
 @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
 class TestSwapScratch(unittest.TestCase):
     def test_scratch_bytes_bound_the_allocation(self):

@@ -23,24 +23,35 @@ import unittest
 from types import SimpleNamespace
 from unittest import mock
 
-import test_nsa_kv_offload_integration as integ
+import offload_harness
+import test_nsa_kv_offload_sizing as sizing_tests
 import torch
-from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_UNPROVEN_PARALLEL
+from mtp_verify_sim import cpu_torch_paths
+from offload_harness import DEVICE, PAGE, OffloadHarness
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import NSAKVOffloadPoolConfigurator
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-DEVICE, PAGE = integ.DEVICE, integ.PAGE
+# The offload refuses DP attention unless it is set (read through
+# sglang.srt.environ.envs when the server args are handled).
+ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
+# On CPU: the torch swap, copies and KV rows (what is under test is which
+# rows a forward touches; the kernels have their own tests).
+_PATCHES = cpu_torch_paths()
 
 
 def setUpModule():
-    integ.setUpModule()  # the CPU stand-in of upstream's alloc_extend kernel
+    offload_harness.setUpModule()  # the CPU stand-in of alloc_extend's kernel
+    for patch in _PATCHES:
+        patch.start()
 
 
 def tearDownModule():
-    integ.tearDownModule()
+    for patch in reversed(_PATCHES):
+        patch.stop()
+    offload_harness.tearDownModule()
 
 
 class _ProbeBackend(NativeSparseAttnBackend):
@@ -112,25 +123,24 @@ def _pad_like_dp_max_len(fb, num_tokens):
     return fb
 
 
-# The elastic defaults (since 834aede) on a rank of its own (DP attention):
-# units, warm units and direct slots (A's 150 tokens fit its 2 units).
-ELASTIC_SETTINGS = dict(
-    max_units=2,
-    num_regions=3,
-    coordinator_kwargs=dict(warm_units=True, direct_slots=True),
-)
+# The defaults on a rank of its own (DP attention): units, and with them warm
+# units and direct slots (A's 150 tokens fit its 2 units). Without ({}): one
+# fixed buffer a request (direct slots too; A's context outgrows it).
+ELASTIC_SETTINGS = dict(max_units=2, num_regions=3)
 
 
 class TestIdleBatches(unittest.TestCase):
     def _running_harness(self, **kwargs):
         """One request A prefilled, admitted and two steps into decode."""
-        h = integ._Harness(self, max_reqs=3, **kwargs)
+        h = OffloadHarness(self, max_reqs=3, **kwargs)
+        self.assertTrue(h.options.direct_slots)
+        self.assertEqual(h.options.warm_units, bool(kwargs))
         a = h.new_req()
         h.prefill([(a, 150)])
         h.decode_step([a], first_step_of=(a,))
         h.decode_step([a])
-        if kwargs:
-            self.assertEqual(int(h.controller.lru.direct[a.req_pool_idx]), 1)
+        direct = int(h.controller.lru.direct[a.req_pool_idx])
+        self.assertEqual(direct, 1 if kwargs else 0)
         return h, a
 
     def test_eager_idle_never_reaches_the_decode_hook(self):
@@ -221,7 +231,7 @@ class TestIdleBatches(unittest.TestCase):
                 self._dp_max_len_padded_decode(**kwargs)
 
     def _dp_max_len_padded_decode(self, **kwargs):
-        h = integ._Harness(self, max_reqs=6, **kwargs)
+        h = OffloadHarness(self, max_reqs=6, **kwargs)
         a, b = h.new_req(), h.new_req()
         h.prefill([(a, 90), (b, 130)])
         out = torch.tensor([11, 12], dtype=torch.int64, device=DEVICE)
@@ -244,19 +254,19 @@ class TestIdleBatches(unittest.TestCase):
 class TestDPAttentionRequestShare(unittest.TestCase):
     """--max-running-requests with DP attention: a rank's share."""
 
-    _model_runner = integ.TestServerArgsToPools._model_runner
+    _model_runner = sizing_tests.TestServerArgsToPools._model_runner
 
     @classmethod
     def setUpClass(cls):
-        integ.TestServerArgsToPools.setUpClass.__func__(cls)
+        sizing_tests.TestServerArgsToPools.setUpClass.__func__(cls)
 
     @classmethod
     def tearDownClass(cls):
-        integ.TestServerArgsToPools.tearDownClass.__func__(cls)
+        sizing_tests.TestServerArgsToPools.tearDownClass.__func__(cls)
 
     def _server_args(self, **overrides):
         with mock.patch.dict(os.environ, {ENV_UNPROVEN_PARALLEL: "1"}):
-            return integ.TestServerArgsToPools._server_args(self, **overrides)
+            return sizing_tests.TestServerArgsToPools._server_args(self, **overrides)
 
     def test_regions_per_dp_rank(self):
         args = self._server_args(

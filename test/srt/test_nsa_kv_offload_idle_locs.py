@@ -1,12 +1,12 @@
-"""Idle token locs lent as LRU units (SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS=1).
+"""Idle token locs lent as LRU units.
 
 With the arena each layer's KV rows and indexer-key pages share one buffer
 (``NSAKVOffloadTokenToKVPool``), and ``IdleLocUnitLender`` lends the bytes of
 runs of free loc pages to running requests as extra units. The allocator
 counts lent pages as free and takes units back when an allocation needs them.
 
-Checked here through the real pools and coordinator (``_Harness`` of the
-integration tests, PD decode: indexer keys written into every transferred
+Checked here through the real pools and coordinator (``OffloadHarness``, PD
+decode: indexer keys written into every transferred
 page): the arena's views and geometry; the sizing; the lender's runs; decode
 steps reading exact KV from lent units while transfers write keys into other
 pages; allocations that take units back; lent units moved from a request
@@ -28,16 +28,18 @@ from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     compute_offload_pool_sizes,
     idle_loc_lru_units,
     lru_unit_state_bytes,
+    offload_bytes_per_loc,
+    offload_bytes_per_region,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_units import (
     IDLE_LOC_UNIT_SOURCE,
     IdleLocUnitLender,
     idle_loc_unit_pages,
 )
-from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
+from offload_harness import (  # noqa: F401 (module fixtures)
     PAGE,
-    _Harness,
-    _make_pool,
+    OffloadHarness,
+    make_pool,
     setUpModule,
     tearDownModule,
 )
@@ -62,7 +64,7 @@ def _sizes(num_locs, idle_loc_units, num_regions=2, region_rows=136):
 class TestArena(unittest.TestCase):
     def test_views_share_one_buffer_per_layer(self):
         sizes = _sizes(40 * PAGE, idle_loc_units=3)
-        pool = _make_pool(sizes, layer_num=2, kv_fp8=True)
+        pool = make_pool(sizes, layer_num=2, kv_fp8=True)
         self.assertTrue(pool.uses_arena)
         self.assertEqual(pool.kv_row_bytes, FP8_ROW_BYTES)
         self.assertEqual(pool.index_page_bytes, INDEX_PAGE_BYTES)
@@ -91,7 +93,7 @@ class TestArena(unittest.TestCase):
         self.assertTrue(bool((keys[6:15] == 7).all()))
 
     def test_no_arena_without_idle_loc_units(self):
-        pool = _make_pool(_sizes(16 * PAGE, idle_loc_units=0), 1, kv_fp8=True)
+        pool = make_pool(_sizes(16 * PAGE, idle_loc_units=0), 1, kv_fp8=True)
         self.assertFalse(pool.uses_arena)
         self.assertEqual(pool.kv_buffer[0].shape[0], pool.size + PAGE)
         self.assertNotEqual(
@@ -100,7 +102,7 @@ class TestArena(unittest.TestCase):
         )
 
     def test_unit_pages_hold_a_unit_wherever_the_run_starts(self):
-        pool = _make_pool(_sizes(60 * PAGE, idle_loc_units=1), 1, kv_fp8=True)
+        pool = make_pool(_sizes(60 * PAGE, idle_loc_units=1), 1, kv_fp8=True)
         for unit_rows in (1, 64, 128, 200):
             n = idle_loc_unit_pages(unit_rows, FP8_ROW_BYTES, INDEX_PAGE_BYTES)
             for first in range(1, 60 - n):
@@ -139,28 +141,30 @@ class TestSizing(unittest.TestCase):
             host_pool_bytes=1 << 40,
             max_units=8,
         )
-        off = compute_offload_pool_sizes(**kwargs)
-        on = compute_offload_pool_sizes(**kwargs, lend_idle_locs=True)
-        self.assertEqual(off.idle_loc_units, 0)
+        on = compute_offload_pool_sizes(**kwargs)
         # 8 slots borrow at most 7 units each; the keys hold more than that.
         self.assertEqual(on.idle_loc_units, 56)
+        self.assertEqual(on.num_spare_regions, 0)  # GPU-bound
+        # The locs without those units' LRU state: the budget after the
+        # regions, over the bytes of a loc.
+        per_loc = offload_bytes_per_loc(4, 132)
+        fixed = 4 * PAGE * 656 + 8 * offload_bytes_per_region(4, 656, 2048, 64, 8)
+        off_locs = ((3 << 30) - fixed) // per_loc // PAGE * PAGE
         state = 56 * lru_unit_state_bytes(4, 2048, 8)
-        per_loc = 4 * (132 + 2) + 8
-        self.assertLess(on.num_locs, off.num_locs)
-        self.assertLessEqual(off.num_locs - on.num_locs, state // per_loc + 2 * PAGE)
+        self.assertLess(on.num_locs, off_locs)
+        self.assertLessEqual(off_locs - on.num_locs, state // per_loc + 2 * PAGE)
         self.assertEqual(on.num_locs % PAGE, 0)
         # Capped locs (the host pool) leave the bytes: no locs given up.
-        capped = dict(kwargs, host_pool_bytes=4 * 656 * 100 * PAGE)
-        self.assertEqual(
-            compute_offload_pool_sizes(**capped, lend_idle_locs=True).num_locs,
-            compute_offload_pool_sizes(**capped).num_locs,
+        capped = compute_offload_pool_sizes(
+            **dict(kwargs, host_pool_bytes=4 * 656 * 100 * PAGE)
         )
+        self.assertEqual(capped.num_locs, 100 * PAGE)
 
 
 def _harness(test, idle_loc_units=6, num_locs=96 * PAGE, seed=0, **kwargs):
     """PD decode, 2 request slots, no spare regions: with 4 units a request
     can only grow into the free locs' keys (11 pages per unit of 128 rows)."""
-    return _Harness(
+    return OffloadHarness(
         test,
         kv_fp8=True,
         seed=seed,
@@ -349,7 +353,7 @@ class TestIdleLocUnits(unittest.TestCase):
 
 
 class _IdleLocLifecycles:
-    """Every ``_Harness`` the integration tests build gets the arena and locs
+    """Every ``OffloadHarness`` the integration tests build gets the arena and locs
     enough to lend (64 pages: 11 per unit of 128 rows). The tests named in
     ``LENDING_TESTS`` must lend units from idle locs (else they would test
     nothing new)."""
@@ -367,8 +371,8 @@ class _IdleLocLifecycles:
         for patcher in (
             mock.patch.object(
                 integration,
-                "_Harness",
-                functools.partial(_Harness, idle_loc_units=6, num_locs=64 * PAGE),
+                "OffloadHarness",
+                functools.partial(OffloadHarness, idle_loc_units=6, num_locs=64 * PAGE),
             ),
             mock.patch.object(IdleLocUnitLender, "_lend_run", counted_lend_run),
         ):
@@ -384,7 +388,7 @@ _LEND_RUN = IdleLocUnitLender._lend_run
 # Through the module: imported under their own names, pytest would run the
 # integration tests' classes here a second time.
 class TestOffloadLifecycleIdleLocs(
-    _IdleLocLifecycles, integration.TestOffloadLifecycleDefaults
+    _IdleLocLifecycles, integration.TestOffloadLifecycleUnits
 ):
     """Colocated lifecycles (prefill staging, admission, decode, finish) with
     idle-loc units: asked after the free regions, before the staging."""
@@ -397,7 +401,7 @@ class TestOffloadLifecycleIdleLocs(
 
 
 class TestPDDecodeLifecycleIdleLocs(
-    _IdleLocLifecycles, integration.TestPDDecodeLifecycleDefaults
+    _IdleLocLifecycles, integration.TestPDDecodeLifecycleUnits
 ):
     """PD decode lifecycles, retraction and resume included, with idle-loc
     units."""

@@ -664,7 +664,9 @@ class TestUnitsLifecycle(unittest.TestCase):
         # 2 regions; 8 of the 10 staging pages may be lent (units of C = 128
         # rows = 2 pages). Prefills take staging units back, admissions take
         # region units back; every page table stays exact.
-        h = OffloadHarness(self, seed=7, num_regions=2, max_units=4, lend_staging_pages=8)
+        h = OffloadHarness(
+            self, seed=7, num_regions=2, max_units=4, lend_staging_pages=8
+        )
         co, staging = h.controller, h.allocator.staging
         a = h.new_req()
         h.prefill([(a, 300)])
@@ -818,7 +820,6 @@ class TestRandomWorkload(unittest.TestCase):
         # Admissions took regions back (staging taken back by a prefill:
         # TestUnitsLifecycle.test_idle_staging_lent_as_units).
         self.assertIn(REGION_UNIT_SOURCE, reclaimed)
-
 
 
 class _OneRequestAtATime(unittest.TestCase):

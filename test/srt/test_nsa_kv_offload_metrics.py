@@ -19,7 +19,6 @@ def interval(**over):
         lru_hits=10,
         window_hits=3,
         misses=5,
-        prefetched=2,
         h2d_bytes=5 * 656,
         d2h_bytes=656,
         warmed_requests=1,
@@ -36,6 +35,8 @@ def interval(**over):
         idle_loc_units_lent=1,
         staging_used_rows=64,
         staging_total_rows=640,
+        verify_checked_rows=8,
+        verify_mismatches=0,
     )
     stats.update(over)
     return stats
@@ -51,11 +52,14 @@ class TestNSAKVOffloadMetrics(unittest.TestCase):
 
     def test_counters_add_gauges_set(self):
         self.metrics.observe(interval())
-        self.metrics.observe(interval(misses=7, host_used_tokens=256, regions_used=3))
+        self.metrics.observe(
+            interval(
+                misses=7, host_used_tokens=256, regions_used=3, verify_mismatches=1
+            )
+        )
         self.assertEqual(self.value("lru_hits_total"), 20)
         self.assertEqual(self.value("window_hits_total"), 6)
         self.assertEqual(self.value("misses_total"), 12)
-        self.assertEqual(self.value("prefetched_rows_total"), 4)
         self.assertEqual(self.value("h2d_bytes_total"), 2 * 5 * 656)
         self.assertEqual(self.value("d2h_bytes_total"), 2 * 656)
         self.assertEqual(self.value("warmed_requests_total"), 2)
@@ -72,6 +76,9 @@ class TestNSAKVOffloadMetrics(unittest.TestCase):
         self.assertEqual(self.value("direct_requests"), 1)
         self.assertEqual(self.value("staging_rows_used"), 64)
         self.assertEqual(self.value("staging_rows_total"), 640)
+        # The verify mode's (--nsa-kv-offload-verify).
+        self.assertEqual(self.value("verify_checked_rows_total"), 16)
+        self.assertEqual(self.value("verify_mismatches_total"), 1)
 
     def test_exposition(self):
         self.metrics.observe(interval())
@@ -88,7 +95,6 @@ class TestNSAKVOffloadMetrics(unittest.TestCase):
                 lru_hits=0,
                 window_hits=0,
                 misses=0,
-                prefetched=0,
                 h2d_bytes=0,
                 d2h_bytes=0,
             )

@@ -2,7 +2,8 @@
 scheduler), driven through the real sglang code (CPU integration,
 docs/MTP.md "Spec v2").
 
-The real pools, allocator and coordinator of ``test_nsa_kv_offload_mtp_verify``;
+The real pools, allocator and coordinator of ``test_nsa_kv_offload_mtp_verify``
+(on CPU with its torch paths for the swap, the copies and the KV rows);
 the test plays the scheduler and the model around sglang's own spec v2 code:
 
 * ``ScheduleBatch.prepare_for_decode`` (the patched method, on a stand-in
@@ -28,8 +29,8 @@ import unittest
 from types import SimpleNamespace
 from unittest import mock
 
-import test_nsa_kv_offload_integration as integration
 import torch
+from offload_harness import DEVICE, PAGE, FakeReq
 from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers import utils as managers_utils
 from sglang.srt.mem_cache import common as common_module
@@ -40,15 +41,11 @@ from sglang.srt.speculative.eagle_info_v2 import (
     EagleDraftInputV2Mixin,
     EagleVerifyInputV2Mixin,
 )
-from test_nsa_kv_offload_integration import (
-    DEVICE,
-    PAGE,
-    _Req,
+from test_nsa_kv_offload_mtp_verify import (  # noqa: F401 (module fixtures)
+    _MTPHarness,
+    setUpModule,
+    tearDownModule,
 )
-from test_nsa_kv_offload_mtp_verify import _MTPHarness
-
-# The allocator's Triton kernel replaced on CPU, per module.
-setUpModule, tearDownModule = integration.setUpModule, integration.tearDownModule
 
 
 class _TorchAssignKernel:
@@ -76,7 +73,7 @@ class _TorchAssignKernel:
         return launch
 
 
-class _V2Req(_Req):
+class _V2Req(FakeReq):
     """A ``Req`` as spec v2 keeps it: committed and allocated KV lengths."""
 
     def __init__(self, rid):
@@ -227,6 +224,8 @@ class _V2Harness(_MTPHarness):
             draft_token_num=q,
         )
         runner = SimpleNamespace(
+            # What ModelRunner keeps (create_nsa_kv_offload_coordinator).
+            nsa_kv_offload=self.co,
             token_to_kv_pool_allocator=self.allocator,
             spec_algorithm=SimpleNamespace(is_standalone=lambda: False),
             graph_runner=None,

@@ -3,7 +3,7 @@ sglang pools (CPU integration, docs/MTP.md).
 
 The real ``NSAKVOffloadTokenToKVPool``, ``NSAKVOffloadTokenToKVPoolAllocator``
 and ``NSAKVOffloadCoordinator`` (built for ``q`` query tokens) of
-``test_nsa_kv_offload_integration._Harness``; the test plays EAGLE v1's part
+``offload_harness.OffloadHarness``; the test plays EAGLE v1's part
 of a decode step with ``s`` draft steps (``q = s + 1``):
 
 * ``prepare_for_decode`` (speculative): requests the prefill hook missed
@@ -14,28 +14,38 @@ of a decode step with ``s`` draft steps (``q = s + 1``):
   to ``req_to_token``, then ``prepare_verify``: every loc mapped to its window
   ring row, staging untouched, requests the prefill hook missed admitted;
 * the ``TARGET_VERIFY`` forward, padded like a CUDA-graph replay: every layer
-  writes the ``q`` tokens' KV, then its page table comes from
-  ``NativeSparseAttnBackend.forward_extend`` (the patched method, with the
-  FlashMLA call captured) or the hook directly; each query token's row must
-  hold exactly the KV of its top-k positions (full-KV reference), and the
-  last layer writes all ``q`` tokens back to host memory;
+  hands its top-k over (the early swap starts), writes the ``q`` tokens' KV,
+  then its page table comes from ``NativeSparseAttnBackend.forward_extend``
+  (the patched method, with the FlashMLA call captured) or the hook directly;
+  each query token's row must hold exactly the KV of its top-k positions
+  (full-KV reference), and the last layer writes all ``q`` tokens back to
+  host memory;
 * ``verify()``: ``a`` drafts accepted, the rejected locs of wholly empty pages
   freed; the next step verifies at the accepted length.
+
+On CPU the swap, the copies and the KV row write take their torch paths
+(``mtp_verify_sim.cpu_torch_paths``): what is under test is where the rows go
+(the kernels have their own tests; on CUDA the same tests run them).
 """
 
 import importlib.util
-import itertools
-import os
 import random
 import unittest
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
-# The module, not its TestCase: a TestCase in this namespace would run here too.
-import test_nsa_kv_offload_integration as integration
+import offload_harness
+import test_nsa_kv_offload_sizing as sizing_tests
 import torch
-from sglang.srt.arg_groups.nsa_kv_offload_args import ENV_IDLE_LOC_UNITS
+from mtp_verify_sim import cpu_torch_paths
+from offload_harness import (
+    DEVICE,
+    KV_LORA_RANK,
+    PAGE,
+    ROPE_DIM,
+    OffloadHarness,
+)
 from sglang.srt.layers.attention import nsa_backend, nsa_offload_hooks
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSA_KV_OFFLOAD_DRAFT_LAYERS,
@@ -43,16 +53,22 @@ from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     lru_slot_id_bytes,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from test_nsa_kv_offload_integration import (
-    DEVICE,
-    KV_LORA_RANK,
-    PAGE,
-    ROPE_DIM,
-    _Harness,
-)
 
-# The allocator's Triton kernel replaced on CPU, per module.
-setUpModule, tearDownModule = integration.setUpModule, integration.tearDownModule
+_PATCHES = cpu_torch_paths()
+
+
+def setUpModule():
+    # The allocator's Triton kernel replaced on CPU (the harness), then the
+    # torch paths.
+    offload_harness.setUpModule()
+    for patch in _PATCHES:
+        patch.start()
+
+
+def tearDownModule():
+    for patch in reversed(_PATCHES):
+        patch.stop()
+    offload_harness.tearDownModule()
 
 
 def _backend(coordinator, captured):
@@ -75,16 +91,12 @@ def _backend(coordinator, captured):
     )
 
 
-class _MTPHarness(_Harness):
-    def __init__(self, test, steps, early_swap=False, **kw):
+class _MTPHarness(OffloadHarness):
+    def __init__(self, test, steps, **kw):
         self.s, self.q = steps, steps + 1
-        super().__init__(
-            test,
-            coordinator_kwargs=dict(max_query_tokens=steps + 1, early_swap=early_swap),
-            **kw,
-        )
-        # create_nsa_kv_offload_allocator sets it when --speculative-algorithm is
-        self.allocator.speculative = True
+        super().__init__(test, query_tokens=steps + 1, **kw)
+        # As create_nsa_kv_offload_allocator builds it with MTP on.
+        test.assertTrue(self.allocator.speculative)
 
     def draft_pass(self, reqs):
         """EAGLE v1 ``_draft_preprocess_decode`` (page size > 1, topk 1): ``s``
@@ -176,13 +188,11 @@ class _MTPHarness(_Harness):
                 ]
                 + [self.pick_topk(8) for _ in range(pad_reqs * q)]
             ).to(DEVICE, torch.int32)
-            # The model hands the top-k over after its indexer and after its
-            # query rope (the early swap starts at one of the two), the layer
-            # writes the q tokens' KV, then attends.
+            # The model hands the top-k over after its indexer (the early
+            # swap starts), the layer writes the q tokens' KV, then attends.
             nsa_offload_hooks.begin_layer_swap(fb, layer, topk)
-            nsa_offload_hooks.begin_layer_swap(fb, layer, topk, after_rope=True)
-            self.t.assertEqual(layer in self.co._early_page_tables, self.co.early_swap)
-            self.write_kv_layer(layer, out)
+            self.t.assertIn(layer, self.co._early_page_tables)
+            self.write_kvlayer_arg(layer, out)
             if layer in backend_layers:
                 captured = []
                 lyr = SimpleNamespace(
@@ -265,6 +275,10 @@ class _MTPHarness(_Harness):
         self.accept(reqs, out, pre, accepts)
 
 
+# Verify steps per harness run of test_verify_steps.
+STEPS = 5
+
+
 class TestMTPVerify(unittest.TestCase):
     def _harness(self, steps, **kw):
         top_k = 32
@@ -281,10 +295,9 @@ class TestMTPVerify(unittest.TestCase):
         )
 
     def test_verify_steps(self):
-        stats = {}
-        for steps, early_swap in itertools.product((1, 3), (False, True)):
-            with self.subTest(steps=steps, early_swap=early_swap):
-                h = self._harness(steps, seed=steps, early_swap=early_swap)
+        for steps in (1, 3):
+            with self.subTest(steps=steps):
+                h = self._harness(steps, seed=steps)
                 rng = random.Random(steps)
                 # Prompts ending just before a page boundary: the drafts cross it.
                 a, b = h.new_req(), h.new_req()
@@ -292,7 +305,7 @@ class TestMTPVerify(unittest.TestCase):
                 straggler = h.new_req()
                 h.prefill([(straggler, 70)], admit=False)
                 reqs = [a, b, straggler]
-                for step in range(5):
+                for step in range(STEPS):
                     if step == 0:
                         accepts = [steps, 0, 1 % (steps + 1)]
                     else:
@@ -310,11 +323,8 @@ class TestMTPVerify(unittest.TestCase):
                     held = held[held >= 0].long()
                     committed = h.req_to_token[r.req_pool_idx, : r.seq_len].long()
                     self.assertTrue(bool(torch.isin(held, committed).all()))
-                # The early swap (SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP): the same
-                # hits, misses and copies as the swap in the backend's hook.
-                stats[steps, early_swap] = h.controller.get_stats()
-                if early_swap:
-                    self.assertEqual(stats[steps, True], stats[steps, False])
+                # The verifies went through host reads.
+                self.assertGreater(h.controller.get_stats()["misses"], 0)
                 for r in reqs:
                     h.finish(r)
                 self.assertEqual(h.snapshot(), h.initial)
@@ -376,13 +386,9 @@ class TestMTPVerify(unittest.TestCase):
         with self.assertRaises(ValueError) as ctx:
             h.co.prepare_verify(batch, 2)
         self.assertIn("built for 3", str(ctx.exception))
-        with self.assertRaises(ValueError) as ctx:
-            self._harness(1, cross_layer_prefetch=True)
-        self.assertIn("SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH", str(ctx.exception))
-        self.assertIn("--speculative-algorithm", str(ctx.exception))
 
 
-class TestDraftWorkerPool(integration.TinyConfigDirCase):
+class TestDraftWorkerPool(sizing_tests.TinyConfigDirCase):
     """The NextN layer's KV stays on the GPU in a plain NSA pool of the
     draft worker, one row per token loc: its bytes are counted per loc."""
 
@@ -391,12 +397,9 @@ class TestDraftWorkerPool(integration.TinyConfigDirCase):
             create_memory_pool_configurator,
         )
 
-        args = integration.TestServerArgsToPools._server_args(
-            self, nsa_kv_offload_host_pool_gb=32.0, **overrides
-        )
-        return create_memory_pool_configurator(
-            integration.TestServerArgsToPools._model_runner(self, args, 1)
-        )
+        cases = sizing_tests.TestServerArgsToPools
+        args = cases._server_args(self, nsa_kv_offload_host_pool_gb=32.0, **overrides)
+        return create_memory_pool_configurator(cases._model_runner(self, args, 1))
 
     def test_draft_bytes_per_loc(self):
         mtp = dict(
@@ -407,36 +410,40 @@ class TestDraftWorkerPool(integration.TinyConfigDirCase):
             disable_overlap_schedule=True,
             max_running_requests=48,  # sglang's speculative default
         )
-        # Without idle-loc units, whose LRU state the locs would also pay.
-        with mock.patch.dict(os.environ, {ENV_IDLE_LOC_UNITS: "0"}):
-            plain, spec = self._configurator(), self._configurator(**mtp)
-        self.assertEqual(plain.draft_bytes_per_loc, 0)
+        # One unit a request: no idle-loc units, whose LRU state the locs
+        # would also pay.
+        one_unit = dict(nsa_kv_offload_max_units=1)
+        plain = self._configurator(**one_unit)
+        spec = self._configurator(**one_unit, **mtp)
+        self.assertEqual(plain.extra_bytes_per_loc, 0)
         self.assertEqual(NSA_KV_OFFLOAD_DRAFT_LAYERS, 1)
-        self.assertEqual(spec.draft_bytes_per_loc, 656 + 132)  # fp8 KV + keys
-        self.assertEqual(spec.buffer_size, 5 * 2048)  # (q + 1) x index_topk
+        self.assertEqual(spec.extra_bytes_per_loc, 656 + 132)  # fp8 KV + keys
+        o = spec.options
+        self.assertEqual(o.buffer_size, 5 * 2048)  # (q + 1) x index_topk
+        self.assertEqual(o.query_tokens, 4)
         self.assertEqual(spec._num_regions(1 << 40), 48)
         avail = 4 << 30
         sizes = spec.compute_sizes(avail, PAGE)
+        self.assertEqual(sizes.idle_loc_units, 0)
         expect = compute_offload_pool_sizes(
             available_bytes=avail,
             num_layers=spec.num_layers,
             row_bytes=spec.row_bytes,
             indexer_bytes=spec.indexer_bytes,
             page_size=PAGE,
-            buffer_size=spec.buffer_size,
-            recent_window=spec.recent_window,
+            buffer_size=o.buffer_size,
+            recent_window=o.recent_window,
             num_regions=48,
             staging_rows=spec.staging_rows(48, PAGE),
             host_pool_bytes=spec.host_pool_bytes,
-            max_units=spec.max_units,
+            max_units=o.max_units,
             # The swap's scratch is as wide as the verify's query tokens.
             swap_scratch_bytes=spec.swap_scratch_bytes(48),
         )
-        self.assertEqual(spec.max_query_tokens, 4)
         # A loc's bytes: per layer its indexer keys and slot id, its row map.
-        slot_id = lru_slot_id_bytes(spec.buffer_size, spec.max_units)
-        fewer = (expect.num_locs * spec.draft_bytes_per_loc) // (
-            3 * (132 + slot_id) + 8 + spec.draft_bytes_per_loc
+        slot_id = lru_slot_id_bytes(o.buffer_size, o.max_units)
+        fewer = (expect.num_locs * spec.extra_bytes_per_loc) // (
+            3 * (132 + slot_id) + 8 + spec.extra_bytes_per_loc
         )
         self.assertLess(sizes.num_locs, expect.num_locs)
         self.assertLessEqual(abs(expect.num_locs - sizes.num_locs - fewer), 2 * PAGE)

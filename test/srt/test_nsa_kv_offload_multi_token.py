@@ -1,6 +1,6 @@
 """The multi-token LRU swap (MTP target verify, docs/MTP.md): hand examples,
-argument checks, and the torch reference and Triton kernels (fused and split;
-under TRITON_INTERPRET=1 on a CPU machine) against
+argument checks, and the torch reference and the Triton kernels (under
+TRITON_INTERPRET=1 on a CPU machine) against
 ``lru_model.LRUModel.swap_multi`` over random verify workloads
 (``mtp_verify_sim.VerifySim``), seeded and property-based.
 """
@@ -20,15 +20,14 @@ from mtp_verify_sim import (
     run_verify_sim,
 )
 from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
-from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
-from test_lru_cache_state import Sim, SimConfig, assert_states_equal, check_invariants
+from test_lru_cache_state import Sim, SimConfig, check_invariants
 
 
 class TestMultiTokenSwap(unittest.TestCase):
     """Hand examples of the semantics, and the argument checks."""
 
     def _impls(self):
-        return ["reference", "fused", "split"] if TRITON_OK else ["reference"]
+        return ["reference", "triton"] if TRITON_OK else ["reference"]
 
     def _state(self, impl, C=8, W=3, K=4, q=2, units=1):
         cfg = VerifyConfig(
@@ -86,35 +85,19 @@ class TestMultiTokenSwap(unittest.TestCase):
         # A state that allows q query tokens, swapping one: the decode swap
         # with the read window W - q + 1 (test_lru_cache_state's workload).
         cfg = SimConfig(layers=1, C=40, K=12, W=5, max_batch=4, units=2)
-        for use_triton in [False, True] if TRITON_OK else [False]:
-            for q in (1, 3):
+        # The Triton swap of a one-token state is test_lru_cache_state's:
+        # here the kernels only at q = 3 (the multi-token kernels, one token).
+        cases = [(False, 1), (False, 3)] + ([(True, 3)] if TRITON_OK else [])
+        for use_triton, q in cases:
+            with self.subTest(use_triton=use_triton, q=q):
                 state = sim_state(cfg, use_triton, max_query_tokens=q)
                 self.assertEqual(state.read_window, cfg.W - q + 1)
                 model = LRUModel(
                     cfg.layers, cfg.C, cfg.W, cfg.units, read_window=cfg.W - q + 1
                 )
                 sim = Sim(self, cfg, [state], model, seed=11)
-                for _ in range(10):
+                for _ in range(8):
                     sim.step()
-
-    @unittest.skipUnless(TRITON_OK, TRITON_SKIP)
-    def test_multi_token_kernels_at_one_query_token(self):
-        # The multi-token kernels with Q = 1 give the one-token kernels' results.
-        for units in (1, 2):
-            cfg = SimConfig(layers=1, C=40, K=12, W=5, max_batch=4, units=units)
-            states = [sim_state(cfg, True)]
-            for split in (False, True):
-                state = sim_state(cfg, True)
-                state.swap_backend = TritonLRUSwap(
-                    state, multi_split=split, always_multi_token=True
-                )
-                states.append(state)
-            model = LRUModel(cfg.layers, cfg.C, cfg.W, max_units=cfg.units)
-            sim = Sim(self, cfg, states, model, seed=12 + units)
-            for _ in range(10):
-                sim.step()
-            for state in states[1:]:
-                assert_states_equal(self, states[0], state)
 
     def test_padding_requests_are_noops(self):
         r2t = torch.arange(64, dtype=torch.int32, device=DEVICE).view(2, 32)
@@ -233,11 +216,16 @@ def sim_state(cfg: SimConfig, use_triton: bool, **kwargs) -> LRUCacheState:
     )
 
 
+# Steps of each seeded differential run: the interpreted kernels cost ~0.1 s
+# a step and layer on CPU; each run still rejects drafts and copies rows.
+STEPS = 6
+
+
 @unittest.skipUnless(TRITON_OK, TRITON_SKIP)
 class TestMultiTokenTritonMatchesReference(unittest.TestCase):
-    """Reference, both Triton swaps and the model in lockstep (seeded)."""
+    """Reference, the Triton swap and the model in lockstep (seeded)."""
 
-    IMPLS = ("reference", "fused", "split")
+    IMPLS = ("reference", "triton")
 
     def _run(self, cfg, steps, seed, impls=IMPLS):
         sim = run_verify_sim(self, cfg, impls, steps, seed)
@@ -246,13 +234,13 @@ class TestMultiTokenTritonMatchesReference(unittest.TestCase):
         return sim
 
     def test_three_query_tokens(self):
-        sim = self._run(VerifyConfig(q_max=3, vary_q=False), steps=12, seed=1)
+        sim = self._run(VerifyConfig(q_max=3, vary_q=False), steps=STEPS, seed=1)
         self.assertGreater(sim.stats["dup_entries"], 50)
         self.assertGreater(sim.stats["reused"], 0)
 
     def test_four_query_tokens_non_pow2(self):
         cfg = VerifyConfig(layers=1, K=11, q_max=4, C=50, W=9, max_batch=3)
-        self._run(cfg, steps=15, seed=2)
+        self._run(cfg, steps=STEPS, seed=2)
 
     def test_heavy_eviction(self):
         # C = q x K, little reuse between steps and query tokens: every step
@@ -267,13 +255,12 @@ class TestMultiTokenTritonMatchesReference(unittest.TestCase):
             p_share=0.3,
             p_recent=0.2,
         )
-        self._run(cfg, steps=15, seed=3)
+        self._run(cfg, steps=STEPS, seed=3)
 
     def test_units(self):
-        # Units granted and taken back between steps; with units the default
-        # Triton swap runs split, "fused" walks all units in one program.
+        # Units granted and taken back between steps.
         cfg = VerifyConfig(layers=1, K=8, q_max=3, C=24, W=5, units=3, max_batch=4)
-        self._run(cfg, steps=15, seed=4, impls=("reference", "triton", "fused"))
+        self._run(cfg, steps=STEPS, seed=4)
 
     def test_churn_and_padding(self):
         cfg = VerifyConfig(
@@ -287,7 +274,7 @@ class TestMultiTokenTritonMatchesReference(unittest.TestCase):
             p_release=0.4,
             max_pad_rows=3,
         )
-        self._run(cfg, steps=15, seed=5)
+        self._run(cfg, steps=STEPS, seed=5)
 
 
 def verify_configs(max_steps: int):
@@ -331,7 +318,7 @@ class TestMultiTokenAgainstModel(unittest.TestCase):
     several, C from q x K up), locality between steps and query tokens,
     accept lengths, loc reuse and churn."""
 
-    REF_EXAMPLES, TRITON_EXAMPLES = 40, 5
+    REF_EXAMPLES, TRITON_EXAMPLES = 40, 3
     stats = {
         impl: {"examples": 0, "steps": 0, "copies": 0, "dups": 0, "rejected": 0}
         for impl in ("reference", "triton")
@@ -366,7 +353,7 @@ class TestMultiTokenAgainstModel(unittest.TestCase):
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(verify_configs(max_steps=10))
+    @given(verify_configs(max_steps=6))
     def test_triton_vs_model(self, args):
         self._run("triton", args)
 

@@ -134,7 +134,6 @@ class TestAttentionTPRanks(unittest.TestCase):
         "layout_mismatch",
         "lifecycle",
         "lifecycle_units",
-        "lifecycle_direct",
         "naive_warm",
     )
 
@@ -167,7 +166,7 @@ class TestAttentionTPRanks(unittest.TestCase):
             self.assertTrue(r.startswith("raised "), results)
             self.assertIn(f"rank {WORLD - 1}: shared host KV at /proc/", r)
 
-    def _check_lifecycle(self, name, direct="00"):
+    def _check_lifecycle(self, name):
         results = self._results(name)
         for r in results:
             self.assertTrue(r.startswith("ok "), results)
@@ -181,18 +180,15 @@ class TestAttentionTPRanks(unittest.TestCase):
         for f in fields[1:]:
             self.assertEqual(int(f["d2h_rows"]), 0, results)
         self.assertEqual(len({f["host"] for f in fields}), 1, results)
-        self.assertEqual({f["direct"] for f in fields}, {direct}, results)
+        # A shared host pool's options: direct slots on (B is warmed from its
+        # staging rows into slots 0..n-1 on every rank), warm units off.
+        self.assertEqual({f["direct"] for f in fields}, {"01"}, results)
 
     def test_lifecycle_reads_rank_0s_rows(self):
         self._check_lifecycle("lifecycle")
 
     def test_lifecycle_with_units(self):
         self._check_lifecycle("lifecycle_units")
-
-    def test_lifecycle_with_direct_slots(self):
-        # What a shared host pool runs by default: direct slots on (B is
-        # warmed from its staging rows into slots 0..n-1), warm units off.
-        self._check_lifecycle("lifecycle_direct", direct="01")
 
     def test_negative_control_is_caught(self):
         # Readers that warm from host memory before rank 0's backup read

@@ -6,9 +6,8 @@ chain, 1-3 steps, draft tokens = steps + 1, spec v1 (--disable-overlap-schedule)
 or spec v2 (the overlap scheduler, sglang's default; CPU-tested, docs/MTP.md).
 ``check_nsa_kv_offload_speculative`` refuses everything else, naming the
 flag: other algorithms, draft trees, more steps, adaptive steps, multi-layer
-EAGLE, spec v2 on a PD decode server or with sglang's plan stream, the
-cross-layer prefetch, and a buffer or window too small for the verify step's
-query tokens. Attention TP / DP attention keep their own gate, MTP or not.
+EAGLE, spec v2 on a PD decode server or with sglang's plan stream, and a
+buffer or window too small for the verify step's query tokens. Attention TP / DP attention keep their own gate, MTP or not.
 """
 
 import os
@@ -19,12 +18,7 @@ from pathlib import Path
 from unittest import mock
 
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
-    ENV_CROSS_LAYER_PREFETCH,
-    ENV_DIRECT_SLOTS,
-    ENV_OVERLAP_PLAN_STREAM,
-    ENV_UNPROVEN_PARALLEL,
     check_nsa_kv_offload_speculative,
-    nsa_kv_offload_default_buffer_size,
 )
 from sglang.srt.server_args import ServerArgs
 
@@ -33,6 +27,8 @@ TINY_DSV32_CONFIG = (
     REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
 )
 INDEX_TOPK = 2048
+ENV_OVERLAP_PLAN_STREAM = "SGLANG_ENABLE_OVERLAP_PLAN_STREAM"
+ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 # Gated MTP until it ran on the H200; must open nothing now.
 REMOVED_SPECULATIVE_GATE = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_SPECULATIVE"
 
@@ -170,23 +166,6 @@ class TestSpeculativeChecks(unittest.TestCase):
                 enable_multi_layer_eagle=True,
                 disable_overlap_schedule=overlap_off,
             )
-
-    def test_one_token_swaps_refused(self):
-        # The cross-layer prefetch and direct slots swap one top-k row each.
-        for env in (ENV_CROSS_LAYER_PREFETCH, ENV_DIRECT_SLOTS):
-            with self.subTest(env=env):
-                with mock.patch.dict(os.environ, {env: "1"}):
-                    self._assert_refused(
-                        f"{env}=1 is not supported with --speculative-algorithm EAGLE"
-                    )
-                with mock.patch.dict(os.environ, {env: "0"}):
-                    self.assertEqual(
-                        check_nsa_kv_offload_speculative(self._args(), INDEX_TOPK), 4
-                    )
-
-    def test_default_buffer_size(self):
-        self.assertEqual(nsa_kv_offload_default_buffer_size(INDEX_TOPK, 1), 4096)
-        self.assertEqual(nsa_kv_offload_default_buffer_size(INDEX_TOPK, 4), 10240)
 
 
 class TestStartup(unittest.TestCase):
@@ -337,14 +316,6 @@ class TestStartup(unittest.TestCase):
             for flag, overrides in cases:
                 with self.subTest(flag=flag, env=extra), self._env(**extra):
                     self.assertIn(flag, self._refused(self._args(**overrides)))
-            with self.subTest(flag=ENV_CROSS_LAYER_PREFETCH, env=extra), self._env(
-                **{ENV_CROSS_LAYER_PREFETCH: "1"}, **extra
-            ):
-                self.assertIn(
-                    f"{ENV_CROSS_LAYER_PREFETCH}=1 is not supported with "
-                    "--speculative-algorithm EAGLE",
-                    self._refused(self._args()),
-                )
 
     def test_parallel_layouts_refused_with_mtp(self):
         # Multi-GPU has not run: TP and DP attention stay behind their own

@@ -6,9 +6,11 @@ rejected draft's; the host pool holds every committed token.
 
 import random
 import unittest
+from unittest import mock
 
 import torch
 from mtp_verify_sim import DEVICE, TRITON_OK, TRITON_SKIP
+from sglang.srt.mem_cache import sparse_cache_controller as controller_module
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
 
@@ -193,17 +195,24 @@ class TestVerifyExactness(unittest.TestCase):
                 self.assertTrue(
                     torch.equal(host.kv_buffer[layer, locs], kv[layer, ids])
                 )
-        self.assertGreater(checked["committed"], 300)
-        self.assertGreater(checked["draft"], 30)
-        self.assertGreater(checked["rejected"], 5)
+        # A meaningful workload (20 steps: 300 committed, 30 draft entries
+        # checked, 5 drafts rejected at least).
+        self.assertGreater(checked["committed"], 15 * steps)
+        self.assertGreater(checked["draft"], 1.5 * steps)
+        self.assertGreater(checked["rejected"], steps / 4)
         self.assertGreater(ctrl.get_stats()["misses"], 0)
 
     def test_reference(self):
-        self._run(use_triton=False, seed=1)
+        # The torch swap and the torch copies (off CUDA; the kernels: below).
+        with mock.patch.object(
+            controller_module, "copy_kernels_interpreted", lambda: False
+        ):
+            self._run(use_triton=False, seed=1)
 
     @unittest.skipUnless(TRITON_OK, TRITON_SKIP)
     def test_triton(self):
-        self._run(use_triton=True, seed=2, steps=10)
+        # The swap and copy kernels (interpreted on CPU: ~0.3 s a layer-step).
+        self._run(use_triton=True, seed=2, steps=6)
 
 
 if __name__ == "__main__":

@@ -448,7 +448,10 @@ class TestUnits(_ControllerCase):
                 msg = (seed, max_units)
                 self._rebalance_and_check_level(ctrl, caps, msg)
                 lent = [
-                    b for u in (ctrl.units.units(r) for r in ctrl.units.requests()) for b, s in u if s == "lent"
+                    b
+                    for u in (ctrl.units.units(r) for r in ctrl.units.requests())
+                    for b, s in u
+                    if s == "lent"
                 ]
                 self.assertEqual(len(set(lent)), len(lent), msg)
                 self.assertEqual(len(lent) + len(self.lent.free) + len(held_out), 7)
@@ -567,7 +570,9 @@ class TestEndToEnd(_ControllerCase):
         checked = {"window": 0, "lookup": 0, "pad": 0}
         units_granted, reclaimed = [], []
         reclaim = ctrl._reclaim_from
-        ctrl._reclaim_from = lambda source: reclaimed.append(reclaim(source)) or reclaimed[-1]
+        ctrl._reclaim_from = (
+            lambda source: reclaimed.append(reclaim(source)) or reclaimed[-1]
+        )
 
         def in_request_rows(r, row):
             base = ctrl.region_base(r)

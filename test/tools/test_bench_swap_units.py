@@ -1,6 +1,6 @@
 """``benchmark/nsa_offload/engine/bench_swap_units.py`` on a small workload: the
-split, chunked and fused swaps stay equal over replays with misses, and the report
-says so (CPU: eager steps under the Triton interpreter, no timing)."""
+swap kernels stay equal to the torch reference over replays with misses, and the
+report says so (CPU: eager steps under the Triton interpreter, no timing)."""
 
 import json
 import sys
@@ -10,7 +10,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from sglang.srt.mem_cache import lru_cache_state as lru_mod
+from sglang.srt.mem_cache.lru_cache_state import default_use_triton
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmark" / "nsa_offload"
 sys.path.insert(0, str(BENCH_DIR / "engine"))
@@ -19,12 +19,12 @@ import bench_swap_units  # noqa: E402
 import gpu_check_units  # noqa: E402
 import offload_bench_utils  # noqa: E402
 
-TRITON_OK = torch.cuda.is_available() or lru_mod._swap_kernel_is_interpreted()
+TRITON_OK = torch.cuda.is_available() or default_use_triton(torch.device("cpu"))
 
 
 @unittest.skipUnless(TRITON_OK, "Triton neither on CUDA nor interpreted")
 class TestBenchSwapUnits(unittest.TestCase):
-    def test_split_equals_fused_with_misses(self):
+    def test_kernels_equal_the_reference_with_misses(self):
         with tempfile.TemporaryDirectory() as out:
             argv = ["bench_swap_units.py", "--out", out, "--batch-sizes", "2"]
             argv += ["--units", "1,3", "--ctx", "4000", "--buffer-size", "24"]
@@ -36,27 +36,39 @@ class TestBenchSwapUnits(unittest.TestCase):
             self.assertEqual(done.exception.code, 0)
             with open(Path(out) / "bench_swap_units.json") as f:
                 report = json.load(f)
-            self.assertTrue(report["split_equals_fused"])
+            self.assertTrue(report["equals_reference"])
             by_units = {r["units"]: r for r in report["rows"]}
             self.assertEqual(set(by_units), {1, 3})
-            self.assertNotIn("split", by_units[1])
             # Fresh positions outnumber even three units' slots: both swaps
             # evict on every replay, so the comparison covers victims.
-            self.assertGreater(by_units[3]["split"]["misses_per_row"], 0)
-            self.assertEqual(
-                by_units[3]["split"]["misses_per_row"],
-                by_units[3]["fused"]["misses_per_row"],
-            )
+            for row in by_units.values():
+                self.assertEqual(row["mismatched_replays"], 0)
+                self.assertGreater(row["misses_per_row"], 0)
             md = (Path(out) / "bench_swap_units.md").read_text()
             self.assertIn("| 2 | 3 (72) |", md)
             self.assertIn("| yes |", md)
+
+    def test_a_wrong_kernel_fails_the_run(self):
+        # The verdict follows the comparison: a replay that differs fails.
+        with tempfile.TemporaryDirectory() as out:
+            argv = ["bench_swap_units.py", "--out", out, "--batch-sizes", "1"]
+            argv += ["--units", "2", "--ctx", "400", "--buffer-size", "24"]
+            argv += ["--window", "4", "--top-k", "24", "--steps", "2"]
+            argv += ["--repeats", "1"]
+            same = mock.patch.object(bench_swap_units, "_same", return_value=False)
+            with mock.patch.object(sys, "argv", argv), same:
+                with self.assertRaises(SystemExit) as done:
+                    bench_swap_units.main()
+            self.assertEqual(done.exception.code, 1)
+            md = (Path(out) / "bench_swap_units.md").read_text()
+            self.assertIn("| NO |", md)
 
 
 @unittest.skipUnless(TRITON_OK, "Triton neither on CUDA nor interpreted")
 class TestGpuCheckUnits(unittest.TestCase):
     """``gpu_check_units.py`` (the split kernels against the torch reference,
     swap by swap) in its three warm-ups, at tiny sizes: the kernels' direct
-    variants included, and a direct-mode run whose older half misses."""
+    variants included, and a direct-mode run whose newer half misses."""
 
     def _check(self, *extra):
         with tempfile.TemporaryDirectory() as d:

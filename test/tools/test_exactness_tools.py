@@ -357,7 +357,7 @@ class TestExactnessAccounting(unittest.TestCase):
         head = exactness_headline.headline([tiny, rank], ["t/", "r/"])
         self.assertEqual(head["identical"], head["total"])
         # 4 seq + 2 abort each; the bf16 retraction server's 4 retract too.
-        self.assertEqual(head["total"], 6 * 6 + 4 + 2 * 6)
+        self.assertEqual(head["total"], 5 * 6 + 4 + 2 * 6)
         self.assertIn("tiny:ours_bf16_retract:retract", head["cases"])
         self.assertEqual(head["negative_control_flip_fraction"], 0.9)
         self.assertEqual(head["code_commits"], ["rank", "tiny"])
@@ -725,27 +725,33 @@ class TestMtpServers(unittest.TestCase):
 class TestTunedServers(unittest.TestCase):
     def test_tuned_servers_run_the_bench_settings(self):
         # The exactness servers of the tuned settings run what the rank bench
-        # timed (ours_warm_direct_flat with --spare-regions --max-units 8),
-        # each against the no-offload server of its KV dtype.
+        # timed (8 units; its warm units, direct slots and spare regions are
+        # the design now, its flat miss copy was removed), each against the
+        # no-offload server of its KV dtype.
         import bench_server
 
-        bench_env = bench_server.VARIANT_ENV["ours_warm_direct_flat"]
-        self.assertLessEqual(bench_env.items(), exactness.TUNED_ENV.items())
-        self.assertEqual(exactness.TUNED_ENV[server_utils.ENV_SPARE_REGIONS], "1")
+        self.assertEqual(
+            exactness.TUNED_MAX_UNITS, bench_server.VARIANT_MAX_UNITS["ours_8units"]
+        )
         # 8 units of 4,096 rows: int32 slot ids.
         self.assertGreater(exactness.TUNED_MAX_UNITS, server_utils.widest_units(None))
         names = [n for n in exactness.SERVERS if "_tuned" in n]
         self.assertEqual(
             sorted(names),
-            ["ours_bf16_tuned", "ours_bf16_tuned_level", "ours_bf16_tuned_retract",
-             "ours_fp8_tuned", "ours_fp8_tuned_4416"],
+            ["ours_bf16_tuned", "ours_bf16_tuned_retract", "ours_fp8_tuned",
+             "ours_fp8_tuned_4416"],
         )  # fmt: skip
         with tempfile.TemporaryDirectory() as d:
             args = exactness.parse_args(["--out", d])
             for name in names:
                 spec = exactness.SERVERS[name]
                 cmd, env = exactness.server_args(spec, args, "/c")
-                self.assertLessEqual(exactness.TUNED_ENV.items(), env.items(), name)
+                units = cmd.index("--nsa-kv-offload-max-units")
+                want = "7" if name.endswith("_4416") else str(exactness.TUNED_MAX_UNITS)
+                self.assertEqual(cmd[units + 1], want, name)
+                self.assertFalse(
+                    [k for k in env if k.startswith("SGLANG_NSA_KV_OFFLOAD_")], name
+                )
                 self.assertIn("--enable-decode-nsa-kv-offload", cmd)
                 base = exactness.SERVERS[spec["base"]]
                 self.assertIsNone(base.get("offload"))

@@ -23,7 +23,7 @@ sys.path.insert(0, str(BENCH_DIR / "server"))
 import bench_server  # noqa: E402
 import step_profile  # noqa: E402
 
-MAIN, SIDE, PREFETCH = 7, 20, 21
+MAIN, SIDE, EARLY = 7, 20, 21
 
 
 def kernel(name, ts, dur, stream=MAIN):
@@ -43,19 +43,19 @@ def runtime(name, dur):
 
 def two_steps():
     """Two decode steps: per step a graph launch of 3 model kernels plus the
-    offload's swap and copy, the prefetch's swap and copy on another stream
-    overlapping them, the backup; the scheduler's host time per step."""
+    offload's swap and copy, the next layer's early swap and copy on another
+    stream overlapping them, the backup; the scheduler's host time per step."""
     events = []
     for step, t0 in enumerate((0.0, 1000.0)):
         events += [
             kernel("fmha_model_kernel", t0, 100),
-            kernel("_swap_layer_kernel", t0 + 100, 20),
+            kernel("_swap_select_kernel", t0 + 100, 20),
             kernel("_gather_rows_kernel", t0 + 120, 30),
             kernel("moe_kernel", t0 + 150, 200),
             kernel("rmsnorm", t0 + 350, 50),
-            # prefetch of the next layer, under the model's kernel
-            kernel("_swap_layer_kernel", t0 + 160, 20, PREFETCH),
-            kernel("_gather_rows_kernel", t0 + 180, 40, PREFETCH),
+            # the next layer's early swap, under the model's kernel
+            kernel("_swap_select_kernel", t0 + 160, 20, EARLY),
+            kernel("_gather_rows_kernel", t0 + 180, 40, EARLY),
             # backup after the forward
             kernel("_copy_rows_all_layers_kernel", t0 + 400, 10, SIDE),
             runtime("cudaGraphLaunch", 12),
@@ -77,10 +77,10 @@ def two_steps():
 class TestSummarize(unittest.TestCase):
     def test_categories(self):
         self.assertEqual(
-            step_profile.kernel_category("_swap_layer_kernel_0d1d"), "swap"
+            step_profile.kernel_category("_swap_select_kernel_0d1d"), "swap"
         )
-        # With LRU units the swap runs as several kernels.
-        for part in ("classify", "count", "rank", "assign"):
+        # The swap runs as several kernels (the multi-token ones in verify).
+        for part in ("count", "rank", "copy_order", "multi_classify", "multi_assign"):
             self.assertEqual(
                 step_profile.kernel_category(f"_swap_{part}_kernel"), "swap"
             )
@@ -97,20 +97,20 @@ class TestSummarize(unittest.TestCase):
         names = set()
         for path in src.glob("nsa_kv_offload_*.py"):
             names |= set(re.findall(r"^\s*def (_\w+_kernel)\(", path.read_text(), re.M))
-        self.assertGreaterEqual(len(names), 10, sorted(names))
+        self.assertGreaterEqual(len(names), 9, sorted(names))
         for name in sorted(names):
             self.assertNotEqual(step_profile.kernel_category(name), "other", name)
 
     def test_per_step_sums(self):
         s = step_profile.summarize_events(two_steps(), steps=2)
         gpu = s["gpu_us_per_step"]
-        # The prefetch's kernels count with the demand swap's and copy's.
+        # The early swap's kernels count with the others' (streams tell nothing).
         self.assertEqual(gpu["swap"], 40)
         self.assertEqual(gpu["h2d_copy"], 70)
         self.assertEqual(gpu["backup"], 10)
         self.assertEqual(set(gpu), {"swap", "h2d_copy", "backup", "other"})
         self.assertEqual(gpu["other"], 350)
-        # Busy: [0, 400] + [400, 410] per step (the prefetch overlaps).
+        # Busy: [0, 400] + [400, 410] per step (the early swap overlaps).
         self.assertAlmostEqual(s["gpu_busy_ms_per_step"], 0.41)
         self.assertAlmostEqual(s["span_ms_per_step"], 1410 / 2 / 1e3)
         self.assertEqual(s["launches_per_step"], 2)

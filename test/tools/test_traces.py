@@ -393,12 +393,12 @@ class TestReferenceEngine(unittest.TestCase):
 
 
 class TestEnginePolicies(unittest.TestCase):
-    """The engine's LRU and CLOCK (LRUCacheState, torch path) miss exactly
-    what the policy study's models of their rules miss, swap for swap
-    (policy_engine_replay.py); the study's own CLOCK variant does not (the
-    control: the check can fail)."""
+    """The engine's LRU (LRUCacheState, torch path) misses exactly what the
+    policy study's model of its rule misses, swap for swap
+    (policy_engine_replay.py); HiSparse's LRU does not (the control: the
+    check can fail)."""
 
-    def test_engine_matches_the_study_models(self):
+    def test_engine_matches_the_study_model(self):
         import policy_engine_replay
         import policy_study
 
@@ -408,9 +408,9 @@ class TestEnginePolicies(unittest.TestCase):
                 res = policy_engine_replay.compare_at(t, budget, 6, warmup=2)
                 self.assertTrue(all(res["checks"].values()), res["checks"])
         slots = 34
-        engine = policy_engine_replay.engine_misses(t, "clock", slots, 6)
+        engine = policy_engine_replay.engine_misses(t, slots, 6)
         study = policy_study.replay_misses(
-            t, lambda mp: policy_study.Clock(slots, 6, mp, 0)
+            t, policy_study.policy_factories(slots + 6, 6)["hisparse"][0]
         )
         self.assertFalse(bool((engine == study).all()))
 

@@ -1,19 +1,19 @@
-"""The LRU swap with units on the GPU: the one-program (fused) kernel vs the
-kernels split by unit, and both against one unit.
+"""The LRU swap with units on the GPU: the swap kernels (select, then the
+reorder split by unit) at ``U`` units against one unit, checked against the
+torch reference.
 
-A request with ``U`` units has ``U x C`` LRU slots per layer; the fused kernel
-walks them all in one program per request, the split swap runs one select
-kernel per request (page table and copy list) and spreads the recency walk
-over ``U`` programs (``TritonLRUSwap(split_by_unit=...)``); on CUDA one more
-replay under the torch profiler gives each split kernel's time, the select
-kernel's being what stands before the miss copy. For each batch size and
-``U``, every request holds all ``U`` units and decodes at ``--ctx`` tokens
-with a top-k that keeps ``--keep`` of the previous step's positions (the rest
-fresh, uniform). ``--steps`` swaps with distinct top-k inputs are captured in
-one CUDA graph; the time per swap is the median over ``--repeats`` replays
-divided by the steps. The split and fused states are also compared after
-every replay (page tables, copy plans and the whole LRU state): a mismatch
-fails the run.
+A request with ``U`` units has ``U x C`` LRU slots per layer; the swap runs
+one select kernel per request (page table and copy list) and spreads the
+recency walk over ``U`` programs; on CUDA one more replay under the torch
+profiler gives each kernel's time, the select kernel's being what stands
+before the miss copy. For each batch size and ``U``, every request holds all
+``U`` units and decodes at ``--ctx`` tokens with a top-k that keeps
+``--keep`` of the previous step's positions (the rest fresh, uniform).
+``--steps`` swaps with distinct top-k inputs are captured in one CUDA graph;
+the time per swap is the median over ``--repeats`` replays divided by the
+steps. The same steps also run eagerly on a state with the torch reference
+(``LRUCacheState(use_triton=False)``), compared after every replay (page
+tables, copy plans and the whole LRU state): a mismatch fails the run.
 
     python benchmark/nsa_offload/engine/bench_swap_units.py --out /tmp/out/swap_units
 """
@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
 # Without CUDA (TRITON_INTERPRET=1 set) the same steps run eagerly: a check
-# of the script and of split = fused, no timing worth reading.
+# of the script and of kernels = reference, no timing worth reading.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -81,12 +81,12 @@ def units_state(
 
 
 def make_state(args, bs: int, units: int, kernel: str) -> LRUCacheState:
-    state = units_state(bs, units, args.ctx, args.buffer_size, args.window, args.top_k)
-    state.swap_backend = TritonLRUSwap(
-        state,
-        max_batch_size=bs,
-        split_by_unit=kernel != "fused",
-    )
+    """``kernel``: "triton" (the swap kernels) or "reference" (torch)."""
+    shape = (bs, units, args.ctx, args.buffer_size, args.window, args.top_k)
+    if kernel == "reference":
+        return units_state(*shape, use_triton=False)
+    state = units_state(*shape)
+    state.swap_backend = TritonLRUSwap(state, max_batch_size=bs)
     return state
 
 
@@ -99,38 +99,30 @@ def run_point(args, bs: int, units: int, tops: torch.Tensor) -> dict:
         .view(bs, args.ctx)
         .contiguous()
     )
-    variants = ["fused"] if units == 1 else ["fused", "split"]
-    res = {}
-    graphs, states = {}, {}
-    for name in variants:
-        state = make_state(args, bs, units, name)
-        # Compile outside the capture, then undo its effect on the state.
-        state.swap_layer(0, tops[0], req, seq_lens, req_to_token)
-        state = make_state(args, bs, units, name)
-        g = _Steps(state, tops, req, seq_lens, req_to_token)
-        graphs[name], states[name] = g, state
-    mismatches = 0
-    times = {name: [] for name in variants}
-    for rep in range(args.repeats):
-        for name, g in graphs.items():
-            states[name].reset_counters()
-            times[name].append(g.replay() / tops.shape[0])
-        for name in variants[1:]:
-            plans = (graphs["fused"].out, graphs[name].out)
-            mismatches += not _same(states["fused"], states[name], plans)
-    for name in variants:
-        c = states[name].counters[0].tolist()
-        res[name] = {
-            "us_per_swap": statistics.median(times[name]),
-            "us_per_swap_min": min(times[name]),
-            "misses_per_row": c[2] / (tops.shape[0] * bs),
-            "hits_per_row": c[0] / (tops.shape[0] * bs),
-        }
-    res["mismatched_replays"] = mismatches
-    if "split" in graphs and DEVICE.type == "cuda":
-        res["split"]["kernel_us_per_swap"] = kernel_times(
-            graphs["split"], tops.shape[0]
-        )
+    state = make_state(args, bs, units, "triton")
+    # Compile outside the capture, then undo its effect on the state.
+    state.swap_layer(0, tops[0], req, seq_lens, req_to_token)
+    state = make_state(args, bs, units, "triton")
+    graph = _Steps(state, tops, req, seq_lens, req_to_token)
+    ref_state = make_state(args, bs, units, "reference")
+    ref = _Steps(ref_state, tops, req, seq_lens, req_to_token, capture=False)
+    mismatches, times = 0, []
+    for _ in range(args.repeats):
+        state.reset_counters()
+        ref_state.reset_counters()
+        times.append(graph.replay() / tops.shape[0])
+        ref.replay()
+        mismatches += not _same(ref_state, state, (ref.out, graph.out))
+    c = state.counters[0].tolist()
+    res = {
+        "us_per_swap": statistics.median(times),
+        "us_per_swap_min": min(times),
+        "misses_per_row": c[2] / (tops.shape[0] * bs),
+        "hits_per_row": c[0] / (tops.shape[0] * bs),
+        "mismatched_replays": mismatches,
+    }
+    if DEVICE.type == "cuda":
+        res["kernel_us_per_swap"] = kernel_times(graph, tops.shape[0])
     return res
 
 
@@ -155,7 +147,7 @@ def kernel_times(graph: "_Steps", steps: int) -> dict:
 class _Steps:
     """The swaps of every step, captured in one CUDA graph (eager on CPU)."""
 
-    def __init__(self, state, tops, req, seq_lens, req_to_token):
+    def __init__(self, state, tops, req, seq_lens, req_to_token, capture=True):
         def run():
             return [
                 state.swap_layer(0, tops[s], req, seq_lens, req_to_token)
@@ -163,7 +155,7 @@ class _Steps:
             ]
 
         self.run, self.graph = run, None
-        if DEVICE.type == "cuda":
+        if capture and DEVICE.type == "cuda":
             torch.cuda.synchronize()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
@@ -279,35 +271,31 @@ def main():
             print(json.dumps(rows[-1]), flush=True)
     with open(os.path.join(args.out, "bench_swap_units.json"), "w") as f:
         json.dump(
-            {"config": vars(args), "rows": rows, "split_equals_fused": ok}, f, indent=1
+            {"config": vars(args), "rows": rows, "equals_reference": ok}, f, indent=1
         )
     lines = [
         f"LRU swap per layer, CUDA graph of {args.steps} swaps, median of "
         f"{args.repeats} replays; {args.ctx}-token requests holding every unit, "
         f"top-k {args.top_k} keeping {args.keep:.0%} of the previous step.",
         "",
-        "| batch | units (LRU rows) | fused us | split us | of it: select us "
-        "(before the copy) | misses per row | split = fused |",
-        "|---:|---:|---:|---:|---:|---:|---|",
+        "| batch | units (LRU rows) | us | of it: select us (before the copy) "
+        "| misses per row | = reference |",
+        "|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
-        split = r.get("split")
-        us = [
-            f"{r[k]['us_per_swap']:.1f}" if k in r else "-" for k in ("fused", "split")
-        ]
-        same = "-" if not split else ("yes" if r["mismatched_replays"] == 0 else "NO")
-        if split and not split["misses_per_row"]:
+        same = "yes" if r["mismatched_replays"] == 0 else "NO"
+        if not r["misses_per_row"]:
             same += " (no misses: hits only)"
-        select = (split or {}).get("kernel_us_per_swap", {}).get("_swap_select_kernel")
+        select = r.get("kernel_us_per_swap", {}).get("_swap_select_kernel")
         lines.append(
             f"| {r['batch']} | {r['units']} ({r['units'] * args.buffer_size}) "
-            f"| {' | '.join(us)} | {'-' if select is None else f'{select:.1f}'} "
-            f"| {r['fused']['misses_per_row']:.0f} | {same} |"
+            f"| {r['us_per_swap']:.1f} | {'-' if select is None else f'{select:.1f}'} "
+            f"| {r['misses_per_row']:.0f} | {same} |"
         )
     with open(os.path.join(args.out, "bench_swap_units.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    print("SPLIT == CHUNKED == FUSED:", "PASS" if ok else "FAIL")
+    print("KERNELS == REFERENCE:", "PASS" if ok else "FAIL")
     raise SystemExit(0 if ok else 1)
 
 

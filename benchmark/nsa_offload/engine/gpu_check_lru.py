@@ -1,4 +1,4 @@
-"""GPU self-check and timing of the fused LRU swap kernel (LRUCacheState).
+"""GPU self-check and timing of the LRU swap kernels (LRUCacheState).
 
 At production sizes (C=4096, K=2048, W=64, bs 1/16/64/128, seq lens 8K-128K):
 
@@ -10,7 +10,7 @@ At production sizes (C=4096, K=2048, W=64, bs 1/16/64/128, seq lens 8K-128K):
 2. CUDA graph: swap_layer captured (all layers, preallocated outputs) and
    replayed with changing inputs must match eager, outputs and state; a swap
    under ``torch.cuda.set_sync_debug_mode("error")`` must not sync the host;
-3. timing: the fused kernel per call (CUDA graph of T consecutive swaps,
+3. timing: the swap per call (CUDA graph of T consecutive swaps,
    median over replays, CUDA events) for a num_warps sweep, against the torch
    reference, at realistic (~45% step-to-step overlap) and no locality.
 
@@ -540,7 +540,7 @@ def run_timing(args, bs: int, keep: float, seed: int) -> Dict:
 
 
 def add_workload_args(p: argparse.ArgumentParser, batch_sizes: List[int]) -> None:
-    """The workload's options (this script's and bench_swap_phases.py's)."""
+    """The workload's options."""
     p.add_argument("--out", required=True, help="JSON result path")
     p.add_argument("--C", type=int, default=4096, help="LRU rows per request and layer")
     p.add_argument("--K", type=int, default=2048, help="top-k width")
@@ -573,7 +573,7 @@ def main() -> int:
         type=int,
         nargs="+",
         default=[4, 8, 16, 32],
-        help="num_warps values of the fused kernel to time",
+        help="num_warps values of the swap kernels to time",
     )
     p.add_argument(
         "--skip-reference-timing",

@@ -9,9 +9,9 @@ positions; ``--warm full`` first warms every slot as the warm units do
 ``--warm none`` starts from empty units. ``--direct-slots`` builds the states
 with direct slots (the kernels' direct variants, as the warm units + direct
 slots server runs them: its walkers take the LRU path of those variants);
-``--warm direct`` then installs positions from the middle of each context up
-to its window in slot = position (direct mode; the older half misses into
-their own slots): ``--ctx`` must fit the units. The CPU interpreter runs the
+``--warm direct`` then installs the older half of each context's positions
+below its window in slot = position (direct mode's warm-up, ``warm_direct``;
+the newer half misses into their own slots): ``--ctx`` must fit the units. The CPU interpreter runs the
 kernels one program at a time and with tiny test sizes; this runs them as
 the GPU does, at 4,096-row units and top-k 2,048.
 
@@ -27,7 +27,7 @@ import sys
 import numpy as np
 import torch
 
-# The workload of the split-vs-fused benchmark (same folder).
+# The workload of the swap-with-units benchmark (same folder).
 from bench_swap_units import _ints, topk_steps, units_state
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,9 +48,7 @@ def make_state(args, bs, units, triton, req_to_token):
     if args.warm == "direct":
         below = args.ctx - args.W
         for r in range(bs):
-            state.warm_direct(
-                0, r, req_to_token[r, below // 2 : below], first_position=below // 2
-            )
+            state.warm_direct(0, r, req_to_token[r, : below // 2])
     elif args.warm == "full":
         below = args.ctx - args.W
         for r in range(bs):
@@ -147,7 +145,7 @@ def main():
         choices=("full", "none", "direct"),
         default="full",
         help="full: every slot warmed first (as warm units do); none: cold units; "
-        "direct: direct mode, the newer half of each context installed "
+        "direct: direct mode, the older half of each context installed "
         "(implies --direct-slots; --ctx must fit the units)",
     )
     p.add_argument(

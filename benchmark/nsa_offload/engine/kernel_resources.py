@@ -2,8 +2,8 @@
 H200 (sm_90) on any machine: Triton compiles ahead of time with the ptxas it
 ships, no GPU needed.
 
-The fused swap keeps a request's whole LRU order in registers; a spill there
-costs every decode layer. Prints one JSON line per kernel and unit count:
+A spill in a swap kernel costs every decode layer. Prints one JSON line per
+kernel and unit count:
 
     python benchmark/nsa_offload/engine/kernel_resources.py --units 1,2,4
 
@@ -54,9 +54,6 @@ POINTER_TYPES = {
     "new_lru_ptr": "*i16",
     "direct_ptr": "*i8",
     "row_direct_ptr": "*i8",
-    # CLOCK (nsa_kv_offload_clock): the bits in lru_order's storage, hands.
-    "ref_ptr": "*i16",
-    "hand_ptr": "*i32",
 }
 
 
@@ -107,93 +104,64 @@ def resources(kernel, constexprs: dict, num_warps: int, arch: int = 90) -> dict:
 def swap_kernels(
     units: int, buffer_size: int, top_k: int, window: int, query_tokens: int = 1
 ):
-    """(name, kernel, constexprs, num_warps) as LRUCacheState launches them."""
-    from sglang.srt.mem_cache import nsa_kv_offload_clock as clock
+    """(name, kernel, constexprs, num_warps) as ``TritonLRUSwap`` launches
+    them: one query token, the select kernel and the reorder's count, rank
+    and copy-order kernels (each also with the direct-slots path compiled in,
+    ``*_direct``); several (MTP target verify), :func:`multi_token_swap_kernels`."""
     from sglang.srt.mem_cache import nsa_kv_offload_lru_kernels as lru
-    from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+    from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import (
+        TritonLRUSwap,
+        default_num_warps,
+    )
 
     C0, C = buffer_size, buffer_size * units
-    num_warps = min(16, max(4, triton.next_power_of_2(C) // 256))
-    # The kernels split by unit run at most SPLIT_MAX_WARPS.
-    split_warps = min(num_warps, TritonLRUSwap.SPLIT_MAX_WARPS)
+    num_warps = default_num_warps(C)
     block_k = triton.next_power_of_2(top_k)
     shape = dict(C=C, C0=C0, U=units)
     chunk = dict(shape, BLOCK_C0=triton.next_power_of_2(C0))
     if query_tokens > 1:
         return multi_token_swap_kernels(
-            units, buffer_size, top_k, window, query_tokens, num_warps, split_warps
+            units, buffer_size, top_k, window, query_tokens, num_warps
         )
     out = [
         (
-            "fused",
-            lru._swap_layer_kernel,
+            "select",
+            lru._swap_select_kernel,
             dict(
                 shape,
                 K=top_k,
                 W=window,
                 BLOCK_K=block_k,
-                BLOCK_C=triton.next_power_of_2(C),
+                BLOCK_S=min(TritonLRUSwap.SELECT_BLOCK, triton.next_power_of_2(C)),
             ),
-        )
-    ]
-    if units > 1:
-        out += [
-            (
-                "select",
-                lru._swap_select_kernel,
-                dict(
-                    shape,
-                    K=top_k,
-                    W=window,
-                    BLOCK_K=block_k,
-                    BLOCK_S=min(TritonLRUSwap.SELECT_BLOCK, triton.next_power_of_2(C)),
-                ),
-            ),
-            ("count", lru._swap_count_kernel, chunk),
-            (
-                "reorder_rank",
-                lru._swap_rank_kernel,
-                dict(
-                    chunk,
-                    K=top_k,
-                    BLOCK_U=triton.next_power_of_2(units),
-                    REORDER_ONLY=True,
-                ),
-            ),
-            ("copy_order", lru._swap_copy_order_kernel, chunk),
-        ]
-    # CLOCK's one kernel (SGLANG_NSA_KV_OFFLOAD_POLICY=clock), any units.
-    clock_block = TritonLRUSwap.clock_sweep_block(C0)
-    out.append(
+        ),
+        ("count", lru._swap_count_kernel, chunk),
         (
-            "clock",
-            clock._clock_swap_kernel,
+            "reorder_rank",
+            lru._swap_rank_kernel,
             dict(
-                U=units, C0=C0, K=top_k, W=window, BLOCK_K=block_k, BLOCK_S=clock_block
+                chunk,
+                K=top_k,
+                BLOCK_U=triton.next_power_of_2(units),
+                REORDER_ONLY=True,
             ),
-        )
-    )
+        ),
+        ("copy_order", lru._swap_copy_order_kernel, chunk),
+    ]
     # The same kernels with the direct-slots path compiled in.
     out += [
         (name + "_direct", k, dict(c, DIRECT=True))
         for name, k, c in out
         if "DIRECT" in inspect.signature(k.fn).parameters
     ]
-    return [
-        (name, k, c, num_warps if name.startswith("fused") else split_warps)
-        for name, k, c in out
-    ]
+    return [(name, k, c, num_warps) for name, k, c in out]
 
 
-def multi_token_swap_kernels(
-    units, buffer_size, top_k, window, q, num_warps, split_warps
-):
-    """The kernels of a swap with ``q`` query tokens per request, as
-    ``TritonLRUSwap`` picks them (split with units or above
-    ``FUSED_MAX_SLOTS`` slots)."""
+def multi_token_swap_kernels(units, buffer_size, top_k, window, q, num_warps):
+    """The kernels of a swap with ``q`` query tokens per request: classify,
+    count, rank (with eviction), assign."""
     from sglang.srt.mem_cache import nsa_kv_offload_lru_kernels as lru
     from sglang.srt.mem_cache import nsa_kv_offload_lru_multi_kernels as multi
-    from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 
     C0, C = buffer_size, buffer_size * units
     entries = dict(
@@ -206,38 +174,25 @@ def multi_token_swap_kernels(
         C0=C0,
     )
     chunk = dict(C=C, C0=C0, U=units, BLOCK_C0=triton.next_power_of_2(C0))
-    split = units > 1 or triton.next_power_of_2(C) > TritonLRUSwap.FUSED_MAX_SLOTS
-    if not split:
-        out = [
-            (
-                "multi_fused",
-                multi._swap_multi_layer_kernel,
-                dict(entries, U=units, BLOCK_C=triton.next_power_of_2(C)),
-            )
-        ]
-    else:
-        out = [
-            (
-                "multi_classify",
-                multi._swap_multi_classify_kernel,
-                dict(entries, U=units, BLOCK_C0=chunk["BLOCK_C0"]),
-            ),
-            ("count", lru._swap_count_kernel, chunk),
-            (
-                "rank",
-                lru._swap_rank_kernel,
-                dict(chunk, K=q * top_k, BLOCK_U=triton.next_power_of_2(units)),
-            ),
-            (
-                "multi_assign",
-                multi._swap_multi_assign_kernel,
-                dict(entries, U=units, BLOCK_C0=chunk["BLOCK_C0"]),
-            ),
-        ]
-    return [
-        (name, k, c, num_warps if name == "multi_fused" else split_warps)
-        for name, k, c in out
+    out = [
+        (
+            "multi_classify",
+            multi._swap_multi_classify_kernel,
+            dict(entries, U=units, BLOCK_C0=chunk["BLOCK_C0"]),
+        ),
+        ("count", lru._swap_count_kernel, chunk),
+        (
+            "rank",
+            lru._swap_rank_kernel,
+            dict(chunk, K=q * top_k, BLOCK_U=triton.next_power_of_2(units)),
+        ),
+        (
+            "multi_assign",
+            multi._swap_multi_assign_kernel,
+            dict(entries, U=units, BLOCK_C0=chunk["BLOCK_C0"]),
+        ),
     ]
+    return [(name, k, c, num_warps) for name, k, c in out]
 
 
 def main(argv=None) -> None:
@@ -266,12 +221,6 @@ def main(argv=None) -> None:
         default=90,
         help="CUDA compute capability to compile for (90 = H100/H200)",
     )
-    p.add_argument(
-        "--served",
-        action="store_true",
-        help="only the kernels a server launches: not the fused one-token swap "
-        "with units (tests only; at 40 units it takes minutes to compile)",
-    )
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("kernel_resources.py: unset TRITON_INTERPRET (needs JIT kernels)")
@@ -280,8 +229,6 @@ def main(argv=None) -> None:
             for name, kernel, constexprs, num_warps in swap_kernels(
                 units, args.buffer_size, args.top_k, args.window, q
             ):
-                if args.served and units > 1 and name.startswith("fused"):
-                    continue
                 row = {"kernel": name, "units": units}
                 if q > 1:
                     row["query_tokens"] = q

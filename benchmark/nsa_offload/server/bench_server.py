@@ -90,20 +90,8 @@ sys.path.insert(1, str(TRACES_DIR))
 
 import step_profile  # noqa: E402
 from server_utils import (  # noqa: E402
-    CLOCK_ENV,
     DIRECT_RE,
-    ELASTIC_ENV,
-    ELASTIC_RANK_UNITS,
-    ENV_CROSS_LAYER_PREFETCH,
-    ENV_DIRECT_SLOTS,
-    ENV_DIRECT_WARM_POSITIONS,
-    ENV_EARLY_SWAP,
-    ENV_GATHER_PROGRAMS,
-    ENV_IDLE_LOC_UNITS,
-    ENV_SPARE_REGIONS,
-    ENV_SWAP_AFTER_ROPE,
     ENV_UNPROVEN_PARALLEL,
-    ENV_WARM_UNITS,
     HISPARSE_ARGS,
     HISPARSE_CONFIG,
     PD_DECODE_FAKE_ARGS,
@@ -126,10 +114,10 @@ from server_utils import (  # noqa: E402
 TRACE_FORMAT_PY = TRACES_DIR / "trace_format.py"
 MAX_CHECKED_ROWS = 3000  # override check: rows recomputed per run
 TOPK_TRACE_PY = TRACES_DIR / "nsa_topk_trace.py"
-# Variants of ours measured side by side with it, each with its own P4 line.
-# ours_units (session 9, before units became ours' default), ours_warm_late
-# (the late reorder of 83c5b32, removed in 07bce18) and ours_warm_direct_narrow
-# (the narrow reorder, removed in 8315256) are only read.
+# Variants of ours measured side by side with it, each with its own P4 line
+# (in the order of the reports' lines). The runnable ones differ from ours by
+# real server flags only (--nsa-kv-offload-max-units); the others name
+# committed runs only (READ_ONLY_KINDS).
 OURS_VARIANT_KINDS = (
     "ours_fixed",
     "ours_wide",
@@ -169,20 +157,46 @@ MTP_COMPARISONS = {
 OFFLOAD_KINDS = ("ours",) + tuple(OURS_VARIANTS) + ("ours_mtp",)
 # The no-offload servers: the ratios' denominators.
 REFERENCE_KINDS = ("baseline", "baseline_mtp")
-# Whether "ours" runs the early swap (the server's default since
-# the runs that record this; before, "ours" was the inline swap and the
-# early one "ours_early").
+# Recorded in every run (rank_summaries reads them): "ours" runs the early
+# swap (before the runs that record this, "ours" was the inline swap and the
+# early one "ours_early") and the elastic defaults (warm units, direct slots,
+# spare regions, idle-loc units, units of the model's context; before, "ours"
+# was the classic default of up to 4 cold units, ours_classic). Both are the
+# design now: no switch turns them off.
 OURS_EARLY_SWAP_DEFAULT = True
-# Whether "ours" runs the elastic defaults (warm units, direct slots, spare
-# regions, idle-loc units, units of the model's context: the ours_idle_locs
-# settings) since the runs that record this; before, "ours" was the classic
-# default (up to 4 cold units), now ``ours_classic``.
 OURS_ELASTIC_DEFAULT = True
 # Runs on the elastic defaults from before the bench recorded them: stop 58's
 # H200 calls, on the tree of 834aede (the commit was 722e45f then).
 ELASTIC_DEFAULT_UNRECORDED = ("722e45f",)
-# Kinds of committed runs that no longer run, and why.
+# Kinds of committed runs that no longer run, and why (their labels and
+# colours stay: --plot-only re-renders those runs, rank_summaries reads them).
+_PREFETCH_GONE = "the cross-layer prefetch was removed from the offload"
+_DEFAULT_NOW = (
+    "its settings are ours' default and no switch turns them off: run ours "
+    "(ours_fixed: one unit, --max-units N: N units)"
+)
 READ_ONLY_KINDS = {
+    "ours_prefetch": _PREFETCH_GONE,
+    "ours_prefetch_early": _PREFETCH_GONE,
+    "ours_early": "the early swap is ours' schedule (no switch): run ours",
+    "ours_inline": "the inline swap cannot be configured any more (the early "
+    "swap is ours' schedule)",
+    "ours_direct": _DEFAULT_NOW,
+    "ours_warm": _DEFAULT_NOW,
+    "ours_warm_prefetch": _PREFETCH_GONE,
+    "ours_warm_flat": "the flat miss copy was removed from the offload",
+    "ours_warm_rope": "the swap after the rope was removed from the offload",
+    "ours_warm_direct": _DEFAULT_NOW,
+    "ours_warm_direct_flat": "the flat miss copy was removed from the offload",
+    "ours_classic": "the classic defaults (4 cold units, no warm units or direct "
+    "slots) cannot be configured any more: ours_fixed runs one unit",
+    "ours_bounded_warm": "the bounded direct warm-up was removed from the offload",
+    "ours_elastic": "idle-loc units cannot be turned off: run ours",
+    "ours_idle_locs": _DEFAULT_NOW,
+    "ours_idle_locs_bounded": "the bounded direct warm-up was removed from the "
+    "offload",
+    "ours_clock": "CLOCK replacement was removed from the offload",
+    "ours_clock_warm": "CLOCK replacement was removed from the offload",
     "ours_units": "units are ours' default now (--max-units N sets them); "
     "ours_fixed runs ours with one unit",
     "ours_warm_late": "the late reorder was removed (07bce18, no gain: "
@@ -961,8 +975,6 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         "ours": ours,
         "ours_fixed": fixed,
         "ours_wide": wide,
-        # These differ from ours by their env vars only.
-        **{kind: ours for kind in VARIANT_ENV},
         # Their own unit cap, whatever --max-units gives the others.
         **{kind: ours_base + [units, str(n)] for kind, n in VARIANT_MAX_UNITS.items()},
         "baseline_mtp": common + slots + mtp,
@@ -970,69 +982,8 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
     }
 
 
-# The offload variants that are ours with env vars set (the early ones force
-# what is now the default: kept to read and repeat the runs that named them).
-VARIANT_ENV = {
-    "ours_prefetch": {ENV_CROSS_LAYER_PREFETCH: "1"},
-    "ours_prefetch_early": {ENV_CROSS_LAYER_PREFETCH: "1", ENV_EARLY_SWAP: "1"},
-    "ours_early": {ENV_EARLY_SWAP: "1"},
-    "ours_inline": {ENV_EARLY_SWAP: "0"},
-    "ours_direct": {ENV_DIRECT_SLOTS: "1"},
-    "ours_warm": {ENV_WARM_UNITS: "1"},
-    "ours_warm_prefetch": {ENV_WARM_UNITS: "1", ENV_CROSS_LAYER_PREFETCH: "1"},
-    # 16 programs: a quarter of the SMs batch 64's per-request grid held.
-    "ours_warm_flat": {ENV_WARM_UNITS: "1", ENV_GATHER_PROGRAMS: "16"},
-    "ours_warm_rope": {ENV_WARM_UNITS: "1", ENV_SWAP_AFTER_ROPE: "1"},
-    # A request whose context fits its warm units swaps without the LRU walk.
-    "ours_warm_direct": {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1"},
-    # Both: the walk off the requests that fit, the copy on 16 programs.
-    "ours_warm_direct_flat": {
-        ENV_WARM_UNITS: "1",
-        ENV_DIRECT_SLOTS: "1",
-        ENV_GATHER_PROGRAMS: "16",
-    },
-    # The classic defaults (before f418aa2, and again from d1140ab to the
-    # elastic defaults): 4 units, cold, no direct slots, no spare regions, no
-    # idle-loc units.
-    "ours_classic": {
-        ENV_WARM_UNITS: "0",
-        ENV_DIRECT_SLOTS: "0",
-        ENV_SPARE_REGIONS: "0",
-        ENV_IDLE_LOC_UNITS: "0",
-    },
-    # A request entering direct mode warmed with its newest 2,048 positions
-    # below the window only (the admission's warm-up before the warm units):
-    # a shorter admission stall for more first reads in its first steps.
-    "ours_bounded_warm": {**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "2048"},
-    # The elastic settings (server_utils.ELASTIC_ENV), with their units,
-    # without the idle-loc units.
-    "ours_elastic": {**ELASTIC_ENV, ENV_IDLE_LOC_UNITS: "0"},
-    # And the indexer keys of free locs lent as units (the arena): the
-    # default's settings, named.
-    "ours_idle_locs": {**ELASTIC_ENV, ENV_IDLE_LOC_UNITS: "1"},
-    # Both: the admission stall of the idle-loc units' direct mode, bounded.
-    "ours_idle_locs_bounded": {
-        **ELASTIC_ENV,
-        ENV_IDLE_LOC_UNITS: "1",
-        ENV_DIRECT_WARM_POSITIONS: "2048",
-    },
-    # CLOCK instead of the LRU order, on the defaults (no direct slots under
-    # CLOCK); with warm units and spare regions forced and the elastic
-    # settings' units.
-    "ours_clock": CLOCK_ENV,
-    "ours_clock_warm": {**CLOCK_ENV, ENV_WARM_UNITS: "1", ENV_SPARE_REGIONS: "1"},
-}
-# Variants with a unit cap of their own: the classic defaults, 8 units (the
-# rank bench at cfdc9bc), and the elastic settings' units of the model's
-# context.
-VARIANT_MAX_UNITS = {
-    "ours_classic": 4,
-    "ours_8units": 8,
-    "ours_elastic": ELASTIC_RANK_UNITS,
-    "ours_idle_locs": ELASTIC_RANK_UNITS,
-    "ours_idle_locs_bounded": ELASTIC_RANK_UNITS,
-    "ours_clock_warm": ELASTIC_RANK_UNITS,
-}
+# Variants with a unit cap of their own: 8 units (the rank bench at cfdc9bc).
+VARIANT_MAX_UNITS = {"ours_8units": 8}
 
 
 def server_env(args, kind: str) -> Dict[str, str]:
@@ -1053,14 +1004,6 @@ def server_env(args, kind: str) -> Dict[str, str]:
             env["SGLANG_NSA_TOPK_TRACE_LAYERS"] = cycled_trace_layers(
                 args.trace_layers, num_model_layers() + 1
             )
-    env.update(VARIANT_ENV.get(kind, {}))
-    if kind == "ours" and args.cross_layer_prefetch:
-        env[ENV_CROSS_LAYER_PREFETCH] = "1"
-    if kind == "ours_mtp" and args.mtp_swap != "default":
-        env[ENV_EARLY_SWAP] = "1" if args.mtp_swap == "early" else "0"
-    if args.spare_regions and kind in OFFLOAD_KINDS:
-        # Off by default; ours_classic keeps them off.
-        env.setdefault(ENV_SPARE_REGIONS, "1")
     if args.shape and kind in OFFLOAD_KINDS:
         env[ENV_UNPROVEN_PARALLEL] = "1"
     if args.record:
@@ -2673,19 +2616,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help=f"some of {','.join(RUNNABLE_KINDS)} "
         "(ours_fixed: ours with --nsa-kv-offload-max-units 1, every request "
         "keeps exactly its own buffer; ours_wide: ours with the most units "
-        "int16 slot ids allow; ours_prefetch: ours with the experimental "
-        "cross-layer prefetch (ours_prefetch_early: on the early swap's stream); "
-        "ours_early / ours_inline: ours with the early swap "
-        "forced on / off (ours: the server's default, on); side by side with "
-        "ours; ours_warm: ours with the experimental warm units "
-        "(ours_warm_prefetch: with the prefetch too; ours_warm_flat: with the "
-        "experimental flat miss copy, 16 programs; ours_warm_rope: the swap "
-        "starting after the query rope; ours_warm_direct: with direct slots, "
-        "a request whose context fits its units skips the LRU walk; "
-        "ours_warm_direct_flat: and the flat miss copy); "
-        "baseline_mtp, "
-        "ours_mtp: with MTP, --mtp-steps); started one "
-        "after the other in the order given",
+        "int16 slot ids allow; ours_8units: ours with at most 8 units; side by "
+        "side with ours; baseline_mtp, ours_mtp: with MTP, --mtp-steps); "
+        "started one after the other in the order given (the other kinds name "
+        "committed runs of removed variants: --plot-only only)",
     )
     p.add_argument(
         "--shape",
@@ -2706,13 +2640,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="the *_mtp servers keep the overlap scheduler (spec v2, sglang's "
         "default with MTP) instead of --disable-overlap-schedule",
-    )
-    p.add_argument(
-        "--mtp-swap",
-        choices=("default", "early", "inline"),
-        default="default",
-        help="ours_mtp's swap schedule: the server's default, or the early / "
-        "inline swap forced (SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP)",
     )
     p.add_argument(
         "--contexts",
@@ -2844,14 +2771,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "(SGLANG_NSA_FUSE_TOPK=1) instead of the positional one every other "
         "server runs; only with --topk model (the override needs positions)",
     )
-    p.add_argument(
-        "--spare-regions",
-        action="store_true",
-        help="the offload servers turn GPU memory their host pool leaves without "
-        "locs into spare regions lent as units "
-        "(SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS=1; the server's default since "
-        "f418aa2, kept for the older runs' commands)",
-    )
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")
     p.add_argument(
         "--recent-window",
@@ -2872,11 +2791,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="ours: LRU buffers one request may hold while GPU rows are idle "
         "(--nsa-kv-offload-max-units; default: the server's, the units that hold "
         "the model's context)",
-    )
-    p.add_argument(
-        "--cross-layer-prefetch",
-        action="store_true",
-        help="ours with SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1 (experimental)",
     )
     p.add_argument(
         "--decode-log-interval",
@@ -3086,7 +3000,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "mem_fraction_how": how,
             "max_running_requests": args.max_running_requests,
             "offload_default_slots": args.offload_default_slots,
-            "spare_regions": args.spare_regions,
             "baseline_fused_topk": args.baseline_fused_topk,
             "host_pool_gb": args.host_pool_gb,
             "recent_window": args.recent_window,
@@ -3099,7 +3012,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "pd_decode": args.pd_decode,
             "mtp_steps": args.mtp_steps,
             "mtp_spec_v2": args.mtp_spec_v2,
-            "mtp_swap": args.mtp_swap,
             "checkpoint": args.checkpoint_meta,
             "layers": layers,
             "sinks": SINKS,

@@ -163,8 +163,6 @@ def run_server(name, extra_args, args, prompts, lengths):
     phases, then idle (sglang's own leak check runs when it goes idle)."""
     env = {"SGLANG_NSA_FUSE_TOPK": "0"}
     offload = "--enable-decode-nsa-kv-offload" in extra_args
-    if args.cross_layer_prefetch and offload:
-        env["SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"] = "1"
     if args.max_units is not None and offload:
         extra_args = list(extra_args) + [
             "--nsa-kv-offload-max-units",
@@ -278,11 +276,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "memory). Upstream sizes the no-offload fp8 pool at 576 B per KV row but "
         "allocates 656 B, so at one fraction it takes ~10%% more GPU memory than "
         "ours: a higher fraction gives ours equal bytes",
-    )
-    p.add_argument(
-        "--cross-layer-prefetch",
-        action="store_true",
-        help="offload servers with SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1",
     )
     p.add_argument(
         "--max-units",

@@ -61,17 +61,7 @@ from make_checkpoint import (
 )
 from server_utils import (
     BF16_KV_ARGS,
-    CLOCK_ENV,
-    ELASTIC_ENV,
-    ENV_CROSS_LAYER_PREFETCH,
-    ENV_DIRECT_SLOTS,
-    ENV_DIRECT_WARM_POSITIONS,
-    ENV_EARLY_SWAP,
-    ENV_GATHER_PROGRAMS,
-    ENV_IDLE_LOC_UNITS,
-    ENV_SPARE_REGIONS,
     ENV_UNPROVEN_PARALLEL,
-    ENV_WARM_UNITS,
     SHAPES,
     UNITS_RE,
     Server,
@@ -116,27 +106,18 @@ MTP_HEAVY_OFFLOAD_ARGS = [
     "--nsa-kv-offload-recent-window",
     "8",
 ]
-# Warm units with direct slots and the flat miss copy (16 programs for every
-# request's misses): the contention variant the rank bench keeps.
-WARM_DIRECT_FLAT_ENV = {
-    ENV_WARM_UNITS: "1",
-    ENV_DIRECT_SLOTS: "1",
-    ENV_GATHER_PROGRAMS: "16",
-}
-# The settings the rank bench met its latency target with (results/rank_speed/,
-# cfdc9bc): warm units, direct slots, the flat miss copy and spare regions, 8
-# units (int32 slot ids): the elastic settings (ELASTIC_ENV) with the flat
-# copy and 8 units; these servers keep the bench's exact settings.
-TUNED_ENV = {**WARM_DIRECT_FLAT_ENV, ENV_SPARE_REGIONS: "1"}
-# The elastic settings' units on the tiny checkpoint: its context's.
+# The unit cap the rank bench met its latency target with (results/rank_speed/,
+# cfdc9bc; int32 slot ids). Its other settings then (warm units, direct slots,
+# spare regions) are the offload's design now; its flat miss copy was removed.
+# The tiny checkpoint's default units: its context's (10).
 ELASTIC_UNITS = ["--nsa-kv-offload-max-units", "10"]
 TUNED_MAX_UNITS = 8
 
 
 def tuned_server(**spec) -> dict:
-    """A server spec with the tuned settings (``spec`` may override them)."""
+    """A server spec with the tuned unit cap (``spec`` may override it)."""
     offload = ["--nsa-kv-offload-max-units", str(TUNED_MAX_UNITS)]
-    return {"offload": offload, "env": dict(TUNED_ENV), **spec}
+    return {"offload": offload, **spec}
 
 
 # Unit leveling: its concurrent batches against the batch-1 outputs (bf16
@@ -162,80 +143,21 @@ HEAVY_OFFLOAD = [
 SERVERS = {
     "base_fp8": dict(nc=True, repeat=True),
     "ours_fp8": dict(offload=[], base="base_fp8", metrics=True),
-    # Direct requests warmed with no position below the window: every older
-    # position read is a miss into its own slot (the bounded warm-up at its
-    # bound).
-    "ours_fp8_lazy_direct": dict(
-        offload=ELASTIC_UNITS,
-        env={**ELASTIC_ENV, ENV_DIRECT_WARM_POSITIONS: "0"},
-        base="base_fp8",
-    ),
-    # The elastic settings without the idle-loc units: 64/64 at e20c81a,
-    # where every tiny prompt fits its units at batch 1.
-    "ours_fp8_elastic": dict(
-        offload=ELASTIC_UNITS,
-        env={**ELASTIC_ENV, ENV_IDLE_LOC_UNITS: "0"},
-        base="base_fp8",
-    ),
-    # The elastic settings with idle-loc units instead of spare regions, 2
-    # request slots: a request's units beyond the free region come from the
-    # indexer keys of free locs (the arena; its decode log's "of idle locs").
+    # 2 request slots at the tiny context's units: a request's units beyond
+    # the free regions come from spare regions and the indexer keys of free
+    # locs (the arena; its decode log's "of idle locs").
     "ours_fp8_idle_locs": dict(
         offload=ELASTIC_UNITS,
-        env={**ELASTIC_ENV, ENV_SPARE_REGIONS: "0", ENV_IDLE_LOC_UNITS: "1"},
         max_running=2,
         base="base_fp8",
     ),
-    # The elastic settings with at most 2 units and the flat copy: the tiny
-    # prompts past 8,192 positions walk the LRU over two chunks of per-unit
-    # state, beside direct ones (with the tiny context's 10 units every tiny
-    # prompt fits its units at batch 1 and none walks).
-    "ours_fp8_2units_flat": dict(
-        offload=["--nsa-kv-offload-max-units", "2"],
-        env={**ELASTIC_ENV, ENV_GATHER_PROGRAMS: "16"},
-        base="base_fp8",
-    ),
-    # Which part of ours_fp8_2units_flat reads wrong KV (52/64 and 44/64 on
-    # the H200, results/units/per_unit_gpu_gate/): 2 units alone, without
-    # warm units, without direct slots.
+    # At most 2 units: the tiny prompts past 8,192 positions walk the LRU over
+    # two chunks of per-unit state, beside direct ones (with the tiny
+    # context's 10 units every tiny prompt fits its units at batch 1 and none
+    # walks). Its earlier flat-copy twin read wrong KV on the H200 (52/64 and
+    # 44/64, results/units/per_unit_gpu_gate/).
     "ours_fp8_2units": dict(
-        offload=["--nsa-kv-offload-max-units", "2"], env=ELASTIC_ENV, base="base_fp8"
-    ),
-    "ours_fp8_2units_cold": dict(
-        offload=["--nsa-kv-offload-max-units", "2"],
-        env={**ELASTIC_ENV, ENV_WARM_UNITS: "0"},
-        base="base_fp8",
-    ),
-    "ours_fp8_2units_nodirect": dict(
-        offload=["--nsa-kv-offload-max-units", "2"],
-        env={**ELASTIC_ENV, ENV_DIRECT_SLOTS: "0"},
-        base="base_fp8",
-    ),
-    # CLOCK instead of the LRU order: the default's units; one unit of 2,048
-    # rows and an 8-row window (heavy eviction, second revolutions); 2 units
-    # with warm units (walkers over two chunks beside prompts that fit).
-    "ours_fp8_clock": dict(offload=[], env=CLOCK_ENV, base="base_fp8"),
-    "ours_fp8_clock_heavy": dict(
-        offload=HEAVY_OFFLOAD,
-        env=CLOCK_ENV,
-        base="base_fp8",
-    ),
-    "ours_fp8_clock_2units_warm": dict(
-        offload=["--nsa-kv-offload-max-units", "2"],
-        env={**CLOCK_ENV, ENV_WARM_UNITS: "1", ENV_SPARE_REGIONS: "1"},
-        base="base_fp8",
-    ),
-    # The classic defaults: 4 units lent cold, the LRU walk for every
-    # request, no spare regions, no idle-loc units.
-    "ours_fp8_classic": dict(
-        offload=["--nsa-kv-offload-max-units", "4"],
-        env={
-            ENV_WARM_UNITS: "0",
-            ENV_DIRECT_SLOTS: "0",
-            ENV_SPARE_REGIONS: "0",
-            ENV_IDLE_LOC_UNITS: "0",
-        },
-        base="base_fp8",
+        offload=["--nsa-kv-offload-max-units", "2"], base="base_fp8"
     ),
     "ours_fp8_1unit": dict(
         offload=["--nsa-kv-offload-max-units", "1"], base="base_fp8"
@@ -243,67 +165,6 @@ SERVERS = {
     "ours_fp8_heavy": dict(
         offload=HEAVY_OFFLOAD,
         base="base_fp8",
-    ),
-    "ours_fp8_prefetch": dict(
-        offload=[],
-        env={ENV_CROSS_LAYER_PREFETCH: "1"},
-        base="base_fp8",
-    ),
-    # The prefetch on the early swap's stream (both variables set).
-    "ours_fp8_prefetch_early": dict(
-        offload=[],
-        env={
-            ENV_CROSS_LAYER_PREFETCH: "1",
-            ENV_EARLY_SWAP: "1",
-        },
-        base="base_fp8",
-    ),
-    "ours_fp8_early": dict(
-        offload=[],
-        env={ENV_EARLY_SWAP: "1"},
-        base="base_fp8",
-    ),
-    # The early swap is the default: the inline swap, for the record and the
-    # GPU test.
-    "ours_fp8_inline": dict(
-        offload=[],
-        env={ENV_EARLY_SWAP: "0"},
-        base="base_fp8",
-    ),
-    # Direct slots: the boundary prompts below one unit's slots enter it.
-    "ours_fp8_direct": dict(
-        offload=[],
-        env={ENV_DIRECT_SLOTS: "1"},
-        base="base_fp8",
-    ),
-    # Spare regions: the budget --max-total-tokens leaves, lent as units.
-    "ours_fp8_spare": dict(
-        offload=[],
-        env={ENV_SPARE_REGIONS: "1"},
-        base="base_fp8",
-    ),
-    # Warm units: each request warmed into every slot its units (the idle
-    # regions: batch 1 holds the most) give it, after the rebalance.
-    "ours_fp8_warm": dict(
-        offload=[],
-        env={ENV_WARM_UNITS: "1"},
-        base="base_fp8",
-    ),
-    # Warm units with direct slots: a prompt that fits the units it was
-    # granted is warmed position p into slot p, swaps without the LRU walk.
-    "ours_fp8_warm_direct": dict(
-        offload=[],
-        env={ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1"},
-        base="base_fp8",
-    ),
-    # The flat miss copy (16 programs for every request's misses).
-    "ours_fp8_flat": dict(
-        offload=[],
-        env={ENV_GATHER_PROGRAMS: "16"},
-        base="base_fp8",
-    ),
-    "ours_fp8_warm_direct_flat": dict(
-        offload=[], env=dict(WARM_DIRECT_FLAT_ENV), base="base_fp8"
     ),
     "ours_fp8_tuned": tuned_server(base="base_fp8"),
     # Units cut to a 30K context (7 x 4,416 = 30,912 slots): every request of
@@ -337,12 +198,12 @@ SERVERS = {
         base="base_bf16",
         control="base_bf16_retract",
     ),
-    # The tuned settings through retraction (a retracted request is warmed
-    # again when it comes back) and through unit moves between requests.
+    # The tuned unit cap through retraction (a retracted request is warmed
+    # again when it comes back); its leveling twin is ours_bf16_level (whose
+    # own unit cap it took: with the tuned env gone, the same server).
     "ours_bf16_tuned_retract": tuned_server(
         kv="bf16", retract=True, base="base_bf16", control="base_bf16_retract"
     ),
-    "ours_bf16_tuned_level": tuned_server(**LEVEL_SPEC),
     "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
     "dummy_fp8": dict(dummy=True, nc=True),
     # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, spec v1):
@@ -353,19 +214,6 @@ SERVERS = {
     "ours_fp8_mtp": dict(mtp=3, offload=[], base="base_fp8_mtp"),
     "ours_fp8_mtp_heavy": dict(
         mtp=3, offload=MTP_HEAVY_OFFLOAD_ARGS, base="base_fp8_mtp"
-    ),
-    # Verify swapped early (forced; the default) and inline (=0).
-    "ours_fp8_mtp_early": dict(
-        mtp=3,
-        offload=[],
-        env={ENV_EARLY_SWAP: "1"},
-        base="base_fp8_mtp",
-    ),
-    "ours_fp8_mtp_inline": dict(
-        mtp=3,
-        offload=[],
-        env={ENV_EARLY_SWAP: "0"},
-        base="base_fp8_mtp",
     ),
     "base_fp8_mtp1": dict(mtp=1),
     "ours_fp8_mtp1": dict(mtp=1, offload=[], base="base_fp8_mtp1"),
@@ -386,14 +234,6 @@ SERVERS = {
     "ours_fp8_mtp_v2": dict(mtp=3, spec_v2=True, offload=[], base="base_fp8_mtp_v2"),
     "ours_fp8_mtp_v2_heavy": dict(
         mtp=3, spec_v2=True, offload=MTP_HEAVY_OFFLOAD_ARGS, base="base_fp8_mtp_v2"
-    ),
-    # Verify swapped early (the side stream) with spec v2.
-    "ours_fp8_mtp_v2_early": dict(
-        mtp=3,
-        spec_v2=True,
-        offload=[],
-        env={ENV_EARLY_SWAP: "1"},
-        base="base_fp8_mtp_v2",
     ),
     "base_fp8_mtp1_v2": dict(mtp=1, spec_v2=True),
     "ours_fp8_mtp1_v2": dict(mtp=1, spec_v2=True, offload=[], base="base_fp8_mtp1_v2"),
@@ -662,7 +502,7 @@ def scan_log(path: str) -> dict:
     the run: misses are KV rows copied from host, all layers); the host pools
     the server's processes mapped (bytes per token of each) and their scope."""
     out = {"retractions": 0, "retracted_reqs": 0, "errors": 0, "offload_line": None}
-    misses, prefetched, min_hit, moved, idle_locs = 0, 0, None, None, None
+    misses, min_hit, moved, idle_locs = 0, None, None, None
     pools, ranks_per_pool = [], None
     with open(path, errors="replace") as f:
         for line in f:
@@ -686,15 +526,13 @@ def scan_log(path: str) -> dict:
                 hit = float(line.split("nsa-offload hit rate: ")[1].split(",")[0])
                 min_hit = hit if min_hit is None else min(min_hit, hit)
                 misses += int(line.split(" misses: ")[1].split(",")[0])
-                if " prefetched: " in line:
-                    prefetched += int(line.split(" prefetched: ")[1].split(",")[0])
                 m = UNITS_RE.search(line)
                 if m and m.group(2) is not None:
                     moved = (moved or 0) + int(m.group(2))
                 if m and m.group(3) is not None:
                     idle_locs = max(idle_locs or 0, int(m.group(3)))
     if min_hit is not None:
-        out.update(misses=misses, prefetched=prefetched, min_hit_rate=min_hit)
+        out.update(misses=misses, min_hit_rate=min_hit)
     if moved is not None:
         out["units_moved"] = moved
     if idle_locs is not None:

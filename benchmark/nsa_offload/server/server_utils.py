@@ -58,27 +58,8 @@ BF16_KV_ARGS = [
 ]
 KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
 # The offload refuses attention TP / DP attention unless this is set
-# (docs/MULTI_GPU.md).
+# (docs/MULTI_GPU.md): the only environment variable the offload reads.
 ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
-# The offload's schedule and experimental features (arg_groups/nsa_kv_offload_args.py).
-ENV_EARLY_SWAP = "SGLANG_NSA_KV_OFFLOAD_EARLY_SWAP"
-ENV_CROSS_LAYER_PREFETCH = "SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH"
-ENV_DIRECT_SLOTS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_SLOTS"
-ENV_SPARE_REGIONS = "SGLANG_NSA_KV_OFFLOAD_SPARE_REGIONS"
-ENV_IDLE_LOC_UNITS = "SGLANG_NSA_KV_OFFLOAD_IDLE_LOC_UNITS"
-ENV_WARM_UNITS = "SGLANG_NSA_KV_OFFLOAD_WARM_UNITS"
-ENV_GATHER_PROGRAMS = "SGLANG_NSA_KV_OFFLOAD_GATHER_PROGRAMS"
-ENV_DIRECT_WARM_POSITIONS = "SGLANG_NSA_KV_OFFLOAD_DIRECT_WARM_POSITIONS"
-ENV_SWAP_AFTER_ROPE = "SGLANG_NSA_KV_OFFLOAD_SWAP_AFTER_ROPE"
-ENV_SLOT_POLICY = "SGLANG_NSA_KV_OFFLOAD_POLICY"
-# CLOCK replacement instead of the LRU order (nsa_kv_offload_clock.py).
-CLOCK_ENV = {ENV_SLOT_POLICY: "clock"}
-# The elastic settings: the server's default from f418aa2 until the H200 read
-# wrong KV with them at 2 units (results/units/per_unit_gpu_gate/), opt-in
-# since d1140ab. With them the units were sized to the model's context
-# (ELASTIC_RANK_UNITS for DeepSeek-V3.2's 163,840 positions at 4,096 rows).
-ELASTIC_ENV = {ENV_WARM_UNITS: "1", ENV_DIRECT_SLOTS: "1", ENV_SPARE_REGIONS: "1"}
-ELASTIC_RANK_UNITS = 40
 # The decode log's units (nsa_kv_offload_coordinator.py): extra units held, and
 # since 64f802f the units moved between requests over the log interval.
 # With idle-loc units: how many of them the idle locs' keys lend.
@@ -157,7 +138,7 @@ def offload_max_units(
 ) -> int:
     """LRU units per request an offload server runs with: ``max_units`` if
     given, else its default, the units that hold ``context_len`` below the
-    window (``nsa_kv_offload_default_max_units``; the tests compare)."""
+    window (``nsa_kv_offload_units.units_for_context``; the tests compare)."""
     if max_units is not None:
         return max_units
     below_window = max(context_len - recent_window, 0)

@@ -732,7 +732,7 @@ def build_summary(result: dict) -> dict:
         ],
         "metrics": result.get("metrics"),
         "offload_log": {
-            k: log.get(k) for k in ("misses", "prefetched", "min_hit_rate")
+            k: log.get(k) for k in ("misses", "min_hit_rate")
         },
         "config": result.get("config"),
     }

@@ -5,14 +5,14 @@ measured runs and, while the requests decode, asks the server to profile N
 forward steps (sglang's ``/start_profile``, CPU + GPU activities). This module
 reads the chrome trace it writes and sums, per profiled step:
 
-* GPU kernel time by category: the offload's swap (``_swap_layer_kernel``,
-  the select and reorder kernels with LRU units, the ``_swap_multi_*`` ones in MTP
-  verify), its miss copy (``_gather_rows_kernel``, flat: ``_gather_rows_flat_kernel``), its new-token backup
+* GPU kernel time by category: the offload's swap (the select and reorder
+  kernels, the ``_swap_multi_*`` ones in MTP verify), its miss copy
+  (``_gather_rows_kernel``), its new-token backup
   (``_copy_rows_all_layers_kernel``) and window mapping
   (``_map_new_tokens_kernel``), HiSparse's kernels, and everything else
-  (the model). The cross-layer prefetch runs the same swap and copy kernels:
-  they count in ``swap`` / ``h2d_copy`` (a CUDA-graph replay spreads even a
-  single-stream forward over several streams, so streams tell nothing);
+  (the model). The early swap runs on a side stream, but a CUDA-graph replay
+  spreads even a single-stream forward over several streams, so streams
+  tell nothing;
 * GPU busy time (union of all kernel intervals) and the span from the first to
   the last kernel (about the step time while profiled);
 * host-side launches (CUDA runtime/driver launch calls, graph launches) and
@@ -37,27 +37,21 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 # Kernel name fragments -> category (the first match wins).
 KERNEL_CATEGORIES: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    # The fused swap and, with LRU units, the select kernel and the three of
-    # the reorder (the classify and assign kernels: before the select kernel);
-    # with several query tokens (MTP verify) the multi-token ones; with
-    # SGLANG_NSA_KV_OFFLOAD_POLICY=clock the CLOCK swap.
+    # The select kernel and the three of the reorder (one query token); with
+    # several query tokens (MTP verify) the classify and assign ones (and the
+    # count and rank kernels).
     (
         "swap",
         (
-            "_swap_layer_kernel",
-            "_clock_swap_kernel",
             "_swap_select_kernel",
-            "_swap_classify_kernel",
             "_swap_count_kernel",
             "_swap_rank_kernel",
             "_swap_copy_order_kernel",
-            "_swap_assign_kernel",
-            "_swap_multi_layer_kernel",
             "_swap_multi_classify_kernel",
             "_swap_multi_assign_kernel",
         ),
     ),
-    ("h2d_copy", ("_gather_rows_kernel", "_gather_rows_flat_kernel")),
+    ("h2d_copy", ("_gather_rows_kernel",)),
     ("backup", ("_copy_rows_all_layers_kernel",)),
     # Once per step: the new tokens' locs mapped to their window rows.
     ("map_new_tokens", ("_map_new_tokens_kernel",)),

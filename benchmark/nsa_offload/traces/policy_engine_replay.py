@@ -1,18 +1,16 @@
-"""The engine's replacement policies on a top-k trace (CPU, torch reference).
+"""The engine's replacement policy on a top-k trace (CPU, torch reference).
 
-Replays a trace through ``LRUCacheState(use_triton=False)`` once per policy
-(``lru``, ``clock``: ``SGLANG_NSA_KV_OFFLOAD_POLICY``), cold admissions, and
-counts the misses per (step, layer, request). Next to them the policy
-study's own models of the same rules (``policy_study.py``: ``lru-hitsmru``,
-ours' tie rule, and ``clock``), written independently: the engine's LRU and
-CLOCK must miss exactly what the study's models of their rules miss, swap
-for swap (CLOCK: the study's with empty slots found by the sweep, as the
-engine does), and the summary gives the policies' misses against HiSparse's
-LRU at equal GPU rows.
+Replays a trace through ``LRUCacheState(use_triton=False)`` (the LRU order;
+the CLOCK replacement it was once compared with was removed from the
+offload), cold admissions, and counts the misses per (step, layer, request).
+Next to it the policy study's own model of the same rule (``policy_study.py``:
+``lru-hitsmru``, ours' tie rule), written independently: the engine's LRU
+must miss exactly what the study's model misses, swap for swap, and the
+summary gives the misses against HiSparse's LRU at equal GPU rows.
 
     python benchmark/nsa_offload/traces/policy_engine_replay.py \\
         --trace benchmark/nsa_offload/traces/dsv32_synth_default.npz \\
-        --out-dir benchmark/nsa_offload/results/policy_study/engine_clock
+        --out-dir /tmp/engine_lru
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ import replay  # noqa: E402
 from trace_format import NSATopkTrace, load_trace  # noqa: E402
 
 
-def engine_misses(trace: NSATopkTrace, policy: str, slots: int, window: int):
-    """(S, L, B) misses of ``LRUCacheState`` with ``policy``, cold admissions."""
+def engine_misses(trace: NSATopkTrace, slots: int, window: int):
+    """(S, L, B) misses of ``LRUCacheState``, cold admissions."""
     import torch
     from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
 
@@ -54,7 +52,6 @@ def engine_misses(trace: NSATopkTrace, policy: str, slots: int, window: int):
         top_k=K,
         device="cpu",
         use_triton=False,
-        policy=policy,
     )
     r2t_t = torch.from_numpy(r2t)
     out = np.zeros((S, L, B), dtype=np.int64)
@@ -81,30 +78,18 @@ def summary_of(trace, misses, warmup) -> Dict:
 
 
 def compare_at(trace, budget: int, window: int, warmup: int) -> Dict:
-    """The engine's two policies and the study's models at ``budget`` rows."""
+    """The engine's LRU and the study's models at ``budget`` rows."""
     slots = budget - window
-    runs = {
-        "engine_lru": engine_misses(trace, "lru", slots, window),
-        "engine_clock": engine_misses(trace, "clock", slots, window),
-    }
+    runs = {"engine_lru": engine_misses(trace, slots, window)}
     factories = policy_study.policy_factories(budget, window)
-    for name in ("hisparse", "lru-hitsmru", "clock"):
+    for name in ("hisparse", "lru-hitsmru"):
         runs[f"study_{name}"] = policy_study.replay_misses(trace, factories[name][0])
-    # The study's CLOCK model with the engine's variant of the rule: the
-    # check that the engine implements the rule it names.
-    runs["study_clock_engine_rule"] = policy_study.replay_misses(
-        trace,
-        lambda mp: policy_study.Clock(slots, window, mp, 0, engine_rule=True),
-    )
     rows = {k: summary_of(trace, v, warmup) for k, v in runs.items()}
     hs = rows["study_hisparse"]["misses_per_row"]
     for row in rows.values():
         row["ratio_to_hisparse"] = row["misses_per_row"] / hs if hs else None
     checks = {
-        # The same rules written twice: swap for swap.
-        "engine_clock_equals_study_clock_engine_rule": bool(
-            (runs["engine_clock"] == runs["study_clock_engine_rule"]).all()
-        ),
+        # The same rule written twice: swap for swap.
         "engine_lru_equals_study_lru_hitsmru": bool(
             (runs["engine_lru"] == runs["study_lru-hitsmru"]).all()
         ),
@@ -154,7 +139,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     lines = [
-        f"# Engine replacement policies on `{summary['trace']}` (CPU replay)",
+        f"# The engine's replacement policy on `{summary['trace']}` (CPU replay)",
         "",
         f"`{command}` at `{commit}`: per (request, layer) B GPU rows = LRU slots + a "
         f"{args.window}-row window (HiSparse: B LRU rows, the newest token among them), "

@@ -1,10 +1,10 @@
 """Cross-layer prefetch on calibrated traces (CPU replay).
 
-With ``SGLANG_NSA_KV_OFFLOAD_CROSS_LAYER_PREFETCH=1`` the engine swaps layer
-l's top-k into layer l+1's LRU slots right after layer l's swap, on a second
-stream, so that layer l+1's own swap misses only what the two layers do not
-share (adjacent DSA layers share 70-100% of their top-k, IndexCache). This
-replays that policy (``OursLRU.step`` on the previous layer's top-k, then on
+The engine's cross-layer prefetch (an experiment, since removed from the
+offload) swapped layer l's top-k into layer l+1's LRU slots right after layer
+l's swap, on a second stream, so that layer l+1's own swap missed only what
+the two layers do not share (adjacent DSA layers share 70-100% of their
+top-k, IndexCache). This replays that policy (``OursLRU.step`` on the previous layer's top-k, then on
 the layer's own: the engine's residency and recency rules) next to ours without
 prefetch and HiSparse, per (request, layer, decode step) in the steady state:
 

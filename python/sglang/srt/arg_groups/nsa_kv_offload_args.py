@@ -196,17 +196,24 @@ def handle_decode_nsa_kv_offload(server_args) -> None:
         sa.nsa_kv_offload_gpu_buffer_size = ((query_tokens or 1) + 1) * index_topk
     buffer_size = sa.nsa_kv_offload_gpu_buffer_size
     window = sa.nsa_kv_offload_recent_window
-    if not index_topk <= buffer_size <= _MAX_BUFFER_SIZE:
+    if buffer_size < index_topk:
         _fail(
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at least the "
-            f"model's index_topk ({index_topk}) and at most {_MAX_BUFFER_SIZE}."
+            f"model's index_topk ({index_topk})."
         )
-    if not 1 <= window < buffer_size:
+    if buffer_size > _MAX_BUFFER_SIZE:
         _fail(
-            f"--nsa-kv-offload-recent-window ({window}) must be at least 1 and "
-            f"smaller than --nsa-kv-offload-gpu-buffer-size ({buffer_size})."
+            f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at most "
+            f"{_MAX_BUFFER_SIZE}."
         )
-    _check_speculative(sa, index_topk)
+    if window < 1:
+        _fail(f"--nsa-kv-offload-recent-window ({window}) must be at least 1.")
+    if window >= buffer_size:
+        _fail(
+            f"--nsa-kv-offload-recent-window ({window}) must be smaller than "
+            f"--nsa-kv-offload-gpu-buffer-size ({buffer_size})."
+        )
+    check_nsa_kv_offload_speculative(sa, index_topk)
     if sa.nsa_kv_offload_max_units is None:
         sa.nsa_kv_offload_max_units = units_for_context(
             model_config.context_len, buffer_size, window
@@ -285,17 +292,18 @@ def _check_backends(sa) -> None:
     if sa.nsa_prefill_backend not in _PREFILL_BACKENDS:
         _fail(
             f"it requires --nsa-prefill-backend {' or '.join(_PREFILL_BACKENDS)} (the "
-            "prefill that reads KV through the offload's staging rows), but got "
+            "prefill path that reads KV through the offload's staging rows), but got "
             f"--nsa-prefill-backend {sa.nsa_prefill_backend}."
         )
 
 
-def _check_speculative(sa, index_topk: int) -> None:
+def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
     """Refuse the speculative decoding the multi-token swap does not serve
-    (docs/MTP.md); after sglang's own speculative step has resolved it."""
+    (docs/MTP.md), after sglang's own speculative step resolved it; returns
+    the query tokens per request of a target forward (1: no MTP)."""
     algorithm = sa.speculative_algorithm
     if algorithm is None:
-        return
+        return 1
     if algorithm.upper() not in _SPECULATIVE_ALGORITHMS:
         _fail(
             f"--speculative-algorithm {algorithm} is not supported; only EAGLE / NEXTN MTP is."
@@ -340,12 +348,13 @@ def _check_speculative(sa, index_topk: int) -> None:
             # that may still write them back is in flight, outside any stream.
             _fail(
                 "speculative decoding with the overlap scheduler (spec v2) on a PD "
-                "decode server is not supported; pass --disable-overlap-schedule."
+                "decode server (--disaggregation-mode decode) is not supported; pass "
+                "--disable-overlap-schedule (spec v1)."
             )
         if envs.SGLANG_ENABLE_OVERLAP_PLAN_STREAM.get():
             _fail(
                 "SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 (spec v2's plan stream) is not "
-                "supported; unset it or pass --disable-overlap-schedule."
+                "supported; unset it or pass --disable-overlap-schedule (spec v1)."
             )
     if sa.nsa_kv_offload_gpu_buffer_size < q * index_topk:
         # A verify step keeps the union of its query tokens' top-k resident.
@@ -360,6 +369,7 @@ def _check_speculative(sa, index_topk: int) -> None:
             f"--nsa-kv-offload-recent-window ({sa.nsa_kv_offload_recent_window}) must "
             f"be at least 2 x --speculative-num-draft-tokens - 1 ({2 * q - 1})."
         )
+    return q
 
 
 def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
@@ -376,7 +386,8 @@ def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
     if sa.enable_dp_attention and dp != tp:
         _fail(
             f"--enable-dp-attention with --dp-size {dp} smaller than --tp-size {tp} "
-            f"(attention TP inside each DP group) is not supported; use --dp-size {tp}."
+            f"(attention TP of {tp // max(dp, 1)} GPUs inside each DP group) is not "
+            f"supported; use --dp-size {tp}."
         )
     if layout.attn_tp_size > 1:
         if layout.attn_tp_spans_nodes:

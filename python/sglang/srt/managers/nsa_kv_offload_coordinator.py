@@ -1,24 +1,14 @@
 """Request lifecycle and forward hooks of the decode NSA KV offload.
 
-One ``NSAKVOffloadCoordinator`` per rank, built by ModelRunner after its pools
-and before its attention backends, which are handed it (the scheduler takes it
-from the model runner and gives it to its tree cache). It owns the
-``SparseCacheController`` and connects it to sglang's scheduling:
-
-* admission, right after the forward that completes a prompt is enqueued (the
-  first decode preparation admits anything missed): back the prompt up to
-  host slots, give the request a region, warm it, return its staging rows (a
-  PD decode server's prompts arrive in host slots: region and warm-up only);
-* every decode preparation: rebalance units, map the new token locs to their
-  window ring rows;
-* inside every decode forward (CUDA-graph captured): each layer's swap starts
-  on a side stream as soon as its indexer's top-k exists (``begin_layer_swap``)
-  and the backend's swap hook waits for it; the last layer writes the step's
-  new tokens back to host memory;
-* finish / abort / retract: release region and LRU state after the GPU work
-  that may still touch them.
-
-See docs/ENGINE.md (swap semantics) and docs/INTEGRATION.md (hook points).
+One ``NSAKVOffloadCoordinator`` per rank (built by ModelRunner after its pools,
+handed to its attention backends and the scheduler's tree cache) owns the
+``SparseCacheController`` and connects it to sglang's scheduling: admission
+after the forward that completes a prompt (backup, region, warm-up, staging
+freed), every decode preparation (rebalance, new locs to ring rows), every
+decode forward (each layer's swap on a side stream once its top-k exists; the
+last layer writes the new tokens back) and finish / abort / retract (release
+after the GPU work that may still touch the request). See docs/ENGINE.md and
+docs/INTEGRATION.md, "Lifecycle".
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
 )
 from sglang.srt.managers.nsa_kv_offload_mtp import NSAKVOffloadMTPMixin
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
-from sglang.srt.mem_cache.nsa_kv_offload_copy import as_rows
 from sglang.srt.mem_cache.nsa_kv_offload_shared_host import (
     SharedHostLayout,
     open_shared_host_segment,
@@ -55,18 +44,19 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
 from sglang.srt.mem_cache.nsa_kv_offload_verify import NSAKVOffloadVerifier
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
-from sglang.srt.observability.nsa_kv_offload_metrics import decode_log_suffix
+from sglang.srt.observability.nsa_kv_offload_metrics import (
+    NSAKVOffloadMetricsCollector,
+    decode_log_suffix,
+)
 
 logger = logging.getLogger(__name__)
 
-# While idle, the metrics are refreshed at most this often (sglang checks its
-# pools at every idle scheduler iteration).
+# While idle, the metrics are refreshed at most this often.
 IDLE_METRICS_INTERVAL_S = 1.0
 
 
 def longest_seq_len(req) -> Optional[int]:
-    """The longest ``req`` can grow: its prompt plus ``max_new_tokens`` (None
-    when unset)."""
+    """Prompt plus ``max_new_tokens`` of ``req`` (None when unset)."""
     max_new_tokens = req.sampling_params.max_new_tokens
     if max_new_tokens is None:
         return None
@@ -122,11 +112,10 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         self.verifier = None
         if options.verify:
             self.verifier = NSAKVOffloadVerifier(kv_pool, req_to_token, options.verify)
-        # Admissions warmed after the next rebalance (warm units), in
-        # prepare_decode: req_pool_idx -> the prompt's locs until then.
+        # req_pool_idx -> prompt locs, warmed after prepare_decode's rebalance.
         self._deferred_warm: Dict[int, torch.Tensor] = {}
-        # Rows of the batch that are real (CUDA-graph padding rows are inert),
-        # and with MTP its real query tokens (the write-back count).
+        # The batch's real rows (not CUDA-graph padding) and, with MTP, real
+        # query tokens (the write-back count).
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.num_real_tokens = torch.zeros(1, dtype=torch.int32, device=self.device)
         first = kv_pool.start_layer
@@ -141,10 +130,9 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             self._swap_stream = torch.cuda.Stream(self.device)
             self._swap_done = [torch.cuda.Event() for _ in range(kv_pool.layer_num)]
         self.producer_stream = None
-        self.metrics = None  # NSAKVOffloadMetricsCollector with --enable-metrics
+        self.metrics = None  # with --enable-metrics (enable_metrics)
         self._last_log_tic = time.perf_counter()
         self._last_idle_metrics_tic = float("-inf")
-        self._verify_reported = (0, 0)
 
     def _create_host_pool(self, group) -> NSAKVOnlyTokenToKVPoolHost:
         kv_pool, num_locs = self.kv_pool, self.sizes.num_locs
@@ -170,9 +158,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         return host_pool
 
     def _add_lenders(self, staging_reserve_pages: int) -> None:
-        # Units beyond the free regions: the indexer keys of free locs (the
-        # arena; before the staging, which every prefill takes back), then
-        # idle prefill staging pages.
+        # Lenders after the free regions: free locs' indexer keys, then idle
+        # staging (docs/ELASTIC_BUFFER.md).
         allocator, o = self.allocator, self.options
         self.lends_idle_locs = o.max_units > 1 and self.kv_pool.uses_arena
         if self.lends_idle_locs:
@@ -191,8 +178,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             allocator.reclaim_staging = self.reclaim_staging
 
     def _new_plan_buffers(self, rows: int, k: int, q: int) -> LayerSwapPlan:
-        # Static swap outputs for rows requests of q query tokens: a page-table
-        # row per query token, one copy list of q * k per request.
+        # Static swap outputs: a page-table row per query token, a copy list
+        # of q * k per request.
         def buf(shape, dtype, fill=0):
             return torch.full(shape, fill, dtype=dtype, device=self.device)
 
@@ -256,7 +243,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         rows = None
         if self.options.kv_arrives_in_host:
             if self.verifier is not None:
-                self._fill_verify_pool(locs)
+                self.verifier.fill_from_host(self.host_pool, locs)
         else:
             rows = self.kv_pool.loc_to_row[locs]
             self.controller.backup_prefilled_request(rows, locs)
@@ -277,16 +264,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             self.allocator.release_staging(locs)
         return locs if defer_warm else None
 
-    def _fill_verify_pool(self, locs: torch.Tensor) -> None:
-        # The verify mode's truth for a PD prompt: what the transfer put in
-        # its host slots (admission, and again after a retraction).
-        row_bytes, host_locs = self.host_pool.row_bytes, locs.cpu()
-        for layer, truth in enumerate(self.kv_pool.verify_kv_buffer):
-            truth_rows = as_rows(truth, row_bytes)
-            truth_rows[locs] = self.host_pool.data_refs[layer][host_locs].to(
-                self.device
-            )
-
     def admit_prefilled_batch(self, batch, chunked_req) -> None:
         """Right after a prefill forward is enqueued: admit every request whose
         prompt it completes (all but the chunked one); the copies are ordered
@@ -298,8 +275,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             for req in reqs:
                 self._admit_for_decode(req, len(req.fill_ids))
             return
-        # Warm units: the prompts' KV is in their staging rows until freed, so
-        # the units are granted now and filled from those rows on the GPU.
+        # Warm units: grant units now, fill them from the staging rows.
         staged = [
             (req.req_pool_idx, self.admit(req, len(req.fill_ids), True, True))
             for req in reqs
@@ -329,8 +305,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             if not self.is_admitted(req):
                 self._admit_for_decode(req, int(batch.seq_lens_cpu[i]) - 1)
         self._rebalance_if_wanted()
-        # The backups and transfers of these prompts are ordered before the
-        # warm copies (side-stream issue order).
+        # Backups come before the warm copies (side-stream issue order).
         for r, locs in self._deferred_warm.items():
             self.controller.warm_admitted(r, locs)
         self._deferred_warm.clear()
@@ -346,16 +321,16 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         return self.controller.reclaim_units_of(source, enough)
 
     def reclaim_staging(self, num_pages: int) -> bool:
-        """A prefill needs ``num_pages`` staging pages: take staging units back
-        until they are free; False when that is not enough."""
+        """Take staging units back until ``num_pages`` staging pages are free;
+        False when that is not enough."""
         staging = self.allocator.staging
         return self._reclaim(
             STAGING_UNIT_SOURCE, lambda: staging.available_pages() >= num_pages
         )
 
     def reclaim_idle_locs(self, num_pages: int) -> bool:
-        """A loc allocation needs ``num_pages`` free pages: take idle-loc units
-        back until they are free; False when that is not enough."""
+        """Take idle-loc units back until ``num_pages`` loc pages are free;
+        False when that is not enough."""
         allocator = self.allocator
         return self._reclaim(
             IDLE_LOC_UNIT_SOURCE, lambda: allocator.free_page_count() >= num_pages
@@ -374,8 +349,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
     # -------------------------------------------------------------- forward
 
     def before_forward(self, forward_batch) -> None:
-        # Host rows written by backups and region rows warmed at admission are
-        # read by this forward; staging rows read by backups may be rewritten.
+        # This forward reads backed-up host rows and warmed region rows.
         self.controller.wait_backup()
 
     def begin_layer_swap(self, layer_id: int, topk_positions, forward_batch) -> None:
@@ -392,40 +366,32 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         if layer_id == first:
             self._early_page_tables.clear()  # nothing carried over a forward
         # A decode swap's recency update runs after its event, beside the
-        # attention; the next layer's swap, later on this stream, joins it.
-        # The last layer's has no later swap, so it runs before the event.
+        # attention (the last layer's before it): docs/ENGINE.md, "Early swap".
         defer = mode.is_decode() and layer_id < last
         stream = self._swap_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
+        args = (defer,) if mode.is_decode() else ()
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            if mode.is_decode():
-                page_table = swap(layer_id, topk_positions, forward_batch, defer)
-            else:
-                page_table = swap(layer_id, topk_positions, forward_batch)
+            page_table = swap(layer_id, topk_positions, forward_batch, *args)
             if stream is not None:
                 self._swap_done[layer_id - first].record(stream)
             if defer:
                 self.controller.finish_lru_reorder()
         self._early_page_tables[layer_id] = page_table
 
-    def _take_early_page_table(
-        self, layer_id: int, rows: int
-    ) -> Optional[torch.Tensor]:
-        # The page table of this layer's early swap (the forward stream waits
-        # for it), padded to the backend's query rows; None if not begun.
+    def _take_early_page_table(self, layer_id: int, rows: int):
+        # This layer's early page table (waited for), padded to the backend's
+        # query rows (TP with partial DP attention); None if not begun.
         page_table = self._early_page_tables.pop(layer_id, None)
         if page_table is None:
             return None
         if self._swap_stream is not None:
             event = self._swap_done[layer_id - self._layer_range[0]]
             torch.cuda.current_stream().wait_event(event)
-        if page_table.shape[0] < rows:
-            # The backend pads the top-k to the query rows (TP with partial DP
-            # attention); the swap ran on the indexer's rows.
-            pad = page_table.new_full(
-                (rows - page_table.shape[0], page_table.shape[1]), -1
-            )
+        n, k = page_table.shape
+        if n < rows:
+            pad = page_table.new_full((rows - n, k), -1)
             page_table = torch.cat([page_table, pad])
         return page_table
 
@@ -452,47 +418,30 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             page_table = self._swap_into_plan(layer_id, topk_positions, forward_batch)
         self._verify_layer(layer_id, topk_positions, page_table, forward_batch)
         if layer_id == self._layer_range[1]:
-            # Every layer has written this step's new KV to its window rows;
-            # one all-layer copy on the forward stream, inside the graph.
-            out_cache_loc = forward_batch.out_cache_loc
-            rows = self.kv_pool.loc_to_row[out_cache_loc]
-            self.controller.write_back_new_tokens(
-                rows, out_cache_loc, self.num_real_reqs
-            )
+            # One all-layer copy of the step's new KV, inside the graph.
+            loc = forward_batch.out_cache_loc
+            rows = self.kv_pool.loc_to_row[loc]
+            self.controller.write_back_new_tokens(rows, loc, self.num_real_reqs)
         return page_table
 
     def _count_real_rows(self, out_cache_loc, out=None) -> None:
-        # CUDA-graph padding rows have out_cache_loc 0 (loc 0 is never a
-        # request's), so the real rows are counted on the GPU.
-        torch.sum(
-            out_cache_loc != 0,
-            dim=0,
-            keepdim=True,
-            dtype=torch.int32,
-            out=self.num_real_reqs if out is None else out,
-        )
+        # Padding rows have out_cache_loc 0 (never a request's loc).
+        out = self.num_real_reqs if out is None else out
+        torch.sum(out_cache_loc != 0, dim=0, keepdim=True, dtype=torch.int32, out=out)
 
-    def _verify_layer(
-        self, layer_id, topk_positions, page_table, forward_batch
-    ) -> None:
+    def _verify_layer(self, layer_id, topk_pos, page_table, forward_batch) -> None:
         if self.verifier is None:
             return
-        if forward_batch.forward_mode.is_target_verify():
+        fb = forward_batch
+        if fb.forward_mode.is_target_verify():
             seq_lens, q = self._verify_seq_lens, self.options.query_tokens
         else:
-            seq_lens, q = forward_batch.seq_lens, 1
-        self.verifier.check(
-            layer_id,
-            topk_positions,
-            page_table,
-            forward_batch.req_pool_indices,
-            seq_lens,
-            self.num_real_reqs,
-            q,
-        )
+            seq_lens, q = fb.seq_lens, 1
+        idx, real = fb.req_pool_indices, self.num_real_reqs
+        self.verifier.check(layer_id, topk_pos, page_table, idx, seq_lens, real, q)
 
     def _check_verify(self) -> None:
-        # Verify mode "fail": stop at the first mismatch of a finished forward.
+        # Mode "fail": raise at the first mismatch of a finished forward.
         if self.verifier is not None and self.verifier.mode == "fail":
             self.verifier.read()
 
@@ -506,12 +455,10 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             leaks.append(
                 f"staging pages free: {staging.available_pages()} of {staging.num_pages}"
             )
-        # Without decode there is no decode log to feed the metrics.
+        # No decode log feeds the metrics while idle.
         now = time.perf_counter()
-        if (
-            self.metrics is not None
-            and now - self._last_idle_metrics_tic >= IDLE_METRICS_INTERVAL_S
-        ):
+        due = now - self._last_idle_metrics_tic >= IDLE_METRICS_INTERVAL_S
+        if self.metrics is not None and due:
             self._last_idle_metrics_tic = now
             self.get_stats()
         return "; ".join(leaks)
@@ -525,10 +472,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
 
     def enable_metrics(self, labels, registry=None) -> None:
         """Export the counters and gauges to Prometheus (fed at each decode log)."""
-        from sglang.srt.observability.nsa_kv_offload_metrics import (
-            NSAKVOffloadMetricsCollector,
-        )
-
         self.metrics = NSAKVOffloadMetricsCollector(labels, registry)
 
     def get_stats(self) -> dict:
@@ -546,19 +489,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             * staging.page_size,
         )
         if self.verifier is not None:
-            totals = self.verifier.read()
-            checked, mismatches = (
-                totals["verify_checked_rows"],
-                totals["verify_mismatches"],
-            )
-            last_checked, last_mismatches = self._verify_reported
-            self._verify_reported = (checked, mismatches)
-            stats.update(
-                verify_checked_rows=checked - last_checked,
-                verify_mismatches=mismatches - last_mismatches,
-                verify_checked_total=checked,
-                verify_mismatches_total=mismatches,
-            )
+            stats.update(self.verifier.stats_delta())
         if self.metrics is not None:
             self.metrics.observe(stats)
         return stats
@@ -598,21 +529,18 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
         from sglang.srt.layers.dp_attention import get_attention_tp_group
 
         host_pool_group = get_attention_tp_group()
+    sizes = model_runner.token_to_kv_pool.sizes
     logger.info(
         "NSA KV offload: requests held at once by length (prompt + output): %s; "
         "--max-running-requests trades decode regions for token locs.",
-        model_runner.token_to_kv_pool.sizes.describe_capacity(
-            model_runner.model_config.context_len
-        ),
+        sizes.describe_capacity(model_runner.model_config.context_len),
     )
     warning = cuda_graph_coverage_warning(sa, model_runner.max_running_requests)
     if warning:
         logger.warning(warning)
     page_size = model_runner.page_size
     reserve_rows = staging_reserve_rows(
-        options.prefill_budget,
-        model_runner.token_to_kv_pool.sizes.num_regions,
-        page_size,
+        options.prefill_budget, sizes.num_regions, page_size
     )
     coordinator = NSAKVOffloadCoordinator(
         kv_pool=model_runner.token_to_kv_pool,

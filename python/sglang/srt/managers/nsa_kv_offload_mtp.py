@@ -1,17 +1,12 @@
 """MTP target verify with the decode NSA KV offload (docs/MTP.md).
 
-EAGLE / NextN with one draft chain: each step the target model runs one
-``TARGET_VERIFY`` forward over ``q = --speculative-num-draft-tokens`` query
-tokens per request (the bonus token at position ``n = seq_lens`` and the
-``q - 1`` drafts after it). The coordinator serves it like a decode step, for
-``q`` tokens per request: admit what the prefill hook missed and rebalance
-before the step's locs are allocated (spec v1: ``prepare_verify``; spec v2:
-``prepare_speculative_decode``), map the ``q`` locs to their window ring rows
-(spec v2 on the worker, ``prepare_v2_verify``: GPU ops only), then inside the
-forward swap every layer's ``bs * q`` top-k rows at once and write all ``q``
-tokens back to host slots at the last layer. Nothing is rolled back: drafts
-never enter the LRU and the swap reads only the newest ``W - (q - 1)`` ring
-positions. Frees against the write-back: docs/MTP.md, "Order of frees".
+EAGLE / NextN with one draft chain: each ``TARGET_VERIFY`` forward has ``q =
+--speculative-num-draft-tokens`` query tokens per request. The coordinator
+serves it like a decode step of ``q`` tokens: admit and rebalance before the
+step's locs are allocated, map the ``q`` locs to their window ring rows, swap
+every layer's ``bs * q`` top-k rows at once and write all ``q`` tokens back at
+the last layer. Nothing is rolled back: drafts never enter the LRU (docs/MTP.md,
+"New KV, rollback and what the host holds"; "Free vs write-back").
 """
 
 from __future__ import annotations
@@ -45,18 +40,14 @@ class NSAKVOffloadMTPMixin:
         self._check_query_tokens(num_draft_tokens)
         self.admit_running(batch)
         self._rebalance_if_wanted()
-        self._map_verify_tokens(
-            batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
-        )
+        self._map_verify_tokens(batch)
 
     def prepare_v2_verify(self, batch, num_draft_tokens: int) -> None:
         """Spec v2: ``prepare_for_v2_verify`` (worker side) read the ``q`` locs
         per request into ``batch.out_cache_loc``; maps them to ring rows on the
         current stream (no host sync)."""
         self._check_query_tokens(num_draft_tokens)
-        self._map_verify_tokens(
-            batch.req_pool_indices, batch.seq_lens, batch.out_cache_loc
-        )
+        self._map_verify_tokens(batch)
 
     def _check_query_tokens(self, q: int) -> None:
         if q != self.options.query_tokens:
@@ -65,11 +56,13 @@ class NSAKVOffloadMTPMixin:
                 f"LRU state was built for {self.options.query_tokens}"
             )
 
-    def _map_verify_tokens(self, req_pool_indices, seq_lens, out_cache_loc) -> None:
+    def _map_verify_tokens(self, batch) -> None:
         # Query token j of a request sits at position seq_lens + j.
         q = self.options.query_tokens
-        idx, lens = self.lru.expand_query_tokens(req_pool_indices, seq_lens + q, q)
-        self.lru.map_new_tokens(idx, lens, out_cache_loc, self.kv_pool.loc_to_row)
+        idx, lens = self.lru.expand_query_tokens(
+            batch.req_pool_indices, batch.seq_lens + q, q
+        )
+        self.lru.map_new_tokens(idx, lens, batch.out_cache_loc, self.kv_pool.loc_to_row)
 
     def swap_verify_layer(self, layer_id: int, topk_positions, forward_batch):
         """``(bs * q, K)`` top-k positions (request-major) -> GPU rows, one row
@@ -90,12 +83,10 @@ class NSAKVOffloadMTPMixin:
     def _verify_swap_into_plan(self, layer_id: int, topk_positions, forward_batch):
         q = self.options.query_tokens
         if layer_id == self._layer_range[0]:
-            # Padding requests of a CUDA graph have out_cache_loc 0 for all
-            # their q tokens; real ones never (loc 0 is nobody's).
+            # Padding requests have out_cache_loc 0 for all their q tokens.
             self._count_real_rows(forward_batch.out_cache_loc, out=self.num_real_tokens)
             torch.floor_divide(self.num_real_tokens, q, out=self.num_real_reqs)
-            # The swap's length counts all q query tokens (the backend's
-            # cache_seqlens); once per forward, inside the graph.
+            # The swap's length counts all q query tokens (cache_seqlens).
             self._verify_seq_lens = forward_batch.seq_lens + q
         return self.controller.swap_one_layer(
             layer_id,

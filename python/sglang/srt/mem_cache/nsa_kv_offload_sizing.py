@@ -1,18 +1,15 @@
 """GPU memory sizing of the decode NSA KV offload.
 
-With the offload on, ModelRunner's pool sizing goes through
-:class:`NSAKVOffloadPoolConfigurator`: the KV budget sglang's own pool would
-take is split between fixed costs (prefill staging rows, one decode region of
-``C + W`` rows per request slot, the swap's scratch) and logical token locs
-(indexer keys, the LRU map), capped by the host pool; what capped locs leave
-becomes spare regions lent as units (docs/ELASTIC_BUFFER.md).
-``max_total_num_tokens`` is then the number of locs and ``max_running_requests``
-the number of decode regions.
+:class:`NSAKVOffloadPoolConfigurator` splits the KV budget sglang's own pool
+would take between fixed costs (staging rows, a region of ``C + W`` rows per
+request slot, the swap's scratch) and token locs (indexer keys, the LRU map),
+capped by the host pool; what capped locs leave becomes spare regions lent as
+units (docs/ELASTIC_BUFFER.md). ``max_total_num_tokens`` is the number of locs,
+``max_running_requests`` that of regions (docs/INTEGRATION.md, "Memory").
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,8 +20,6 @@ from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_units import staging_unit_capacity
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
 
-logger = logging.getLogger(__name__)
-
 # KV layers of the MTP draft worker (DeepSeek-V3.2's one NextN layer).
 NSA_KV_OFFLOAD_DRAFT_LAYERS = 1
 # Default decode regions when --max-running-requests is not set: at most this
@@ -34,8 +29,8 @@ _DEFAULT_MAX_REGIONS = 256
 
 
 def nsa_indexer_bytes(index_head_dim: int) -> int:
-    """Bytes of one token's indexer key in a layer, as ``NSATokenToKVPool``
-    stores them: fp8 keys, then an fp32 scale per quantization block."""
+    """Bytes of one token's indexer key in a layer (``NSATokenToKVPool``: fp8
+    keys, then an fp32 scale per quantization block)."""
     return index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
 
 
@@ -49,11 +44,8 @@ class NSAKVOffloadPoolSizes:
     staging_rows: int
     page_size: int
     host_capacity_locs: int
-    # Regions beyond the request slots, only ever lent as extra units: GPU
-    # memory the host pool left without locs to hold (spare_region_count).
-    num_spare_regions: int = 0
-    # Units of LRU state for units lent from the indexer keys of free locs
-    # (IdleLocUnitLender); > 0 puts KV rows and keys in one arena per layer.
+    num_spare_regions: int = 0  # lent as units only (spare_region_count)
+    # LRU state for units lent by free locs' indexer keys; > 0: the arena.
     idle_loc_units: int = 0
 
     @property
@@ -77,14 +69,13 @@ class NSAKVOffloadPoolSizes:
         return self.page_size + self.staging_rows
 
     def requests_that_fit(self, tokens: int) -> int:
-        """Requests of ``tokens`` tokens (prompt + output) held at once: each
-        needs a decode region and its token locs (whole pages)."""
+        """Requests of ``tokens`` tokens (prompt + output) held at once (a
+        region and whole pages of locs each)."""
         return min(self.num_regions, self.num_locs // _round_up(tokens, self.page_size))
 
     def describe_capacity(self, context_len: int) -> str:
-        """``16K x 254, 32K x 177, ..., 131584 x 62`` (the last: the context
-        length), for the startup log: what ``--max-running-requests`` traded
-        decode regions for."""
+        """``16K x 254, ..., 131584 x 62`` (the last: the context length):
+        ``requests_that_fit`` by length, for the startup log."""
         held = [
             f"{n // 1024}K x {self.requests_that_fit(n)}"
             for n in (16384, 32768, 65536, 131072)
@@ -106,15 +97,14 @@ def lru_slot_id_bytes(buffer_size: int, max_units: int) -> int:
 def offload_bytes_per_loc(
     num_layers: int, indexer_bytes: int, slot_id_bytes: int = 2
 ) -> int:
-    """GPU bytes per logical token loc: indexer keys, the LRU residency map
-    (a slot id per layer: ``lru_slot_id_bytes``) and ``loc_to_row`` (int64)."""
+    """GPU bytes per token loc: indexer keys, a slot id per layer (the LRU
+    map) and ``loc_to_row`` (int64)."""
     return num_layers * (indexer_bytes + slot_id_bytes) + 8
 
 
 def lru_unit_state_bytes(num_layers: int, buffer_size: int, max_units: int) -> int:
-    """GPU bytes of the LRU state of one unit (``LRUCacheState`` holds it per
-    unit): ``slot_loc`` int32 and an ``lru_order`` slot id per slot and layer
-    (``lru_slot_id_bytes``: wide enough for ``max_units`` units)."""
+    """GPU bytes of one unit's LRU state: ``slot_loc`` int32 and an
+    ``lru_order`` slot id per slot and layer."""
     return num_layers * buffer_size * (4 + lru_slot_id_bytes(buffer_size, max_units))
 
 
@@ -125,24 +115,18 @@ def offload_bytes_per_region(
     recent_window: int,
     max_units: int = 1,
 ) -> int:
-    """GPU bytes per region (a request slot, or a spare region): its KV rows
-    plus the LRU state of the one unit it is. More units per request cost
-    no bytes per request slot: the units are regions and staging rows,
-    each counted where it exists."""
-    rows = buffer_size + recent_window
-    return num_layers * rows * row_bytes + lru_unit_state_bytes(
-        num_layers, buffer_size, max_units
-    )
+    """GPU bytes per region (request slot or spare): its KV rows and its
+    unit's LRU state (other units are counted where they exist)."""
+    state = lru_unit_state_bytes(num_layers, buffer_size, max_units)
+    return num_layers * (buffer_size + recent_window) * row_bytes + state
 
 
 def sglang_pool_footprint(
     available_bytes: int, nominal_cell_bytes: int, real_cell_bytes: int
 ) -> int:
-    """GPU bytes sglang's own NSA pool takes for ``available_bytes``: it
-    counts ``available_bytes // nominal_cell_bytes`` tokens, its nominal cell
-    being (kv_lora_rank + qk_rope_head_dim) KV elements plus the indexer keys
-    per layer, and allocates each a ``real_cell_bytes`` cell (the fp8
-    FlashMLA row is 656 B, not 576: ~11% more than the budget)."""
+    """GPU bytes sglang's own NSA pool takes for ``available_bytes``: tokens
+    counted by the nominal cell (kv_lora_rank + qk_rope_head_dim elements and
+    the indexer keys per layer), each allocated a ``real_cell_bytes`` cell."""
     return available_bytes // nominal_cell_bytes * real_cell_bytes
 
 
@@ -154,11 +138,8 @@ def max_spare_regions(num_regions: int, max_units: int) -> int:
 def spare_region_count(
     leftover_bytes: int, region_bytes: int, num_regions: int, max_units: int
 ) -> int:
-    """Spare regions the GPU bytes left after the locs pay for (the host pool
-    or ``--max-total-tokens`` capped the locs), up to what the request slots
-    can borrow (``max_spare_regions``). A spare region costs
-    ``region_bytes`` (``offload_bytes_per_region``: its KV rows and its
-    unit's LRU state)."""
+    """Spare regions of ``region_bytes`` each that the bytes capped locs leave
+    pay for, up to ``max_spare_regions``."""
     if max_units <= 1 or leftover_bytes <= 0:
         return 0
     fit = leftover_bytes // region_bytes
@@ -174,9 +155,8 @@ def idle_loc_lru_units(
     max_units: int,
     num_spare_regions: int = 0,
 ) -> int:
-    """Units of LRU state for units lent from free locs' indexer keys: as
-    many as the keys of all ``num_locs`` hold (``buffer_size`` rows each),
-    at most what the request slots can borrow beyond the spare regions."""
+    """Units of LRU state for units lent by free locs' indexer keys: as many
+    as all keys hold, at most what the slots borrow beyond spare regions."""
     if max_units <= 1:
         return 0
     fit = num_locs * indexer_bytes // ((buffer_size + 1) * row_bytes)
@@ -187,26 +167,23 @@ def idle_loc_lru_units(
 def staging_lru_units(
     staging_rows: int, page_size: int, buffer_size: int, max_units: int
 ) -> int:
-    """Units idle prefill staging may lend at once (``StagingUnitLender``),
-    each with a unit of LRU state: none with one unit per request."""
+    """Units idle staging may lend at once (none with one unit per request)."""
     if max_units <= 1:
         return 0
     return staging_unit_capacity(staging_rows // page_size, page_size, buffer_size)
 
 
 def staging_reserve_rows(prefill_budget: int, num_regions: int, page_size: int) -> int:
-    """Staging rows for two prefill batches (the overlap scheduler prepares one
-    while another runs) and the partly used last page of every request in a
-    batch (at most one per decode region; 64 at least)."""
+    """Staging rows for two prefill batches (overlap scheduling) and a partly
+    used last page per request of a batch (one per region, 64 at least)."""
     return 2 * prefill_budget + max(64, num_regions) * page_size
 
 
 def prefill_staging_rows(
     context_len: int, prefill_budget: int, num_regions: int, page_size: int
 ) -> int:
-    """GPU rows colocated prefills hold until their KV is backed up: one prompt
-    being chunked (up to the context length) and ``staging_reserve_rows``.
-    Sized for the worst case: running out would fail a prefill."""
+    """GPU rows prefills hold until backed up, for the worst case: one prompt
+    being chunked (the context length) and ``staging_reserve_rows``."""
     return context_len + staging_reserve_rows(prefill_budget, num_regions, page_size)
 
 
@@ -226,27 +203,23 @@ def compute_offload_pool_sizes(
     extra_bytes_per_loc: int = 0,
     swap_scratch_bytes: int = 0,
 ) -> NSAKVOffloadPoolSizes:
-    """Split ``available_bytes`` between fixed costs (regions, staging, the
-    swap's scratch) and logical token locs, capped by the host pool; the bytes
-    capped locs leave become spare regions, and with units the locs' indexer
-    keys lend units too (their LRU state paid from the locs' share).
+    """Split ``available_bytes`` between fixed costs and token locs (module
+    doc); idle-loc units' LRU state is paid from the locs' share.
     ``extra_bytes_per_loc``: the MTP draft worker's NextN KV, the verify pool."""
     staging_rows = _round_up(staging_rows, page_size)
+    unit_state = lru_unit_state_bytes(num_layers, buffer_size, max_units)
     region_bytes = offload_bytes_per_region(
         num_layers, row_bytes, buffer_size, recent_window, max_units
     )
-    # The staging rows, the regions and the LRU state of the units the
-    # staging may lend.
     staging_units = staging_lru_units(staging_rows, page_size, buffer_size, max_units)
     fixed = (
         num_layers * (page_size + staging_rows) * row_bytes
         + num_regions * region_bytes
-        + staging_units * lru_unit_state_bytes(num_layers, buffer_size, max_units)
+        + staging_units * unit_state
         + swap_scratch_bytes
     )
-    per_loc = offload_bytes_per_loc(
-        num_layers, indexer_bytes, lru_slot_id_bytes(buffer_size, max_units)
-    )
+    slot_id_bytes = lru_slot_id_bytes(buffer_size, max_units)
+    per_loc = offload_bytes_per_loc(num_layers, indexer_bytes, slot_id_bytes)
     per_loc += extra_bytes_per_loc
     host_capacity = host_pool_bytes // (num_layers * row_bytes)
     num_locs = min((available_bytes - fixed) // per_loc, host_capacity)
@@ -262,12 +235,8 @@ def compute_offload_pool_sizes(
             "--max-running-requests or --nsa-kv-offload-gpu-buffer-size, or raise "
             "--mem-fraction-static."
         )
-    num_spare = spare_region_count(
-        available_bytes - fixed - num_locs * per_loc,
-        region_bytes,
-        num_regions,
-        max_units,
-    )
+    leftover = available_bytes - fixed - num_locs * per_loc
+    num_spare = spare_region_count(leftover, region_bytes, num_regions, max_units)
     num_idle_loc_units = idle_loc_lru_units(
         num_locs,
         num_layers * indexer_bytes,
@@ -278,10 +247,8 @@ def compute_offload_pool_sizes(
         num_spare,
     )
     # Their LRU state comes out of the locs' bytes when those are short.
-    state = num_idle_loc_units * lru_unit_state_bytes(
-        num_layers, buffer_size, max_units
-    )
-    short = fixed + (num_locs * per_loc) + num_spare * region_bytes + state
+    state = num_idle_loc_units * unit_state
+    short = fixed + num_locs * per_loc + num_spare * region_bytes + state
     short -= available_bytes
     if short > 0:
         num_locs -= _round_up(-(-short // per_loc), page_size)
@@ -295,15 +262,6 @@ def compute_offload_pool_sizes(
         num_spare_regions=num_spare,
         idle_loc_units=num_idle_loc_units,
     )
-
-
-# KV layers of the MTP draft worker (DeepSeek-V3.2's one NextN layer).
-NSA_KV_OFFLOAD_DRAFT_LAYERS = 1
-
-# Default decode regions when --max-running-requests is not set: at most this
-# share of the KV budget goes to regions, and at most this many regions.
-_DEFAULT_REGION_BUDGET_FRACTION = 0.4
-_DEFAULT_MAX_REGIONS = 256
 
 
 class NSAKVOffloadPoolConfigurator:
@@ -320,7 +278,7 @@ class NSAKVOffloadPoolConfigurator:
         elem = torch._utils._element_size(mr.kv_cache_dtype)
         self.row_bytes = mr.calculate_mla_kv_cache_dim() * elem
         self.indexer_bytes = nsa_indexer_bytes(get_nsa_index_head_dim(mc.hf_config))
-        # The KV row sglang's pool sizing counts (see sglang_pool_footprint).
+        # The KV row sglang's pool sizing counts (sglang_pool_footprint).
         self.nominal_row_bytes = (mc.kv_lora_rank + mc.qk_rope_head_dim) * elem
         self.host_pool_bytes = int(self.options.host_pool_gb * (1 << 30))
         # Per rank: with DP attention --max-running-requests counts all ranks.
@@ -331,9 +289,8 @@ class NSAKVOffloadPoolConfigurator:
         )
         self.context_len = mc.context_len
         self.max_total_tokens = sa.max_total_tokens
-        # Per-loc bytes beyond the offload's: the MTP draft worker's plain NSA
-        # pool (its NextN layer, as sglang's configurators count it) and the
-        # verify mode's full KV pool.
+        # Per-loc bytes beyond the offload's: the MTP draft worker's NextN
+        # layer (as sglang counts it) and the verify mode's full KV pool.
         self.extra_bytes_per_loc = 0
         if sa.speculative_algorithm is not None:
             self.extra_bytes_per_loc += NSA_KV_OFFLOAD_DRAFT_LAYERS * (
@@ -397,8 +354,7 @@ class NSAKVOffloadPoolConfigurator:
 
     def budget_bytes(self, available_bytes: int) -> int:
         """What sglang's own pool would take for the same
-        ``--mem-fraction-static``: the offload uses the GPU memory the server
-        would use without it."""
+        ``--mem-fraction-static`` (the offload uses no more)."""
         return sglang_pool_footprint(
             available_bytes,
             self.num_layers * (self.nominal_row_bytes + self.indexer_bytes),
@@ -430,8 +386,7 @@ class NSAKVOffloadPoolConfigurator:
         self, num_locs: int, num_regions: int, page_size: int
     ) -> NSAKVOffloadPoolSizes:
         """The pool layout for the resolved token and request counts (spare
-        regions and idle-loc units as sized, never more than the final request
-        slots can borrow)."""
+        regions and idle-loc units as sized, capped by the final slots)."""
         resolved = self._resolved
         most = max_spare_regions(num_regions, self.options.max_units)
         return NSAKVOffloadPoolSizes(

@@ -1,15 +1,11 @@
 """The verify mode of the decode NSA KV offload (``--nsa-kv-offload-verify``).
 
-The KV pool then also keeps the full KV pool sglang keeps without the offload
-(one row per token loc, written by upstream's own KV write beside the
-offload's rows). After every decode and MTP-verify layer's swap,
-:meth:`NSAKVOffloadVerifier.check` compares byte for byte the KV row the
-offloaded page table hands attention for each top-k entry with the full
-pool's row of the same position: an entry the page table skips (-1) that
-attention should read, or reads that it should skip, is a mismatch too. It
-counts on the device (no host sync; CUDA-graph safe) and keeps the first
-mismatch; :meth:`read` brings the counts to the host (a sync), raising at the
-first mismatch in mode "fail" (docs/ENGINE.md, "Verify mode").
+The KV pool also keeps the full pool sglang keeps without the offload. After
+every decode and MTP-verify layer's swap, :meth:`NSAKVOffloadVerifier.check`
+compares the KV row the page table hands attention for each top-k entry with
+the full pool's row of that position, on the device (no host sync, CUDA-graph
+safe); :meth:`read` brings the counts to the host (docs/ENGINE.md, "Verify
+mode").
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ _STEP_SHIFT, _LAYER_SHIFT, _ROW_SHIFT = 40, 32, 16
 _NO_MISMATCH = torch.iinfo(torch.int64).max
 
 
-def _as_words(buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    rows = as_rows(buf, row_bytes)
+def _as_words(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
     return rows.view(torch.int32) if row_bytes % 4 == 0 else rows
 
 
@@ -41,18 +36,27 @@ class NSAKVOffloadVerifier:
         self.mode = mode
         self.req_to_token = req_to_token
         self.start_layer = kv_pool.start_layer
+        dev = self.device = kv_pool.device
         row_bytes = kv_pool.kv_row_bytes
-        self._rows = [_as_words(b, row_bytes) for b in kv_pool.kv_buffer]
-        self._truth = [_as_words(b, row_bytes) for b in kv_pool.verify_kv_buffer]
-        dev = kv_pool.device
+        self._rows = [
+            _as_words(as_rows(b, row_bytes), row_bytes) for b in kv_pool.kv_buffer
+        ]
+        self._truth_rows = [as_rows(b, row_bytes) for b in kv_pool.verify_kv_buffer]
+        self._truth = [_as_words(t, row_bytes) for t in self._truth_rows]
         # (checked entries, mismatches), the forwards seen, the first
         # mismatch's packed key and (position, token loc, GPU row read).
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)
         self.step = torch.zeros(1, dtype=torch.int64, device=dev)
         self.first_key = torch.full((1,), _NO_MISMATCH, dtype=torch.int64, device=dev)
         self.first_detail = torch.full((3,), -1, dtype=torch.int64, device=dev)
-        self.checked_total = 0
-        self.mismatches_total = 0
+        self._reported = (0, 0)  # (checked, mismatches) at the last stats_delta
+
+    def fill_from_host(self, host_pool, locs: torch.Tensor) -> None:
+        """The truth of a PD prompt: what the transfer put in its host slots
+        ``locs`` (admission, and again after a retraction)."""
+        host_locs = locs.cpu()
+        for layer, truth in enumerate(self._truth_rows):
+            truth[locs] = host_pool.data_refs[layer][host_locs].to(self.device)
 
     def check(
         self,
@@ -125,7 +129,6 @@ class NSAKVOffloadVerifier:
         """Totals since startup (syncs); raises in mode "fail" once any
         mismatch was counted."""
         checked, mismatches = (int(x) for x in self.counts.tolist())
-        self.checked_total, self.mismatches_total = checked, mismatches
         if mismatches and self.mode == "fail":
             raise RuntimeError(
                 f"NSA KV offload verify: {mismatches} of {checked} KV rows read by "
@@ -133,3 +136,17 @@ class NSAKVOffloadVerifier:
                 f"{self.first_mismatch()}. (--nsa-kv-offload-verify count only counts.)"
             )
         return dict(verify_checked_rows=checked, verify_mismatches=mismatches)
+
+    def stats_delta(self) -> Dict[str, int]:
+        """The counts since the last call and since startup, for the offload's
+        stats (syncs; raises like :meth:`read`)."""
+        totals = self.read()
+        checked, mismatches = totals["verify_checked_rows"], totals["verify_mismatches"]
+        last_checked, last_mismatches = self._reported
+        self._reported = (checked, mismatches)
+        return dict(
+            verify_checked_rows=checked - last_checked,
+            verify_mismatches=mismatches - last_mismatches,
+            verify_checked_total=checked,
+            verify_mismatches_total=mismatches,
+        )

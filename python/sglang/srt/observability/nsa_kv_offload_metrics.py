@@ -11,121 +11,42 @@ from typing import Dict, Optional
 
 _PREFIX = "sglang:nsa_kv_offload_"
 
-# (attribute, metric name, stats key, help)
-_COUNTERS = (
-    ("lru_hits", "lru_hits_total", "lru_hits", "Top-k lookups found in LRU rows."),
-    (
-        "window_hits",
-        "window_hits_total",
-        "window_hits",
-        "Top-k lookups found in the recent-window rows.",
-    ),
-    ("misses", "misses_total", "misses", "Top-k lookups copied from host memory."),
-    (
-        "units_moved",
-        "units_moved_total",
-        "units_moved",
-        "Extra LRU units moved from the largest holders to the smallest.",
-    ),
-    (
-        "units_reclaimed",
-        "units_reclaimed_total",
-        "units_reclaimed",
-        "Extra LRU units taken back by their lenders (admissions, prefill "
-        "staging, token locs).",
-    ),
-    (
-        "units_kept",
-        "units_kept_total",
-        "units_kept",
-        "Of those, units below the request's newest whose rows a GPU copy kept "
-        "(the newest unit's slots dropped instead).",
-    ),
-    (
-        "warmed_requests",
-        "warmed_requests_total",
-        "warmed_requests",
-        "Admitted requests whose GPU rows were warmed.",
-    ),
-    (
-        "warmed_bytes",
-        "warmed_bytes_total",
-        "warmed_bytes",
-        "Bytes the admissions' warm-ups copied into GPU rows (from host memory "
-        "or prefill staging).",
-    ),
-    ("h2d_bytes", "h2d_bytes_total", "h2d_bytes", "Bytes copied host to device."),
-    (
-        "verify_checked_rows",
-        "verify_checked_rows_total",
-        "verify_checked_rows",
-        "KV rows read by attention that the verify mode compared with the full pool.",
-    ),
-    (
-        "verify_mismatches",
-        "verify_mismatches_total",
-        "verify_mismatches",
-        "Of those, rows that differed (or were skipped or read by mistake).",
-    ),
-    ("d2h_bytes", "d2h_bytes_total", "d2h_bytes", "Bytes copied device to host."),
-)
-_GAUGES = (
-    (
-        "host_pool_used_tokens",
-        "host_pool_used_tokens",
-        "host_used_tokens",
-        "Tokens whose KV the host pool holds.",
-    ),
-    (
-        "host_pool_total_tokens",
-        "host_pool_total_tokens",
-        "host_total_tokens",
-        "Tokens the host pool can hold.",
-    ),
-    (
-        "decode_regions_used",
-        "decode_regions_used",
-        "regions_used",
-        "Decode regions held by running requests.",
-    ),
-    (
-        "decode_regions_total",
-        "decode_regions_total",
-        "regions_total",
-        "Decode regions of the GPU pool.",
-    ),
-    (
-        "extra_units_used",
-        "extra_units_used",
-        "extra_units",
-        "Extra LRU units lent to running requests (idle regions, idle locs "
-        "and staging).",
-    ),
-    (
-        "idle_loc_units_used",
-        "idle_loc_units_used",
-        "idle_loc_units_lent",
-        "Of those, units lent by the indexer keys of free token locs.",
-    ),
-    (
-        "direct_requests",
-        "direct_requests",
-        "direct_requests",
-        "Running requests swapping in direct mode (slot = position, no LRU walk).",
-    ),
-    (
-        "staging_rows_used",
-        "staging_rows_used",
-        "staging_used_rows",
-        "Prefill staging rows held (by prompts or lent as units).",
-    ),
-    (
-        "staging_rows_total",
-        "staging_rows_total",
-        "staging_total_rows",
-        "Prefill staging rows of the GPU pool.",
-    ),
-)
+# Counters: stats key (also the attribute; metric <key>_total) -> help.
+_COUNTERS = {
+    "lru_hits": "Top-k lookups found in LRU rows.",
+    "window_hits": "Top-k lookups found in the recent-window rows.",
+    "misses": "Top-k lookups copied from host memory.",
+    "units_moved": "Extra LRU units moved from the largest holders to the smallest.",
+    "units_reclaimed": "Extra LRU units taken back by their lenders (admissions, "
+    "prefill staging, token locs).",
+    "units_kept": "Of those, units below the request's newest whose rows a GPU copy "
+    "kept (the newest unit's slots dropped instead).",
+    "warmed_requests": "Admitted requests whose GPU rows were warmed.",
+    "warmed_bytes": "Bytes the admissions' warm-ups copied into GPU rows (from host "
+    "memory or prefill staging).",
+    "h2d_bytes": "Bytes copied host to device.",
+    "verify_checked_rows": "KV rows read by attention that the verify mode compared "
+    "with the full pool.",
+    "verify_mismatches": "Of those, rows that differed (or were skipped or read by "
+    "mistake).",
+    "d2h_bytes": "Bytes copied device to host.",
+}
+# Gauges: metric name (also the attribute) -> "stats key: help".
+_GAUGES = {
+    "host_pool_used_tokens": "host_used_tokens: Tokens whose KV the host pool holds.",
+    "host_pool_total_tokens": "host_total_tokens: Tokens the host pool can hold.",
+    "decode_regions_used": "regions_used: Decode regions held by running requests.",
+    "decode_regions_total": "regions_total: Decode regions of the GPU pool.",
+    "extra_units_used": "extra_units: Extra LRU units lent to running requests (idle "
+    "regions, idle locs and staging).",
+    "idle_loc_units_used": "idle_loc_units_lent: Of those, units lent by the indexer "
+    "keys of free token locs.",
+    "direct_requests": "direct_requests: Running requests swapping in direct mode "
+    "(slot = position, no LRU walk).",
+    "staging_rows_used": "staging_used_rows: Prefill staging rows held (by prompts or "
+    "lent as units).",
+    "staging_rows_total": "staging_total_rows: Prefill staging rows of the GPU pool.",
+}
 
 
 class NSAKVOffloadMetricsCollector:
@@ -137,33 +58,34 @@ class NSAKVOffloadMetricsCollector:
 
         self.labels = labels
         registry = registry if registry is not None else REGISTRY
-        for attr, name, _, doc in _COUNTERS:
+        for key, doc in _COUNTERS.items():
             metric = Counter(
-                name=_PREFIX + name,
+                name=_PREFIX + key + "_total",
                 documentation=doc,
                 labelnames=labels.keys(),
                 registry=registry,
             )
-            setattr(self, attr, metric)
-        for attr, name, _, doc in _GAUGES:
+            setattr(self, key, metric)
+        for name, text in _GAUGES.items():
             metric = Gauge(
                 name=_PREFIX + name,
-                documentation=doc,
+                documentation=text.split(": ", 1)[1],
                 labelnames=labels.keys(),
                 multiprocess_mode="mostrecent",
                 registry=registry,
             )
-            setattr(self, attr, metric)
+            setattr(self, name, metric)
 
     def observe(self, stats: Dict[str, float]) -> None:
         """Add one log interval's counts (``stats`` as the offload's decode
         log reads them) and set the gauges."""
-        for attr, _, key, _ in _COUNTERS:
+        for key in _COUNTERS:
             if stats.get(key):
-                getattr(self, attr).labels(**self.labels).inc(stats[key])
-        for attr, _, key, _ in _GAUGES:
+                getattr(self, key).labels(**self.labels).inc(stats[key])
+        for name, text in _GAUGES.items():
+            key = text.split(": ", 1)[0]
             if key in stats:
-                getattr(self, attr).labels(**self.labels).set(stats[key])
+                getattr(self, name).labels(**self.labels).set(stats[key])
 
 
 def decode_log_suffix(stats: Dict[str, float], interval_s: float) -> str:

@@ -37,7 +37,7 @@ REGION_SHARE, MAX_REGIONS = 0.4, 256
 
 
 def default_units(buffer_size):
-    # nsa_kv_offload_default_max_units
+    # nsa_kv_offload_units.units_for_context
     return -(-(CONTEXT_LEN - WINDOW) // buffer_size)
 
 
@@ -51,7 +51,7 @@ def sizes(buffer_size, units, avail_gib, host_gib, request_slots=None):
     )
     s = compute_offload_pool_sizes(
         int(avail_gib * GIB), L, ROW, IDX, PAGE, buffer_size, WINDOW, regions,
-        0, int(host_gib * GIB), None, units, 0, True, scratch,
+        0, int(host_gib * GIB), None, units, 0, scratch,
     )  # fmt: skip
     return dict(
         host_gib=host_gib,
@@ -100,7 +100,7 @@ def shares(units_total, request_slots, max_units, buffer_size, reqs, prompt):
         held_max=max(held),
         units_held=sum(held),
         requests_whole=sum(h * buffer_size >= positions for h in held),
-        units_moved=ctrl.units_moved,
+        units_moved=ctrl.get_stats()["units_moved"],
     )
 
 
