@@ -55,9 +55,10 @@ def torch_kv_writes(test: unittest.TestCase) -> None:
 
 class OneRequestAtATime(unittest.TestCase):
     """Requests one after another in one request slot (see the module
-    docstring), at 1/32 of the served sizes: C = 128 LRU rows, window 8,
-    top-k 64, 256-token prefill chunks. Subclasses set the prompts, the
-    layers and the decode steps, and watch the harness (``harness_ready``)."""
+    docstring), at 1/64 of the served sizes: C = 64 LRU rows, window 4,
+    top-k 32, 128-token prefill chunks. Subclasses set the prompts, the
+    layers, the sizes and the decode steps, and watch the harness
+    (``harness_ready``)."""
 
     # Prompt lengths in LRU units (C rows): a walker past 2 units, then a
     # prompt that fits (direct slots).
@@ -66,8 +67,8 @@ class OneRequestAtATime(unittest.TestCase):
     LAYERS = 1
     # Decode steps after the first: past the window, the prompt's newest and
     # the first decode tokens leave it.
-    STEPS = 10
-    C, W, K = 128, 8, 64
+    STEPS = 6
+    C, W, K = 64, 4, 32
 
     def harness_ready(self, h: OffloadHarness) -> None:
         """Called once the run's harness is built (subclasses watch it)."""
@@ -182,7 +183,9 @@ class _MTPHarness(OffloadHarness):
         self.t.assertIsNotNone(out)
         for b, r in enumerate(reqs):
             n = r.seq_len
-            self.req_to_token[r.req_pool_idx, n : n + q] = out[b * q : (b + 1) * q].int()
+            self.req_to_token[r.req_pool_idx, n : n + q] = out[
+                b * q : (b + 1) * q
+            ].int()
         batch = SimpleNamespace(
             reqs=reqs,
             seq_lens=pre.to(DEVICE),

@@ -662,12 +662,17 @@ def simulate_streams():
         finally:
             sim.current = outer
 
-    def side_stream(coordinator):
-        events = [FakeEvent(sim) for _ in range(coordinator.kv_pool.layer_num)]
-        return (
-            FakeStream(sim, f"coordinator stream {len(sim.streams)}"),
-            events,
+    coordinator_init = NSAKVOffloadCoordinator.__init__
+
+    def coordinator_with_swap_stream(coordinator, *args, **kwargs):
+        # On CUDA the coordinator opens the early swap's stream and its
+        # per-layer events; on the CPU it runs the swap inline: fake ones.
+        coordinator_init(coordinator, *args, **kwargs)
+        layers = coordinator.kv_pool.layer_num
+        coordinator._swap_stream = FakeStream(
+            sim, f"coordinator stream {len(sim.streams)}"
         )
+        coordinator._swap_done = [FakeEvent(sim) for _ in range(layers)]
 
     launch_side = SparseCacheController._launch_side
 
@@ -687,7 +692,9 @@ def simulate_streams():
         mock.patch.object(torch.cuda, "current_stream", lambda *a, **k: sim.current),
         mock.patch.object(torch.cuda, "stream", use_stream),
         mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: sim.synchronize()),
-        mock.patch.object(NSAKVOffloadCoordinator, "_side_stream", side_stream),
+        mock.patch.object(
+            NSAKVOffloadCoordinator, "__init__", coordinator_with_swap_stream
+        ),
     ]
     with contextlib.ExitStack() as stack:
         for p in patches:

@@ -24,17 +24,17 @@ import triton
 import triton.language as tl
 from lru_shadow import shadow_reference
 from mtp_verify_sim import VerifyConfig, run_verify_sim
-from sglang.srt.mem_cache import lru_cache_state as lru_mod
-from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
-from test_lru_cache_state import SimConfig, new_state, run_sim, swap_request_0
-from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
-    _OneRequestAtATime,
+from offload_scenarios import (  # noqa: F401 (module fixtures)
+    OneRequestAtATime,
     setUpModule,
     tearDownModule,
 )
+from sglang.srt.mem_cache.lru_cache_state import default_use_triton
+from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
+from test_lru_cache_state import SimConfig, new_state, run_sim, swap_request_0
 from triton_hazards import record_hazards
 
-INTERPRETED = lru_mod._swap_kernel_is_interpreted()
+INTERPRETED = not torch.cuda.is_available() and default_use_triton(torch.device("cpu"))
 SKIP = "the checker hooks the Triton interpreter (TRITON_INTERPRET=1, CPU)"
 
 
@@ -150,66 +150,54 @@ class TestHazardChecker(unittest.TestCase):
 @unittest.skipUnless(INTERPRETED, SKIP)
 class TestSwapKernels(unittest.TestCase):
     """The lockstep simulations of test_lru_cache_state and the multi-token
-    tests, recorded: one-token swaps (fused; split by unit, reorder deferred;
-    direct slots) and verify swaps (fused and split)."""
+    tests, recorded: one-token swaps (one unit; units with the reorder
+    deferred; direct slots) and verify swaps."""
+
+    ONE_TOKEN = [
+        "_swap_select_kernel",
+        "_swap_count_kernel",
+        "_swap_rank_kernel",
+        "_swap_copy_order_kernel",
+    ]
 
     def assert_clean(self, log, kernels):
         self.assertEqual(log.counts(), {}, log.report())
         for kernel in kernels:
             self.assertGreater(log.launches.get(kernel, 0), 0, kernel)
 
-    # The fused kernel's padding rows load lru_order and slot_loc of a stale
-    # request before they learn they pad (a round trip saved); a real row may
-    # be writing them, and the padding row drops what it read. Without
-    # padding rows no program reads another's state.
-
-    def test_fused(self):
-        cfg = SimConfig(C=48, K=32, W=7, max_batch=5, max_pad_rows=0, p_admit=0.6)
+    def test_one_unit(self):
+        cfg = SimConfig(C=48, K=32, W=7, max_batch=5, p_admit=0.6)
         with record_hazards() as log:
-            run_sim(self, cfg, (True,), steps=20, seed=5)
-        self.assert_clean(log, ["_swap_layer_kernel"])
+            run_sim(self, cfg, (True,), steps=6, seed=5)
+        self.assert_clean(log, self.ONE_TOKEN)
 
-    def test_units_split_deferred(self):
+    def test_units_deferred(self):
         cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.4)
         with record_hazards() as log:
-            run_sim(self, cfg, (True, "deferred"), steps=20, seed=9)
-        self.assert_clean(
-            log,
-            [
-                "_swap_select_kernel",
-                "_swap_count_kernel",
-                "_swap_rank_kernel",
-                "_swap_copy_order_kernel",
-            ],
-        )
+            run_sim(self, cfg, ("deferred",), steps=8, seed=9)
+        self.assert_clean(log, self.ONE_TOKEN)
 
-    def test_direct_slots_split_and_fused(self):
+    def test_direct_slots(self):
         cfg = SimConfig(
-            C=32,
-            K=16,
-            W=4,
-            units=3,
-            max_prompt=40,
-            direct=True,
-            p_keep=0.6,
-            max_pad_rows=0,
+            C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
         )
         with record_hazards() as log:
-            sim = run_sim(self, cfg, (True, "fused"), steps=25, seed=17)
+            sim = run_sim(self, cfg, (True,), steps=25, seed=17)
         self.assertGreater(sim.direct_entered, 3)
         self.assertGreater(sim.model.direct_ended, 0)  # a row left direct mode
-        self.assert_clean(log, ["_swap_select_kernel", "_swap_layer_kernel"])
+        self.assert_clean(log, self.ONE_TOKEN)
 
     def test_verify_swaps(self):
         cfg = VerifyConfig(layers=1, K=8, q_max=3, C=24, W=5, units=3, max_batch=4)
         with record_hazards() as log:
-            run_verify_sim(self, cfg, ("triton", "fused"), 10, 4)
+            run_verify_sim(self, cfg, ("triton",), 6, 4)
         self.assert_clean(
             log,
             [
                 "_swap_multi_classify_kernel",
+                "_swap_count_kernel",
+                "_swap_rank_kernel",
                 "_swap_multi_assign_kernel",
-                "_swap_multi_layer_kernel",
             ],
         )
 
@@ -218,47 +206,38 @@ class TestSwapKernels(unittest.TestCase):
         # checker sees it on the same run.
         cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.4)
         with record_hazards(ignore_barriers=True) as log:
-            run_sim(self, cfg, (True, "fused"), steps=10, seed=9)
+            run_sim(self, cfg, (True,), steps=4, seed=9)
         found = {kernel for kernel, kind in log.counts() if kind == "threads"}
         self.assertIn("_swap_select_kernel", found)
-        self.assertIn("_swap_layer_kernel", found)
 
 
 @unittest.skipUnless(INTERPRETED, SKIP)
-class TestOneRequestAtATimeRecorded(_OneRequestAtATime):
-    """The server's kernels (swaps, miss copies, new-token backups, mapping,
-    KV quantization) through the real coordinator, with the settings of
-    ``ours_fp8_2units`` that gave wrong tokens on the H200: no race."""
+class TestOneRequestAtATimeRecorded(OneRequestAtATime):
+    """The server's kernels (swaps, miss copies, new-token backups, mapping)
+    through the real coordinator, with the settings of ``ours_fp8_2units``
+    that gave wrong tokens on the H200 (warm units and direct slots at 2
+    units, the early swap): no race."""
 
-    PROMPTS_IN_UNITS = (2.3, 0.7, 1.95, 0.45)
-
-    def _recorded(self, gather_kernel, **kwargs):
+    def test_server_settings_two_units(self):
         with record_hazards() as log:
             # The all-layer copies reach every layer's KV and host rows
             # through tables of their addresses.
             self.harness_ready = lambda h: log.reachable(
-                *h.controller.device_kv_buffers, *h.controller._host_rows
+                *h.controller._device_rows, *h.controller._host_rows
             )
-            self._run(2, early_swap=True, warm_units=True, direct_slots=True, **kwargs)
+            self._run(2)
         self.assertEqual(log.counts(), {}, log.report())
         for kernel in (
             "_swap_select_kernel",
             "_swap_rank_kernel",
-            gather_kernel,
+            "_gather_rows_kernel",
             "_copy_rows_all_layers_kernel",
             "_map_new_tokens_kernel",
         ):
             self.assertGreater(log.launches.get(kernel, 0), 0, kernel)
 
-    def test_server_settings_two_units(self):
-        self._recorded("_gather_rows_kernel")
 
-    def test_flat_miss_copy(self):
-        # ours_fp8_2units_flat: 16 programs share every request's misses.
-        self._recorded("_gather_rows_flat_kernel", copy_flat_programs=16)
-
-
-@unittest.skipUnless(lru_mod.default_use_triton(torch.device("cpu")), SKIP)
+@unittest.skipUnless(default_use_triton(torch.device("cpu")), SKIP)
 class TestShadowReference(unittest.TestCase):
     def _swaps(self):
         # Request 0 with two units, three swaps with misses and hits.
@@ -277,13 +256,14 @@ class TestShadowReference(unittest.TestCase):
         self.assertEqual((compared.swaps, compared.compared_orders), (3, 3))
 
     def test_wrong_page_table(self):
-        split_swap = TritonLRUSwap._split_swap
+        swap_layer = TritonLRUSwap.swap_layer
 
-        def wrong(self, state, batch, plan_rows, *args):
-            split_swap(self, state, batch, plan_rows, *args)
-            plan_rows[0][0, 1] += 1  # the page table's second entry
+        def wrong(self, *args, **kwargs):
+            plan = swap_layer(self, *args, **kwargs)
+            plan.page_table[0, 1] += 1  # the page table's second entry
+            return plan
 
-        with mock.patch.object(TritonLRUSwap, "_split_swap", wrong):
+        with mock.patch.object(TritonLRUSwap, "swap_layer", wrong):
             with self.assertRaisesRegex(
                 AssertionError, r"(?s)swap 1 \(layer 0\).*page_table differs"
             ):
@@ -296,7 +276,8 @@ class TestShadowReference(unittest.TestCase):
             pending = self._pending_reorder
             finish(self)
             if pending is not None:
-                pending[4][0, :2] = pending[4][0, :2].flip(0)  # lru_order
+                lru = pending[2][2]  # (state, batch, maps, plan): lru_order
+                lru[0, :2] = lru[0, :2].flip(0)
 
         with mock.patch.object(TritonLRUSwap, "finish_reorder", wrong):
             with self.assertRaisesRegex(

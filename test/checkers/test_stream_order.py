@@ -1,15 +1,15 @@
 """Every GPU access of the offload is ordered across its CUDA streams.
 
-On CUDA the coordinator runs the early swap (and the cross-layer prefetch)
-on a stream of its own and the controller its backups and warm copies on a
-side stream, ordered by ``wait_stream``, events and ``wait_backup``. On the
-CPU all of it runs inline, so a missing wait passes every other CPU test.
-Here lifecycle tests run again under ``stream_races.simulate_streams``: fake
-streams and events with vector clocks, every Triton launch's and torch op's
-reads and writes of the offload's buffers recorded, and any two accesses of
-one byte from different streams, one a write, that no wait orders fail the
+On CUDA the coordinator runs the early swap on a stream of its own and the
+controller its backups and warm copies on a side stream, ordered by
+``wait_stream``, events and ``wait_backup``. On the CPU all of it runs
+inline, so a missing wait passes every other CPU test. Here the offload's
+workloads (``offload_scenarios``) run under ``stream_races.simulate_streams``:
+fake streams and events with vector clocks, every Triton launch's and torch
+op's reads and writes of the offload's buffers recorded, and any two accesses
+of one byte from different streams, one a write, that no wait orders fail the
 test. The harness's own host syncs (``check_host``) do not count: a server
-has none. Two controls remove a wait and must show races.
+has none. Controls remove a wait and must show races.
 
 The server's shape runs too: the overlap scheduler's own stream (admission,
 decode preparation, release) beside the forward stream, which waits for it
@@ -25,29 +25,25 @@ import contextlib
 import unittest
 from unittest import mock
 
-import test_nsa_kv_offload_integration as integration
-import test_nsa_kv_offload_mtp_v2 as mtp_v2
-import test_nsa_kv_offload_mtp_verify as mtp_verify
+import pytest
 import torch
 from lru_shadow import STATE_BUFFERS
-from sglang.srt.managers.nsa_kv_offload_coordinator import (
-    NSAKVOffloadCoordinator,
-    _pad_rows,
-)
-from sglang.srt.mem_cache import lru_cache_state as lru_mod
-from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
-from stream_races import FakeEvent, FakeStream, StreamSim, simulate_streams
-from test_nsa_kv_offload_integration import (  # noqa: F401 (module fixtures)
-    _Harness,
-    _OneRequestAtATime,
+from offload_harness import OffloadHarness
+from offload_scenarios import (  # noqa: F401 (module fixtures)
+    OneRequestAtATime,
+    colocated_lifecycle,
+    mtp_verify_steps,
+    pd_decode_lifecycle,
     setUpModule,
     tearDownModule,
 )
+from sglang.srt.managers.nsa_kv_offload_coordinator import NSAKVOffloadCoordinator
+from sglang.srt.mem_cache.lru_cache_state import default_use_triton
+from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
+from stream_races import FakeEvent, FakeStream, StreamSim, simulate_streams
 
 SKIP = "CPU only: on CUDA the streams are real"
-ON_CPU = not torch.cuda.is_available() and lru_mod.default_use_triton(
-    torch.device("cpu")
-)
+ON_CPU = not torch.cuda.is_available() and default_use_triton(torch.device("cpu"))
 
 
 def track_harness(sim, h) -> None:
@@ -65,10 +61,6 @@ def track_harness(sim, h) -> None:
         sim.track("swap scratch _row_direct", backend._row_direct)
     for field, t in zip(h.co._plan_buffers._fields, h.co._plan_buffers):
         sim.track(f"plan.{field}", t)
-    if h.co.cross_layer_prefetch:
-        for field, t in zip(h.co._prefetch_plan._fields, h.co._prefetch_plan):
-            sim.track(f"prefetch plan.{field}", t)
-        sim.track("prefetch top-k", h.co._prefetch_topk)
     sim.track("num_real_reqs", h.co.num_real_reqs)
     for i, kv in enumerate(h.pool.kv_buffer):
         sim.track(f"kv_buffer[{i}]", kv)
@@ -87,13 +79,13 @@ def track_harness(sim, h) -> None:
     h.check_host = check_host
 
 
-class _StreamOrdered:
+class _StreamOrdered(unittest.TestCase):
     """Runs each test under simulated streams; no unordered access."""
 
     def setUp(self):
         super().setUp()
         self.sim = self.enterContext(simulate_streams())
-        init, sim = _Harness.__init__, self.sim
+        init, sim = OffloadHarness.__init__, self.sim
 
         self.harnesses = 0
 
@@ -102,90 +94,34 @@ class _StreamOrdered:
             track_harness(sim, h)
             self.harnesses += 1
 
-        self.enterContext(mock.patch.object(_Harness, "__init__", tracked))
+        self.enterContext(mock.patch.object(OffloadHarness, "__init__", tracked))
         self.addCleanup(self.assert_ordered)
 
-    # Whether the run must free blocks another stream used (the caching
-    # allocator's check has something to check).
-    SHARES_BLOCKS = False
-
     def assert_ordered(self):
-        if self.harnesses:  # tests of other parts build none
-            self.assertGreater(self.sim.accesses, 0)
-        if self.SHARES_BLOCKS:
-            self.assertGreater(self.sim.blocks_shared, 0)
+        self.assertGreater(self.harnesses, 0)
+        self.assertGreater(self.sim.accesses, 0)
         self.assertEqual(self.sim.num_races, 0, self.sim.report())
         self.assertEqual(self.sim.num_reuses, 0, self.sim.report())
 
 
 @unittest.skipUnless(ON_CPU, SKIP)
-class TestLifecycleStreams(_StreamOrdered, integration.TestOffloadLifecycleDefaults):
-    """Units, lent staging, the early swap: admission, decode, retraction."""
+class TestLifecycleStreams(_StreamOrdered):
+    """Admission (prefill hook and decode preparation), units lent and taken
+    back, padded decode steps, finish and reuse; PD decode's transfer; MTP
+    target verify through the early swap."""
 
+    @pytest.mark.full  # ~25 s: the one-request runs below cover the waits
+    def test_colocated(self):
+        colocated_lifecycle(self, layers=1)
+        # The run freed blocks another stream used: the caching allocator's
+        # check had something to check.
+        self.assertGreater(self.sim.blocks_shared, 0)
 
-@unittest.skipUnless(ON_CPU, SKIP)
-class TestPrefetchStreams(_StreamOrdered, integration.TestCrossLayerPrefetchEarlySwap):
-    """The cross-layer prefetch on the early swap's stream."""
+    def test_pd_decode(self):
+        pd_decode_lifecycle(self, layers=1)
 
-
-@unittest.skipUnless(ON_CPU, SKIP)
-class TestPDDecodeStreams(_StreamOrdered, integration.TestPDDecodeLifecycleDefaults):
-    """PD decode: KV arrives in host slots, retraction syncs."""
-
-
-@unittest.skipUnless(ON_CPU, SKIP)
-class TestMTPVerifyStreams(_StreamOrdered, mtp_verify.TestMTPVerify):
-    """MTP target verify (spec v1), its swap early on the coordinator stream."""
-
-    # Argument checks: no forward runs.
-    test_indexer_topk_positional_in_verify = None
-    test_query_tokens_checked = None
-
-
-@unittest.skipUnless(ON_CPU, SKIP)
-class TestMTPVerifySpecV2Streams(_StreamOrdered, mtp_v2.TestMTPVerifySpecV2):
-    """MTP target verify with spec v2's overlapped draft and verify."""
-
-    test_prepare_v2_verify_checks_query_tokens = None  # no forward runs
-
-
-@unittest.skipUnless(ON_CPU, SKIP)
-class TestOneRequestAtATimeStreams(_StreamOrdered, _OneRequestAtATime):
-    """The settings that read wrong KV on the H200 (section 6 of
-    results/units/per_unit_gpu_gate/README.md), and the default's."""
-
-    PROMPTS_IN_UNITS = (2.3, 0.7, 5.5, 1.95, 0.45)
-    SHARES_BLOCKS = True
-
-    def test_server_settings_two_units(self):
-        self._run(2, early_swap=True, warm_units=True, direct_slots=True)
-
-    def test_default(self):
-        self._run(4, early_swap=True)
-
-    def test_clock(self):
-        self._run(4, early_swap=True, slot_policy="clock")
-
-
-@unittest.skipUnless(ON_CPU, SKIP)
-class TestOneRequestAtATimeTwoLayersStreams(_StreamOrdered, _OneRequestAtATime):
-    """The same with two layers, as the H200 run had: the first layer's LRU
-    reorder is deferred and runs beside the forward stream."""
-
-    PROMPTS_IN_UNITS = (2.3, 0.7, 1.95)
-    LAYERS = 2
-    SHARES_BLOCKS = True
-
-    def test_server_settings_two_units(self):
-        finish = SparseCacheController.finish_lru_reorder
-        with mock.patch.object(
-            SparseCacheController, "finish_lru_reorder", autospec=True
-        ) as deferred:
-            deferred.side_effect = finish
-            self._run(2, early_swap=True, warm_units=True, direct_slots=True)
-        # The first layer's reorder ran deferred at every decode step: 3
-        # prompts x 15 steps (W + 7 at 1/32 of the sizes).
-        self.assertEqual(deferred.call_count, 45)
+    def test_mtp_verify(self):
+        mtp_verify_steps(self, steps=1)
 
 
 class TestGraphReplayModel(unittest.TestCase):
@@ -280,19 +216,17 @@ def overlap_and_graphs(sim, h, graphs=True) -> None:
         h.decode_graph_context = sim.graph_replay
 
 
-class _OverlapAndGraphs(_OneRequestAtATime):
+class _OverlapAndGraphs(OneRequestAtATime):
     """The one-request runs under simulated streams, shaped as the server."""
 
     def setUp(self):
         super().setUp()
         # The harness's own checks read state from the scheduler's stream
         # with nothing ordering them: a server runs none of them.
-        for target, name in (
-            (_OneRequestAtATime, "check_lru_state"),
-            (_Harness, "check_admitted"),
-        ):
-            check = getattr(target, name)
-            self.enterContext(mock.patch.object(target, name, self._paused(check)))
+        check = OffloadHarness.check_admitted
+        self.enterContext(
+            mock.patch.object(OffloadHarness, "check_admitted", self._paused(check))
+        )
 
     def _paused(self, check):
         def paused(*args, **kwargs):
@@ -301,7 +235,7 @@ class _OverlapAndGraphs(_OneRequestAtATime):
 
         return paused
 
-    def _simulate(self, graphs=True, tweak=None, **run_kwargs):
+    def _simulate(self, graphs=True, tweak=None, max_units=2):
         """``tweak(h)``: a change to the harness once built (the controls)."""
         with simulate_streams() as sim:
             self.sim = sim
@@ -313,57 +247,47 @@ class _OverlapAndGraphs(_OneRequestAtATime):
                     tweak(h)
 
             self.harness_ready = ready
-            self._run(**run_kwargs)
+            self._run(max_units)
         return sim
 
 
 @unittest.skipUnless(ON_CPU, SKIP)
 class TestOneRequestAtATimeOverlapGraphs(_OverlapAndGraphs):
-    """The settings that read wrong KV on the H200, the default's and CLOCK's,
-    in the server's shape: nothing unordered, nothing capture refuses."""
+    """The server's settings at 2 units (those that read wrong KV on the
+    H200: a walker past 2 units, then a prompt that fits its slots) in the
+    server's shape: nothing unordered, nothing capture refuses; the first
+    layer's LRU reorder deferred beside the forward."""
 
-    # Walkers at 2 and at 4 units, and a prompt that fits.
-    PROMPTS_IN_UNITS = (2.3, 0.7, 5.5)
-    LAYERS = 2  # the first layer's reorder deferred beside the forward
+    LAYERS = 2
 
-    def _check(self, sim):
+    def test_server_settings_two_units(self):
+        finish = SparseCacheController.finish_lru_reorder
+        with mock.patch.object(
+            SparseCacheController, "finish_lru_reorder", autospec=True
+        ) as deferred:
+            deferred.side_effect = finish
+            sim = self._simulate()
+        # The first layer's reorder ran deferred at every decode step: 2
+        # prompts x (STEPS + 1) steps.
+        self.assertEqual(deferred.call_count, 2 * (self.STEPS + 1))
         self.assertGreater(sim.graph_replays, 0)
         self.assertGreater(sim.accesses, 0)
+        self.assertGreater(sim.blocks_shared, 0)
         self.assertEqual(sim.num_races, 0, sim.report())
         self.assertEqual(sim.num_reuses, 0, sim.report())
         self.assertEqual(sim.num_capture_faults, 0, sim.report())
 
-    def test_server_settings_two_units(self):
-        self._check(
-            self._simulate(
-                max_units=2, early_swap=True, warm_units=True, direct_slots=True
-            )
-        )
 
-    def test_server_settings_two_units_flat_copy(self):
-        self._check(
-            self._simulate(
-                max_units=2,
-                early_swap=True,
-                warm_units=True,
-                direct_slots=True,
-                copy_flat_programs=16,
-            )
-        )
-
-    def test_default(self):
-        self._check(self._simulate(max_units=4, early_swap=True))
-
-    def test_clock(self):
-        self._check(self._simulate(max_units=4, early_swap=True, slot_policy="clock"))
+class _Control(_OverlapAndGraphs):
+    # The controls need only reach the waits they remove: one walker, two
+    # decode steps.
+    PROMPTS_IN_UNITS = (2.3,)
+    STEPS = 2
 
 
 @unittest.skipUnless(ON_CPU, SKIP)
-class TestOverlapGraphControls(_OverlapAndGraphs):
+class TestOverlapGraphControls(_Control):
     """What the server's shape adds to the checks, each shown failing."""
-
-    PROMPTS_IN_UNITS = (2.3, 0.7)
-    SETTINGS = dict(max_units=2, early_swap=True, warm_units=True, direct_slots=True)
 
     def test_wait_on_the_swap_stream_holds_on_streams_not_in_a_graph(self):
         # The controller's waits for its side stream (warm copies, backups)
@@ -375,10 +299,8 @@ class TestOverlapGraphControls(_OverlapAndGraphs):
             wait = h.controller.wait_backup
             h.controller.wait_backup = lambda stream=None: wait(h.co._swap_stream)
 
-        on_streams = self._simulate(
-            graphs=False, tweak=wait_on_swap_stream, **self.SETTINGS
-        )
-        in_graphs = self._simulate(tweak=wait_on_swap_stream, **self.SETTINGS)
+        on_streams = self._simulate(graphs=False, tweak=wait_on_swap_stream)
+        in_graphs = self._simulate(tweak=wait_on_swap_stream)
         self.assertEqual(on_streams.num_races, 0, on_streams.report())
         self.assertGreater(in_graphs.num_races, 0)
         self.assertTrue(
@@ -392,7 +314,7 @@ class TestOverlapGraphControls(_OverlapAndGraphs):
         with mock.patch.object(
             NSAKVOffloadCoordinator, "_wait_producer", lambda co: None
         ):
-            sim = self._simulate(graphs=False, **self.SETTINGS)
+            sim = self._simulate(graphs=False)
         self.assertGreater(sim.num_races, 0)
         self.assertTrue(
             any(
@@ -413,7 +335,7 @@ class TestOverlapGraphControls(_OverlapAndGraphs):
                 wait_stream(stream, other)
 
         with mock.patch.object(FakeStream, "wait_stream", no_fork):
-            sim = self._simulate(**self.SETTINGS)
+            sim = self._simulate()
         self.assertGreater(sim.num_capture_faults, 0)
         self.assertTrue(
             any("outside the graph" in f.what for f in sim.capture_faults),
@@ -422,59 +344,65 @@ class TestOverlapGraphControls(_OverlapAndGraphs):
 
 
 @unittest.skipUnless(ON_CPU, SKIP)
-class TestMissingWaits(_OneRequestAtATime):
-    """The controls: without one of the waits the checker finds races."""
+class TestMissingWaits(_Control):
+    """The controls of the plain streams: without one of the waits the
+    checker finds races; without record_stream the allocator's check finds
+    an early reuse."""
 
-    PROMPTS_IN_UNITS = (2.3, 0.7)
-
-    def _races(self, target, name, replacement):
-        with simulate_streams() as sim, mock.patch.object(target, name, replacement):
-            self.harness_ready = lambda h: track_harness(sim, h)
-            self._run(2, early_swap=True, warm_units=True, direct_slots=True)
-        return {(r.buffer, r.first.split(" on ")[-1], r.second) for r in sim.races}
+    def _sim(self, target=None, name=None, replacement=None):
+        with contextlib.ExitStack() as stack:
+            if target is not None:
+                stack.enter_context(mock.patch.object(target, name, replacement))
+            return self._simulate(graphs=False)
 
     def test_forward_not_waiting_for_the_early_swap(self):
         def take(co, layer_id, rows):
+            # _take_early_page_table without its wait for the swap's event.
             page_table = co._early_page_tables.pop(layer_id, None)
-            return None if page_table is None else _pad_rows(page_table, rows)
+            if page_table is None:
+                return None
+            n, k = page_table.shape
+            if n < rows:
+                pad = page_table.new_full((rows - n, k), -1)
+                page_table = torch.cat([page_table, pad])
+            return page_table
 
-        races = self._races(NSAKVOffloadCoordinator, "_take_early_page_table", take)
-        self.assertIn(
-            (
-                "plan.page_table",
-                "coordinator stream 1",
-                "read by aten::clone on forward",
+        sim = self._sim(NSAKVOffloadCoordinator, "_take_early_page_table", take)
+        self.assertTrue(
+            any(
+                r.buffer == "plan.page_table"
+                and "coordinator stream" in r.first
+                and r.second.endswith("on forward")
+                for r in sim.races
             ),
-            races,
+            sim.report(),
         )
 
     def test_nothing_waiting_for_the_side_stream(self):
-        races = self._races(SparseCacheController, "wait_backup", lambda *a, **k: None)
+        sim = self._sim(SparseCacheController, "wait_backup", lambda *a, **k: None)
         self.assertTrue(
-            any(buf == "host pool" and "gather" in second for buf, _, second in races),
-            races,
+            any(r.buffer == "host pool" and "gather" in r.second for r in sim.races),
+            sim.report(),
         )
 
-
-@unittest.skipUnless(ON_CPU, SKIP)
-class TestEarlyReuse(_OneRequestAtATime):
-    """The caching allocator's control: a block freed on one stream while
-    another still uses it is reported at its stream's next allocation."""
-
-    PROMPTS_IN_UNITS = (2.3, 0.7)
-
     def test_side_stream_not_recorded(self):
-        with simulate_streams() as sim:
-            sim.record_stream = lambda t, stream: None
-            self.harness_ready = lambda h: track_harness(sim, h)
-            self._run(2, early_swap=True, warm_units=True, direct_slots=True)
+        real = simulate_streams
+
+        @contextlib.contextmanager
+        def without_record_stream():
+            with real() as sim:
+                sim.record_stream = lambda t, stream: None
+                yield sim
+
+        with mock.patch(__name__ + ".simulate_streams", without_record_stream):
+            sim = self._sim()
         # The prefill backup's index blocks (the forward stream's), read by
         # the side stream's copy: record_stream is what keeps them.
         self.assertEqual(sim.num_races, 0, sim.report())
         self.assertGreater(sim.num_reuses, 0)
         self.assertTrue(
             all(
-                r.allocated_by.endswith("on forward")
+                not r.allocated_by.endswith("on side")
                 and r.used_by == "_copy_rows_all_layers_kernel on side"
                 for r in sim.reuses
             ),

@@ -91,6 +91,11 @@ def make_tp_harness(group, **kwargs):
             pending, self._pending_host_checks = self._pending_host_checks, []
             for locs in pending:
                 OffloadHarness.check_host(self, locs)
+            # The readers' checks above read host rows rank 0 may rewrite in
+            # this forward (a new prompt's backup into freed locs): rank 0
+            # writes only once every reader has checked. Test-only; the
+            # ranks' own reads all happen inside forwards.
+            self.group.barrier()
 
     h = TPRankHarness(unittest.TestCase(), **kwargs)
     assert h.options.shares_host_pool and h.options.direct_slots
@@ -220,6 +225,9 @@ def _rank_main(rank, world, init_file, names, queue):
     if torch.cuda.is_available():
         # One GPU per rank where there are enough (each pins its mapping).
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    import offload_harness
+    from mtp_verify_sim import cpu_torch_paths
+
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",
@@ -227,9 +235,6 @@ def _rank_main(rank, world, init_file, names, queue):
         world_size=world,
         timeout=datetime.timedelta(seconds=600),
     )
-    import offload_harness
-    from mtp_verify_sim import cpu_torch_paths
-
     offload_harness.setUpModule()
     for patch in cpu_torch_paths():
         patch.start()
@@ -241,14 +246,28 @@ def _rank_main(rank, world, init_file, names, queue):
             last = traceback.format_exception_only(type(e), e)[-1].strip()
             result = f"failed {last}"
         queue.put((name, rank, result))
-        # Every rank leaves a scenario before the next one starts.
-        group.barrier()
-    dist.destroy_process_group()
+        if result.startswith("failed"):
+            # The other ranks may be waiting in a collective of this
+            # scenario: leave, so that theirs fail at once instead of
+            # pairing with the wrong collectives (or hanging).
+            break
+        try:
+            # Every rank leaves a scenario before the next one starts.
+            group.barrier()
+        except Exception:
+            break  # a rank left after its failure
+    queue.close()
+    queue.join_thread()
+    # Not destroy_process_group(): with a rank gone it may wait for it.
+    os._exit(0)
 
 
 def run_ranks(world, names, tmp_dir, timeout=900.0):
-    """``{(scenario, rank): result}`` of ``world`` spawned ranks."""
+    """``{(scenario, rank): result}`` of ``world`` spawned ranks; a result
+    no rank sent (it left after a failure, or timed out) reads "no result"."""
     import multiprocessing as mp
+    import queue as queue_module
+    import time
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -260,13 +279,28 @@ def run_ranks(world, names, tmp_dir, timeout=900.0):
     for p in procs:
         p.start()
     results = {}
+    deadline = time.monotonic() + timeout
     try:
-        while len(results) < world * len(names):
-            name, rank, result = queue.get(timeout=timeout)
+        while len(results) < world * len(names) and time.monotonic() < deadline:
+            try:
+                name, rank, result = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                if any(p.is_alive() for p in procs):
+                    continue
+                # Every rank has left: what they sent is in the pipe.
+                try:
+                    while True:
+                        name, rank, result = queue.get(timeout=1.0)
+                        results[(name, rank)] = result
+                except queue_module.Empty:
+                    break
             results[(name, rank)] = result
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+    for name in names:
+        for rank in range(world):
+            results.setdefault((name, rank), "no result (the rank left or hung)")
     return results

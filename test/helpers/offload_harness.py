@@ -11,8 +11,19 @@ PD transfers, and finish / abort / retract through sglang's own
 ``release_kv_cache``, with leak checks.
 
 On CPU the Triton kernels run in the interpreter; upstream's
-``alloc_extend_kernel`` does not, so :func:`patch_alloc_extend` swaps in a
-torch transcription (``setUpModule`` of the tests that use the harness).
+``alloc_extend_kernel`` does not, so ``setUpModule`` (of the tests that use
+the harness) swaps in a torch transcription (``TorchAllocExtendKernel``).
+
+The model's KV writes and reads (``set_mla_kv_buffer``, ``get_mla_kv_buffer``)
+go through torch equivalents of sglang's Triton write, read and fp8
+quantization kernels by default (:func:`set_mla_kv_rows_torch`,
+:func:`get_mla_kv_rows_torch`, :func:`quantize_k_cache_separate_torch`;
+``test_nsa_kv_offload_integration.TestKVWriteEquivalents`` holds them to
+sglang's); under the CPU interpreter those kernels run one program per row
+and took most of the harness' time. ``OffloadHarness(real_kv_write=True)`` keeps sglang's own.
+``OffloadHarness(use_triton=False)`` builds the coordinator with the torch
+reference swap and copies instead of the Triton kernels (for tests of the
+offload's logic, not of its kernels; the default is the product's choice).
 """
 
 import contextlib
@@ -25,6 +36,9 @@ from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.managers.nsa_kv_offload_coordinator import NSAKVOffloadCoordinator
 from sglang.srt.mem_cache import allocator as allocator_module
 from sglang.srt.mem_cache import common as common_module
+from sglang.srt.mem_cache import lru_cache_state as lru_cache_state_module
+from sglang.srt.mem_cache import memory_pool as memory_pool_module
+from sglang.srt.mem_cache import sparse_cache_controller as controller_module
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
@@ -125,6 +139,66 @@ def set_mla_kv_rows_torch(kv_buffer, loc, cache_k_nope, cache_k_rope):
     rows[idx, nope.shape[1] : nope.shape[1] + rope.shape[1]] = rope.to(rows.dtype)
 
 
+def get_mla_kv_rows_torch(kv_buffer, loc, cache_k_nope, cache_k_rope):
+    """What sglang's ``get_mla_kv_buffer_triton`` does: ``cache_k_nope[i]`` /
+    ``cache_k_rope[i]`` = the two parts of row ``loc[i]`` of ``kv_buffer``,
+    converted to their dtype."""
+    n = loc.numel()
+    nope_dim, rope_dim = cache_k_nope.shape[-1], cache_k_rope.shape[-1]
+    rows = kv_buffer.view(kv_buffer.shape[0], -1)[loc.to(kv_buffer.device).long()]
+    cache_k_nope.view(n, nope_dim).copy_(rows[:, :nope_dim])
+    cache_k_rope.view(n, rope_dim).copy_(rows[:, nope_dim : nope_dim + rope_dim])
+
+
+def quantize_k_cache_separate_torch(k_nope, k_rope, tile_size=128):
+    """What sglang's ``quantize_k_cache_separate`` returns (its Triton
+    ``_quantize_k_cache_fast_kernel``), in torch: per token, the 512 nope
+    values as fp8 e4m3 in tiles of ``tile_size`` with one fp32 scale each
+    (``amax / 448``), then the 64 rope values' bf16 bytes. Returns
+    ``(nope_part, rope_part)``, uint8 of shapes (n, 1, 528) and (n, 1, 128)."""
+    nope = (k_nope.squeeze(1) if k_nope.ndim == 3 else k_nope).float()
+    rope = k_rope.squeeze(1) if k_rope.ndim == 3 else k_rope
+    n, dim_nope = nope.shape
+    fp8 = torch.finfo(torch.float8_e4m3fn)
+    tiles = nope.view(n, dim_nope // tile_size, tile_size)
+    scale = tiles.abs().amax(dim=-1) / fp8.max
+    quant = (tiles * (1.0 / scale).unsqueeze(-1)).clamp(fp8.min, fp8.max)
+    quant = quant.to(torch.float8_e4m3fn).view(n, dim_nope).view(torch.uint8)
+    nope_part = torch.cat([quant, scale.contiguous().view(torch.uint8)], dim=1)
+    rope_part = rope.contiguous().view(torch.uint8)
+    return nope_part.unsqueeze(1), rope_part.unsqueeze(1)
+
+
+def torch_kv_write_patches():
+    """Patchers putting :func:`set_mla_kv_rows_torch`,
+    :func:`get_mla_kv_rows_torch` and :func:`quantize_k_cache_separate_torch`
+    in place of sglang's Triton KV write, read and fp8 quantization (what
+    ``set_mla_kv_buffer`` / ``get_mla_kv_buffer`` call)."""
+    return [
+        mock.patch.object(
+            memory_pool_module, "set_mla_kv_buffer_triton", set_mla_kv_rows_torch
+        ),
+        mock.patch.object(
+            memory_pool_module, "get_mla_kv_buffer_triton", get_mla_kv_rows_torch
+        ),
+        mock.patch.object(
+            memory_pool_module,
+            "quantize_k_cache_separate",
+            quantize_k_cache_separate_torch,
+        ),
+    ]
+
+
+@contextlib.contextmanager
+def torch_swap_and_copies():
+    """Controllers built inside pick the torch reference LRU swap and the
+    torch row copies (what they run without CUDA or the interpreter)."""
+    with mock.patch.object(
+        lru_cache_state_module, "default_use_triton", lambda device: False
+    ), mock.patch.object(controller_module, "copy_kernels_interpreted", lambda: False):
+        yield
+
+
 def layer_arg(layer_id):
     # set_mla_kv_buffer / get_mla_kv_buffer only read ``layer.layer_id``.
     return SimpleNamespace(layer_id=layer_id)
@@ -207,8 +281,14 @@ class OffloadHarness:
         host_pool_group=None,
         query_tokens=1,
         verify=None,
+        use_triton=None,
+        real_kv_write=False,
     ):
         self.t = test
+        if not real_kv_write:
+            for patcher in torch_kv_write_patches():
+                patcher.start()
+                test.addCleanup(patcher.stop)
         if kv_arrives_in_host:
             staging_pages = 0  # a PD decode server runs no prefill
         self.L, self.K, self.C, self.W = layers, top_k, buffer_size, window
@@ -252,16 +332,23 @@ class OffloadHarness:
             enable_memory_saver=False,
         )
         self.req_to_token = self.req_to_token_pool.req_to_token
-        self.co = NSAKVOffloadCoordinator(
-            self.pool,
-            self.allocator,
-            self.req_to_token,
-            self.options,
-            max_batch_size=max_reqs + 1,
-            staging_reserve_pages=staging_pages - lend_staging_pages,
-            host_pool_group=host_pool_group,
-        )
+        kernels = contextlib.nullcontext()
+        if use_triton is False:
+            kernels = torch_swap_and_copies()
+        with kernels:
+            self.co = NSAKVOffloadCoordinator(
+                self.pool,
+                self.allocator,
+                self.req_to_token,
+                self.options,
+                max_batch_size=max_reqs + 1,
+                staging_reserve_pages=staging_pages - lend_staging_pages,
+                host_pool_group=host_pool_group,
+            )
         self.controller = self.co.controller
+        if use_triton is not None:
+            test.assertEqual(self.controller.lru.use_triton, use_triton)
+            test.assertEqual(self.controller.use_triton_copy, use_triton)
         self.row_bytes = self.pool.kv_buffer[0][0].nbytes
         # Full KV of every loc and layer as stored bytes (the reference).
         self.ref = torch.zeros(

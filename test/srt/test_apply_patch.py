@@ -241,7 +241,10 @@ def make_fake_git(root: Path, tags: dict, annotated: bool = False) -> None:
 
 
 class _LayoutTests:
-    """Apply / check / re-apply / revert on one layout (see subclasses)."""
+    """Apply / check / re-apply / revert on one layout (see subclasses): what
+    depends on the layout (paths, the version, a checkout patched by hand,
+    the repo's series); the rest of the tool's behaviour runs on the package
+    layout only (``_ToolBehaviourTests``)."""
 
     layout = None
     # Tests that work on a full copy of the wheel's package (slower).
@@ -314,6 +317,47 @@ class _LayoutTests:
             self.assertIn(VERSION, proc.stdout)
             self.assertIn("refusing", proc.stdout)
         self.assertEqual(snapshot(fx.sglang_dir, with_mtimes=True), before)
+
+    def test_files_patched_by_hand_are_recognised(self):
+        # No manifest (e.g. a checkout patched with `git apply`): the state of
+        # each patch is read from the files.
+        fx = self.fx
+        before = snapshot(fx.sglang_dir)
+        (fx.package / "srt/server_args.py").write_text(fx.server_args_2)
+        (fx.package / "srt/mem_cache/memory_pool.py").write_text(fx.memory_pool_1)
+        (fx.package / fx.NEW_FILE).write_text(fx.new_file)
+        out = fx.run(check_rc=0).stdout
+        self.assertIn("patch 0001-one.patch: already applied", out)
+        self.assertIn("patch 0002-two.patch: already applied", out)
+        fx.assert_applied(self)
+        fx.run("--revert", check_rc=0)
+        self.assertEqual(snapshot(fx.sglang_dir), before)
+
+    def test_repo_series_and_modules(self):
+        """The repo's real patches/ and python/sglang/ on this layout."""
+        fx = self.fx
+        before = snapshot(fx.sglang_dir)
+        repo = ("--patches-dir", REPO_ROOT / "patches")
+        repo += ("--modules-dir", REPO_ROOT / "python" / "sglang")
+        run_tool("--sglang-dir", fx.sglang_dir, "--check", *repo, check_rc=0)
+        self.assertEqual(snapshot(fx.sglang_dir), before)
+        out = run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0).stdout
+        self.assertNotIn("ERROR", out)
+        modules = ap.list_modules(REPO_ROOT / "python" / "sglang")
+        for rel, data in modules.items():
+            self.assertEqual((fx.package / rel).read_bytes(), data)
+        for patch in ap.read_series(REPO_ROOT / "patches"):
+            self.assertIn(patch.name, out)
+        applied = snapshot(fx.sglang_dir, with_mtimes=True)
+        out = run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0).stdout
+        self.assertIn("nothing to do", out)
+        self.assertEqual(snapshot(fx.sglang_dir, with_mtimes=True), applied)
+        run_tool("--sglang-dir", fx.sglang_dir, "--revert", *repo, check_rc=0)
+        self.assertEqual(snapshot(fx.sglang_dir), before)
+
+
+class _ToolBehaviourTests(_LayoutTests):
+    """The layout-independent behaviour (on the package layout)."""
 
     def test_conflict_writes_nothing(self):
         fx = self.fx
@@ -400,21 +444,6 @@ class _LayoutTests:
         self.assertIn("apply patch 0001-one.patch", out)
         fx.assert_applied(self)
 
-    def test_files_patched_by_hand_are_recognised(self):
-        # No manifest (e.g. a checkout patched with `git apply`): the state of
-        # each patch is read from the files.
-        fx = self.fx
-        before = snapshot(fx.sglang_dir)
-        (fx.package / "srt/server_args.py").write_text(fx.server_args_2)
-        (fx.package / "srt/mem_cache/memory_pool.py").write_text(fx.memory_pool_1)
-        (fx.package / fx.NEW_FILE).write_text(fx.new_file)
-        out = fx.run(check_rc=0).stdout
-        self.assertIn("patch 0001-one.patch: already applied", out)
-        self.assertIn("patch 0002-two.patch: already applied", out)
-        fx.assert_applied(self)
-        fx.run("--revert", check_rc=0)
-        self.assertEqual(snapshot(fx.sglang_dir), before)
-
     def test_module_over_an_upstream_file_is_refused(self):
         fx = self.fx
         (fx.modules / "srt/constants.py").write_text("# not upstream\n")
@@ -434,28 +463,6 @@ class _LayoutTests:
         for rel, text in fx.module_files.items():
             self.assertEqual(read(fx.package / rel), text)
         fx.run("--revert", check_rc=0)
-        self.assertEqual(snapshot(fx.sglang_dir), before)
-
-    def test_repo_series_and_modules(self):
-        """The repo's real patches/ and python/sglang/ on this layout."""
-        fx = self.fx
-        before = snapshot(fx.sglang_dir)
-        repo = ("--patches-dir", REPO_ROOT / "patches")
-        repo += ("--modules-dir", REPO_ROOT / "python" / "sglang")
-        run_tool("--sglang-dir", fx.sglang_dir, "--check", *repo, check_rc=0)
-        self.assertEqual(snapshot(fx.sglang_dir), before)
-        out = run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0).stdout
-        self.assertNotIn("ERROR", out)
-        modules = ap.list_modules(REPO_ROOT / "python" / "sglang")
-        for rel, data in modules.items():
-            self.assertEqual((fx.package / rel).read_bytes(), data)
-        for patch in ap.read_series(REPO_ROOT / "patches"):
-            self.assertIn(patch.name, out)
-        applied = snapshot(fx.sglang_dir, with_mtimes=True)
-        out = run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0).stdout
-        self.assertIn("nothing to do", out)
-        self.assertEqual(snapshot(fx.sglang_dir, with_mtimes=True), applied)
-        run_tool("--sglang-dir", fx.sglang_dir, "--revert", *repo, check_rc=0)
         self.assertEqual(snapshot(fx.sglang_dir), before)
 
     def test_bench_hooks_only_with_the_option(self):
@@ -504,7 +511,7 @@ def snapshot_of_before(before_with_mtimes: dict) -> dict:
     }
 
 
-class TestApplyPatchPackageLayout(_LayoutTests, unittest.TestCase):
+class TestApplyPatchPackageLayout(_ToolBehaviourTests, unittest.TestCase):
     layout = "package"
 
     def test_export_regenerates_a_patch(self):

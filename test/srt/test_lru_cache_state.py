@@ -741,62 +741,86 @@ class TestLRUCacheStateBasics(unittest.TestCase):
 
 @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
 class TestTritonMatchesReference(unittest.TestCase):
-    """Reference, Triton and the model in lockstep over seeded workloads."""
+    """Reference, Triton and the model in lockstep over seeded workloads.
 
-    def _run(self, cfg, steps, seed):
-        run_sim(self, cfg, (False, True), steps, seed)
+    Small buffers (8 to 20 slots a unit) and one layer unless the layer index
+    matters: under the CPU interpreter a kernel launch costs the same at any
+    size, and small buffers fill within a few steps, so every run evicts
+    (each asserts it did: the eviction path is what these hold to the
+    model). benchmark/nsa_offload/engine/gpu_check_lru.py runs the same
+    check at production sizes on a GPU."""
 
-    def test_pow2(self):
-        self._run(SimConfig(C=64, K=32, W=4, max_batch=4, p_keep=0.5), steps=40, seed=1)
+    def _run(self, cfg, steps, seed, impls=(False, True), after_step=None):
+        sim = run_sim(self, cfg, impls, steps, seed, after_step)
+        self.assertGreater(sim.model.evictions, 0, "no eviction: a weak workload")
+        return sim
 
-    def test_non_pow2_c_and_k(self):
-        self._run(SimConfig(C=96, K=48, W=6, max_batch=5), steps=30, seed=2)
-
-    def test_odd_k(self):
+    def test_pow2_two_layers(self):
         cfg = SimConfig(
-            layers=3, C=80, K=33, W=8, max_batch=3, p_keep=0.3, p_recent=0.3
+            layers=2, C=16, K=8, W=4, max_batch=3, p_keep=0.2, p_recent=0.5,
+            p_release=0.05,
+        )  # fmt: skip
+        self._run(cfg, steps=12, seed=1)
+
+    def test_non_pow2_c_and_odd_k(self):
+        cfg = SimConfig(
+            layers=2, C=20, K=11, W=6, max_batch=3, p_keep=0.3, p_recent=0.3
         )
-        self._run(cfg, steps=25, seed=3)
+        self._run(cfg, steps=12, seed=2)
 
     def test_c_equals_k_full_pressure(self):
-        cfg = SimConfig(C=40, K=40, W=5, max_batch=4, p_keep=0.3, p_recent=0.3)
-        self._run(cfg, steps=30, seed=4)
+        cfg = SimConfig(
+            layers=1, C=12, K=12, W=5, max_batch=3, p_keep=0.3, p_recent=0.3
+        )
+        self._run(cfg, steps=12, seed=4)
 
     def test_heavy_churn_and_padding(self):
         cfg = SimConfig(
-            C=48,
-            K=32,
+            layers=1,
+            C=8,
+            K=8,
             W=7,
             max_reqs=5,
             num_locs=700,
             max_batch=5,
+            p_keep=0.2,
             p_admit=0.6,
             p_release=0.4,
             max_pad_rows=3,
         )
-        self._run(cfg, steps=40, seed=5)
+        self._run(cfg, steps=12, seed=5)
 
     def test_units_grow_and_shrink(self):
         # Requests gain and lose units between steps; the window stays in unit 0.
-        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.6)
-        self._run(cfg, steps=40, seed=6)
+        cfg = SimConfig(
+            layers=1, C=8, K=8, W=5, units=3, max_batch=3, p_keep=0.3,
+            p_release=0.05,
+        )  # fmt: skip
+        self._run(cfg, steps=14, seed=6)
 
     def test_units_non_pow2_full_pressure(self):
-        cfg = SimConfig(C=40, K=40, W=4, units=4, max_batch=3, p_keep=0.3, p_recent=0.3)
-        self._run(cfg, steps=30, seed=7)
+        cfg = SimConfig(
+            layers=1, C=10, K=10, W=4, units=4, max_batch=2, p_keep=0.3,
+            p_recent=0.3, p_release=0.05,
+        )  # fmt: skip
+        self._run(cfg, steps=12, seed=7)
 
     def test_units_deferred_reorder_multi_block_scan(self):
-        # The select kernel finds victims a block at a time (8 positions:
-        # most swaps scan several); the reorder runs after the plan is read.
-        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.4)
-        run_sim(self, cfg, (False, True, "deferred"), steps=30, seed=9)
+        # The select kernel finds victims a block at a time (8 positions of
+        # up to 24 held: most swaps scan several); the reorder runs after the
+        # plan is read.
+        cfg = SimConfig(
+            layers=1, C=8, K=8, W=5, units=3, max_batch=3, p_keep=0.4,
+            p_release=0.05,
+        )  # fmt: skip
+        self._run(cfg, steps=14, seed=6, impls=(False, "deferred"))
 
     def test_many_units_reuse_scattered_chunks(self):
         # Up to 9 small units per request with churn: a request's chunks of
         # LRU state come back out of order and interleaved with others'.
         cfg = SimConfig(
-            C=16, K=8, W=3, units=9, max_reqs=5, max_batch=4, max_prompt=120,
-            p_grow=0.6, p_shrink=0.2, p_release=0.2, p_keep=0.5,
+            layers=1, C=8, K=8, W=3, units=9, max_reqs=5, max_batch=3,
+            max_prompt=60, p_grow=0.6, p_shrink=0.2, p_release=0.2, p_keep=0.2,
         )  # fmt: skip
         seen = {"most_units": 0, "scattered_steps": 0}
 
@@ -805,7 +829,7 @@ class TestTritonMatchesReference(unittest.TestCase):
             seen["most_units"] = max([seen["most_units"]] + [len(c) for c in chunks])
             seen["scattered_steps"] += any(c != sorted(c) for c in chunks)
 
-        run_sim(self, cfg, (False, True, "deferred"), 30, 13, after_step)
+        self._run(cfg, 16, 23, impls=(False, "deferred"), after_step=after_step)
         self.assertGreaterEqual(seen["most_units"], 5, seen)
         self.assertGreater(seen["scattered_steps"], 5, seen)
 
@@ -833,29 +857,33 @@ class TestWideSlotIds(unittest.TestCase):
     """int32 slot ids (units x buffer above 32767) through every swap path:
     the small shapes here forced to int32, against the model."""
 
-    def _run(self, impls, seed):
-        cfg = SimConfig(C=48, K=32, W=5, units=3, max_batch=4, p_keep=0.5)
+    def _run(self, impls, seed, steps):
+        cfg = SimConfig(
+            layers=1, C=8, K=8, W=5, units=3, max_batch=3, p_keep=0.3,
+            p_release=0.05,
+        )  # fmt: skip
         int32 = mock.patch.object(lru_mod, "lru_slot_dtype", lambda n: torch.int32)
         with int32:
-            sim = run_sim(self, cfg, impls, steps=30, seed=seed)
+            sim = run_sim(self, cfg, impls, steps=steps, seed=seed)
+        self.assertGreater(sim.model.evictions, 0)
         for state in sim.states:
             self.assertEqual(state.loc_to_slot.dtype, torch.int32)
             self.assertEqual(state.lru_order.dtype, torch.int32)
 
     def test_reference(self):
-        self._run((False,), seed=9)
+        self._run((False,), seed=9, steps=30)
 
     @unittest.skipUnless(TRITON_OK, "Triton unavailable")
     def test_kernels(self):
-        self._run((True, "deferred", False), seed=10)
+        self._run((True, "deferred", False), seed=6, steps=10)
 
     def test_slot_ids_above_int16(self):
-        # 5 units of 8192 LRU slots: ids up to 40959. 17 steps of fresh
-        # positions fill 34816 of them; reading positions held in slots above
+        # 5 units of 8192 LRU slots: ids up to 40959. 9 steps of fresh
+        # positions fill 36864 of them; reading positions held in slots above
         # 32767 again must hit in every engine (an id cut to int16 would read
         # as not resident) with the same rows.
-        C, K, W, U = 8192, 2048, 8, 5
-        n = 17 * K + W + 1
+        C, K, W, U = 8192, 4096, 8, 5
+        n = 9 * K + W + 1
         impls = (False, True) if TRITON_OK else (False,)
         states = [
             LRUCacheState(
@@ -881,16 +909,16 @@ class TestWideSlotIds(unittest.TestCase):
             for u in range(1, U):
                 state.grow_request(0, u, C + W + (u - 1) * C)
             misses = []
-            for step in list(range(17)) + [3]:
+            for step in list(range(9)) + [1]:
                 topk = torch.arange(step * K, (step + 1) * K, device=DEVICE)
                 before = int(state.counters[0, 2])
                 plan = state.swap_layer(0, topk.view(1, -1), one, seq, r2t)
                 misses.append(int(state.counters[0, 2]) - before)
-            # Every fresh step misses all K; the re-read of step 3, none: its
+            # Every fresh step misses all K; the re-read of step 1, none: its
             # positions sit in slots above 32767 (the units grown last are
             # filled first).
-            self.assertEqual(misses, [K] * 17 + [0])
-            self.assertGreater(int(state.loc_to_slot[0, 3 * K : 4 * K].min()), 32767)
+            self.assertEqual(misses, [K] * 9 + [0])
+            self.assertGreater(int(state.loc_to_slot[0, K : 2 * K].min()), 32767)
             plans.append(plan_rows(plan, 1))
         for other in plans[1:]:
             self.assertEqual(other, plans[0])
@@ -959,20 +987,24 @@ class TestDirectSlots(unittest.TestCase):
         # Short prompts (most fit), long decodes (most outgrow their slots).
         impls = (False, True) if TRITON_OK else (False,)
         cfg = SimConfig(
-            C=32, K=16, W=4, max_prompt=40, direct=True, p_admit=0.6, p_release=0.15
-        )
-        sim = run_sim(self, cfg, impls, steps=60, seed=11)
+            layers=1, C=8, K=4, W=4, max_prompt=10, direct=True, p_admit=0.6,
+            p_release=0.1, max_batch=3,
+        )  # fmt: skip
+        sim = run_sim(self, cfg, impls, steps=16, seed=1)
         self.assertGreater(sim.direct_entered, 5)
-        self.assertGreater(sim.model.direct_ended, 0)
+        self.assertGreater(sim.model.direct_ended, 1)
 
     @unittest.skipUnless(TRITON_OK, TRITON_SKIP_REASON)
     def test_units_kernels(self):
+        # Direct mode with units, the kernels with the deferred reorder and
+        # the multi-block victim scan (the plain launch: test_against_model).
         cfg = SimConfig(
-            C=32, K=16, W=4, units=3, max_prompt=40, direct=True, p_keep=0.6
-        )
-        sim = run_sim(self, cfg, (True, "deferred", False), steps=40, seed=12)
+            layers=1, C=8, K=4, W=4, units=3, max_prompt=10, direct=True,
+            p_keep=0.6, max_batch=3, p_release=0.1,
+        )  # fmt: skip
+        sim = run_sim(self, cfg, ("deferred", False), steps=16, seed=14)
         self.assertGreater(sim.direct_entered, 3)
-        self.assertGreater(sim.model.direct_ended, 0)
+        self.assertGreater(sim.model.direct_ended, 1)
 
     @staticmethod
     def _three_units(impl):
@@ -1036,9 +1068,10 @@ class TestDirectSlots(unittest.TestCase):
         # were granted (warm units with direct slots); shrinks end it.
         impls = (False, True) if TRITON_OK else (False,)
         cfg = SimConfig(
-            C=32, K=16, W=4, units=3, max_prompt=90, direct=True, p_direct=0.7
-        )
-        sim = run_sim(self, cfg, impls, steps=50, seed=22)
+            layers=1, C=8, K=4, W=4, units=3, max_prompt=24, direct=True,
+            p_direct=0.7, max_batch=3, p_admit=0.5,
+        )  # fmt: skip
+        sim = run_sim(self, cfg, impls, steps=16, seed=8)
         self.assertGreater(sim.direct_units_entered, 2)
         self.assertGreater(sim.model.direct_ended, 0)
 
@@ -1100,21 +1133,21 @@ class TestUnits(unittest.TestCase):
                 state.grow_request(0, 3, 700)
 
 
-def sim_configs(max_steps: int):
+def sim_configs(max_steps: int, max_k=40, max_layers=3, max_batch=5):
     @st.composite
     def build(draw):
-        K = draw(st.integers(4, 40))
-        C = draw(st.integers(K, K + 40))
+        K = draw(st.integers(4, max_k))
+        C = draw(st.integers(K, K + max_k))
         W = draw(st.integers(1, min(12, C - 1)))
         cfg = SimConfig(
-            layers=draw(st.integers(1, 3)),
+            layers=draw(st.integers(1, max_layers)),
             C=C,
             K=K,
             W=W,
             max_reqs=draw(st.integers(2, 6)),
             num_locs=draw(st.integers(800, 1600)),
             max_ctx=draw(st.integers(60, 400)),
-            max_batch=draw(st.integers(1, 5)),
+            max_batch=draw(st.integers(1, max_batch)),
             max_prompt=draw(st.integers(1, 200)),
             p_keep=draw(st.floats(0.0, 1.0)),
             p_recent=draw(st.floats(0.0, 1.0)),
@@ -1134,10 +1167,12 @@ class TestAgainstPythonModel(unittest.TestCase):
     """Property-based differential test against lru_model.LRUModel.
 
     Hypothesis draws the workload (sizes, locality, churn, seed); every decode
-    step of it is compared against the model, outputs and full state.
+    step of it is compared against the model, outputs and full state. The
+    Triton kernels get fewer, smaller workloads (under the CPU interpreter a
+    swap costs ~0.1 s): the seeded tests above cover their code paths.
     """
 
-    REF_EXAMPLES, TRITON_EXAMPLES = 100, 25
+    REF_EXAMPLES, TRITON_EXAMPLES = 50, 6
     stats = {
         impl: {"examples": 0, "steps": 0, "evictions": 0, "misses": 0}
         for impl in ("reference", "triton")
@@ -1159,7 +1194,7 @@ class TestAgainstPythonModel(unittest.TestCase):
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(sim_configs(max_steps=50))
+    @given(sim_configs(max_steps=40))
     def test_reference_vs_model(self, args):
         self._run("reference", args)
 
@@ -1171,7 +1206,7 @@ class TestAgainstPythonModel(unittest.TestCase):
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(sim_configs(max_steps=30))
+    @given(sim_configs(max_steps=12, max_k=16, max_layers=2, max_batch=3))
     def test_triton_vs_model(self, args):
         self._run("triton", args)
 
@@ -1183,6 +1218,9 @@ class TestAgainstPythonModel(unittest.TestCase):
             # The workload must stay meaningful if the generator is edited.
             assert ref["steps"] >= 1000, ref
             assert ref["evictions"] >= 1000, ref
+        tri = cls.stats["triton"]
+        if tri["examples"] == cls.TRITON_EXAMPLES:
+            assert tri["evictions"] > 0, tri
 
 
 @unittest.skipUnless(torch.cuda.is_available(), "needs CUDA")

@@ -23,6 +23,13 @@ from unittest import mock
 
 import test_nsa_kv_offload_integration as integration
 import torch
+from offload_harness import (  # noqa: F401 (module fixtures)
+    PAGE,
+    OffloadHarness,
+    make_pool,
+    setUpModule,
+    tearDownModule,
+)
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolSizes,
     compute_offload_pool_sizes,
@@ -35,13 +42,6 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
     IDLE_LOC_UNIT_SOURCE,
     IdleLocUnitLender,
     idle_loc_unit_pages,
-)
-from offload_harness import (  # noqa: F401 (module fixtures)
-    PAGE,
-    OffloadHarness,
-    make_pool,
-    setUpModule,
-    tearDownModule,
 )
 
 FP8_ROW_BYTES = 656
@@ -163,7 +163,10 @@ class TestSizing(unittest.TestCase):
 
 def _harness(test, idle_loc_units=6, num_locs=96 * PAGE, seed=0, **kwargs):
     """PD decode, 2 request slots, no spare regions: with 4 units a request
-    can only grow into the free locs' keys (11 pages per unit of 128 rows)."""
+    can only grow into the free locs' keys (11 pages per unit of 128 rows).
+    The torch swap and copies: what is tested is where units live (the
+    kernels: test_lru_cache_state, test_sparse_cache_controller)."""
+    kwargs.setdefault("use_triton", False)
     return OffloadHarness(
         test,
         kv_fp8=True,

@@ -32,9 +32,18 @@ CPU notes: without CUDA the Triton kernels run in the interpreter
 the controller runs its copies inline (no side stream). Upstream's
 ``alloc_extend_kernel`` does not run under the Triton interpreter (its
 runtime-bounded ``range`` fails), so on CPU it is replaced by a torch
-transcription (``TorchAllocExtendKernel``) while the tests run; everything
-else, including ``alloc_decode_kernel`` and ``set_mla_kv_buffer_triton``, is
-the real code. With CUDA the same tests run on the GPU.
+transcription (``TorchAllocExtendKernel``) while the tests run. For speed
+(the interpreter runs a kernel launch in ~0.1 s, a KV write in one program
+per row): the harness writes and reads the model's KV through torch
+equivalents of sglang's ``set_mla_kv_buffer_triton`` /
+``get_mla_kv_buffer_triton`` / fp8 ``quantize_k_cache_separate``
+(``TestKVWriteEquivalents`` holds them to the real kernels), and the tests of
+the offload's logic run the torch reference swap and copies
+(``torch_harness``); the Triton swap and copy kernels run under
+``TestEarlySwap`` and the shadowed one-request-at-a-time pass (their own
+differential tests: test_lru_cache_state, test_sparse_cache_controller).
+Everything else, ``alloc_decode_kernel`` included, is the real code. With
+CUDA the same tests run on the GPU.
 """
 
 import contextlib
@@ -52,46 +61,6 @@ from unittest import mock
 
 import torch
 from lru_shadow import shadow_reference
-from sglang.srt.layers.attention import nsa_offload_hooks
-from sglang.srt.managers.nsa_kv_offload_coordinator import (
-    NSAKVOffloadCoordinator,
-    create_nsa_kv_offload_coordinator,
-)
-from sglang.srt.mem_cache.nsa_kv_offload_pool import create_nsa_kv_offload_allocator
-from sglang.srt.mem_cache.nsa_kv_offload_sizing import nsa_kv_offload_pool_kwargs
-from sglang.srt.mem_cache import allocator as allocator_module
-from sglang.srt.mem_cache import common as common_module
-from sglang.srt.mem_cache import lru_cache_state as lru_cache_state_module
-from sglang.srt.mem_cache import memory_pool as memory_pool_module
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
-from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
-from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
-from sglang.srt.mem_cache import nsa_kv_offload_lru_triton as triton_swap_module
-from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
-    NSAKVOffloadPoolConfigurator,
-    NSAKVOffloadPoolSizes,
-    compute_offload_pool_sizes,
-    lru_unit_state_bytes,
-    offload_bytes_per_loc,
-    offload_bytes_per_region,
-    spare_region_count,
-    staging_lru_units,
-)
-from sglang.srt.mem_cache.nsa_kv_offload_pool import (
-    NSAKVOffloadTokenToKVPool,
-    NSAKVOffloadTokenToKVPoolAllocator,
-    StagingRowAllocator,
-    get_nsa_kv_offload,
-)
-from sglang.srt.mem_cache.nsa_kv_offload_units import (
-    REGION_UNIT_SOURCE,
-    StagingUnitLender,
-)
-from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from offload_harness import (  # noqa: F401 (module fixtures)
     DEVICE,
     GLOBAL_SERVER_ARGS,
@@ -101,21 +70,75 @@ from offload_harness import (  # noqa: F401 (module fixtures)
     KV_LORA_RANK,
     PAGE,
     ROPE_DIM,
+    UPSTREAM_ALLOC_EXTEND,
     FakeReq,
     OffloadHarness,
-    UPSTREAM_ALLOC_EXTEND,
     TorchAllocExtendKernel,
-    make_options,
     layer_arg,
+    make_options,
     make_pool,
+    quantize_k_cache_separate_torch,
     set_mla_kv_rows_torch,
     setUpModule,
     sync,
     tearDownModule,
+    torch_kv_write_patches,
 )
+from sglang.srt.layers.attention import nsa_offload_hooks
+from sglang.srt.managers.nsa_kv_offload_coordinator import (
+    NSAKVOffloadCoordinator,
+    create_nsa_kv_offload_coordinator,
+)
+from sglang.srt.mem_cache import allocator as allocator_module
+from sglang.srt.mem_cache import common as common_module
+from sglang.srt.mem_cache import lru_cache_state as lru_cache_state_module
+from sglang.srt.mem_cache import nsa_kv_offload_lru_triton as triton_swap_module
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.chunk_cache import ChunkCache
+from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
+from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
+from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.nsa_kv_offload_pool import (
+    NSAKVOffloadTokenToKVPool,
+    NSAKVOffloadTokenToKVPoolAllocator,
+    StagingRowAllocator,
+    create_nsa_kv_offload_allocator,
+    get_nsa_kv_offload,
+)
+from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
+    NSAKVOffloadPoolConfigurator,
+    NSAKVOffloadPoolSizes,
+    compute_offload_pool_sizes,
+    lru_unit_state_bytes,
+    nsa_kv_offload_pool_kwargs,
+    offload_bytes_per_loc,
+    offload_bytes_per_region,
+    spare_region_count,
+    staging_lru_units,
+)
+from sglang.srt.mem_cache.nsa_kv_offload_units import (
+    REGION_UNIT_SOURCE,
+    StagingUnitLender,
+)
+from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from test_lru_cache_state import check_invariants
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def torch_harness(test, **kwargs):
+    """An ``OffloadHarness`` on the torch reference swap and copies: for the
+    tests of the offload's logic (the Triton kernels are held to the same
+    semantics by test_lru_cache_state and test_sparse_cache_controller, and
+    run here under ``TestEarlySwap`` and the shadowed one-request-at-a-time
+    pass). Looked up at call time (test_nsa_kv_offload_idle_locs patches
+    ``OffloadHarness``)."""
+    kwargs.setdefault("use_triton", False)
+    return OffloadHarness(test, **kwargs)
+
+
 TINY_DSV32_CONFIG = (
     REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
 )
@@ -305,6 +328,95 @@ class TestAllocExtendTranscription(unittest.TestCase):
             self.assertFalse(bool((outs[0] == -7).any()))
 
 
+class TestKVWriteEquivalents(unittest.TestCase):
+    """The harness' torch KV write (``set_mla_kv_rows_torch``, and for fp8
+    ``quantize_k_cache_separate_torch``) against sglang's Triton kernels,
+    which the offload pool's ``set_mla_kv_buffer`` calls (the other tests
+    write through the torch ones)."""
+
+    def _inputs(self, n, seed):
+        gen = torch.Generator().manual_seed(seed)
+        # Tiles of very different magnitudes (one fp8 scale each).
+        mag = 10.0 ** torch.randint(-3, 4, (n, 1, 4, 1), generator=gen)
+        nope = torch.randn((n, 1, 4, 128), generator=gen) * mag
+        nope = nope.view(n, 1, KV_LORA_RANK).to(DEVICE, torch.bfloat16)
+        rope = torch.randn((n, 1, ROPE_DIM), generator=gen)
+        return nope, rope.to(DEVICE, torch.bfloat16)
+
+    def test_fp8_quantization(self):
+        from sglang.srt.layers.attention.nsa import quant_k_cache
+
+        n = 4
+        nope, rope = self._inputs(n, 0)
+        real = quant_k_cache.quantize_k_cache_separate(nope, rope)
+        ours = quantize_k_cache_separate_torch(nope, rope)
+        for a, b in zip(real, ours):
+            self.assertEqual((a.shape, a.dtype), (b.shape, b.dtype))
+        # The fp32 scales (amax / 448 per tile) and the rope's bf16 bytes:
+        # bit for bit.
+        self.assertTrue(torch.equal(real[0][..., 512:], ours[0][..., 512:]))
+        self.assertTrue(torch.equal(real[1], ours[1]))
+        # The fp8 values: the kernel's x * (1 / scale), cast to the nearest
+        # e4m3 (what the GPU does). The interpreter's own fp32 -> fp8 cast is
+        # off for a few values near a binade's top (e.g. -127.1 -> -64): the
+        # torch ones are never further from the exact value.
+        x = nope.float().view(n, 4, 128)
+        scale = ours[0][..., 512:].reshape(n, 16).view(torch.float32)
+        exact = (x * (1.0 / scale).unsqueeze(-1)).view(n, 512)
+
+        def values(part):
+            return part[..., :512].reshape(n, 512).view(torch.float8_e4m3fn).float()
+
+        err_real = (values(real[0]) - exact).abs()
+        err_ours = (values(ours[0]) - exact).abs()
+        self.assertTrue(bool((err_ours <= err_real).all()))
+        step = 2.0 ** (exact.abs().clamp(min=2**-6).log2().floor() - 3)
+        self.assertTrue(bool((err_ours <= step / 2).all()), "not the nearest")
+        same = (real[0] == ours[0]).float().mean().item()
+        self.assertGreater(same, 0.95)
+
+    def test_pool_reads_and_writes_through_the_patched_kernels(self):
+        from sglang.srt.layers.attention.nsa import quant_k_cache
+
+        sizes = NSAKVOffloadPoolSizes(
+            num_locs=2 * PAGE,
+            num_regions=1,
+            region_rows=PAGE,
+            staging_rows=PAGE,
+            page_size=PAGE,
+            host_capacity_locs=2 * PAGE,
+        )
+        locs = torch.tensor([5, 70, 9], device=DEVICE)
+        rows = torch.tensor([7, 3, 100], device=DEVICE)
+        nope, rope = self._inputs(3, 1)
+        for kv_fp8 in (False, True):
+            for torch_write in (False, True):
+                with self.subTest(kv_fp8=kv_fp8, torch_write=torch_write):
+                    quantize = quant_k_cache.quantize_k_cache_separate
+                    if torch_write:
+                        quantize = quantize_k_cache_separate_torch
+                    parts = quantize(nope, rope) if kv_fp8 else (nope, rope)
+                    expect = torch.cat(
+                        [p.view(3, -1).view(torch.uint8) for p in parts], 1
+                    )
+                    pool = make_pool(sizes, layer_num=1, kv_fp8=kv_fp8)
+                    pool.loc_to_row[locs] = rows
+                    with contextlib.ExitStack() as stack:
+                        for patcher in torch_kv_write_patches() if torch_write else []:
+                            stack.enter_context(patcher)
+                        pool.set_mla_kv_buffer(layer_arg(0), locs, nope, rope)
+                        buf = pool.kv_buffer[0].view(torch.uint8)
+                        stored = buf.view(buf.shape[0], -1)
+                        if not kv_fp8:
+                            got = pool.get_mla_kv_buffer(layer_arg(0), locs)
+                            self.assertTrue(torch.equal(got[0], nope))
+                            self.assertTrue(torch.equal(got[1], rope))
+                    self.assertTrue(torch.equal(stored[rows], expect))
+                    others = torch.ones(stored.shape[0], dtype=torch.bool)
+                    others[rows] = False
+                    self.assertFalse(bool(stored[others].any()))
+
+
 class TestStagingAllocator(unittest.TestCase):
     NUM_LOCS, STAGING_PAGES = 16 * PAGE, 6
 
@@ -465,7 +577,7 @@ class TestOffloadLifecycle(unittest.TestCase):
     LEND_STAGING_PAGES = 0
 
     def _harness(self, **kwargs):
-        return OffloadHarness(
+        return torch_harness(
             self,
             max_units=self.MAX_UNITS,
             lend_staging_pages=self.LEND_STAGING_PAGES,
@@ -607,7 +719,7 @@ class TestEarlySwap(unittest.TestCase):
 
     def test_idle_and_extend_stay_inline(self):
         # (MTP verify: test_nsa_kv_offload_mtp_verify, early and inline.)
-        h = OffloadHarness(self)
+        h = torch_harness(self)
         topk = torch.zeros((1, h.K), dtype=torch.int32, device=DEVICE)
         for mode in (ForwardMode.IDLE, ForwardMode.EXTEND, ForwardMode.TARGET_VERIFY):
             fb = SimpleNamespace(
@@ -622,7 +734,7 @@ class TestUnitsLifecycle(unittest.TestCase):
     the running requests; admissions take them back."""
 
     def test_units_follow_the_load(self):
-        h = OffloadHarness(self, seed=6, num_regions=3, max_reqs=3, max_units=3)
+        h = torch_harness(self, seed=6, num_regions=3, max_reqs=3, max_units=3)
         co = h.controller
         a = h.new_req()
         h.prefill([(a, 300)])
@@ -664,7 +776,7 @@ class TestUnitsLifecycle(unittest.TestCase):
         # 2 regions; 8 of the 10 staging pages may be lent (units of C = 128
         # rows = 2 pages). Prefills take staging units back, admissions take
         # region units back; every page table stays exact.
-        h = OffloadHarness(
+        h = torch_harness(
             self, seed=7, num_regions=2, max_units=4, lend_staging_pages=8
         )
         co, staging = h.controller, h.allocator.staging
@@ -712,17 +824,7 @@ class TestRandomWorkload(unittest.TestCase):
 
     def _run(self, seed: int, max_units: int, lend_staging_pages: int):
         rng = random.Random(seed)
-        # The model's KV writes by a torch scatter instead of sglang's Triton
-        # write kernel: under the CPU interpreter that kernel runs one program
-        # per row and took ~80% of these tests' time. The rows still go through
-        # the offload pool's loc -> row translation and are checked bit for bit;
-        # the lifecycle tests above write through the real kernel.
-        write = mock.patch.object(
-            memory_pool_module, "set_mla_kv_buffer_triton", set_mla_kv_rows_torch
-        )
-        write.start()
-        self.addCleanup(write.stop)
-        h = OffloadHarness(
+        h = torch_harness(
             self,
             seed=seed,
             num_regions=3,
@@ -803,23 +905,17 @@ class TestRandomWorkload(unittest.TestCase):
         return seen
 
     def test_fixed_buffer(self):
-        for seed in (11, 12):
-            with self.subTest(seed=seed):
-                seen = self._run(seed, max_units=1, lend_staging_pages=0)
-                self.assertGreaterEqual(seen["decode_steps"], 10)
-                self.assertEqual(seen["max_extra_units"], 0)
+        seen = self._run(11, max_units=1, lend_staging_pages=0)
+        self.assertGreaterEqual(seen["decode_steps"], 10)
+        self.assertEqual(seen["max_extra_units"], 0)
 
     def test_units_from_regions_and_staging(self):
-        reclaimed = set()
-        for seed in (13, 14):
-            with self.subTest(seed=seed):
-                seen = self._run(seed, max_units=4, lend_staging_pages=6)
-                self.assertGreaterEqual(seen["decode_steps"], 10)
-                self.assertGreater(seen["max_extra_units"], 0)
-                reclaimed |= seen["reclaimed_from"]
+        seen = self._run(13, max_units=4, lend_staging_pages=6)
+        self.assertGreaterEqual(seen["decode_steps"], 10)
+        self.assertGreater(seen["max_extra_units"], 0)
         # Admissions took regions back (staging taken back by a prefill:
         # TestUnitsLifecycle.test_idle_staging_lent_as_units).
-        self.assertIn(REGION_UNIT_SOURCE, reclaimed)
+        self.assertIn(REGION_UNIT_SOURCE, seen["reclaimed_from"])
 
 
 class _OneRequestAtATime(unittest.TestCase):
@@ -840,14 +936,10 @@ class _OneRequestAtATime(unittest.TestCase):
     # or more, every layer but the last defers its LRU reorder.
     LAYERS = None
 
-    def _run(self, max_units, shadow=False):
+    def _run(self, max_units, shadow=False, use_triton=None):
         """``shadow``: the torch reference swap beside every Triton swap
-        (``lru_shadow``): the first swap whose outputs differ fails."""
-        write = mock.patch.object(
-            memory_pool_module, "set_mla_kv_buffer_triton", set_mla_kv_rows_torch
-        )
-        write.start()
-        self.addCleanup(write.stop)
+        (``lru_shadow``): the first swap whose outputs differ fails.
+        ``use_triton``: ``OffloadHarness``'s (None: the product's choice)."""
         served = DEVICE == "cuda" if self.SERVED_SIZES is None else self.SERVED_SIZES
         C, W, K = (4096, 64, 2048) if served else (128, 8, 64)
         chunk = 2 * C
@@ -870,6 +962,7 @@ class _OneRequestAtATime(unittest.TestCase):
             max_units=max_units,
             lend_staging_pages=pages - -(-chunk // PAGE),
             spare_regions=self.SPARE_REGIONS,
+            use_triton=use_triton,
         )
         self.harness_ready(h)
         if shadow:
@@ -937,15 +1030,14 @@ class _OneRequestAtATime(unittest.TestCase):
 class TestOneRequestAtATime(_OneRequestAtATime):
     __doc__ = _OneRequestAtATime.__doc__
 
-    def test_server_defaults_two_units(self):
-        self._run(2)
-
     def test_server_defaults_four_units(self):
-        self._run(4)
+        # The torch swap: the pass's logic at four units (the kernels: below).
+        self._run(4, use_triton=False)
 
     def test_server_defaults_two_units_shadowed(self):
-        # Every swap against the torch reference (on CUDA: which kernel
-        # output goes wrong first).
+        # The Triton swap, every swap against the torch reference (on CUDA:
+        # which kernel output goes wrong first). It checks all that the same
+        # pass unshadowed would.
         self._run(2, shadow=True)
 
 
@@ -998,7 +1090,7 @@ class TestPDDecodeLifecycle(unittest.TestCase):
     MAX_UNITS = 1
 
     def test_transfer_admit_decode_release(self):
-        h = OffloadHarness(
+        h = torch_harness(
             self,
             kv_fp8=True,
             seed=2,
@@ -1020,7 +1112,7 @@ class TestPDDecodeLifecycle(unittest.TestCase):
     def test_retract_and_resume(self):
         # sglang's PD decode retraction keeps a request's KV in CPU memory
         # (get_cpu_copy), frees its locs, and later loads it into new locs.
-        h = OffloadHarness(
+        h = torch_harness(
             self,
             seed=3,
             kv_arrives_in_host=True,
@@ -1082,7 +1174,7 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
     def _start(self, colocated, seed, lens):
         """A harness with 4 regions and up to 4 units per request, and
         requests of ``lens`` tokens, prefilled or transferred."""
-        h = OffloadHarness(
+        h = torch_harness(
             self,
             kv_fp8=True,
             seed=seed,
@@ -1191,7 +1283,7 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
         # even split, 2 + 2, leaves a on the LRU swap: the test above).
         for colocated in (False, True):
             with self.subTest(colocated=colocated):
-                h = OffloadHarness(
+                h = torch_harness(
                     self,
                     kv_fp8=True,
                     seed=8,
@@ -1220,7 +1312,7 @@ class TestPDDecodeWarmUnits(unittest.TestCase):
         # Colocated: warmed with its units at the prefill's admission, then
         # released before any decode step (e.g. max_new_tokens 1): its units
         # go back, b takes them at the next rebalance, nothing leaks.
-        h = OffloadHarness(
+        h = torch_harness(
             self,
             kv_fp8=True,
             seed=6,
@@ -1244,7 +1336,7 @@ class TestPDDecodeLeveling(unittest.TestCase):
     units fill: the rebalance moves region units to them, reads stay exact."""
 
     def test_burst_admission_moves_units(self):
-        h = OffloadHarness(
+        h = torch_harness(
             self,
             kv_fp8=True,
             seed=5,
@@ -1279,7 +1371,7 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
         from sglang.srt.disaggregation import decode as decode_module
         from sglang.srt.disaggregation.utils import TransferBackend
 
-        h = OffloadHarness(self, kv_fp8=True, kv_arrives_in_host=True)
+        h = torch_harness(self, kv_fp8=True, kv_arrives_in_host=True)
         queue = decode_module.DecodePreallocQueue.__new__(
             decode_module.DecodePreallocQueue
         )
@@ -1349,7 +1441,7 @@ class TestIdleLeakCheck(unittest.TestCase):
         SchedulerRuntimeCheckerMixin.on_idle(sched)
 
     def test_clean_after_lifecycle(self):
-        h = OffloadHarness(self, max_units=4, lend_staging_pages=4)
+        h = torch_harness(self, max_units=4, lend_staging_pages=4)
         a = h.new_req()
         h.prefill([(a, 190)])
         h.decode_step([a], first_step_of=(a,))
@@ -1360,7 +1452,7 @@ class TestIdleLeakCheck(unittest.TestCase):
         self._on_idle(h.co)  # does not raise
 
     def test_leaked_region_and_units_reported(self):
-        h = OffloadHarness(self, max_units=4, lend_staging_pages=4)
+        h = torch_harness(self, max_units=4, lend_staging_pages=4)
         a = h.new_req()
         h.prefill([(a, 190)])
         h.decode_step([a], first_step_of=(a,))
@@ -1375,7 +1467,7 @@ class TestIdleLeakCheck(unittest.TestCase):
         self.assertIn("still admitted", str(ctx.exception))
 
     def test_leaked_staging_page_reported(self):
-        h = OffloadHarness(self)
+        h = torch_harness(self)
         pages = h.allocator.staging.alloc(1)  # inject: a page never freed
         self.assertIsNotNone(pages)
         self.assertIn("staging pages free: 9 of 10", h.co.check_idle())
@@ -1392,7 +1484,7 @@ class TestMetrics(unittest.TestCase):
     def test_decode_log_feeds_metrics(self):
         from prometheus_client import CollectorRegistry
 
-        h = OffloadHarness(self, max_units=4, lend_staging_pages=4)
+        h = torch_harness(self, max_units=4, lend_staging_pages=4)
         registry, labels = CollectorRegistry(), {"tp_rank": "0"}
         h.co.enable_metrics(labels, registry)
 

@@ -333,7 +333,7 @@ class TestMTPVerifySpecV2(unittest.TestCase):
             r.admit_len = n
 
     def test_verify_steps(self):
-        for steps in (1, 2, 3):
+        for steps in (1, 3):
             with self.subTest(steps=steps):
                 h = self._harness(steps, seed=steps)
                 rng = random.Random(steps)

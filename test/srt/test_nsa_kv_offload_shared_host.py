@@ -29,7 +29,9 @@ from sglang.srt.mem_cache.nsa_kv_offload_shared_host import (
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
 
 PAGE = 64
-WORLD = 3
+# Rank 0 (the writer) and one reader: each spawned rank imports sglang
+# (~10 CPU-seconds on CPU), so no more ranks than the checks need.
+WORLD = 2
 
 
 class TestSharedHostSegment(unittest.TestCase):

@@ -11,15 +11,19 @@ rows listed in the page table hold exactly the KV of the picked tokens:
 On a machine without CUDA the Triton kernels run in the interpreter.
 """
 
+import contextlib
 import random
 import unittest
 from unittest import mock
 
 import torch
+from sglang.srt.mem_cache import sparse_cache_controller as controller_module
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
-from sglang.srt.mem_cache.nsa_kv_offload_units import REGION_UNIT_SOURCE
+from sglang.srt.mem_cache.nsa_kv_offload_units import (
+    REGION_UNIT_SOURCE,
+    RegionAllocator,
+)
 from sglang.srt.mem_cache.nsa_kv_only_host_pool import NSAKVOnlyTokenToKVPoolHost
-from sglang.srt.mem_cache.nsa_kv_offload_units import RegionAllocator
 from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,7 +70,9 @@ class _ControllerCase(unittest.TestCase):
         lent_units=0,
     ):
         """``lent_units``: units of GPU rows past the regions that a second
-        source (``"lent"``, ``self.lent``) lends, like idle staging or locs."""
+        source (``"lent"``, ``self.lent``) lends, like idle staging or locs.
+        ``use_triton=False``: the torch reference swap and the torch row
+        copies (else the Triton kernels, interpreted on CPU)."""
         R = self.C + self.W
         lent_start = self.STAGING + self.NUM_REGIONS * R
         self.num_gpu_rows = lent_start + lent_units * self.C
@@ -82,7 +88,31 @@ class _ControllerCase(unittest.TestCase):
             layer_num=self.L,
             row_bytes=ROW_BYTES,
         )
-        self.ctrl = SparseCacheController(
+        copies = contextlib.nullcontext()
+        if use_triton is False:
+            copies = mock.patch.object(
+                controller_module, "copy_kernels_interpreted", lambda: False
+            )
+        with copies:
+            self.ctrl = self._controller(
+                use_triton,
+                warm_tokens,
+                max_units,
+                direct_slots,
+                extra_units + lent_units,
+            )
+        if use_triton is not None:
+            self.assertEqual(self.ctrl.lru.use_triton, use_triton)
+            self.assertEqual(self.ctrl.use_triton_copy, use_triton)
+        if lent_units:
+            self.lent = ListUnitSource(
+                [lent_start + i * self.C for i in range(lent_units)]
+            )
+            self.ctrl.add_unit_source("lent", self.lent)
+        return self.ctrl
+
+    def _controller(self, use_triton, warm_tokens, max_units, direct_slots, extra):
+        return SparseCacheController(
             self.gpu,
             self.host,
             max_num_reqs=self.MAX_REQS,
@@ -96,14 +126,8 @@ class _ControllerCase(unittest.TestCase):
             direct_slots=direct_slots,
             warm_tokens=warm_tokens,
             max_units=max_units,
-            extra_units=extra_units + lent_units,
+            extra_units=extra,
         )
-        if lent_units:
-            self.lent = ListUnitSource(
-                [lent_start + i * self.C for i in range(lent_units)]
-            )
-            self.ctrl.add_unit_source("lent", self.lent)
-        return self.ctrl
 
 
 class ListUnitSource:
@@ -416,7 +440,7 @@ class TestUnits(_ControllerCase):
         self.NUM_REGIONS, self.MAX_REQS = 6, 6
         C, W = self.C, self.W
         moved_from = set()
-        for seed in range(30):
+        for seed in range(12):
             rng = random.Random(seed)
             max_units = rng.randint(2, 5)
             ctrl = self.make(max_units=max_units, lent_units=7)
@@ -733,7 +757,7 @@ class TestEndToEnd(_ControllerCase):
         self._run(use_triton=False, seed=1, steps=40)
 
     def test_exact_triton_lru(self):
-        self._run(use_triton=True, seed=2, steps=30)
+        self._run(use_triton=True, seed=2, steps=12)
 
     def test_exact_with_units_reference(self):
         # Releases leave free regions that running requests take as extra
@@ -741,15 +765,17 @@ class TestEndToEnd(_ControllerCase):
         self._run(use_triton=False, seed=4, steps=40, max_units=3)
 
     def test_exact_with_units_triton(self):
-        self._run(use_triton=True, seed=5, steps=30, max_units=2)
+        self._run(use_triton=True, seed=5, steps=12, max_units=2)
 
-    def _run_uneven(self, check, **kwargs):
-        """Both swap paths with 6 regions for up to 8 requests, 2 admitted
-        first, up to 4 units each: admissions leave requests uneven and
-        units move between them (their resident rows dropped, read again).
-        ``check`` gets each run's stats."""
+    def _run_uneven(self, check, triton_steps=0, **kwargs):
+        """6 regions for up to 8 requests, 2 admitted first, up to 4 units
+        each: admissions leave requests uneven and units move between them
+        (their resident rows dropped, read again). The torch swap and copies
+        for 40 steps, then (``triton_steps``) the Triton kernels. ``check``
+        gets each run's stats."""
         self.NUM_REGIONS, self.MAX_REQS = 6, 8
-        for use_triton, steps in ((False, 40), (True, 24)):
+        runs = [(False, 40)] + ([(True, triton_steps)] if triton_steps else [])
+        for use_triton, steps in runs:
             with self.subTest(use_triton=use_triton):
                 stats = self._run(
                     use_triton=use_triton,
@@ -788,9 +814,11 @@ class TestEndToEnd(_ControllerCase):
             self.assertGreater(stats["units_kept"], 0)
             self.assertGreater(stats["units_reclaimed"], stats["units_kept"])
 
-        self._run_uneven(check, seed=13, lent_units=5, reclaim_lent_every=3)
+        self._run_uneven(
+            check, triton_steps=6, seed=13, lent_units=5, reclaim_lent_every=3
+        )
 
-    def _run_direct(self, use_triton, seed, max_units=1):
+    def _run_direct(self, use_triton, seed, max_units=1, steps=30):
         # Prompts of 1-70 tokens on 24 slots: some fit and enter direct
         # mode (warmed whole), most of those outgrow it while decoding.
         entered = []
@@ -804,7 +832,7 @@ class TestEndToEnd(_ControllerCase):
             self._run(
                 use_triton=use_triton,
                 seed=seed,
-                steps=30,
+                steps=steps,
                 max_units=max_units,
                 direct_slots=True,
             )
@@ -814,10 +842,10 @@ class TestEndToEnd(_ControllerCase):
         self._run_direct(use_triton=False, seed=6)
 
     def test_exact_direct_slots_triton(self):
-        self._run_direct(use_triton=True, seed=7)
+        self._run_direct(use_triton=True, seed=19, steps=10)
 
     def test_exact_direct_slots_with_units(self):
-        self._run_direct(use_triton=True, seed=8, max_units=2)
+        self._run_direct(use_triton=True, seed=8, max_units=2, steps=12)
 
     def test_exact_without_warmup(self):
         self._run(use_triton=False, seed=3, warm_tokens=0, steps=12)

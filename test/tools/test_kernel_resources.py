@@ -42,7 +42,10 @@ class TestSwapKernelResources(unittest.TestCase):
         kernels = ("select", "count", "reorder_rank", "copy_order")
         # Each also with the direct-slots path compiled in (DIRECT=True).
         expected = {
-            (u, k + suffix) for u in (1, 4) for k in kernels for suffix in ("", "_direct")
+            (u, k + suffix)
+            for u in (1, 4)
+            for k in kernels
+            for suffix in ("", "_direct")
         }
         self.assertEqual(set(rows), expected)
         for key in expected:

@@ -207,11 +207,15 @@ def chain(mods, variant, warps, steps, bs=64, U=2, C0=4096, K=2048, W=64, seed=0
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--warps", default="4,8,16")
-    p.add_argument("--trials", type=int, default=300)
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", required=True, help="JSON result path")
+    p.add_argument("--warps", default="4,8,16", help="comma-separated num_warps to run")
+    p.add_argument(
+        "--trials", type=int, default=300, help="race check: launches per setting"
+    )
+    p.add_argument("--steps", type=int, default=150, help="chain check: swaps per run")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs of each check per setting"
+    )
     p.add_argument(
         "--small",
         action="store_true",

@@ -731,9 +731,7 @@ def build_summary(result: dict) -> dict:
             if a is None or a != b
         ],
         "metrics": result.get("metrics"),
-        "offload_log": {
-            k: log.get(k) for k in ("misses", "min_hit_rate")
-        },
+        "offload_log": {k: log.get(k) for k in ("misses", "min_hit_rate")},
         "config": result.get("config"),
     }
     criteria = {

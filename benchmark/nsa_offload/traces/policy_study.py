@@ -238,7 +238,8 @@ class CrossLayer(KeyedPolicy):
 class Clock(KeyedPolicy):
     """CLOCK second chance over the C slots (hit slots of the step skipped).
 
-    ``engine_rule``: the engine's variant (``nsa_kv_offload_clock``) instead
+    ``engine_rule``: the variant the engine had (``nsa_kv_offload_clock``, since
+    removed from the offload) instead
     of the study's: empty slots are found by the sweep like any clear bit
     (the study takes them first wherever they are while they outnumber the
     misses, and leaves the hand), and after a full revolution the misses

@@ -1,11 +1,10 @@
 """Server arguments of --enable-decode-nsa-kv-offload: defaults, validation and
 the frozen options the offload is built from.
 
-:func:`handle_decode_nsa_kv_offload` runs once in ``ServerArgs.__post_init__``:
-it resolves the ``--nsa-kv-offload-*`` defaults into the server args and
-refuses what the offload does not handle, naming the flag at fault, before any
-GPU memory is touched. :meth:`NSAKVOffloadOptions.from_server_args` then reads
-the resolved args without checking them again (docs/ENGINE.md).
+:func:`handle_decode_nsa_kv_offload` (once, in ``ServerArgs.__post_init__``)
+resolves the ``--nsa-kv-offload-*`` defaults and refuses, naming the flag at
+fault, what the offload does not handle; ``NSAKVOffloadOptions`` reads the
+resolved args (docs/ENGINE.md, "Options"; docs/MTP.md; docs/MULTI_GPU.md).
 """
 
 import logging
@@ -20,17 +19,12 @@ logger = logging.getLogger(__name__)
 
 GB = 1 << 30
 NSA_KV_OFFLOAD_PAGE_SIZE = 64
-# A request's LRU slot ids are int16 up to this many slots, int32 beyond.
-_MAX_INT16_LRU_SLOTS = 32767
-# One unit's LRU rows fit int16 slot ids.
-_MAX_BUFFER_SIZE = 32767
-# The NSA backends run with the offload: decode reads KV through the offload's
-# page table (by KV dtype); prefill must read KV through the staging rows,
-# which only the FlashMLA sparse prefill does (trtllm would read by token loc).
+_MAX_BUFFER_SIZE = 32767  # one unit's LRU rows fit int16 slot ids
+# Decode reads KV through the offload's page table (backend by KV dtype);
+# prefill through the staging rows, which only FlashMLA sparse prefill does.
 _DECODE_BACKENDS_BY_DTYPE = {"fp8_e4m3": "flashmla_kv", "bfloat16": "flashmla_sparse"}
 _PREFILL_BACKENDS = ("flashmla_sparse",)
-# Host memory left to the OS and the other processes when sizing the pinned
-# pool automatically: the larger of a floor and a fraction.
+# Host memory the automatic pinned pool leaves: the larger of floor, fraction.
 _HOST_RESERVE_MIN_GB = 8.0
 _HOST_RESERVE_FRACTION = 0.1
 # MTP the multi-token swap serves (docs/MTP.md); NEXTN is EAGLE by then.
@@ -43,13 +37,17 @@ def _fail(message: str) -> None:
     raise ValueError(f"--enable-decode-nsa-kv-offload: {message}")
 
 
+def _query_tokens(sa) -> int:
+    # Per request and target forward: the MTP draft tokens, or 1.
+    return sa.speculative_num_draft_tokens if sa.speculative_algorithm else 1
+
+
 def host_memory_reserve_gb(total_bytes: int) -> float:
     return max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * total_bytes / GB)
 
 
 def pinnable_host_memory_gb(num_host_pools: int) -> float:
-    """Host memory one host pool may pin: available RAM minus the reserve,
-    split over the host pools of this node."""
+    """Available RAM minus the reserve, split over this node's host pools."""
     mem = psutil.virtual_memory()
     usable = mem.available / GB - host_memory_reserve_gb(mem.total)
     return max(usable, 0.0) / max(num_host_pools, 1)
@@ -57,9 +55,8 @@ def pinnable_host_memory_gb(num_host_pools: int) -> float:
 
 @dataclass(frozen=True)
 class NSAKVOffloadRankLayout:
-    """How one server's GPU processes on a node hold the host KV: the ranks of
-    an attention-TP group hold the same MLA KV and share one host pool; every
-    other rank (DP attention, plain DP) keeps its own."""
+    """How a server's GPU processes on a node hold the host KV: an attention-TP
+    group shares one host pool, every other rank keeps its own."""
 
     local_ranks: int  # GPU processes of this server on one node
     attn_tp_size: int  # ranks of one attention-TP group
@@ -108,16 +105,14 @@ class NSAKVOffloadOptions:
     @property
     def warm_units(self) -> bool:
         """An admission is warmed into every slot its units give it: with units,
-        one query token, and a host pool of its own (a shared one's readers
-        warm from staging rows, free again once units are granted)."""
+        one query token and a host pool of its own (docs/ELASTIC_BUFFER.md)."""
         return (
             self.max_units > 1 and self.query_tokens == 1 and not self.shares_host_pool
         )
 
     @property
     def direct_slots(self) -> bool:
-        """A request whose context fits its slots keeps position p in slot p
-        (one query token: a verify's positions are no single chain)."""
+        """A context that fits its slots keeps position p in slot p (one query only)."""
         return self.query_tokens == 1
 
     @classmethod
@@ -133,9 +128,7 @@ class NSAKVOffloadOptions:
             recent_window=sa.nsa_kv_offload_recent_window,
             max_units=sa.nsa_kv_offload_max_units,
             host_pool_gb=sa.nsa_kv_offload_host_pool_gb,
-            query_tokens=(
-                sa.speculative_num_draft_tokens if sa.speculative_algorithm else 1
-            ),
+            query_tokens=_query_tokens(sa),
             kv_arrives_in_host=sa.disaggregation_mode == "decode",
             shares_host_pool=layout.attn_tp_size > 1,
             prefill_budget=max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens),
@@ -147,8 +140,7 @@ class NSAKVOffloadOptions:
 def apply_nsa_kv_offload_backend_defaults(
     server_args, user_set_prefill: bool, user_set_decode: bool, kv_cache_dtype: str
 ) -> bool:
-    """The NSA backends the offload runs with, for the backend flags left unset
-    (an explicit choice is validated later). True when handled here."""
+    """The offload's NSA backends for the backend flags left unset; True if set."""
     if not server_args.enable_decode_nsa_kv_offload:
         return False
     decode = _DECODE_BACKENDS_BY_DTYPE.get(kv_cache_dtype)
@@ -190,10 +182,8 @@ def handle_decode_nsa_kv_offload(server_args) -> None:
 
     if sa.nsa_kv_offload_gpu_buffer_size is None:
         # One top-k more than the union of a step's query tokens can need.
-        query_tokens = (
-            sa.speculative_num_draft_tokens if sa.speculative_algorithm else 1
-        )
-        sa.nsa_kv_offload_gpu_buffer_size = ((query_tokens or 1) + 1) * index_topk
+        q = _query_tokens(sa) or 1
+        sa.nsa_kv_offload_gpu_buffer_size = (q + 1) * index_topk
     buffer_size = sa.nsa_kv_offload_gpu_buffer_size
     window = sa.nsa_kv_offload_recent_window
     if buffer_size < index_topk:
@@ -250,8 +240,6 @@ def _check_server_mode(sa) -> None:
             "it is a decode-side feature and cannot be used with --disaggregation-mode prefill."
         )
     if sa.disaggregation_mode == "decode":
-        # The prefill server writes KV into the host pool (host slot = token
-        # loc); these decode-side caches would keep it on the GPU instead.
         if sa.disaggregation_decode_enable_radix_cache:
             _fail("--disaggregation-decode-enable-radix-cache is not supported.")
         if sa.disaggregation_decode_enable_offload_kvcache:
@@ -264,10 +252,8 @@ def _check_server_mode(sa) -> None:
     if not sa.disable_radix_cache:
         _fail("it requires --disable-radix-cache.")
     if sa.enable_mixed_chunk:
-        # Decode requests inside an extend batch would read KV by token loc.
         _fail("--enable-mixed-chunk is not supported.")
     if sa.enable_two_batch_overlap:
-        # One real-row count and one set of swap buffers per forward.
         _fail("--enable-two-batch-overlap is not supported.")
     if sa.page_size != NSA_KV_OFFLOAD_PAGE_SIZE:
         _fail(
@@ -299,8 +285,7 @@ def _check_backends(sa) -> None:
 
 def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
     """Refuse the speculative decoding the multi-token swap does not serve
-    (docs/MTP.md), after sglang's own speculative step resolved it; returns
-    the query tokens per request of a target forward (1: no MTP)."""
+    (docs/MTP.md, "Startup"); returns the query tokens per request (1: none)."""
     algorithm = sa.speculative_algorithm
     if algorithm is None:
         return 1
@@ -315,7 +300,6 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
             "or --enable-dp-attention yet."
         )
     if sa.speculative_eagle_topk != 1:
-        # A draft tree's query tokens see different prefixes.
         _fail(
             f"--speculative-eagle-topk {sa.speculative_eagle_topk} is not supported; "
             "only 1 (one draft chain) is."
@@ -333,7 +317,6 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
             f"({steps + 1}) with --speculative-eagle-topk 1."
         )
     if sa.speculative_adaptive:
-        # The LRU state and its kernels are built for one count of query tokens.
         _fail(
             f"--speculative-adaptive is not supported with --speculative-algorithm {algorithm}."
         )
@@ -341,11 +324,9 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
         _fail(
             f"--enable-multi-layer-eagle is not supported with --speculative-algorithm {algorithm}."
         )
-    if not sa.disable_overlap_schedule:
-        # Spec v2.
+    if not sa.disable_overlap_schedule:  # spec v2
         if sa.disaggregation_mode == "decode":
-            # The KV transfer writes host slots of locs freed while a forward
-            # that may still write them back is in flight, outside any stream.
+            # The transfer may write host slots a forward still writes back.
             _fail(
                 "speculative decoding with the overlap scheduler (spec v2) on a PD "
                 "decode server (--disaggregation-mode decode) is not supported; pass "
@@ -373,8 +354,7 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
 
 
 def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
-    """Refuse the parallel layouts the offload cannot run, then those not yet
-    run on GPUs (docs/MULTI_GPU.md)."""
+    """Refuse the parallel layouts the offload cannot run or has not run on GPUs."""
     tp, dp = sa.tp_size, sa.dp_size
     if sa.pp_size > 1:
         _fail(f"pipeline parallelism (--pp-size {sa.pp_size}) is not supported.")
@@ -402,8 +382,7 @@ def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
                 "supported: the KV transfer writes every rank's copy, while an "
                 "attention-TP group shares one host pool with one writer."
             )
-    unproven = sa.enable_dp_attention or layout.attn_tp_size > 1
-    if not unproven:
+    if not (sa.enable_dp_attention or layout.attn_tp_size > 1):
         return
     if envs.SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL.get():
         logger.warning(

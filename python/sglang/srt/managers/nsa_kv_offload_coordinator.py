@@ -1,14 +1,11 @@
 """Request lifecycle and forward hooks of the decode NSA KV offload.
 
-One ``NSAKVOffloadCoordinator`` per rank (built by ModelRunner after its pools,
-handed to its attention backends and the scheduler's tree cache) owns the
-``SparseCacheController`` and connects it to sglang's scheduling: admission
-after the forward that completes a prompt (backup, region, warm-up, staging
-freed), every decode preparation (rebalance, new locs to ring rows), every
+One ``NSAKVOffloadCoordinator`` per rank owns the ``SparseCacheController``
+and connects it to sglang: admission after the forward that completes a
+prompt, every decode preparation (rebalance, new locs to ring rows), every
 decode forward (each layer's swap on a side stream once its top-k exists; the
-last layer writes the new tokens back) and finish / abort / retract (release
-after the GPU work that may still touch the request). See docs/ENGINE.md and
-docs/INTEGRATION.md, "Lifecycle".
+last layer writes the new tokens back) and finish / abort / retract
+(docs/INTEGRATION.md, "Lifecycle"; docs/ENGINE.md).
 """
 
 from __future__ import annotations
@@ -51,22 +48,20 @@ from sglang.srt.observability.nsa_kv_offload_metrics import (
 
 logger = logging.getLogger(__name__)
 
-# While idle, the metrics are refreshed at most this often.
-IDLE_METRICS_INTERVAL_S = 1.0
+IDLE_METRICS_INTERVAL_S = 1.0  # the most often metrics refresh while idle
 
 
 def longest_seq_len(req) -> Optional[int]:
     """Prompt plus ``max_new_tokens`` of ``req`` (None when unset)."""
     max_new_tokens = req.sampling_params.max_new_tokens
-    if max_new_tokens is None:
-        return None
-    return len(req.origin_input_ids) + max_new_tokens
+    return (
+        None if max_new_tokens is None else len(req.origin_input_ids) + max_new_tokens
+    )
 
 
 class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
-    """The offload of one rank: see the module docstring. ``host_pool_group``:
-    the attention-TP group whose ranks share one host pool (its first rank
-    writes it, every rank warms admissions from its own staging rows)."""
+    """The offload of one rank (module doc). ``host_pool_group``: the
+    attention-TP group sharing one host pool (its first rank writes it)."""
 
     def __init__(
         self,
@@ -114,8 +109,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             self.verifier = NSAKVOffloadVerifier(kv_pool, req_to_token, options.verify)
         # req_pool_idx -> prompt locs, warmed after prepare_decode's rebalance.
         self._deferred_warm: Dict[int, torch.Tensor] = {}
-        # The batch's real rows (not CUDA-graph padding) and, with MTP, real
-        # query tokens (the write-back count).
+        # Real (not CUDA-graph padding) rows and, with MTP, query tokens.
         self.num_real_reqs = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.num_real_tokens = torch.zeros(1, dtype=torch.int32, device=self.device)
         first = kv_pool.start_layer
@@ -123,8 +117,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         self._plan_buffers = self._new_plan_buffers(
             max_batch_size, options.top_k, options.query_tokens
         )
-        # Page tables of the layers whose swap began early, by layer id.
-        self._early_page_tables = {}
+        self._early_page_tables = {}  # layer id -> its early swap's page table
         self._swap_stream, self._swap_done = None, None
         if torch.device(self.device).type == "cuda":
             self._swap_stream = torch.cuda.Stream(self.device)
@@ -136,17 +129,17 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
 
     def _create_host_pool(self, group) -> NSAKVOnlyTokenToKVPoolHost:
         kv_pool, num_locs = self.kv_pool, self.sizes.num_locs
-        row_bytes = NSAKVOnlyTokenToKVPoolHost.get_row_bytes(
-            kv_pool.kv_cache_dim, kv_pool.store_dtype
-        )
+        host_cls = NSAKVOnlyTokenToKVPoolHost
+        row_bytes = host_cls.get_row_bytes(kv_pool.kv_cache_dim, kv_pool.store_dtype)
         segment = None
         if group is not None:
-            shape = NSAKVOnlyTokenToKVPoolHost.buffer_shape(
-                num_locs, kv_pool.page_size, kv_pool.layer_num, row_bytes
+            layers = kv_pool.layer_num
+            shape = host_cls.buffer_shape(
+                num_locs, kv_pool.page_size, layers, row_bytes
             )
             segment = open_shared_host_segment(SharedHostLayout(*shape), group)
         tic = time.perf_counter()
-        host_pool = NSAKVOnlyTokenToKVPoolHost(
+        host_pool = host_cls(
             size=num_locs,
             page_size=kv_pool.page_size,
             layer_num=kv_pool.layer_num,
@@ -158,28 +151,24 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         return host_pool
 
     def _add_lenders(self, staging_reserve_pages: int) -> None:
-        # Lenders after the free regions: free locs' indexer keys, then idle
-        # staging (docs/ELASTIC_BUFFER.md).
+        # After the free regions: free locs' keys, then idle staging.
         allocator, o = self.allocator, self.options
+        add = self.controller.add_unit_source
         self.lends_idle_locs = o.max_units > 1 and self.kv_pool.uses_arena
         if self.lends_idle_locs:
-            allocator.idle_loc_lender = IdleLocUnitLender(
-                allocator, o.buffer_size, idle_loc_reserve_pages(self.sizes.num_regions)
-            )
-            self.controller.add_unit_source(
-                IDLE_LOC_UNIT_SOURCE, allocator.idle_loc_lender
-            )
+            reserve = idle_loc_reserve_pages(self.sizes.num_regions)
+            lender = IdleLocUnitLender(allocator, o.buffer_size, reserve)
+            allocator.idle_loc_lender = lender
+            add(IDLE_LOC_UNIT_SOURCE, lender)
             allocator.reclaim_idle_locs = self.reclaim_idle_locs
         if o.max_units > 1 and allocator.staging.num_pages > 0:
-            lender = StagingUnitLender(
-                allocator.staging, o.buffer_size, staging_reserve_pages
-            )
-            self.controller.add_unit_source(STAGING_UNIT_SOURCE, lender)
+            reserve = staging_reserve_pages
+            lender = StagingUnitLender(allocator.staging, o.buffer_size, reserve)
+            add(STAGING_UNIT_SOURCE, lender)
             allocator.reclaim_staging = self.reclaim_staging
 
     def _new_plan_buffers(self, rows: int, k: int, q: int) -> LayerSwapPlan:
-        # Static swap outputs: a page-table row per query token, a copy list
-        # of q * k per request.
+        # A page-table row per query token, a copy list of q * k per request.
         def buf(shape, dtype, fill=0):
             return torch.full(shape, fill, dtype=dtype, device=self.device)
 
@@ -205,18 +194,14 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         )
         if self._host_pool_group is not None:
             text += f", shared by {self._host_pool_group.world_size} attention-TP ranks"
-        features = ["early swap"]
-        if o.warm_units:
-            features.append("warm units")
-        if o.direct_slots:
-            features.append("direct slots")
-        if o.query_tokens > 1:
-            features.append(f"MTP verify of {o.query_tokens} tokens")
-        if o.verify:
-            features.append(f"verify mode ({o.verify})")
+        optional = {
+            "warm units": o.warm_units,
+            "direct slots": o.direct_slots,
+            f"MTP verify of {o.query_tokens} tokens": o.query_tokens > 1,
+            f"verify mode ({o.verify})": o.verify,
+        }
+        features = ["early swap"] + [name for name, on in optional.items() if on]
         return text + "; " + ", ".join(features) + "."
-
-    # ------------------------------------------------------------ scheduling
 
     def set_producer_stream(self, stream) -> None:
         """The stream forwards run on (the scheduler's forward stream)."""
@@ -265,9 +250,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         return locs if defer_warm else None
 
     def admit_prefilled_batch(self, batch, chunked_req) -> None:
-        """Right after a prefill forward is enqueued: admit every request whose
-        prompt it completes (all but the chunked one); the copies are ordered
-        after that forward on the GPU."""
+        """After a prefill forward is enqueued: admit the requests whose prompt it
+        completes (all but the chunked one; the copies are ordered after it)."""
         reqs = [
             r for r in batch.reqs if r is not chunked_req and not self.is_admitted(r)
         ]
@@ -321,24 +305,21 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         return self.controller.reclaim_units_of(source, enough)
 
     def reclaim_staging(self, num_pages: int) -> bool:
-        """Take staging units back until ``num_pages`` staging pages are free;
-        False when that is not enough."""
+        """Take staging units back until ``num_pages`` are free; False if not enough."""
         staging = self.allocator.staging
         return self._reclaim(
             STAGING_UNIT_SOURCE, lambda: staging.available_pages() >= num_pages
         )
 
     def reclaim_idle_locs(self, num_pages: int) -> bool:
-        """Take idle-loc units back until ``num_pages`` loc pages are free;
-        False when that is not enough."""
+        """Take idle-loc units back until ``num_pages`` are free (False: not enough)."""
         allocator = self.allocator
         return self._reclaim(
             IDLE_LOC_UNIT_SOURCE, lambda: allocator.free_page_count() >= num_pages
         )
 
     def release(self, req) -> None:
-        """Finish, abort or retract: free the region and LRU state of ``req``
-        (its token locs and staging pages are freed by the allocator after)."""
+        """Finish, abort or retract: free the region and LRU state of ``req``."""
         r = req.req_pool_idx
         if r is None or not self.controller.is_admitted(r):
             return
@@ -346,15 +327,12 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         self._wait_producer()
         self.controller.release_request(r)
 
-    # -------------------------------------------------------------- forward
-
     def before_forward(self, forward_batch) -> None:
         # This forward reads backed-up host rows and warmed region rows.
         self.controller.wait_backup()
 
     def begin_layer_swap(self, layer_id: int, topk_positions, forward_batch) -> None:
-        """Start this decode or verify layer's swap and miss copy on the side
-        stream (inline off CUDA); the backend's swap hook then waits for it."""
+        """Start this decode or verify layer's swap on the side stream."""
         mode = forward_batch.forward_mode
         first, last = self._layer_range
         if mode.is_decode():
@@ -365,8 +343,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             return
         if layer_id == first:
             self._early_page_tables.clear()  # nothing carried over a forward
-        # A decode swap's recency update runs after its event, beside the
-        # attention (the last layer's before it): docs/ENGINE.md, "Early swap".
+        # Decode: the recency update runs after the event (docs/ENGINE.md).
         defer = mode.is_decode() and layer_id < last
         stream = self._swap_stream
         if stream is not None:
@@ -381,8 +358,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         self._early_page_tables[layer_id] = page_table
 
     def _take_early_page_table(self, layer_id: int, rows: int):
-        # This layer's early page table (waited for), padded to the backend's
-        # query rows (TP with partial DP attention); None if not begun.
+        # The early page table, padded to the backend's query rows, or None.
         page_table = self._early_page_tables.pop(layer_id, None)
         if page_table is None:
             return None
@@ -411,8 +387,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         )
 
     def swap_decode_layer(self, layer_id: int, topk_positions, forward_batch):
-        """Top-k positions -> GPU rows in top-k order, this layer's misses
-        loaded (by its early swap, or now)."""
+        """Top-k positions -> GPU rows in top-k order, misses loaded."""
         page_table = self._take_early_page_table(layer_id, topk_positions.shape[0])
         if page_table is None:
             page_table = self._swap_into_plan(layer_id, topk_positions, forward_batch)
@@ -446,8 +421,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             self.verifier.read()
 
     def check_idle(self) -> str:
-        """The offload's leaks when the scheduler is idle, as one message
-        (empty when none): regions, lent units and staging rows all back."""
+        """The offload's leaks when the scheduler is idle, as one message."""
         self._check_verify()
         leaks = self.controller.idle_leaks()
         staging = self.allocator.staging
@@ -468,15 +442,12 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # ---------------------------------------------------------------- stats
-
     def enable_metrics(self, labels, registry=None) -> None:
         """Export the counters and gauges to Prometheus (fed at each decode log)."""
         self.metrics = NSAKVOffloadMetricsCollector(labels, registry)
 
     def get_stats(self) -> dict:
-        """The counters since the last call and the pools' use (syncs: for logs
-        and metrics)."""
+        """The counters since the last call and the pools' use (syncs)."""
         stats = self.controller.get_stats()
         self.controller.reset_stats()
         staging, allocator = self.allocator.staging, self.allocator
@@ -503,8 +474,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
 
 
 def cuda_graph_coverage_warning(server_args, num_regions: int) -> Optional[str]:
-    """A warning when decode batches can outgrow the captured CUDA graphs (they
-    then run eagerly, several times slower per step)."""
+    """A warning when decode batches can outgrow the captured CUDA graphs."""
     max_bs = server_args.cuda_graph_max_bs
     if server_args.disable_cuda_graph or not max_bs or num_regions <= max_bs:
         return None
@@ -517,8 +487,7 @@ def cuda_graph_coverage_warning(server_args, num_regions: int) -> Optional[str]:
 
 
 def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
-    """The coordinator of the model runner's pools (ModelRunner keeps it as
-    ``nsa_kv_offload`` and builds it before its attention backends)."""
+    """The coordinator of the model runner's pools (``model_runner.nsa_kv_offload``)."""
     sa = model_runner.server_args
     options = NSAKVOffloadOptions.from_server_args(
         sa, model_runner.model_config.hf_config

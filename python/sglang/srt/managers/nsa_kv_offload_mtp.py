@@ -1,12 +1,11 @@
 """MTP target verify with the decode NSA KV offload (docs/MTP.md).
 
-EAGLE / NextN with one draft chain: each ``TARGET_VERIFY`` forward has ``q =
---speculative-num-draft-tokens`` query tokens per request. The coordinator
-serves it like a decode step of ``q`` tokens: admit and rebalance before the
-step's locs are allocated, map the ``q`` locs to their window ring rows, swap
-every layer's ``bs * q`` top-k rows at once and write all ``q`` tokens back at
-the last layer. Nothing is rolled back: drafts never enter the LRU (docs/MTP.md,
-"New KV, rollback and what the host holds"; "Free vs write-back").
+Each ``TARGET_VERIFY`` forward (EAGLE / NextN, one draft chain) has ``q`` query
+tokens per request, served like a decode step of ``q`` tokens: admit and
+rebalance before the step's locs exist, map the ``q`` locs to ring rows, swap
+all ``bs * q`` top-k rows at once and write all ``q`` tokens back at the last
+layer. Nothing is rolled back (docs/MTP.md, "New KV, rollback and what the
+host holds").
 """
 
 from __future__ import annotations
@@ -15,20 +14,17 @@ import torch
 
 
 class NSAKVOffloadMTPMixin:
-    """Target-verify part of ``NSAKVOffloadCoordinator`` (its pools,
-    controller, plan buffers and real-row counters)."""
+    """Target-verify part of ``NSAKVOffloadCoordinator``."""
 
     def admit_running(self, batch) -> None:
-        """Admit what the prefill hook missed (``seq_lens`` is the committed
-        length), before the step's locs are allocated."""
+        """Admit what the prefill hook missed (``seq_lens``: the committed length)."""
         for i, req in enumerate(batch.reqs):
             if not self.is_admitted(req):
                 self.admit(req, int(batch.seq_lens_cpu[i]))
 
     def prepare_speculative_decode(self, batch, spec_v2: bool) -> None:
-        """Speculative ``prepare_for_decode``, before spec v2 allocates the
-        step's locs ahead (and before spec v1's draft pass); spec v2 maps its
-        verify locs on the worker, so units are rebalanced here."""
+        """Speculative ``prepare_for_decode``, before the step's locs (spec v2) or
+        the draft pass (spec v1); spec v2 rebalances here."""
         self._check_verify()
         self.admit_running(batch)
         if spec_v2:
@@ -43,9 +39,8 @@ class NSAKVOffloadMTPMixin:
         self._map_verify_tokens(batch)
 
     def prepare_v2_verify(self, batch, num_draft_tokens: int) -> None:
-        """Spec v2: ``prepare_for_v2_verify`` (worker side) read the ``q`` locs
-        per request into ``batch.out_cache_loc``; maps them to ring rows on the
-        current stream (no host sync)."""
+        """Spec v2 (worker side): map the ``q`` locs per request in
+        ``batch.out_cache_loc`` to ring rows on the current stream (no host sync)."""
         self._check_query_tokens(num_draft_tokens)
         self._map_verify_tokens(batch)
 
@@ -65,8 +60,8 @@ class NSAKVOffloadMTPMixin:
         self.lru.map_new_tokens(idx, lens, batch.out_cache_loc, self.kv_pool.loc_to_row)
 
     def swap_verify_layer(self, layer_id: int, topk_positions, forward_batch):
-        """``(bs * q, K)`` top-k positions (request-major) -> GPU rows, one row
-        per query token, the misses of all ``q`` loaded once."""
+        """``(bs * q, K)`` top-k positions (request-major) -> GPU rows, one row per
+        query token, the misses of all ``q`` loaded once."""
         page_table = self._take_early_page_table(layer_id, topk_positions.shape[0])
         if page_table is None:
             page_table = self._verify_swap_into_plan(

@@ -1,58 +1,17 @@
 """Per-(layer, request) LRU residency of the decode-side NSA KV offload.
 
-Each request admitted for decode owns one contiguous region of ``R = C + W`` GPU
-KV rows, the same rows in every layer: ``C`` LRU-managed slots (rows
-``base + s``) and a ``W``-row recent window (rows ``base + C + pos % W``). For
-every layer this module tracks which token locs the slots hold and in which
-order they were used, and turns one layer's top-k positions into a GPU page
-table plus the list of host->GPU copies to make. The exact semantics are in
-``docs/ENGINE.md`` ("Per-layer swap semantics").
-
-With ``max_units = U > 1`` a request's LRU slots may span up to ``U`` units
-of ``C`` rows each (its region is unit 0; ``grow_request`` / ``shrink_request``
-add and drop units at other bases): slot ``s`` lives at row
-``unit_base[r, s // C] + s % C`` and only the request's first ``capacity[r]``
-slots are ever evicted into. ``U = 1`` is the fixed-region case above.
-
-The LRU state is held per unit, not per request slot (``docs/ELASTIC_BUFFER.md``,
-1e): every unit a request holds has a chunk of ``C`` entries of ``slot_loc``
-and ``lru_order`` among ``num_units`` chunks, ``unit_index[r, u]`` names it.
-Slot ``s`` of request ``r`` keeps its loc at chunk ``unit_index[r, s // C]``,
-offset ``s % C``, and position ``p`` of its LRU order (a permutation of the
-``capacity[r]`` slots it holds) at chunk ``unit_index[r, p // C]``, offset
-``p % C``. Memory then grows with the units that exist, not with
-``max_num_reqs x U``.
-
-With ``max_query_tokens = Q > 1`` a swap may serve up to ``Q`` query tokens
-per request (MTP target verify, ``docs/MTP.md``): their top-k rows are looked
-up as one list, each missing loc is copied once, and each query token gets its
-own page-table row in its own top-k order. Swaps then read only the newest
-``W - Q + 1`` positions from the ring (``read_window``; the older ones through
-the LRU): rejected drafts may have overwritten the ring rows of the others.
-``Q = 1`` is the decode swap.
-
-With ``direct_slots`` (one query token only), a request admitted with every
-position below its first window installed in order (slot ``p`` holds position
-``p``) swaps in direct mode while its context fits its slots: a hit is looked
-up as always, a miss of position ``p`` is copied into slot ``p`` (empty by
-construction), and ``lru_order`` is neither read nor written. The first swap
-at which ``seq_len - W > capacity`` ends it for good (``direct[r] = 0``); the
-LRU swap then goes on from the order as it was left (``docs/ENGINE.md``, "A
-context that fits its rows").
-
-Everything is fixed-shape and sync-free so the swap can be captured in a CUDA
-graph. The swap backend is chosen once, at construction: on CUDA (or under
-``TRITON_INTERPRET=1``) ``nsa_kv_offload_lru_triton.TritonLRUSwap`` runs one
-fused Triton kernel per layer (with units: a select kernel for the page table
-and copy list, then the recency update split by unit, which may be deferred:
-``swap_layer(defer_reorder=True)``); else
-``nsa_kv_offload_lru_reference.ReferenceLRUSwap``, the pure-torch reference
-of the same semantics (bit-exact; it backs the CPU tests). Both read and
-write the sink-padded buffers of this class.
-
-Callers guarantee: top-k positions unique apart from padding; token locs unique
-across live requests; a request is released before its pool index is admitted
-again; swaps of one state run on one stream (the kernel's scratch is shared).
+Each admitted request owns a region of ``C + W`` GPU KV rows in every layer:
+``C`` LRU slots (rows ``base + s``) and a ``W``-row window ring (rows ``base +
+C + pos % W``). A swap turns one layer's top-k positions into a page table and
+a host->GPU copy list (``docs/ENGINE.md``, "Per-layer swap semantics"). With
+``max_units = U > 1`` slot ``s`` lives at ``unit_base[r, s // C] + s % C`` and
+its LRU state in chunk ``unit_index[r, s // C]`` (``docs/ELASTIC_BUFFER.md``,
+1e); ``max_query_tokens > 1`` serves MTP verify (``docs/MTP.md``);
+``direct_slots``: slot = position while the context fits (``docs/ENGINE.md``).
+Fixed-shape, sync-free (CUDA-graph capturable); backend ``TritonLRUSwap``
+or the bit-exact torch ``ReferenceLRUSwap``. Callers guarantee unique top-k
+positions (but padding), locs unique across live requests, release before
+re-admission, one stream.
 """
 
 from __future__ import annotations
@@ -80,7 +39,7 @@ IndexLike = Union[int, Sequence[int], torch.Tensor]
 
 
 def default_use_triton(device: torch.device) -> bool:
-    """Fused kernel on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (tests)."""
+    """Triton on CUDA; on CPU only under ``TRITON_INTERPRET=1`` (tests)."""
     if not _HAS_TRITON:
         return False
     if device.type == "cuda":
@@ -96,19 +55,10 @@ def lru_slot_dtype(num_slots: int) -> torch.dtype:
 
 class LRUCacheState:
     """GPU residency and recency of the LRU slots of every (layer, request).
-
-    Internal buffers carry one extra "sink" entry (loc ``N`` in ``loc_to_slot``,
-    request row ``max_num_reqs`` in the per-request tensors, unit chunk
-    ``num_units`` in the per-unit ones): the reference path routes masked-out
-    scatters there instead of filtering with a host sync. The public
-    attributes are views without the sink; ``slot_loc`` and ``lru_order``
-    are gathered per request (tests and tools).
-
-    ``num_units``: unit chunks of LRU state, at least the units held at once
-    by all requests (default ``max_num_reqs x max_units``: every request at
-    its most). :meth:`admit_request` and :meth:`grow_request` take one,
-    release and shrink give it back (host-side free list).
-    """
+    Buffers carry a "sink" entry (loc, request, unit chunk) for masked
+    scatters; public attributes are views without it. ``num_units``: chunks
+    of LRU state (default ``max_num_reqs x max_units``); admit and grow take
+    one, release and shrink give it back."""
 
     def __init__(
         self,
@@ -129,7 +79,6 @@ class LRUCacheState:
     ):
         if max_query_tokens < 1:
             raise ValueError(f"max_query_tokens ({max_query_tokens}) must be >= 1")
-        # One swap keeps the union of its query tokens' top-k resident at once.
         if buffer_size < max_query_tokens * top_k:
             raise ValueError(
                 f"buffer_size ({buffer_size}) must be >= max_query_tokens "
@@ -139,10 +88,8 @@ class LRUCacheState:
             raise ValueError(
                 f"recent_window ({recent_window}) must be in [1, buffer_size)"
             )
-        # Swaps read the newest read_window positions from the ring: the ring
-        # rows of the W - read_window older ones may hold drafts rejected by
-        # an earlier step (docs/MTP.md, "Rollback"). A step's query tokens
-        # (its newest positions) must be among them.
+        # Swaps read the newest read_window ring positions (docs/MTP.md,
+        # "Rollback"); a step's query tokens must be among them.
         read_window = recent_window - (max_query_tokens - 1)
         if read_window < max_query_tokens:
             raise ValueError(
@@ -152,7 +99,6 @@ class LRUCacheState:
         if max_units < 1:
             raise ValueError(f"max_units ({max_units}) must be >= 1")
         if direct_slots and max_query_tokens > 1:
-            # A verify's positions are not one chain per slot range.
             raise ValueError("direct_slots needs max_query_tokens = 1")
         if buffer_size * max_units > torch.iinfo(torch.int32).max:
             raise ValueError(
@@ -172,58 +118,36 @@ class LRUCacheState:
         self.num_units = num_units
         self.max_query_tokens = max_query_tokens
         self.direct_slots = direct_slots
-        # LRU slots a request may hold across all units; it holds the first
-        # capacity[r] of them.
         self.num_slots = buffer_size * max_units
         self.recent_window = recent_window
-        # Window positions a swap reads from the ring (W with one query token).
         self.read_window = read_window
         self.top_k = top_k
         self.region_size = buffer_size + recent_window
         self.device = torch.device(device)
-        L, C0, dev = num_layers, buffer_size, self.device
+        L, C0, R1, dev = num_layers, buffer_size, max_num_reqs + 1, self.device
+
+        def full(shape, value, dtype):
+            return torch.full(shape, value, dtype=dtype, device=dev)
+
         self._sink_req = max_num_reqs
         self._sink_unit = num_units
-        # Slot ids (loc_to_slot, lru_order): int16 while a request's slots fit.
         self.slot_dtype = lru_slot_dtype(self.num_slots)
-        self._loc_to_slot_buf = torch.full(
-            (L, num_locs + 1), -1, dtype=self.slot_dtype, device=dev
-        )
-        # Per unit chunk: slot_loc (the loc in each of its C slots, -1: empty)
-        # and its C positions of its request's lru_order.
-        self._slot_loc_buf = torch.full(
-            (L, num_units + 1, C0), -1, dtype=torch.int32, device=dev
-        )
-        self._lru_buf = torch.full(
-            (L, num_units + 1, C0), -1, dtype=self.slot_dtype, device=dev
-        )
-        # unit_index[r, u]: the chunk of unit u of request r; units it does
-        # not hold (and the sink request's) name the sink chunk, so a stale
-        # padding row's reads stay in bounds.
-        self._unit_index_buf = torch.full(
-            (max_num_reqs + 1, max_units),
-            self._sink_unit,
-            dtype=torch.int32,
-            device=dev,
-        )
-        # Free chunks (lowest first) and each request's chunks, on the host.
+        self._loc_to_slot_buf = full((L, num_locs + 1), -1, self.slot_dtype)
+        # Per unit chunk: slot_loc (-1: empty) and C positions of lru_order.
+        self._slot_loc_buf = full((L, num_units + 1, C0), -1, torch.int32)
+        self._lru_buf = full((L, num_units + 1, C0), -1, self.slot_dtype)
+        # unit_index[r, u]: chunk of unit u of request r, else the sink chunk.
+        self._unit_index_buf = full((R1, max_units), self._sink_unit, torch.int32)
+        # Host side: free chunks (popped lowest first), each request's chunks.
         self._free_chunks: List[int] = list(range(num_units - 1, -1, -1))
         self._req_chunks: Dict[int, List[int]] = {}
-        # unit_base[r, u]: first GPU row of unit u of request r (-1: none);
-        # unit 0 is the region, read through the view _region_base_buf
-        # (kernels: unit_base_ptr + r * U).
-        self._unit_base_buf = torch.full(
-            (max_num_reqs + 1, max_units), -1, dtype=torch.int32, device=dev
-        )
+        # unit_base[r, u]: first GPU row of unit u (-1: none); unit 0: region.
+        self._unit_base_buf = full((R1, max_units), -1, torch.int32)
         self._unit_base_buf[self._sink_req] = 0
         self._region_base_buf = self._unit_base_buf[:, 0]
-        self._capacity_buf = torch.zeros(
-            (max_num_reqs + 1,), dtype=torch.int32, device=dev
-        )
-        # direct[r]: 1 while request r swaps in direct mode (slot = position).
-        self._direct_buf = torch.zeros(
-            (max_num_reqs + 1,), dtype=torch.int8, device=dev
-        )
+        self._capacity_buf = full((R1,), 0, torch.int32)
+        # direct[r]: 1 while request r swaps in direct mode.
+        self._direct_buf = full((R1,), 0, torch.int8)
         # loc_to_slot[l, loc]: LRU slot holding loc in layer l, -1 if not resident.
         self.loc_to_slot = self._loc_to_slot_buf[:, :num_locs]
         # region_base[r]: first GPU KV row of request r's region, -1 if none.
@@ -234,33 +158,23 @@ class LRUCacheState:
         self.capacity = self._capacity_buf[:max_num_reqs]
         self.direct = self._direct_buf[:max_num_reqs]
         # counters[l] = (LRU hits, window hits, misses), accumulated on device.
-        self.counters = torch.zeros((L, 3), dtype=torch.int64, device=dev)
+        self.counters = full((L, 3), 0, torch.int64)
 
         self._arange_c = torch.arange(self.num_slots, dtype=torch.int64, device=dev)
-        # Per-layer views handed to the kernel (saves launch-time slicing).
+        bufs = (self._loc_to_slot_buf, self._slot_loc_buf, self._lru_buf)
         self._layer_views = [
-            (
-                self._loc_to_slot_buf[layer],
-                self._slot_loc_buf[layer],
-                self._lru_buf[layer],
-                self.counters[layer],
-            )
-            for layer in range(L)
+            tuple(t[layer] for t in (*bufs, self.counters)) for layer in range(L)
         ]
         if use_triton is None:
             use_triton = default_use_triton(self.device)
-        # The swap backend, chosen once.
         self.swap_backend = (
             TritonLRUSwap(self, max_batch_size=max_batch_size, num_warps=num_warps)
             if use_triton
             else ReferenceLRUSwap()
         )
 
-    # ------------------------------------------------ per-request state views
-
     def _per_request(self, buf: torch.Tensor) -> torch.Tensor:
-        # (L, max_num_reqs, U x C) entries of each request's chunks, -1
-        # beyond its capacity.
+        # (L, max_num_reqs, U x C) per-request entries, -1 beyond capacity.
         reqs = torch.arange(self.max_num_reqs, device=self.device)
         idx = self._arange_c.expand(self.max_num_reqs, -1)
         flat = buf.reshape(self.num_layers, -1)
@@ -271,8 +185,8 @@ class LRUCacheState:
 
     @property
     def slot_loc(self) -> torch.Tensor:
-        """``slot_loc[l, r, s]``: token loc in slot ``s`` of request ``r``,
-        -1 if empty or not held (a gathered copy)."""
+        """``slot_loc[l, r, s]``: loc in slot ``s`` of request ``r``, -1 if
+        empty or not held (a gathered copy)."""
         return self._per_request(self._slot_loc_buf)
 
     @property
@@ -283,8 +197,8 @@ class LRUCacheState:
 
     @property
     def unit_state_bytes(self) -> int:
-        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order``; the
-        sink chunk included): what the pool sizing counts per unit."""
+        """GPU bytes of the per-unit state (``slot_loc``, ``lru_order``, sink
+        chunk included)."""
         return self._slot_loc_buf.nbytes + self._lru_buf.nbytes
 
     def free_units(self) -> int:
@@ -322,20 +236,14 @@ class LRUCacheState:
     def reset_counters(self) -> None:
         self.counters.zero_()
 
-    # ---------------------------------------------------------------- lifecycle
-
     def _as_index(self, r: IndexLike) -> torch.Tensor:
         if isinstance(r, torch.Tensor):
             return r.to(device=self.device, dtype=torch.int64).reshape(-1)
         return torch.tensor(r, dtype=torch.int64, device=self.device).reshape(-1)
 
     def admit_request(self, r: IndexLike, base: IndexLike) -> None:
-        """Give request(s) ``r`` the region starting at GPU row ``base``.
-
-        It holds one unit (``C`` slots, a chunk of LRU state); all slots start
-        empty with ``lru_order = arange(C)``. ``r`` must not be admitted
-        (fresh, or released since its last admission).
-        """
+        """Give request(s) ``r`` (not admitted) the region at GPU row
+        ``base``: one unit, empty slots, ``lru_order = arange(C)``."""
         self.swap_backend.check_settled("admit_request")
         reqs, bases = self._host_indices(r), self._host_indices(base)
         if len(reqs) != len(bases):
@@ -385,21 +293,17 @@ class LRUCacheState:
         self._direct_buf[idx] = 0
 
     def _unmap_chunks(self, chunks: torch.Tensor) -> None:
-        # The locs the chunks' slots hold stop being resident; the chunks end
-        # empty.
+        # The chunks' locs stop being resident (-1 to the sink loc); empty.
         locs = self._slot_loc_buf[:, chunks].reshape(self.num_layers, -1).long()
-        # Empty slots (-1) go to the sink loc.
         self._loc_to_slot_buf.scatter_(
             1, torch.where(locs >= 0, locs, self.num_locs), -1
         )
         self._slot_loc_buf[:, chunks] = -1
 
     def enter_direct(self, r: int, num_positions: int) -> None:
-        """Request ``r`` swaps in direct mode from its next swap on. The
-        caller has installed positions ``0 .. num_positions - 1`` (those below
-        its first window) in slots ``0 .. num_positions - 1``: with one
-        :meth:`warm_request` of a fresh one-unit admission (it fills slots in
-        order) or with :meth:`warm_direct`."""
+        """Request ``r`` swaps in direct mode from its next swap on; the
+        caller has put positions ``0 .. num_positions - 1`` in the same slots
+        (fresh one-unit :meth:`warm_request`, or :meth:`warm_direct`)."""
         self.swap_backend.check_settled("enter_direct")
         if not self.direct_slots:
             raise ValueError("enter_direct: the state was built without direct_slots")
@@ -417,10 +321,9 @@ class LRUCacheState:
         locs: torch.Tensor,
         num_slots: Optional[int] = None,
     ) -> torch.Tensor:
-        """Direct mode's warm-up: position ``p`` (loc ``locs[p]``) into slot
-        ``p`` of each of ``layers`` across the units ``r`` holds (none resident
-        yet; ``num_slots``: checked against them), its order slot order, then
-        direct mode. Returns ``(len(layers), n)`` int32 GPU rows to fill."""
+        """Position ``p`` (loc ``locs[p]``, none resident) into slot ``p`` of
+        each of ``layers``, order = slot order, then direct mode (``num_slots``
+        checked against ``r``'s). Returns ``(len(layers), n)`` int32 rows."""
         self.swap_backend.check_settled("warm_direct")
         layers = [layers] if isinstance(layers, int) else list(layers)
         locs = locs.reshape(-1).to(device=self.device, dtype=torch.int64)
@@ -452,10 +355,8 @@ class LRUCacheState:
         return rows.expand(len(layers), n).to(torch.int32)
 
     def grow_request(self, r: int, unit: int, base: int) -> None:
-        """Give request ``r`` unit ``unit`` (its next one: it holds ``unit``
-        units now) at GPU row ``base``, with a chunk of LRU state. The unit's
-        empty slots go to the LRU end of every layer's order, so misses fill
-        them before evicting."""
+        """Give request ``r`` (holding ``unit`` units) unit ``unit`` at GPU
+        row ``base``; its empty slots go to the LRU end of every order."""
         self.swap_backend.check_settled("grow_request")
         if not 1 <= unit < self.max_units:
             raise ValueError(f"unit {unit} not in [1, {self.max_units})")
@@ -473,19 +374,17 @@ class LRUCacheState:
         self._write_order(r, torch.cat([new, old], dim=1))
 
     def rebase_unit(self, r: int, unit: int, base: int) -> None:
-        """Request ``r``'s unit ``unit`` (an extra one) is backed by the GPU
-        rows from ``base`` on: the caller has copied its rows there. Its slots
-        and their LRU state stay as they are."""
+        """Request ``r``'s extra unit ``unit`` now lives at GPU row ``base``
+        (the caller copied its rows); slots and LRU state stay."""
         self.swap_backend.check_settled("rebase_unit")
         if not 1 <= unit < len(self._req_chunks.get(r, ())):
             raise ValueError(f"rebase_unit: request {r} holds no extra unit {unit}")
         self._unit_base_buf[r, unit] = base
 
     def shrink_request(self, r: int, unit: int) -> None:
-        """Drop request ``r``'s last unit ``unit`` (it holds ``unit + 1``):
-        the locs its slots hold stop being resident in every layer (the host
-        pool keeps every token, so nothing is copied), its slots leave the
-        order (the others keep theirs) and its chunk is given back."""
+        """Drop request ``r``'s last unit ``unit``: its locs stop being
+        resident (nothing is copied), its slots leave the order (the others
+        keep theirs), its chunk is given back."""
         self.swap_backend.check_settled("shrink_request")
         if not 1 <= unit < self.max_units:
             raise ValueError(f"unit {unit} not in [1, {self.max_units})")
@@ -495,7 +394,6 @@ class LRUCacheState:
             )
         lo = unit * self.buffer_size
         order = self._read_order(r)
-        # Stable compaction: the slots below lo, in their order.
         keep = torch.argsort((order >= lo).to(torch.int8), dim=1, stable=True)
         kept = order.gather(1, keep)[:, :lo]
         chunk = self._req_chunks[r].pop()
@@ -513,22 +411,12 @@ class LRUCacheState:
         r: int,
         locs: torch.Tensor,
     ) -> torch.Tensor:
-        """Install ``locs`` as resident in request ``r`` for each of ``layers``.
-
-        ``locs`` is ``(n,)`` (same locs in every layer) or ``(len(layers), n)``;
-        ``-1`` entries are ignored, the others must be unique, ``n`` at most
-        the slots request ``r`` holds (its units x C: the caller's to keep). Each
-        layer is one swap step over ``locs``: locs already resident are hits,
-        the others take LRU victims in order, and recency follows the tie rule
-        (the last loc ends up most recent). Counters are not touched.
-
-        Returns ``(len(layers), n)`` int32 GPU rows now holding each loc (-1 for
-        ignored entries); the caller fills the newly installed rows.
-        """
+        """Install ``locs`` (``(n,)`` or ``(len(layers), n)``; -1 ignored, the
+        others unique, ``n`` <= ``r``'s slots) in request ``r``: per layer one
+        swap step (the last loc ends most recent), counters untouched. Returns
+        ``(len(layers), n)`` int32 GPU rows holding each loc (-1: ignored)."""
         self.swap_backend.check_settled("warm_request")
-        if isinstance(layers, int):
-            layers = [layers]
-        layers = list(layers)
+        layers = [layers] if isinstance(layers, int) else list(layers)
         locs = locs.to(device=self.device, dtype=torch.int64)
         if locs.dim() == 1:
             locs = locs.unsqueeze(0).expand(len(layers), -1)
@@ -539,8 +427,7 @@ class LRUCacheState:
         rows = []
         for i, layer in enumerate(layers):
             loc = locs[i : i + 1]
-            lookup = loc >= 0
-            work = assign_slots(self, layer, req, base, lookup, loc)
+            work = assign_slots(self, layer, req, base, loc >= 0, loc)
             reorder_lru(self, work)
             rows.append(work.row)
         return torch.cat(rows).to(torch.int32)
@@ -548,8 +435,8 @@ class LRUCacheState:
     def window_rows(
         self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
     ) -> torch.Tensor:
-        """Window ring row of each request's newest token (position
-        ``seq_lens - 1``): ``region_base + C + (seq_lens - 1) % W``, int64."""
+        """``region_base + C + (seq_lens - 1) % W`` (int64): the window row of
+        each request's newest token."""
         base = self._region_base_buf[req_pool_indices.long()].long()
         pos = seq_lens.long() - 1
         return base + self.buffer_size + pos % self.recent_window
@@ -560,9 +447,9 @@ class LRUCacheState:
         seq_lens: torch.Tensor,
         num_query_tokens: int,
     ):
-        """Per query token (``bs * q`` entries, request-major): its request's
-        pool index and its own length (position + 1), for :meth:`window_rows`
-        and :meth:`map_new_tokens` (``seq_lens`` as in :meth:`swap_layer`)."""
+        """Per query token (``bs * q``, request-major): its request's pool
+        index and its own length, for :meth:`window_rows` and
+        :meth:`map_new_tokens`."""
         q = num_query_tokens
         if q == 1:
             return req_pool_indices, seq_lens
@@ -577,16 +464,13 @@ class LRUCacheState:
         locs: torch.Tensor,
         loc_to_row: torch.Tensor,
     ) -> None:
-        """``loc_to_row[locs] = window_rows(req_pool_indices, seq_lens)``: one
-        decode step's new tokens go to their window rows. One launch on CUDA
-        (it runs every step, outside the CUDA graphs)."""
+        """``loc_to_row[locs] = window_rows(req_pool_indices, seq_lens)``: a
+        step's new tokens go to their window rows (one launch on CUDA)."""
         if locs.numel() == 0:
             return
         self.swap_backend.map_new_tokens(
             self, req_pool_indices, seq_lens, locs, loc_to_row
         )
-
-    # --------------------------------------------------------------- the swap
 
     @property
     def use_triton(self) -> bool:
@@ -604,11 +488,10 @@ class LRUCacheState:
         num_query_tokens: int = 1,
         defer_reorder: bool = False,
     ) -> LayerSwapPlan:
-        """One layer's swap: page table in top-k order + copy plan. Rows at
-        or past ``num_real_reqs`` (device tensor) are padding; ``out``: static
-        buffers (CUDA graphs); ``q = num_query_tokens`` rows of ``topk_pos`` per
-        request (``docs/MTP.md``); ``defer_reorder``: the recency update waits
-        for :meth:`finish_reorder` (docs/ENGINE.md, "Per-layer swap semantics")."""
+        """One layer's swap: page table in top-k order + copy plan. Rows from
+        ``num_real_reqs`` on are padding; ``out``: static buffers; ``q`` rows
+        of ``topk_pos`` per request; ``defer_reorder``: the recency update
+        waits for :meth:`finish_reorder` (docs/ENGINE.md)."""
         q = num_query_tokens
         if not 1 <= q <= self.max_query_tokens:
             raise ValueError(
@@ -633,15 +516,13 @@ class LRUCacheState:
         )
 
     def finish_reorder(self) -> None:
-        """Launch the deferred recency update of the last swap (on the
-        current stream); nothing when none is pending."""
+        """Launch the deferred recency update of the last swap, if any."""
         self.swap_backend.finish_reorder()
 
     def plan_view(
         self, bs: int, out: Optional[LayerSwapPlan], num_query_tokens: int = 1
     ) -> LayerSwapPlan:
-        """The rows of ``out`` for ``bs`` requests with ``num_query_tokens``
-        each (checked), or new buffers."""
+        """The rows of ``out`` for ``bs`` requests (checked), or new buffers."""
         q = num_query_tokens
         if out is None:
             k, dev = self.top_k, self.device
@@ -651,12 +532,8 @@ class LRUCacheState:
                 torch.empty((bs, q * k), dtype=torch.int32, device=dev),
                 torch.empty((bs,), dtype=torch.int32, device=dev),
             )
-        assert out.page_table.dtype == torch.int32
-        assert out.miss_src_loc.dtype == torch.int64
-        assert out.miss_dst_row.dtype == torch.int32
-        assert out.miss_count.dtype == torch.int32
-        for t in out:
-            assert t.shape[0] >= bs and t.stride(-1) == 1
+        for t, dtype in zip(out, (torch.int32, torch.int64, torch.int32, torch.int32)):
+            assert t.dtype == dtype and t.shape[0] >= bs and t.stride(-1) == 1
         width = q * out.page_table.shape[1]
         assert out.page_table.shape[0] >= bs * q
         assert out.miss_src_loc.shape[1] >= width

@@ -1,26 +1,16 @@
 """Row copies between the pinned host KV pool and the GPU KV buffers.
 
-Two Triton kernels move whole KV rows (one token of one layer: 656 B in the fp8
-FlashMLA layout, 1152 B in bf16) between a host buffer and a device buffer:
+Two Triton kernels move whole KV rows (one token of one layer) as machine
+words (``word_bytes`` 4 or 8), ``block_rows`` rows per program with every
+load of a tile issued before its stores:
 
-* :func:`gather_rows` -- the decode hot path. For every batch row ``b`` it
-  copies ``count[b]`` rows ``src[src_idx[b, i]] -> dst[dst_idx[b, i]]`` of one
-  layer, typically from pinned host memory (read by the GPU through unified
-  virtual addressing) into the device ``kv_buffer[layer]``. The grid is fixed
-  at ``(bs, programs_per_row)`` and the counts are read on the device, so the
-  launch never syncs with the host and can be captured in a CUDA graph.
-  Programs whose rows lie past the count exit at once; index entries past the
-  count are never read.
-* :func:`copy_rows_all_layers` -- one launch for all layers, addressing each
-  layer through a table of base pointers. Used device -> host for the backup of
-  new tokens and of prefilled requests, and host -> device to warm a request.
+* :func:`gather_rows`: the decode hot path, ``count[b]`` rows per batch row
+  from a host buffer (read through UVA) into one layer's device buffer; fixed
+  grid, counts read on the device (no host sync, CUDA-graph capturable).
+* :func:`copy_rows_all_layers`: all layers in one launch through tables of
+  layer base pointers (new-token and prefill backups, request warm-up).
 
-Rows are moved as machine words (``word_bytes`` = 4 or 8; 656 B = 164 int32 =
-82 int64). A program moves ``block_rows`` rows at once: all loads of the tile
-are issued before its stores, which keeps many PCIe reads in flight.
-
-Both kernels run under ``TRITON_INTERPRET=1`` on CPU, where "host" and
-"device" are both CPU tensors.
+Both run under ``TRITON_INTERPRET=1`` on CPU (host and device: CPU tensors).
 """
 
 from __future__ import annotations
@@ -31,16 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-# Defaults tuned for 656-byte rows; the benchmark sweeps them.
+# Defaults tuned for the fp8 rows.
 DEFAULT_WORD_BYTES = 4
 DEFAULT_BLOCK_ROWS = 16
 DEFAULT_NUM_WARPS = 4
 DEFAULT_ALL_LAYER_BLOCK_ROWS = 8
-# At most this many programs per gather launch by default: a decode step's
-# plan is (bs, K) but holds few misses per row, and a grid of one program per
-# tile at large batches is nearly all empty programs (docs/ENGINE.md).
+# Gather grid cap (docs/ENGINE.md), each program looping over at most
+# MAX_GATHER_ITERS tiles.
 DEFAULT_MAX_GATHER_PROGRAMS = 1024
-# ... with each program looping over at most this many tiles (static loop).
 MAX_GATHER_ITERS = 8
 
 # Layout of the int64 counters tensor the kernels add to (on the device).
@@ -89,48 +77,13 @@ def as_words(buf: torch.Tensor, row_bytes: int, word_bytes: int) -> torch.Tensor
 
 
 def _split_row(row_words: int, split_tail: bool):
-    """Column tiles for a row: a power-of-two head and a masked tail."""
+    """Column tiles of a row: a power-of-two head and a masked tail."""
     if not split_tail:
         return triton.next_power_of_2(row_words), 0
     head = 1 << (row_words.bit_length() - 1)
     if head == row_words:
         return head, 0
     return head, triton.next_power_of_2(row_words - head)
-
-
-@triton.jit
-def _copy_tile(
-    src_base,
-    dst_base,
-    src_rows,
-    dst_rows,
-    row_mask,
-    ROW_WORDS: tl.constexpr,
-    HEAD_COLS: tl.constexpr,
-    TAIL_COLS: tl.constexpr,
-):
-    # Head tile: HEAD_COLS words of each row (column-masked only when wider
-    # than the row); the optional tail tile holds the remaining words.
-    cols = tl.arange(0, HEAD_COLS)
-    src = src_base + src_rows[:, None] * ROW_WORDS + cols[None, :]
-    dst = dst_base + dst_rows[:, None] * ROW_WORDS + cols[None, :]
-    if HEAD_COLS > ROW_WORDS:
-        mask = row_mask[:, None] & (cols[None, :] < ROW_WORDS)
-    else:
-        mask = row_mask[:, None] & (cols[None, :] < HEAD_COLS)
-    if TAIL_COLS > 0:
-        # Issue both loads before the stores.
-        tcols = HEAD_COLS + tl.arange(0, TAIL_COLS)
-        tsrc = src_base + src_rows[:, None] * ROW_WORDS + tcols[None, :]
-        tdst = dst_base + dst_rows[:, None] * ROW_WORDS + tcols[None, :]
-        tmask = row_mask[:, None] & (tcols[None, :] < ROW_WORDS)
-        head = tl.load(src, mask=mask)
-        tail = tl.load(tsrc, mask=tmask)
-        tl.store(dst, head, mask=mask)
-        tl.store(tdst, tail, mask=tmask)
-    else:
-        head = tl.load(src, mask=mask)
-        tl.store(dst, head, mask=mask)
 
 
 @triton.jit
@@ -148,9 +101,9 @@ def _copy_indexed_tiles(
     BLOCK_ROWS: tl.constexpr,
     NUM_ITERS: tl.constexpr,
 ):
-    # Program ``pid`` copies tiles pid, pid + nprog, ... (NUM_ITERS of them,
-    # static); with the default grid NUM_ITERS == 1. Tiles past ``count`` are
-    # skipped, so programs beyond it exit at once and read no index.
+    # Program pid copies tiles pid, pid + nprog, ... (NUM_ITERS); tiles past
+    # count are skipped, their indices never read. A tile: a head of
+    # HEAD_COLS words per row and an optional tail, loads before stores.
     for it in tl.static_range(NUM_ITERS):
         start = (pid + it * nprog) * BLOCK_ROWS
         if start < count:
@@ -158,16 +111,27 @@ def _copy_indexed_tiles(
             row_mask = offs < count
             src_rows = tl.load(src_idx_row + offs, mask=row_mask, other=0)
             dst_rows = tl.load(dst_idx_row + offs, mask=row_mask, other=0)
-            _copy_tile(
-                src_base,
-                dst_base,
-                src_rows.to(tl.int64),
-                dst_rows.to(tl.int64),
-                row_mask,
-                ROW_WORDS,
-                HEAD_COLS,
-                TAIL_COLS,
-            )
+            src_rows = src_rows.to(tl.int64)
+            dst_rows = dst_rows.to(tl.int64)
+            cols = tl.arange(0, HEAD_COLS)
+            src = src_base + src_rows[:, None] * ROW_WORDS + cols[None, :]
+            dst = dst_base + dst_rows[:, None] * ROW_WORDS + cols[None, :]
+            if HEAD_COLS > ROW_WORDS:
+                mask = row_mask[:, None] & (cols[None, :] < ROW_WORDS)
+            else:
+                mask = row_mask[:, None] & (cols[None, :] < HEAD_COLS)
+            if TAIL_COLS > 0:
+                tcols = HEAD_COLS + tl.arange(0, TAIL_COLS)
+                tsrc = src_base + src_rows[:, None] * ROW_WORDS + tcols[None, :]
+                tdst = dst_base + dst_rows[:, None] * ROW_WORDS + tcols[None, :]
+                tmask = row_mask[:, None] & (tcols[None, :] < ROW_WORDS)
+                head = tl.load(src, mask=mask)
+                tail = tl.load(tsrc, mask=tmask)
+                tl.store(dst, head, mask=mask)
+                tl.store(tdst, tail, mask=tmask)
+            else:
+                head = tl.load(src, mask=mask)
+                tl.store(dst, head, mask=mask)
 
 
 @triton.jit
@@ -257,8 +221,7 @@ def _copy_rows_all_layers_kernel(
         if pid == 0:
             if layer == 0:
                 rows = count.to(tl.int64) * NUM_LAYERS
-                tl.atomic_add(counters_ptr + COUNTER_IDX, rows)
-                tl.atomic_add(counters_ptr + COUNTER_IDX + 1, rows * ROW_BYTES)
+                _count_rows(counters_ptr, COUNTER_IDX, rows, ROW_BYTES)
 
     src_base = tl.load(src_layer_ptrs + layer).to(tl.pointer_type(WORD))
     dst_base = tl.load(dst_layer_ptrs + layer).to(tl.pointer_type(WORD))
@@ -296,22 +259,11 @@ def gather_rows(
     programs_per_row: Optional[int] = None,
     split_tail: bool = True,
 ) -> None:
-    """Copy ``count[b]`` rows per batch row: ``dst[dst_idx[b, i]] = src[src_idx[b, i]]``.
-
-    Args:
-        src, dst: contiguous buffers viewable as ``(rows, row_bytes)``; ``src`` may
-            be a pinned CPU tensor (read through UVA) and ``dst`` a GPU tensor.
-        src_idx, dst_idx: ``(bs, K)`` integer row indices (any int dtype); only
-            the first ``count[b]`` entries of row ``b`` are read.
-        count: ``(bs,)`` integer tensor on the launch device.
-        counters: optional int64 device tensor; the kernel adds the rows moved to
-            ``counters[counter_idx]`` and the bytes to ``counters[counter_idx + 1]``.
-        programs_per_row: second grid dimension; defaults to
-            ``ceil(K / block_rows)`` (each program copies at most one tile)
-            capped at ``DEFAULT_MAX_GATHER_PROGRAMS // bs`` programs, but no
-            fewer than keep each program's loop within ``MAX_GATHER_ITERS``
-            tiles. Smaller values make each program loop over more tiles.
-    """
+    """``dst[dst_idx[b, i]] = src[src_idx[b, i]]`` for ``i < count[b]``
+    (``(bs,)`` on the device); ``src``/``dst`` viewable as ``(rows,
+    row_bytes)``, ``src`` may be pinned host memory. ``counters``: rows and
+    bytes added at ``counter_idx``; ``programs_per_row``: the second grid
+    dimension (default: one tile each, capped, see module constants)."""
     bs, k = src_idx.shape
     assert dst_idx.shape == (bs, k), (src_idx.shape, dst_idx.shape)
     assert count.shape == (bs,), count.shape
@@ -358,10 +310,7 @@ def layer_pointer_table(
     buffers, device: Union[str, torch.device], row_bytes: int
 ) -> torch.Tensor:
     """An int64 tensor of the base addresses of per-layer buffers, on ``device``."""
-    ptrs = []
-    for buf in buffers:
-        as_rows(buf, row_bytes)  # validates contiguity and row size
-        ptrs.append(buf.data_ptr())
+    ptrs = [as_rows(buf, row_bytes).data_ptr() for buf in buffers]  # validates
     for p in ptrs:
         if p % 16 != 0:
             raise ValueError(f"layer buffer at {p:#x} is not 16-byte aligned")
@@ -384,17 +333,11 @@ def copy_rows_all_layers(
     programs_per_layer: Optional[int] = None,
     split_tail: bool = True,
 ) -> None:
-    """For every layer ``l``: ``dst_l[dst_idx[i]] = src_l[src_idx[i]]`` in one launch.
-
-    ``src_layer_ptrs`` / ``dst_layer_ptrs`` are ``(L,)`` int64 tensors of layer
-    base addresses (device or pinned host memory, 16-byte aligned), on the
-    launch device. ``src_idx`` / ``dst_idx`` are integer tensors of shape
-    ``(n,)`` (the same rows in every layer) or ``(L, n)`` (rows per layer);
-    when ``count`` (a 1-element integer tensor on the device) is given only the
-    first ``min(count, n)`` entries are read. When ``counters`` is given,
-    ``counters[counter_idx]`` gets the rows moved (over all layers) and
-    ``counters[counter_idx + 1]`` the bytes.
-    """
+    """``dst_l[dst_idx[i]] = src_l[src_idx[i]]`` for every layer ``l`` in one
+    launch; ``*_layer_ptrs``: ``(L,)`` int64 16-byte aligned layer bases on
+    the device; indices ``(n,)`` or ``(L, n)``; ``count`` (1-element device
+    tensor): only ``min(count, n)`` entries; ``counters``: rows (all layers)
+    and bytes added at ``counter_idx``."""
     num_layers = src_layer_ptrs.numel()
     assert dst_layer_ptrs.numel() == num_layers
     assert src_layer_ptrs.dtype == torch.int64 and dst_layer_ptrs.dtype == torch.int64
@@ -442,8 +385,8 @@ def copy_rows_all_layers(
 
 
 def copy_kernels_interpreted() -> bool:
-    """True when the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``
-    was set before this module was imported)."""
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``
+    at import)."""
     return not isinstance(_gather_rows_kernel, triton.JITFunction)
 
 
@@ -457,8 +400,7 @@ def gather_rows_reference(
     counters: Optional[torch.Tensor] = None,
     counter_idx: int = COUNTER_H2D_ROWS,
 ) -> None:
-    """Pure-torch reference of :func:`gather_rows` (syncs; CPU only), counting
-    into ``counters`` like it."""
+    """Pure-torch :func:`gather_rows`, counters included (syncs; CPU)."""
     src_r = as_rows(src, row_bytes)
     dst_r = as_rows(dst, row_bytes)
     if counters is not None:
@@ -483,9 +425,8 @@ def copy_rows_all_layers_reference(
     counters: Optional[torch.Tensor] = None,
     counter_idx: int = COUNTER_D2H_ROWS,
 ) -> None:
-    """Pure-torch reference of :func:`copy_rows_all_layers` over lists of layer
-    buffers (syncs; for tests and CPU runs without Triton), counting into
-    ``counters`` like it."""
+    """Pure-torch :func:`copy_rows_all_layers` over lists of layer buffers,
+    counters included (syncs; CPU runs without Triton)."""
     n = src_idx.shape[-1]
     if count is not None:
         n = min(n, int(count.reshape(-1)[0]) if torch.is_tensor(count) else count)

@@ -1,41 +1,25 @@
-"""Pure-torch reference of the LRU swap of ``LRUCacheState`` (CPU tests).
-
-The same semantics as the Triton kernels (``nsa_kv_offload_lru_triton``),
-bit-exactly, in three steps: :func:`prepare_layer_swap` (hits, misses,
-victims; updates residency), :func:`build_gpu_page_table` (GPU rows in top-k
-order) and :func:`post_process_layer_swap` (compacts the copy list, applies the
-recency rule, counts). ``LRUCacheState.warm_request`` uses :func:`assign_slots`
-and :func:`reorder_lru` on every backend. See ``docs/ENGINE.md`` ("Per-layer
-swap semantics").
-
-With ``q = num_query_tokens > 1`` (MTP target verify, ``docs/MTP.md``) a
-request's ``q`` top-k rows are swapped as one list of ``q x K`` entries: the
-misses are deduplicated (a loc missed by several query tokens is copied once,
-at its first occurrence), the page table keeps one row per query token.
-
-Rows in direct mode (``LRUCacheState.direct``, one query token) are swapped by
-:func:`direct_swap`: a miss of position ``p`` goes to slot ``p``, and their
-``lru_order`` is left as it is (``frozen``).
+"""Pure-torch reference of the LRU swap of ``LRUCacheState`` (CPU tests),
+bit-exact with the Triton kernels (``docs/ENGINE.md``, "Per-layer swap
+semantics"): :func:`prepare_layer_swap` (hits, misses, victims, residency),
+:func:`build_gpu_page_table`, :func:`post_process_layer_swap` (copy list,
+recency rule, counters). ``warm_request`` uses :func:`assign_slots` and
+:func:`reorder_lru` on every backend. With ``q > 1`` query tokens
+(``docs/MTP.md``) a request's ``q x K`` entries are one list whose misses are
+copied once each; rows in direct mode go through :func:`direct_swap`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
-if TYPE_CHECKING:
-    from sglang.srt.mem_cache.lru_cache_state import LRUCacheState
-
 
 class LayerSwapPlan(NamedTuple):
-    """Result of one layer's swap for a batch of ``bs`` requests with ``q``
-    query tokens each (``q = 1``: decode).
-
-    Only the first ``miss_count[b]`` entries of ``miss_src_loc[b]`` and
-    ``miss_dst_row[b]`` are meaningful; the rest are garbage.
-    """
+    """One layer's swap of ``bs`` requests with ``q`` query tokens each; only
+    the first ``miss_count[b]`` entries of ``miss_src_loc[b]`` and
+    ``miss_dst_row[b]`` are meaningful."""
 
     page_table: torch.Tensor  # (bs * q, K) int32, GPU rows in top-k order, -1 = skip
     miss_src_loc: torch.Tensor  # (bs, q * K) int64, host slot (= token loc) to load
@@ -45,7 +29,7 @@ class LayerSwapPlan(NamedTuple):
 
 @dataclass
 class LayerSwapWork:
-    """Intermediate state of the reference swap, passed between its three steps."""
+    """State of the reference swap between its three steps."""
 
     layer: int
     real: torch.Tensor  # (bs,) bool, row is not CUDA-graph padding
@@ -76,7 +60,7 @@ class ReferenceLRUSwap:
 
     def swap_layer(
         self,
-        state: LRUCacheState,
+        state,
         layer: int,
         topk_pos: torch.Tensor,
         req_pool_indices: torch.Tensor,
@@ -87,7 +71,6 @@ class ReferenceLRUSwap:
         num_query_tokens: int = 1,
         defer_reorder: bool = False,
     ) -> LayerSwapPlan:
-        # The whole swap at once: nothing is ever deferred.
         work = prepare_layer_swap(
             state,
             layer,
@@ -111,7 +94,7 @@ class ReferenceLRUSwap:
 
     def map_new_tokens(
         self,
-        state: LRUCacheState,
+        state,
         req_pool_indices: torch.Tensor,
         seq_lens: torch.Tensor,
         locs: torch.Tensor,
@@ -121,7 +104,7 @@ class ReferenceLRUSwap:
 
 
 def prepare_layer_swap(
-    state: LRUCacheState,
+    state,
     layer: int,
     topk_pos: torch.Tensor,
     req_pool_indices: torch.Tensor,
@@ -130,14 +113,10 @@ def prepare_layer_swap(
     num_real_reqs: Optional[Union[torch.Tensor, int]] = None,
     num_query_tokens: int = 1,
 ) -> LayerSwapWork:
-    """Classify the top-k entries, pick victims and update residency.
-
-    ``topk_pos`` is ``(bs * q, K)``: rows ``b * q .. b * q + q - 1`` are the
-    query tokens of request ``b``, at positions ``seq_lens[b] - q + j``; query
-    token ``j`` sees positions ``< seq_lens[b] - q + j + 1`` (later ones are
-    padding); the request's newest ``state.read_window`` positions are read
-    from the window ring.
-    """
+    """Classify the top-k entries, pick victims, update residency.
+    ``topk_pos``: ``(bs * q, K)``, row ``b * q + j`` query token ``j`` of
+    request ``b`` (sees positions ``< seq_lens[b] - q + j + 1``); the newest
+    ``state.read_window`` positions come from the window ring."""
     q = num_query_tokens
     bs, k = topk_pos.shape[0] // q, topk_pos.shape[1]
     W = state.read_window
@@ -184,15 +163,14 @@ def prepare_layer_swap(
 
 
 def direct_rows(
-    state: LRUCacheState,
+    state,
     req: torch.Tensor,
     real: torch.Tensor,
     n: torch.Tensor,
     window: int,
 ) -> torch.Tensor:
-    """(bs,) bool: the rows swapped in direct mode this step, those whose
-    positions below the window fit their slots; a direct row that no longer
-    fits leaves direct mode for good."""
+    """(bs,) bool: direct rows whose positions below the window fit their
+    slots; a direct row that no longer fits leaves direct mode for good."""
     flags = state._direct_buf[req]
     direct = real & (flags != 0)
     fits = direct & (n - window <= state._capacity_buf[req].long())
@@ -201,15 +179,14 @@ def direct_rows(
 
 
 def direct_swap(
-    state: LRUCacheState,
+    state,
     work: LayerSwapWork,
     fits: torch.Tensor,
     lookup: torch.Tensor,
     loc: torch.Tensor,
 ) -> None:
-    """The swap of direct rows (``fits``; ``lookup``: their looked-up
-    entries), written into ``work``: a hit keeps its slot, a miss of
-    position ``p`` takes slot ``p``; nothing is evicted."""
+    """Swap the direct rows ``fits`` into ``work``: a hit keeps its slot, a
+    miss of position ``p`` takes slot ``p``; nothing is evicted."""
     N = state.num_locs
     l2s = state._loc_to_slot_buf[work.layer]
     slot_loc = state._slot_loc_buf[work.layer].view(-1)
@@ -220,9 +197,7 @@ def direct_swap(
     row = slot_rows(state, work.req, slot)
     mi = miss.long()
     miss_rank = mi.cumsum(1) - mi
-    # Residency: the missed locs enter their positions' slots.
     l2s.index_put_((torch.where(miss, loc, N),), slot.to(l2s.dtype))
-    # Entries that are no miss go to the sink chunk.
     addr = state_index(state, work.req, torch.where(miss, slot, -1))
     slot_loc.index_put_((addr,), loc.to(slot_loc.dtype))
     f = fits[:, None]
@@ -239,10 +214,10 @@ def direct_swap(
 
 
 def build_gpu_page_table(
-    state: LRUCacheState, work: LayerSwapWork, out: Optional[torch.Tensor] = None
+    state, work: LayerSwapWork, out: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """GPU rows of the top-k entries, in top-k order (-1 for padding): one
-    row per query token."""
+    """GPU rows of the top-k entries in top-k order (-1: padding), one row
+    per query token."""
     base = work.base[:, None]
     window_row = base + state.buffer_size + work.pos.remainder(state.recent_window)
     rows = torch.where(work.in_window, window_row, work.row).to(torch.int32)
@@ -255,7 +230,7 @@ def build_gpu_page_table(
 
 
 def post_process_layer_swap(
-    state: LRUCacheState,
+    state,
     work: LayerSwapWork,
     page_table: torch.Tensor,
     out: Optional[LayerSwapPlan] = None,
@@ -269,8 +244,7 @@ def post_process_layer_swap(
     dst.scatter_(1, sink, work.row)
     count = work.num_misses.to(torch.int32)
     reorder_lru(state, work)
-    # LRU hits: looked-up entries served without a copy of their own (with
-    # several query tokens, repeats of this step's misses count as hits).
+    # LRU hits: looked-up entries without a copy of their own.
     hits = work.hit.sum() + (work.miss & ~work.first_miss).sum()
     stats = torch.stack([hits, work.in_window.sum(), work.first_miss.sum()])
     state.counters[work.layer] += stats.to(torch.int64)
@@ -285,7 +259,7 @@ def post_process_layer_swap(
 
 
 def assign_slots(
-    state: LRUCacheState,
+    state,
     layer: int,
     req: torch.Tensor,
     base: torch.Tensor,
@@ -297,10 +271,8 @@ def assign_slots(
     dedup: bool = False,
 ) -> LayerSwapWork:
     """Hits, misses and victims of looked-up locs; updates residency.
-
-    ``dedup``: a row may look up a loc more than once (several query tokens);
-    its misses are then counted, ranked and loaded at the loc's first entry,
-    and every entry of the loc gets that entry's victim."""
+    ``dedup``: a row may repeat a loc (several query tokens); its miss is
+    counted, ranked and loaded at the first entry, whose victim all get."""
     bs, k = loc.shape
     C, N = state.num_slots, state.num_locs
     l2s = state._loc_to_slot_buf[layer]
@@ -329,26 +301,23 @@ def assign_slots(
     victim = victim_by_rank.gather(1, torch.where(miss, miss_rank, k))
     slot = torch.where(hit, cur, torch.where(miss, victim, -1))
     row = slot_rows(state, req, slot)
-
-    # Residency: victims' old locs leave, the missed locs enter (the other
-    # entries go to the sink chunk).
     move_in(state, layer, req, first, victim, loc, slot)
-    return new_work(
-        layer,
-        req,
-        base,
-        lookup,
-        loc,
-        real,
-        pos,
-        in_window,
+    return LayerSwapWork(
+        layer=layer,
+        real=torch.ones_like(req, dtype=torch.bool) if real is None else real,
+        req=req,
+        base=base,
+        pos=loc if pos is None else pos,
+        in_window=torch.zeros_like(lookup) if in_window is None else in_window,
         hit=hit,
         miss=miss,
         first_miss=first,
+        loc=loc,
         slot=slot,
         row=row,
         miss_rank=miss_rank,
         num_misses=num_misses,
+        num_hits=hit.long().sum(1),
         order=order,
         order_evictable=evictable,
         evict_rank=evict_rank,
@@ -356,9 +325,9 @@ def assign_slots(
 
 
 def move_in(state, layer, req, first, victim, loc, slot) -> torch.Tensor:
-    """Residency after a swap: the victims' old locs leave ``loc_to_slot``,
-    the missed locs (``first``: each once) enter their slots; the other
-    entries go to the sink chunk. Returns the victims' state offsets."""
+    """Residency: the victims' old locs leave ``loc_to_slot``, the missed
+    locs (``first``: each once) enter their slots, other entries go to the
+    sink chunk. Returns the victims' state offsets."""
     N = state.num_locs
     l2s = state._loc_to_slot_buf[layer]
     slot_loc = state._slot_loc_buf[layer].view(-1)
@@ -370,26 +339,7 @@ def move_in(state, layer, req, first, victim, loc, slot) -> torch.Tensor:
     return addr
 
 
-def new_work(
-    layer, req, base, lookup, loc, real, pos, in_window, hit, **fields
-) -> LayerSwapWork:
-    """A swap's :class:`LayerSwapWork`, the optional inputs defaulted (every
-    row real, positions = locs, nothing in the window)."""
-    return LayerSwapWork(
-        layer=layer,
-        real=torch.ones_like(req, dtype=torch.bool) if real is None else real,
-        req=req,
-        base=base,
-        pos=loc if pos is None else pos,
-        in_window=torch.zeros_like(lookup) if in_window is None else in_window,
-        hit=hit,
-        loc=loc,
-        num_hits=hit.long().sum(1),
-        **fields,
-    )
-
-
-def slot_rows(state: LRUCacheState, req: torch.Tensor, slot: torch.Tensor):
+def slot_rows(state, req: torch.Tensor, slot: torch.Tensor):
     """GPU row of each slot (``unit_base[r, s // C] + s % C``), -1 for -1."""
     C0 = state.buffer_size
     unit = torch.where(slot >= 0, slot // C0, 0)
@@ -397,12 +347,10 @@ def slot_rows(state: LRUCacheState, req: torch.Tensor, slot: torch.Tensor):
     return torch.where(slot >= 0, unit_base + slot % C0, -1)
 
 
-def state_index(state: LRUCacheState, req: torch.Tensor, idx: torch.Tensor):
-    """Offset into one layer's per-unit state (``(num_units + 1) x C`` entries,
-    ``slot_loc`` or ``lru_order``) of entry ``idx[b, i]`` (a slot id or an
-    order position) of request ``req[b]``: chunk ``unit_index[r, idx // C]``,
-    entry ``idx % C``. Entries the request does not hold (``idx < 0`` or at
-    least its capacity) go to the sink chunk."""
+def state_index(state, req: torch.Tensor, idx: torch.Tensor):
+    """Offset in one layer's per-unit state of entry ``idx[b, i]`` (slot id
+    or order position) of request ``req[b]``: chunk ``unit_index[r, idx //
+    C]``, entry ``idx % C``; entries not held go to the sink chunk."""
     C0 = state.buffer_size
     idx = idx.long()
     held = (idx >= 0) & (idx < state._capacity_buf[req].long()[:, None])
@@ -412,19 +360,17 @@ def state_index(state: LRUCacheState, req: torch.Tensor, idx: torch.Tensor):
     return chunk * C0 + torch.where(held, idx % C0, 0)
 
 
-def read_order(state: LRUCacheState, layer: int, req: torch.Tensor) -> torch.Tensor:
-    """``(bs, U x C)`` int64: the LRU order of each request, its positions
-    beyond its capacity filled with their own index (slot ids it does not
-    hold: never victims, and the recency rule leaves them in place)."""
+def read_order(state, layer: int, req: torch.Tensor) -> torch.Tensor:
+    """``(bs, U x C)`` int64 LRU order of each request; positions beyond its
+    capacity hold their own index (never victims, left in place)."""
     p = state._arange_c.expand(req.shape[0], -1)
     order = state._lru_buf[layer].view(-1)[state_index(state, req, p)].long()
     return torch.where(p < state._capacity_buf[req].long()[:, None], order, p)
 
 
 def first_misses(loc: torch.Tensor, miss: torch.Tensor, num_locs: int):
-    """``(first, leader)``: ``first[b, i]`` marks the first entry of row ``b``
-    missing its loc, ``leader[b, i]`` the index of the first entry of row ``b``
-    with the same missed loc as entry ``i`` (``i`` itself for the others)."""
+    """``(first, leader)``: ``first[b, i]``: entry ``i`` is row ``b``'s first
+    miss of its loc; ``leader[b, i]``: that first entry (``i`` for others)."""
     bs, m = loc.shape
     idx = torch.arange(m, device=loc.device).expand(bs, m)
     # Entries that are not misses get keys of their own (locs are < num_locs).
@@ -438,12 +384,10 @@ def first_misses(loc: torch.Tensor, miss: torch.Tensor, num_locs: int):
     return miss & (leader == idx), leader
 
 
-def reorder_lru(state: LRUCacheState, work: LayerSwapWork) -> None:
-    # New order: [untaken evictables] + [victims] + [hits], each in old order
-    # (victims in old order == misses in top-k order).
+def reorder_lru(state, work: LayerSwapWork) -> None:
+    # New order: [untaken evictables] + [victims] + [hits (and the slots
+    # beyond the capacity)], each in old order.
     m = work.num_misses[:, None]
-    # Hits keep their order at the end (and the slots beyond the capacity,
-    # which read_order appends: they stay in place).
     num_evictable = work.order_evictable.long().sum(1, keepdim=True)
     ev_rank = work.evict_rank
     hit_rank = state._arange_c[None, :] - ev_rank
@@ -455,8 +399,7 @@ def reorder_lru(state: LRUCacheState, work: LayerSwapWork) -> None:
     new_order = torch.empty_like(work.order).scatter_(1, new_pos, work.order)
     if work.frozen is not None:
         new_order = torch.where(work.frozen[:, None], work.order, new_order)
-    # Held positions go to their chunks, the others (padding rows: all) to
-    # the sink chunk.
+    # Positions not held (padding rows: all) go to the sink chunk.
     addr = state_index(state, work.req, state._arange_c.expand_as(new_order))
     state._lru_buf[work.layer].view(-1).index_put_(
         (addr,), new_order.to(state._lru_buf.dtype)

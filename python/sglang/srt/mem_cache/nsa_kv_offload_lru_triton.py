@@ -1,12 +1,8 @@
-"""The Triton swap backend of ``LRUCacheState`` (CUDA; the CPU tests run it
-under ``TRITON_INTERPRET=1``).
-
-:class:`TritonLRUSwap` launches the kernels of ``nsa_kv_offload_lru_kernels``
-(one query token per request: the select kernel, then the reorder split by
-unit, which ``defer_reorder`` may postpone until after the miss copy) and of
-``nsa_kv_offload_lru_multi_kernels`` (several query tokens per request, MTP
-target verify), plus the per-step new-token mapping. The torch reference
-``nsa_kv_offload_lru_reference`` is bit-exact with it.
+"""The Triton swap backend of ``LRUCacheState`` (CUDA; CPU tests under
+``TRITON_INTERPRET=1``): :class:`TritonLRUSwap` launches the kernels of
+``nsa_kv_offload_lru_kernels`` (one query token) and
+``nsa_kv_offload_lru_multi_kernels`` (MTP target verify), bit-exact with the
+torch reference ``nsa_kv_offload_lru_reference``.
 """
 
 from __future__ import annotations
@@ -39,12 +35,9 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _is_capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def default_num_warps(num_slots: int) -> int:
-    """Warps of the swap kernels: 4, or 8 from 2,048 slots a request up."""
+    """Warps of the swap kernels: 4, or 8 from 2,048 slots a request up (a
+    tuning choice: 8 warps suffice)."""
     return 8 if _next_pow2(num_slots) >= 2048 else 4
 
 
@@ -52,8 +45,7 @@ class TritonLRUSwap:
     """The swap backend of ``LRUCacheState`` on CUDA (``state``: the
     ``LRUCacheState`` it serves; ``num_warps``: see :func:`default_num_warps`)."""
 
-    # lru positions the select kernel scans per step for victims: misses are
-    # found near the least recent end, one block in steady state.
+    # lru positions the select kernel scans per step for victims.
     SELECT_BLOCK = 1024
 
     def __init__(
@@ -77,14 +69,12 @@ class TritonLRUSwap:
         self.max_units = state.max_units
         self.max_query_tokens = state.max_query_tokens
         self.slot_dtype = state.slot_dtype
-        # Rows in direct mode (slot = position) skip the LRU walk.
         self.direct = state.direct_slots
         self.block_k = _next_pow2(self.top_k)
         self.num_warps = num_warps or default_num_warps(self.num_slots)
         self._scratch_rows = 0
         self._retired_scratch = []
-        # The reorder of the last one-token swap, when its caller deferred it.
-        self._pending_reorder = None
+        self._pending_reorder = None  # a deferred one-token reorder
         self._alloc_scratch(max_batch_size or state.max_num_reqs)
 
     def map_new_tokens(
@@ -125,7 +115,8 @@ class TritonLRUSwap:
         plan = state.plan_view(bs, out, q)
         num_real = state.num_real_tensor(num_real_reqs, bs)
         if bs > self._scratch_rows:
-            if _is_capturing(self.device):
+            dev = self.device
+            if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     f"swap_layer: bs={bs} exceeds the scratch rows "
                     f"({self._scratch_rows}); pass max_batch_size"
@@ -156,19 +147,11 @@ class TritonLRUSwap:
             plan.miss_dst_row.stride(0),
         )
         maps = (loc_to_slot, slot_loc, lru)
-        # A state built for several query tokens reads the shorter window
-        # (read_window) in every swap: the multi-token kernels, q = 1 too.
+        # A state built for several query tokens swaps with the multi-token
+        # kernels (read_window), q = 1 too.
         if self.max_query_tokens > 1:
             self._multi_token_swap(state, q, batch, plan_rows, maps, counters, plan)
             return plan
-        self._select(state, batch, plan_rows, maps, counters, plan)
-        self._pending_reorder = (state, batch, maps, plan)
-        if not defer_reorder:
-            self.finish_reorder()
-        return plan
-
-    def _select(self, state, batch, plan_rows, maps, counters, plan) -> None:
-        # The page table and the copy list, final when it ends.
         _swap_select_kernel[(batch[0].shape[0],)](
             *batch,
             *maps,
@@ -193,6 +176,10 @@ class TritonLRUSwap:
             DIRECT=self.direct,
             num_warps=self.num_warps,
         )
+        self._pending_reorder = (state, batch, maps, plan)
+        if not defer_reorder:
+            self.finish_reorder()
+        return plan
 
     @property
     def reorder_pending(self) -> bool:
@@ -229,9 +216,7 @@ class TritonLRUSwap:
         )
 
     def _multi_token_swap(self, state, q, batch, plan_rows, maps, counters, plan):
-        # Classify (markers dedup the misses), rank and evict, assign.
         bs, U = plan.miss_count.shape[0], self.max_units
-        loc_to_slot = maps[0]
         shape = dict(
             K=self.top_k,
             Q=q,
@@ -246,7 +231,7 @@ class TritonLRUSwap:
         chunk = self._chunk_shape()
         _swap_multi_classify_kernel[(bs,)](
             *batch,
-            loc_to_slot,
+            maps[0],
             counters,
             plan.page_table,
             plan.page_table.stride(0),
@@ -272,7 +257,6 @@ class TritonLRUSwap:
         )
 
     def _chunk_shape(self) -> dict:
-        # Launch constants of the per-unit kernels (blocks of one unit).
         return dict(
             C=self.num_slots,
             C0=self.buffer_size,
@@ -282,17 +266,14 @@ class TritonLRUSwap:
         )
 
     def _count_and_rank(self, state, batch, victims_width, maps, plan, chunk, one):
-        # Evictable counts per chunk, then ranks and the new lru_order. The
-        # multi-token swap evicts here (victims rows of victims_width); the
-        # one-token reorder (one) only reorders and clears the hit flags, and
-        # skips the rows the select kernel swapped in direct mode.
+        # Counts, then ranks and the new lru_order; the multi-token swap
+        # evicts here, the one-token reorder (one) skips direct rows.
         bs, req_pool_indices, num_real = plan.miss_count.shape[0], batch[2], batch[6]
-        loc_to_slot, slot_loc, lru = maps
         direct = self.direct and one
         _swap_count_kernel[(bs, self.max_units)](
             req_pool_indices,
             num_real,
-            lru,
+            maps[2],
             state._unit_index_buf,
             state._capacity_buf,
             self._hit_flags,
@@ -305,9 +286,7 @@ class TritonLRUSwap:
         _swap_rank_kernel[(bs, self.max_units)](
             req_pool_indices,
             num_real,
-            loc_to_slot,
-            slot_loc,
-            lru,
+            *maps,
             state._unit_index_buf,
             state._capacity_buf,
             plan.miss_count,
@@ -341,9 +320,7 @@ class TritonLRUSwap:
         return rows * per_row
 
     def _alloc_scratch(self, rows: int) -> None:
-        # Per-batch-row scratch shared by all layers: swaps of one state run
-        # on one stream. Old buffers stay alive: captured CUDA graphs may
-        # still point at them.
+        # Shared by all layers; old buffers stay alive for CUDA graphs.
         self.check_settled("growing the scratch")
         if self._scratch_rows:
             self._retired_scratch.append(self._scratch)
@@ -352,10 +329,7 @@ class TritonLRUSwap:
         def zeros(shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=dev)
 
-        # Zeroed here; the multi-token classify zeroes a row before it uses
-        # it, the one-token reorder clears what its select set.
-        self._hit_flags = zeros((rows, C), torch.int8)
-        # Victims by rank: up to Q x K misses per request with Q query tokens.
+        self._hit_flags = zeros((rows, C), torch.int8)  # kernels leave it zero
         self._victims = zeros((rows, self.max_query_tokens * K), torch.int32)
         self._evictable_counts = zeros((rows, self.max_units), torch.int32)
         self._new_lru = zeros((rows, C), self.slot_dtype)

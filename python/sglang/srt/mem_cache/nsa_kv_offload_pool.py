@@ -1,17 +1,15 @@
 """GPU-side pools of the decode NSA KV offload.
 
-The indexer keys stay on the GPU for every logical token loc (the indexer
-scores all tokens), while the MLA KV rows on the GPU shrink to
+The indexer keys stay on the GPU for every token loc; the GPU's KV rows are
 
     [0, page_size)                 padding rows (loc 0 of padded batches)
     [page_size, + staging_rows)    prefill staging: prompt KV until backed up
     [.., + num_regions * R)        one decode region of R = C + W rows per request
     [.., + num_spare_regions * R)  spare regions: lent as units only
 
-Every KV write goes through ``loc_to_row`` (token loc -> GPU row): prefill maps
-a request's new pages onto staging pages, decode maps each new token onto its
-request's window ring row. A PD decode server has no staging rows: the prefill
-server writes a prompt's KV straight into the host pool (host slot = token loc).
+Every KV write goes through ``loc_to_row``: prefill maps new pages onto
+staging pages, decode each new token onto its window ring row (a PD decode
+server has no staging rows: docs/INTEGRATION.md, "PD decode").
 """
 
 from __future__ import annotations
@@ -25,30 +23,20 @@ from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolSizes,
+    _round_up,
     nsa_indexer_bytes,
 )
 from sglang.srt.utils import get_num_new_pages
 
 
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
 def get_nsa_kv_offload(tree_cache):
-    """The offload coordinator the scheduler gave its tree cache, or None: for
-    sglang code that holds only the tree cache (``prepare_for_decode``,
-    ``release_kv_cache``, spec v1's ``prepare_for_verify``)."""
+    """The offload coordinator the scheduler gave its tree cache, or None."""
     return getattr(tree_cache, "nsa_kv_offload", None)
 
 
 class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
-    """``NSATokenToKVPool`` whose KV rows are addressed through ``loc_to_row``.
-
-    ``size`` is the number of logical token locs (indexer keys, host slots);
-    ``sizes`` the layout of its GPU rows. With ``verify`` it also keeps the full
-    KV pool sglang would keep without the offload (``verify_kv_buffer``: one
-    row per loc), written beside the offload's rows (the verify mode).
-    """
+    """``NSATokenToKVPool`` whose KV rows are addressed through ``loc_to_row``;
+    ``size``: token locs; ``verify``: also keep the full KV pool."""
 
     def __init__(self, size: int, sizes: NSAKVOffloadPoolSizes, verify=False, **kw):
         page_size = kw["page_size"]
@@ -57,8 +45,7 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
         self.index_page_bytes = page_size * nsa_indexer_bytes(kw["index_head_dim"])
         # Upstream's page count for index_buf_size = size.
         self.num_index_pages = (size + page_size + 1) // page_size
-        # The arena: each layer's KV rows and indexer keys in one buffer, so
-        # that the keys of free locs can be lent as KV rows (_create_buffers).
+        # The arena: KV rows and indexer keys in one buffer per layer.
         self.uses_arena = sizes.idle_loc_units > 0
         self.verify = verify
         self.host_pool = None  # set by the coordinator
@@ -66,16 +53,11 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
             size=sizes.kv_pool_size, index_buf_size=0 if self.uses_arena else size, **kw
         )
         if self.uses_arena:
-            # Upstream allocated one placeholder page per layer; the keys
-            # live in the arena.
-            self.index_k_with_scale_buffer = [
-                arena[self.index_offset : self.index_end].view(
-                    self.num_index_pages, self.index_page_bytes
-                )
-                for arena in self._arenas
-            ]
-        # Unmapped locs write into the padding rows, like loc 0 upstream; the
-        # extra last entry keeps a -1 (padding) index at -1.
+            # Upstream allocated one placeholder page per layer.
+            keys = slice(self.index_offset, self.index_end)
+            shape = (self.num_index_pages, self.index_page_bytes)
+            self.index_k_with_scale_buffer = [a[keys].view(shape) for a in self._arenas]
+        # Unmapped locs map to the padding rows; the last entry keeps -1 at -1.
         self.loc_to_row = torch.zeros(
             size + page_size + 1, dtype=torch.int64, device=self.device
         )
@@ -93,10 +75,9 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
             ]
 
     def _create_buffers(self):
-        """Upstream's KV rows, or with the arena one uint8 buffer per layer:
-        ``[0, index_offset)`` the KV rows, ``[index_offset, index_end)`` the
-        indexer-key pages, then padding to whole pages of rows;
-        ``kv_buffer[layer]`` views it all as KV rows (:meth:`rows_of_pages`)."""
+        """Upstream's KV rows, or with the arena one uint8 buffer per layer: KV
+        rows to ``index_offset``, the indexer-key pages to ``index_end``, then
+        padding; ``kv_buffer[layer]`` views it all as KV rows."""
         self.kv_row_bytes = self.kv_cache_dim * self.store_dtype.itemsize
         self.verify_kv_buffer = None
         if self.verify:
@@ -126,8 +107,7 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
             del self._arenas
 
     def rows_of_pages(self, first_page: int, num_pages: int) -> Tuple[int, int]:
-        """The KV rows ``[first, end)`` whose bytes lie within the indexer-key
-        bytes of loc pages ``first_page .. first_page + num_pages - 1``."""
+        """The KV rows ``[first, end)`` within the key bytes of those loc pages."""
         start = self.index_offset + first_page * self.index_page_bytes
         end = start + num_pages * self.index_page_bytes
         return -(-start // self.kv_row_bytes), end // self.kv_row_bytes
@@ -151,9 +131,8 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
                 super().set_kv_buffer(layer, loc, cache_k, cache_v)
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
-        super().set_mla_kv_buffer(
-            layer, self.loc_to_row[loc], cache_k_nope, cache_k_rope
-        )
+        rows = self.loc_to_row[loc]
+        super().set_mla_kv_buffer(layer, rows, cache_k_nope, cache_k_rope)
         if self.verify_kv_buffer is not None:
             with self._into_verify_pool():
                 super().set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope)
@@ -162,8 +141,7 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
         return super().get_mla_kv_buffer(layer, self.loc_to_row[loc], dst_dtype)
 
     def _retraction_targets(self, indices):
-        # Every GPU copy issued so far done: the last step's new tokens are on
-        # the host, and nothing reads host slots about to be rewritten.
+        # Syncs: the new tokens are on the host, no copy reads these slots.
         if torch.device(self.device).type == "cuda":
             torch.cuda.synchronize(self.device)
         layers = range(self.start_layer, self.start_layer + self.layer_num)
@@ -172,8 +150,7 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
         return indices.to("cpu", torch.int64), layers, pages // self.page_size
 
     def get_cpu_copy(self, indices, mamba_indices=None):
-        """Retraction on a PD decode server: a request's KV rows from their host
-        slots and its indexer-key pages, copied before its locs are freed."""
+        """PD retraction: a request's host KV rows and indexer-key pages."""
         locs, layers, pages = self._retraction_targets(indices)
         return {
             "kv_rows": [self.host_pool.get_kv_buffer(i)[locs] for i in layers],
@@ -181,8 +158,7 @@ class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
         }
 
     def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
-        """Resume a retracted request into its new locs (see ``get_cpu_copy``);
-        the next decode step admits it and warms its region."""
+        """Resume a retracted request into its new locs (``get_cpu_copy``)."""
         locs, layers, pages = self._retraction_targets(indices)
         for layer, rows in zip(layers, kv_cache_cpu["kv_rows"]):
             self.host_pool.get_kv_buffer(layer)[locs] = rows
@@ -223,11 +199,9 @@ class StagingRowAllocator:
 
 
 class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
-    """Paged allocator of logical token locs that gives every new page of a
-    prefill a GPU staging page and takes it back when the page is freed or the
-    request is admitted (``release_staging``); without staging rows (PD decode)
-    it hands out locs only. Lent units come back through two callables the
-    coordinator sets: ``reclaim_staging(pages)`` and ``reclaim_idle_locs(pages)``."""
+    """Paged allocator of token locs giving every new prefill page a staging page
+    until freed or admitted (``release_staging``); lent units come back through
+    ``reclaim_staging(pages)`` and ``reclaim_idle_locs(pages)``."""
 
     def __init__(
         self,
@@ -241,8 +215,7 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         staging_rows: int,
         speculative: bool = False,
     ):
-        # MTP: decoding requests extend too (draft pass, verify); telling them
-        # from prompts costs a host sync, so only speculative servers pay it.
+        # MTP: decoding requests extend too; telling them apart syncs.
         self.speculative = speculative
         self.staging = StagingRowAllocator(
             staging_start_row, staging_rows // page_size, page_size, device
@@ -253,8 +226,7 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         )
         self.reclaim_staging: Optional[Callable[[int], bool]] = None
         self.reclaim_idle_locs: Optional[Callable[[int], bool]] = None
-        # The lender of free loc pages as units (the arena): its runs are out
-        # of the free list but count as free.
+        # Lends free loc pages as units: its runs are off the free list.
         self.idle_loc_lender = None
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
@@ -266,15 +238,12 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             # Runs still lent stay out of the free list.
             self._drop_from_free(self.idle_loc_lender.lent_page_runs())
 
-    # ------------------------------------------------ loc pages lent as units
-
     def free_page_count(self) -> int:
         """Pages on the free lists (lent runs excluded)."""
         return len(self.free_pages) + len(self.release_pages)
 
     def available_size(self):
-        # Lent runs are free locs to the scheduler: an allocation that needs
-        # them takes their units back (_alloc_or_reclaim).
+        # Lent runs count as free (_alloc_or_reclaim takes them back).
         lent = self.idle_loc_lender.lent_pages() if self.idle_loc_lender else 0
         return super().available_size() + lent * self.page_size
 
@@ -299,8 +268,7 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return super().backup_state(), runs
 
     def restore_state(self, state):
-        """Back to the free lists of :meth:`backup_state`, less the runs lent
-        since and plus those given back since (they were lent then)."""
+        """The free lists of :meth:`backup_state`, adjusted for runs lent since."""
         upstream_state, lent_then = state
         super().restore_state(upstream_state)
         lender = self.idle_loc_lender
@@ -312,9 +280,8 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             self.return_pages(lender.run_pages(first))
 
     def _alloc_or_reclaim(self, alloc, num_pages):
-        """``alloc()``, after taking lent units back when fewer pages are free
-        than it needs (``num_pages()``; upstream's kernels read that many
-        entries of the free list before they check its length)."""
+        """``alloc()``, after taking lent units back if fewer than ``num_pages()``
+        pages are free (upstream's kernels read that many free-list entries)."""
         if self.idle_loc_lender is not None and self.reclaim_idle_locs is not None:
             needed = num_pages()
             if needed > self.free_page_count():
@@ -322,16 +289,15 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         return alloc()
 
     def alloc(self, need_size: int):
+        upstream = super().alloc
         return self._alloc_or_reclaim(
-            lambda: super(NSAKVOffloadTokenToKVPoolAllocator, self).alloc(need_size),
-            lambda: need_size // self.page_size,
+            lambda: upstream(need_size), lambda: need_size // self.page_size
         )
 
     def alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+        upstream = super().alloc_decode
         return self._alloc_or_reclaim(
-            lambda: super(NSAKVOffloadTokenToKVPoolAllocator, self).alloc_decode(
-                seq_lens, seq_lens_cpu, last_loc
-            ),
+            lambda: upstream(seq_lens, seq_lens_cpu, last_loc),
             lambda: get_num_new_pages(
                 seq_lens=seq_lens_cpu, page_size=self.page_size, decode=True
             ),
@@ -348,17 +314,10 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         *args,
         **kwargs,
     ):
+        upstream = super().alloc_extend
+        lens = (prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc)
         out = self._alloc_or_reclaim(
-            lambda: super(NSAKVOffloadTokenToKVPoolAllocator, self).alloc_extend(
-                prefix_lens,
-                prefix_lens_cpu,
-                seq_lens,
-                seq_lens_cpu,
-                last_loc,
-                extend_num_tokens,
-                *args,
-                **kwargs,
-            ),
+            lambda: upstream(*lens, extend_num_tokens, *args, **kwargs),
             lambda: get_num_new_pages(
                 seq_lens=seq_lens_cpu,
                 page_size=self.page_size,
@@ -372,49 +331,40 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             and self.staging.num_pages > 0
             and self._extends_decoding_reqs(last_loc)
         ):
-            # MTP draft / verify locs of decoding requests: the verify
-            # preparation maps them to window ring rows (the draft pass only
-            # writes the NextN layer's own pool), so no staging page.
+            # MTP draft / verify locs of decoding requests: no staging page.
             return out
         if self.staging.num_pages == 0:
-            # KV arrives in host slots; a freed decode token's window row must
-            # not stay mapped (unmapped locs point at the padding rows).
+            # KV arrives in host slots; reused locs map to the padding rows.
             self._kvcache.loc_to_row[out] = 0
             return out
-        # A page is new to this extend iff its first token is in it. Prefill is
-        # off the decode hot path, so the host sync of the mask is fine here.
+        # A page is new to this extend iff its first token is in it (syncs).
         new_pages = out[out % self.page_size == 0] // self.page_size
         staging_pages = self.staging.alloc(new_pages.numel())
         if staging_pages is None and self.reclaim_staging is not None:
-            # Idle staging pages lent to running requests as units.
             if self.reclaim_staging(new_pages.numel()):
                 staging_pages = self.staging.alloc(new_pages.numel())
         if staging_pages is None:
-            # Give back only the pages this extend took: the first one may
-            # continue a page the request still owns.
+            # Only the pages this extend took (not a continued first page).
             super().free(new_pages * self.page_size)
             raise RuntimeError(
                 "NSA KV offload: out of GPU staging rows for prefill "
                 f"({self.staging.num_pages} pages). Lower --chunked-prefill-size "
                 "or --context-length."
             )
-        self.page_to_staging_row[new_pages] = (
-            self.staging.start_row + staging_pages * self.page_size
-        )
+        first_rows = self.staging.start_row + staging_pages * self.page_size
+        self.page_to_staging_row[new_pages] = first_rows
         rows = self.page_to_staging_row[out // self.page_size] + out % self.page_size
         self._kvcache.loc_to_row[out] = rows
         return out
 
     def _extends_decoding_reqs(self, last_loc: torch.Tensor) -> bool:
-        """Whether the requests of an extend continue admitted locs: a request's
-        last loc's page has no staging row (admission returned it; ``-1``: a new
-        prompt). Syncs once."""
+        """Whether an extend continues admitted locs (last loc's page has no
+        staging row; ``-1``: a new prompt). Syncs once."""
         pages = last_loc.clamp(min=0) // self.page_size
         decoding = (last_loc >= 0) & (self.page_to_staging_row[pages] < 0)
         num_decoding = int(decoding.sum())
         if 0 < num_decoding < last_loc.numel():
-            # sglang never mixes them (--enable-mixed-chunk is refused); a
-            # request not admitted before its draft pass would land here.
+            # A request not admitted before its draft pass lands here.
             raise RuntimeError(
                 "NSA KV offload: an extend mixes prompts and decoding requests"
             )

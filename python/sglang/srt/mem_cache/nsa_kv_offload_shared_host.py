@@ -1,24 +1,14 @@
 """Host memory the attention-TP ranks of one node share (decode NSA KV offload).
 
-With attention TP (``--tp-size > 1`` without DP attention) every rank computes
-and stores the same MLA latent KV: only the attention heads are split, the
-latent projection and the indexer are replicated. A host pool per rank would
-hold the same bytes ``attn_tp_size`` times. Instead rank 0 of the group
-creates one anonymous shared-memory file (``memfd_create``: no name under
-``/dev/shm``, so no tmpfs size cap and nothing left behind by a crash), every
-other rank maps it through rank 0's ``/proc/<pid>/fd/<fd>`` while rank 0
-holds it open, and each rank page-locks its own mapping (the host pool's
-``cudaHostRegister``), so its GPU reads the rows over its own PCIe link. Once
-every rank has mapped it, rank 0 closes its descriptor: the memory lives as
-long as a mapping does.
-
-One writer: only rank 0 of the group writes rows (prefill backups, decode
-write-backs); the others only read (``SparseCacheController(host_writer=...)``;
-docs/MULTI_GPU.md argues the ordering).
-
-A header in front of the rows records the layout (layers, rows, row bytes); a
-rank whose own layout differs refuses to attach, and every rank of the group
-then fails with the reason instead of waiting for the others.
+With attention TP every rank stores the same MLA latent KV, so the group holds
+one copy: rank 0 creates an anonymous ``memfd_create`` file (no tmpfs cap,
+nothing left by a crash), the others map it through rank 0's
+``/proc/<pid>/fd/<fd>`` while rank 0 holds it open, and each rank page-locks
+its own mapping (its GPU reads over its own PCIe link). Once all have mapped
+it rank 0 closes the descriptor. Only rank 0 writes rows
+(``SparseCacheController(host_writer=...)``; docs/MULTI_GPU.md). A header
+records the layout; a rank whose layout differs refuses, and every rank of
+the group fails with the reason.
 """
 
 from __future__ import annotations
@@ -36,7 +26,7 @@ _MAGIC = b"SGLNSAKV"
 _VERSION = 1
 # magic, version, layer_num, num_rows, row_bytes
 _HEADER = struct.Struct("<8sIqqq")
-# Host pages touched per rank before pinning (first touch places a page).
+# Host page size of the per-rank prefault.
 _PAGE_BYTES = 4096
 
 
@@ -68,11 +58,8 @@ class HostPoolGroup(Protocol):
 
 
 class SharedHostSegment:
-    """One mapping of the shared host KV rows (see module doc).
-
-    Build it with :meth:`create` (rank 0) or :meth:`attach` (the others), or
-    let :func:`open_shared_host_segment` do both for a group.
-    """
+    """One mapping of the shared host KV rows: :meth:`create` (rank 0),
+    :meth:`attach` (the others), or :func:`open_shared_host_segment`."""
 
     def __init__(
         self,

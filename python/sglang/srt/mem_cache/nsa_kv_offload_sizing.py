@@ -22,15 +22,13 @@ from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
 
 # KV layers of the MTP draft worker (DeepSeek-V3.2's one NextN layer).
 NSA_KV_OFFLOAD_DRAFT_LAYERS = 1
-# Default decode regions when --max-running-requests is not set: at most this
-# share of the KV budget goes to regions, and at most this many regions.
+# Without --max-running-requests: at most this budget share and count of regions.
 _DEFAULT_REGION_BUDGET_FRACTION = 0.4
 _DEFAULT_MAX_REGIONS = 256
 
 
 def nsa_indexer_bytes(index_head_dim: int) -> int:
-    """Bytes of one token's indexer key in a layer (``NSATokenToKVPool``: fp8
-    keys, then an fp32 scale per quantization block)."""
+    """One token's indexer key bytes per layer: fp8 keys and fp32 block scales."""
     return index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
 
 
@@ -56,9 +54,8 @@ class NSAKVOffloadPoolSizes:
     @property
     def kv_pool_size(self) -> int:
         """``size`` of the KV pool: rows after the leading padding page."""
-        return _round_up(
-            self.staging_rows + self.total_regions * self.region_rows, self.page_size
-        )
+        rows = self.staging_rows + self.total_regions * self.region_rows
+        return _round_up(rows, self.page_size)
 
     @property
     def staging_start_row(self) -> int:
@@ -69,8 +66,7 @@ class NSAKVOffloadPoolSizes:
         return self.page_size + self.staging_rows
 
     def requests_that_fit(self, tokens: int) -> int:
-        """Requests of ``tokens`` tokens (prompt + output) held at once (a
-        region and whole pages of locs each)."""
+        """Requests of ``tokens`` tokens (prompt + output) held at once."""
         return min(self.num_regions, self.num_locs // _round_up(tokens, self.page_size))
 
     def describe_capacity(self, context_len: int) -> str:
@@ -97,14 +93,12 @@ def lru_slot_id_bytes(buffer_size: int, max_units: int) -> int:
 def offload_bytes_per_loc(
     num_layers: int, indexer_bytes: int, slot_id_bytes: int = 2
 ) -> int:
-    """GPU bytes per token loc: indexer keys, a slot id per layer (the LRU
-    map) and ``loc_to_row`` (int64)."""
+    """GPU bytes per token loc: indexer keys, LRU slot ids and ``loc_to_row``."""
     return num_layers * (indexer_bytes + slot_id_bytes) + 8
 
 
 def lru_unit_state_bytes(num_layers: int, buffer_size: int, max_units: int) -> int:
-    """GPU bytes of one unit's LRU state: ``slot_loc`` int32 and an
-    ``lru_order`` slot id per slot and layer."""
+    """GPU bytes of one unit's LRU state (``slot_loc``, ``lru_order``)."""
     return num_layers * buffer_size * (4 + lru_slot_id_bytes(buffer_size, max_units))
 
 
@@ -115,8 +109,7 @@ def offload_bytes_per_region(
     recent_window: int,
     max_units: int = 1,
 ) -> int:
-    """GPU bytes per region (request slot or spare): its KV rows and its
-    unit's LRU state (other units are counted where they exist)."""
+    """GPU bytes per region: its KV rows and its one unit's LRU state."""
     state = lru_unit_state_bytes(num_layers, buffer_size, max_units)
     return num_layers * (buffer_size + recent_window) * row_bytes + state
 
@@ -125,8 +118,7 @@ def sglang_pool_footprint(
     available_bytes: int, nominal_cell_bytes: int, real_cell_bytes: int
 ) -> int:
     """GPU bytes sglang's own NSA pool takes for ``available_bytes``: tokens
-    counted by the nominal cell (kv_lora_rank + qk_rope_head_dim elements and
-    the indexer keys per layer), each allocated a ``real_cell_bytes`` cell."""
+    counted by the nominal cell, each allocated a ``real_cell_bytes`` cell."""
     return available_bytes // nominal_cell_bytes * real_cell_bytes
 
 
@@ -138,8 +130,7 @@ def max_spare_regions(num_regions: int, max_units: int) -> int:
 def spare_region_count(
     leftover_bytes: int, region_bytes: int, num_regions: int, max_units: int
 ) -> int:
-    """Spare regions of ``region_bytes`` each that the bytes capped locs leave
-    pay for, up to ``max_spare_regions``."""
+    """Spare regions the bytes capped locs leave pay for (<= max_spare_regions)."""
     if max_units <= 1 or leftover_bytes <= 0:
         return 0
     fit = leftover_bytes // region_bytes
@@ -265,8 +256,7 @@ def compute_offload_pool_sizes(
 
 
 class NSAKVOffloadPoolConfigurator:
-    """Memory-pool sizing with the offload on; plugs into ModelRunner's pool
-    sizing like upstream's configurators (see the module docstring)."""
+    """ModelRunner's pool sizing with the offload on (module doc)."""
 
     def __init__(self, mr):
         from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
@@ -282,15 +272,13 @@ class NSAKVOffloadPoolConfigurator:
         self.nominal_row_bytes = (mc.kv_lora_rank + mc.qk_rope_head_dim) * elem
         self.host_pool_bytes = int(self.options.host_pool_gb * (1 << 30))
         # Per rank: with DP attention --max-running-requests counts all ranks.
+        mrr = sa.max_running_requests
         self.user_max_running_requests = (
-            None
-            if sa.max_running_requests is None
-            else sa.max_running_requests // max(mr.dp_size, 1)
+            None if mrr is None else mrr // max(mr.dp_size, 1)
         )
         self.context_len = mc.context_len
         self.max_total_tokens = sa.max_total_tokens
-        # Per-loc bytes beyond the offload's: the MTP draft worker's NextN
-        # layer (as sglang counts it) and the verify mode's full KV pool.
+        # Per-loc bytes of the MTP draft worker's NextN layer and the verify pool.
         self.extra_bytes_per_loc = 0
         if sa.speculative_algorithm is not None:
             self.extra_bytes_per_loc += NSA_KV_OFFLOAD_DRAFT_LAYERS * (
@@ -353,8 +341,7 @@ class NSAKVOffloadPoolConfigurator:
         )
 
     def budget_bytes(self, available_bytes: int) -> int:
-        """What sglang's own pool would take for the same
-        ``--mem-fraction-static`` (the offload uses no more)."""
+        """What sglang's pool would take for the same ``--mem-fraction-static``."""
         return sglang_pool_footprint(
             available_bytes,
             self.num_layers * (self.nominal_row_bytes + self.indexer_bytes),
@@ -389,13 +376,12 @@ class NSAKVOffloadPoolConfigurator:
         regions and idle-loc units as sized, capped by the final slots)."""
         resolved = self._resolved
         most = max_spare_regions(num_regions, self.options.max_units)
+        staging_rows = _round_up(self.staging_rows(num_regions, page_size), page_size)
         return NSAKVOffloadPoolSizes(
             num_locs=num_locs,
             num_regions=num_regions,
             region_rows=self.options.region_rows,
-            staging_rows=_round_up(
-                self.staging_rows(num_regions, page_size), page_size
-            ),
+            staging_rows=staging_rows,
             page_size=page_size,
             host_capacity_locs=self.host_pool_bytes
             // (self.num_layers * self.row_bytes),
@@ -405,22 +391,19 @@ class NSAKVOffloadPoolConfigurator:
 
 
 def swap_batch_rows(options, max_running_requests: int) -> int:
-    """Batch rows the swap's plans and scratch are sized for: the request slots
-    or the CUDA-graph batches, whichever is larger."""
+    """Batch rows the swap is sized for: request slots or CUDA-graph batches."""
     return max(max_running_requests, options.cuda_graph_max_bs)
 
 
 @dataclass
 class NSAKVOffloadMemoryPoolConfig(MemoryPoolConfig):
-    """Upstream's resolved pool sizes plus the configurator that computed them
-    (ModelRunner keeps it until it builds the pools: ``nsa_kv_offload_pool_kwargs``)."""
+    """Upstream's pool sizes plus their configurator (nsa_kv_offload_pool_kwargs)."""
 
     nsa_kv_offload_configurator: Optional[NSAKVOffloadPoolConfigurator] = None
 
 
 def nsa_kv_offload_pool_kwargs(model_runner) -> dict:
-    """Extra kwargs of the offload's KV pool: its layout for the resolved token
-    and request counts, computed by the configurator that sized the pools."""
+    """Extra kwargs of the offload's KV pool: the configurator's final layout."""
     configurator = model_runner.memory_pool_config.nsa_kv_offload_configurator
     sizes = configurator.final_sizes(
         num_locs=model_runner.max_total_num_tokens,

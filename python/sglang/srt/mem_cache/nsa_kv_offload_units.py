@@ -1,13 +1,11 @@
 """LRU units of the decode NSA KV offload: who holds which GPU rows.
 
-A request admitted for decode holds its region (unit 0: ``C`` LRU rows and its
-``W``-row window ring) and, while GPU memory idles, extra units of ``C`` rows
-lent by named sources: free decode regions (:class:`RegionAllocator`), the
-indexer-key bytes of free token locs (:class:`IdleLocUnitLender`) and idle
-prefill staging pages (:class:`StagingUnitLender`). :class:`UnitLedger` keeps
-that bookkeeping on the host and decides who grows, who moves a unit to whom
-and whose unit a lender takes back; ``SparseCacheController`` carries the
-decisions out on the LRU state and the GPU (``docs/ELASTIC_BUFFER.md``).
+An admitted request holds its region (unit 0: ``C`` LRU rows and a ``W``-row
+window ring) and extra units of ``C`` rows lent by named sources: free regions
+(:class:`RegionAllocator`), free locs' indexer keys (:class:`IdleLocUnitLender`)
+and idle staging pages (:class:`StagingUnitLender`). :class:`UnitLedger` keeps
+the host bookkeeping and decides who grows, moves and gives back;
+``SparseCacheController`` carries it out (docs/ELASTIC_BUFFER.md).
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ STAGING_UNIT_SOURCE = "staging"  # idle prefill staging pages
 
 
 def units_for_context(seq_len: int, buffer_size: int, recent_window: int) -> int:
-    """Units of ``buffer_size`` slots holding every position of a ``seq_len``
-    context below its recent window (at least one)."""
+    """Units holding a ``seq_len`` context below its recent window (at least 1)."""
     return max(1, -(-max(seq_len - recent_window, 0) // buffer_size))
 
 
@@ -39,15 +36,12 @@ def staging_unit_capacity(num_pages: int, page_size: int, unit_rows: int) -> int
 
 
 def idle_loc_unit_pages(unit_rows: int, row_bytes: int, index_page_bytes: int) -> int:
-    """Loc pages whose indexer-key bytes hold ``unit_rows`` whole KV rows
-    wherever the run starts (its first row may start one row after its first
-    byte)."""
+    """Loc pages whose key bytes hold ``unit_rows`` KV rows wherever they start."""
     return -(-(unit_rows + 1) * row_bytes // index_page_bytes)
 
 
 def idle_loc_reserve_pages(num_regions: int) -> int:
-    """Free loc pages the idle-loc lender leaves: two decode pages per request
-    slot (the overlap scheduler allocates one step ahead)."""
+    """Free loc pages the idle-loc lender leaves: two decode pages per slot."""
     return 2 * num_regions
 
 
@@ -65,9 +59,8 @@ class UnitSource(Protocol):
 
 
 class RegionAllocator:
-    """Free list of ``num_regions`` contiguous regions of ``region_rows`` GPU
-    rows from ``start_row``; the lowest free region goes first. As a unit
-    source it lends whole free regions."""
+    """Free list of ``num_regions`` regions of ``region_rows`` GPU rows from
+    ``start_row``, lowest first; as a unit source it lends whole regions."""
 
     def __init__(self, start_row: int, region_rows: int, num_regions: int):
         if start_row < 0 or region_rows <= 0 or num_regions < 0:
@@ -113,34 +106,31 @@ class RegionAllocator:
 
 class _PageRunLender:
     """Lends runs of ``pages_per_unit`` free pages as units, the highest run
-    first, keeping ``reserve_pages`` free. Subclasses say where the free list
-    is and which row a run starts."""
+    first, keeping ``reserve_pages`` free (subclasses: the free list, rows)."""
 
     def __init__(self, pages_per_unit: int, reserve_pages: int, device):
         self.pages_per_unit = pages_per_unit
         self.reserve_pages = reserve_pages
         self.device = device
-        # Free page count at which the last search found no run: no new search
-        # (a host read of the free list) until the count changes.
+        # Free page count of the last search that found no run.
         self._no_run_at = None
 
     def run_pages(self, first_page: int) -> torch.Tensor:
-        return torch.arange(
-            first_page,
-            first_page + self.pages_per_unit,
-            dtype=torch.int64,
-            device=self.device,
-        )
+        end = first_page + self.pages_per_unit
+        return torch.arange(first_page, end, dtype=torch.int64, device=self.device)
+
+    def _set_free_pages(self, pages: List[int]) -> None:
+        # The free list's owner: the staging or the loc allocator.
+        owner, dev = self._free_list_owner, self.device
+        owner.free_pages = torch.tensor(pages, dtype=torch.int64, device=dev)
 
     def available(self) -> bool:
         free = self._free_page_count()
-        if free == self._no_run_at:
-            return False
-        return free - self.reserve_pages >= self.pages_per_unit
+        fits = free - self.reserve_pages >= self.pages_per_unit
+        return fits and free != self._no_run_at
 
     def take(self) -> Optional[int]:
-        """First row of a unit in the highest run of free pages, or None (reads
-        the free list on the host: only while rebalancing)."""
+        """First row of a unit in the highest free run, or None (host read)."""
         if not self.available():
             return None
         n = self.pages_per_unit
@@ -154,25 +144,18 @@ class _PageRunLender:
 
 
 class StagingUnitLender(_PageRunLender):
-    """Idle prefill staging pages lent as units, ``reserve_pages`` kept free
-    for the next prefills; a prefill short of pages takes units back."""
+    """Idle staging pages lent as units, ``reserve_pages`` kept free."""
 
     def __init__(self, staging, unit_rows: int, reserve_pages: int):
-        super().__init__(
-            unit_pages(unit_rows, staging.page_size), reserve_pages, staging.device
-        )
-        self.staging = staging
+        pages = unit_pages(unit_rows, staging.page_size)
+        super().__init__(pages, reserve_pages, staging.device)
+        self.staging = self._free_list_owner = staging
 
     def _free_page_count(self) -> int:
         return self.staging.available_pages()
 
     def _free_pages(self) -> List[int]:
         return self.staging.free_pages.tolist()
-
-    def _set_free_pages(self, pages: List[int]) -> None:
-        self.staging.free_pages = torch.tensor(
-            pages, dtype=torch.int64, device=self.device
-        )
 
     def _lend_run(self, first_page: int) -> int:
         return self.staging.start_row + first_page * self.staging.page_size
@@ -183,21 +166,15 @@ class StagingUnitLender(_PageRunLender):
 
 
 class IdleLocUnitLender(_PageRunLender):
-    """The indexer-key bytes of free token-loc pages lent as units: with the
-    arena a run of free loc pages is also a run of KV rows
-    (``NSAKVOffloadTokenToKVPool.rows_of_pages``). A lent run leaves the
-    allocator's free list but counts as free; an allocation that needs it
-    takes its unit back. ``reserve_pages`` stay free for the next decode
-    steps; the allocator hands out low pages first, so high runs are lent."""
+    """Free loc pages' indexer-key bytes lent as units (``rows_of_pages``): a
+    lent run is off the free list but counts as free; ``reserve_pages`` stay
+    free and high runs are lent (low pages go first)."""
 
     def __init__(self, allocator, unit_rows: int, reserve_pages: int):
         pool = allocator.get_kvcache()
-        super().__init__(
-            idle_loc_unit_pages(unit_rows, pool.kv_row_bytes, pool.index_page_bytes),
-            reserve_pages,
-            allocator.device,
-        )
-        self.allocator = allocator
+        pages = idle_loc_unit_pages(unit_rows, pool.kv_row_bytes, pool.index_page_bytes)
+        super().__init__(pages, reserve_pages, allocator.device)
+        self.allocator = self._free_list_owner = allocator
         self._rows_of_pages = pool.rows_of_pages
         # First page of each lent run, by the unit's first row.
         self._lent = {}
@@ -216,11 +193,6 @@ class IdleLocUnitLender(_PageRunLender):
         self.allocator.merge_and_sort_free()
         return self.allocator.free_pages.tolist()
 
-    def _set_free_pages(self, pages: List[int]) -> None:
-        self.allocator.free_pages = torch.tensor(
-            pages, dtype=torch.int64, device=self.device
-        )
-
     def _lend_run(self, first_page: int) -> int:
         base, _ = self._rows_of_pages(first_page, self.pages_per_unit)
         self._lent[base] = first_page
@@ -235,10 +207,8 @@ Unit = Tuple[int, str]  # (first GPU row, name of its source)
 
 
 class UnitLedger:
-    """Host bookkeeping of the units every admitted request holds, and the
-    decisions on them: who grows (fewest units first), what moves to even
-    them out, whose unit goes back to a lender. It changes no GPU state: the
-    controller carries each decision out on the LRU state first."""
+    """Host bookkeeping of every admitted request's units and the decisions on
+    them (grow, move, give back); it changes no GPU state."""
 
     def __init__(self, regions: RegionAllocator, max_units: int):
         self.regions = regions
@@ -247,15 +217,12 @@ class UnitLedger:
         self.sources: Dict[str, UnitSource] = {REGION_UNIT_SOURCE: regions}
         self._base: Dict[int, int] = {}  # request -> its region's first row
         self._units: Dict[int, List[Unit]] = {}  # extra units, oldest first
-        # Most units a request is lent: what its longest context needs.
-        self._cap: Dict[int, int] = {}
+        self._cap: Dict[int, int] = {}  # most units lent: its longest context's
 
     def add_source(self, name: str, source: UnitSource) -> None:
         if name in self.sources:
             raise ValueError(f"unit source {name!r} is already added")
         self.sources[name] = source
-
-    # ------------------------------------------------------------- requests
 
     def requests(self) -> List[int]:
         return list(self._base)
@@ -295,8 +262,6 @@ class UnitLedger:
         held as extra units (an admission takes one back)."""
         return self.regions.available_size() + self.lent_by(REGION_UNIT_SOURCE)
 
-    # ------------------------------------------------------------ decisions
-
     def _wanting(self) -> List[Tuple[int, int]]:
         # (units held, request) of the requests below their cap.
         return [
@@ -304,8 +269,7 @@ class UnitLedger:
         ]
 
     def grow_candidate(self) -> Optional[int]:
-        """The request with the fewest units below its cap (lowest index first),
-        if some source can lend a unit."""
+        """The request with the fewest units below its cap, if a source can lend."""
         if self.max_units == 1 or not any(s.available() for s in self.sources.values()):
             return None
         wanting = self._wanting()
@@ -321,8 +285,8 @@ class UnitLedger:
 
     def level_move(self) -> Optional[Tuple[int, int]]:
         """(donor, recipient): a request with two or more extra units more than
-        the poorest request below its cap, and that one; else None. Misses grow
-        fast as a request's rows shrink, so an even split misses least."""
+        the poorest request below its cap, and that one; else None (an even
+        split misses least: docs/ELASTIC_BUFFER.md)."""
         wanting = self._wanting() if len(self._units) > 1 else []
         if self.max_units == 1 or not wanting:
             return None
@@ -331,9 +295,8 @@ class UnitLedger:
         return (max(donors)[1], recipient) if donors else None
 
     def reclaim_choice(self, source: str) -> Optional[Tuple[int, int]]:
-        """(request, k): the newest unit ``k`` (index into its extra units) of
-        ``source`` held by the request holding the most units (highest index
-        first); None when no request holds one."""
+        """(request, k): the newest extra unit ``k`` of ``source`` held by the
+        request holding the most units (highest index first), or None."""
         donors = [
             (len(u), r)
             for r, u in self._units.items()
@@ -342,10 +305,7 @@ class UnitLedger:
         if not donors:
             return None
         r = max(donors)[1]
-        units = self._units[r]
-        return r, max(i for i, (_, s) in enumerate(units) if s == source)
-
-    # -------------------------------------------------------------- changes
+        return r, max(i for i, (_, s) in enumerate(self._units[r]) if s == source)
 
     def add(self, r: int, unit: Unit) -> int:
         """Give request ``r`` ``unit``; returns the units it holds now."""
@@ -357,12 +317,9 @@ class UnitLedger:
         return self._units[r].pop()
 
     def swap_with_last(self, r: int, k: int) -> None:
-        """Extra unit ``k`` of request ``r`` and its newest trade places (its
-        rows were copied into the newest's: the newest then goes back)."""
+        """Extra unit ``k`` of request ``r`` and its newest trade places."""
         units = self._units[r]
         units[k], units[-1] = units[-1], units[k]
-
-    # ---------------------------------------------------------------- stats
 
     def spread(self) -> Tuple[int, int]:
         """Units of the poorest and the richest admitted request (0, 0: none)."""

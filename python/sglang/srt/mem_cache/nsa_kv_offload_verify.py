@@ -1,11 +1,9 @@
 """The verify mode of the decode NSA KV offload (``--nsa-kv-offload-verify``).
 
-The KV pool also keeps the full pool sglang keeps without the offload. After
-every decode and MTP-verify layer's swap, :meth:`NSAKVOffloadVerifier.check`
-compares the KV row the page table hands attention for each top-k entry with
-the full pool's row of that position, on the device (no host sync, CUDA-graph
-safe); :meth:`read` brings the counts to the host (docs/ENGINE.md, "Verify
-mode").
+After every decode and MTP-verify layer's swap, :meth:`NSAKVOffloadVerifier.check`
+compares on the device the KV rows the page table hands attention with the
+full pool's; :meth:`read` brings the counts to the host (docs/ENGINE.md,
+"Verify mode").
 """
 
 from __future__ import annotations
@@ -21,14 +19,14 @@ _STEP_SHIFT, _LAYER_SHIFT, _ROW_SHIFT = 40, 32, 16
 _NO_MISMATCH = torch.iinfo(torch.int64).max
 
 
-def _as_words(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
+def _as_words(buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    rows = as_rows(buf, row_bytes)
     return rows.view(torch.int32) if row_bytes % 4 == 0 else rows
 
 
 class NSAKVOffloadVerifier:
-    """Checks the KV rows attention reads against the full pool (module doc).
-    ``mode``: "fail" raises at the first mismatch :meth:`read` sees, "count"
-    only counts."""
+    """Checks the KV rows attention reads against the full pool; ``mode``:
+    "fail" raises at the first mismatch :meth:`read` sees, "count" counts."""
 
     def __init__(self, kv_pool, req_to_token: torch.Tensor, mode: str):
         if kv_pool.verify_kv_buffer is None:
@@ -38,13 +36,11 @@ class NSAKVOffloadVerifier:
         self.start_layer = kv_pool.start_layer
         dev = self.device = kv_pool.device
         row_bytes = kv_pool.kv_row_bytes
-        self._rows = [
-            _as_words(as_rows(b, row_bytes), row_bytes) for b in kv_pool.kv_buffer
-        ]
+        self._rows = [_as_words(b, row_bytes) for b in kv_pool.kv_buffer]
         self._truth_rows = [as_rows(b, row_bytes) for b in kv_pool.verify_kv_buffer]
         self._truth = [_as_words(t, row_bytes) for t in self._truth_rows]
-        # (checked entries, mismatches), the forwards seen, the first
-        # mismatch's packed key and (position, token loc, GPU row read).
+        # (checked, mismatches), forwards seen, the first mismatch's key and
+        # (position, token loc, GPU row read).
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)
         self.step = torch.zeros(1, dtype=torch.int64, device=dev)
         self.first_key = torch.full((1,), _NO_MISMATCH, dtype=torch.int64, device=dev)
@@ -52,8 +48,7 @@ class NSAKVOffloadVerifier:
         self._reported = (0, 0)  # (checked, mismatches) at the last stats_delta
 
     def fill_from_host(self, host_pool, locs: torch.Tensor) -> None:
-        """The truth of a PD prompt: what the transfer put in its host slots
-        ``locs`` (admission, and again after a retraction)."""
+        """A PD prompt's truth: what the transfer put in its host slots ``locs``."""
         host_locs = locs.cpu()
         for layer, truth in enumerate(self._truth_rows):
             truth[locs] = host_pool.data_refs[layer][host_locs].to(self.device)
@@ -87,30 +82,24 @@ class NSAKVOffloadVerifier:
         truth = self._truth[layer][torch.where(valid, loc, 0)]
         read = self._rows[layer][gpu_row.clamp(min=0)]
         differs = (truth != read).any(-1)
-        mismatch = (valid & ((gpu_row < 0) | differs)) | (
-            real[:, None] & ~valid & (gpu_row >= 0)
-        )
+        wrong = valid & ((gpu_row < 0) | differs)
+        mismatch = wrong | (real[:, None] & ~valid & (gpu_row >= 0))
         self.counts[0] += valid.sum()
         self.counts[1] += mismatch.sum()
         if layer == 0:
             self.step += 1
         entry = (row[:, None] << _ROW_SHIFT) + torch.arange(k, device=dev)
-        key = torch.where(
-            mismatch,
-            (self.step << _STEP_SHIFT) + (layer << _LAYER_SHIFT) + entry,
-            _NO_MISMATCH,
-        ).reshape(-1)
+        stamp = (self.step << _STEP_SHIFT) + (layer << _LAYER_SHIFT)
+        key = torch.where(mismatch, stamp + entry, _NO_MISMATCH).reshape(-1)
         at = key.argmin()
-        detail = torch.stack(
-            [pos.reshape(-1)[at], loc.reshape(-1)[at], gpu_row.reshape(-1)[at]]
-        )
+        detail = torch.stack([t.reshape(-1)[at] for t in (pos, loc, gpu_row)])
         first = key[at] < self.first_key
         self.first_detail.copy_(torch.where(first, detail, self.first_detail))
         torch.minimum(self.first_key, key[at : at + 1], out=self.first_key)
 
     def first_mismatch(self) -> Optional[Dict[str, int]]:
-        """Where the first mismatch was (step, layer, page-table row, top-k
-        index, position, token loc, GPU row read), or None (syncs)."""
+        """The first mismatch's step, layer, row, top-k index, position, loc and GPU
+        row read, or None (syncs)."""
         key = int(self.first_key)
         if key == _NO_MISMATCH:
             return None
@@ -126,8 +115,7 @@ class NSAKVOffloadVerifier:
         )
 
     def read(self) -> Dict[str, int]:
-        """Totals since startup (syncs); raises in mode "fail" once any
-        mismatch was counted."""
+        """Totals since startup (syncs); raises in mode "fail" after a mismatch."""
         checked, mismatches = (int(x) for x in self.counts.tolist())
         if mismatches and self.mode == "fail":
             raise RuntimeError(
@@ -138,8 +126,7 @@ class NSAKVOffloadVerifier:
         return dict(verify_checked_rows=checked, verify_mismatches=mismatches)
 
     def stats_delta(self) -> Dict[str, int]:
-        """The counts since the last call and since startup, for the offload's
-        stats (syncs; raises like :meth:`read`)."""
+        """The counts since the last call and since startup (syncs; may raise)."""
         totals = self.read()
         checked, mismatches = totals["verify_checked_rows"], totals["verify_mismatches"]
         last_checked, last_mismatches = self._reported

@@ -1,25 +1,13 @@
 """Pinned host memory holding the MLA KV of every token of a DSA (NSA) model.
 
-Decode-side KV offload keeps the full MLA KV of all tokens in host memory and
-only a small working set per request on the GPU. This pool is that host
-memory: KV only (the indexer keys stay on the GPU), layer-first, one row of
-``row_bytes`` per token per layer, indexed by token loc (host slot == token
-loc, so no second allocator or table is needed).
-
-``kv_buffer`` has shape ``(layer_num, size + page_size, row_bytes)`` uint8, the
-same row count as the device ``NSATokenToKVPool.kv_buffer`` of a pool of
-``size`` tokens, so a page of tokens is contiguous in host memory exactly as on
-the GPU and a PD transfer can land pages straight here
-(:meth:`get_contiguous_buf_infos`).
-
-The memory is page-locked (``cudaHostRegister`` by default, or torch's pinned
-allocator) so GPU kernels read it directly through unified virtual addressing.
-Without CUDA it falls back to ordinary memory (CPU tests). The ranks of an
-attention-TP group hold the same KV: they give the pool one shared segment
-(``nsa_kv_offload_shared_host``), which each rank page-locks in its process.
-
-This class holds memory and describes it; it has no policy (what to keep,
-when to copy: see ``SparseCacheController``).
+KV only (the indexer keys stay on the GPU), layer-first, one ``row_bytes`` row
+per token per layer, indexed by token loc (host slot == token loc).
+``kv_buffer`` is ``(layer_num, size + page_size, row_bytes)`` uint8, the rows
+of the device ``NSATokenToKVPool.kv_buffer``, so a PD transfer can land pages
+here (:meth:`get_contiguous_buf_infos`). Page-locked (``cudaHostRegister`` or
+torch's pinned allocator) for GPU reads through UVA; ordinary memory without
+CUDA. Attention-TP ranks share one segment (``nsa_kv_offload_shared_host``).
+Memory and its description only; the policy is ``SparseCacheController``'s.
 """
 
 from __future__ import annotations
@@ -45,17 +33,9 @@ PREFAULT_MIN_BYTES = 1 << 30
 def prefault_pages(
     buffer: torch.Tensor, num_threads: int, page_bytes: Optional[int] = None
 ) -> None:
-    """Write one byte of every page of ``buffer`` (contiguous, uint8, its
-    contents undefined), the pages split across ``num_threads`` threads.
-
-    ``cudaHostRegister`` of a fresh allocation faults every page in itself,
-    in one thread (the kernel zero-fills each page first): ~35 s for the
-    84 GB pool of a rank server. Faulted here in parallel, the register only
-    locks pages that are present. Not for memory another process may have
-    written (a shared segment): the writes would overwrite its data. The
-    threads inherit the process' CPU affinity, so with the process bound to
-    a NUMA node (``--numa-node``) the pages land there, as the register's do.
-    """
+    """Write one byte of every page of ``buffer`` (contiguous uint8, contents
+    undefined, no other process' data) from ``num_threads`` threads, so
+    ``cudaHostRegister`` finds the pages present (docs/ENGINE.md)."""
     if page_bytes is None:
         page_bytes = os.sysconf("SC_PAGE_SIZE")
     flat = buffer.view(-1)
@@ -66,7 +46,7 @@ def prefault_pages(
     def touch(first_page: int) -> None:
         start = first_page * page_bytes
         stop = min(flat.numel(), (first_page + per_thread) * page_bytes)
-        # torch releases the GIL in fill_: the threads fault in parallel.
+        # fill_ releases the GIL: the threads fault in parallel.
         flat[start:stop:page_bytes].fill_(0)
 
     with ThreadPoolExecutor(num_threads) as pool:
@@ -74,28 +54,11 @@ def prefault_pages(
 
 
 class NSAKVOnlyTokenToKVPoolHost:
-    """Layer-first pinned host KV rows for every token loc.
-
-    Args:
-        size: number of token locs (rounded up to a multiple of ``page_size``).
-            Valid locs are ``[0, size + page_size)``, as in the device pool.
-        page_size: token page size of the device pool (64 for NSA).
-        layer_num: layers held (those of this pipeline rank).
-        row_bytes: bytes of one token's KV in one layer (656 for the fp8
-            FlashMLA layout, 1152 for bf16); see :meth:`get_row_bytes`.
-        start_layer: global id of the first layer held (layer ids passed to the
-            accessors are global, as in the device pool).
-        pin_memory: page-lock the buffer (ignored without CUDA).
-        pin_method: ``"register"`` (``cudaHostRegister`` on an ordinary
-            allocation; no rounding of the size), ``"torch"`` (torch's pinned
-            host allocator, which may round large sizes up to a power of two)
-            or ``"none"``.
-        shared_segment: memory shared with the other ranks of an attention-TP
-            group (``layout.shape`` must be this pool's buffer shape, see
-            :meth:`buffer_shape`), used instead of a private allocation and
-            registered in this process (``pin_method="register"`` or
-            ``"none"``).
-    """
+    """Layer-first pinned host KV rows for token locs ``[0, size +
+    page_size)`` (``size`` rounded up to pages) of layers ``start_layer ..``
+    (global ids). ``pin_method``: ``"register"`` (``cudaHostRegister``),
+    ``"torch"`` (may round up to a power of two) or ``"none"``;
+    ``shared_segment`` (shape :meth:`buffer_shape`) replaces the allocation."""
 
     def __init__(
         self,
@@ -146,7 +109,6 @@ class NSAKVOnlyTokenToKVPoolHost:
         self.kv_buffer = self._alloc_buffer()
         self.pin_memory = self.is_pinned()
 
-        # Per-layer views (num_rows, row_bytes) and their base addresses.
         self.data_refs: List[torch.Tensor] = [
             self.kv_buffer[i] for i in range(self.layer_num)
         ]
@@ -165,15 +127,10 @@ class NSAKVOnlyTokenToKVPoolHost:
             ", shared" if shared_segment is not None else "",
         )
 
-    # ---- construction helpers -------------------------------------------------
-
     @staticmethod
     def get_row_bytes(kv_cache_dim: int, dtype: torch.dtype) -> int:
-        """Bytes of one token's KV in one layer of the device pool.
-
-        ``kv_cache_dim`` and ``dtype`` are the device pool's ``kv_cache_dim`` and
-        ``store_dtype`` (fp8: 656 x uint8; bf16: 576 x bfloat16 = 1152 B).
-        """
+        """Bytes of one token's KV in one layer, from the device pool's
+        ``kv_cache_dim`` and ``store_dtype``."""
         return kv_cache_dim * torch.empty((), dtype=dtype).element_size()
 
     @staticmethod
@@ -193,10 +150,8 @@ class NSAKVOnlyTokenToKVPoolHost:
     def num_tokens_for_gb(
         cls, host_gb: float, layer_num: int, row_bytes: int, page_size: int
     ) -> int:
-        """How many token locs (a multiple of ``page_size``) fit in ``host_gb`` GB.
-
-        Accounts for the extra page of rows the buffer carries.
-        """
+        """Token locs (a multiple of ``page_size``) that fit in ``host_gb`` GB,
+        the buffer's extra page counted."""
         per_token = cls.bytes_per_token(layer_num, row_bytes)
         pages = int(host_gb * 1e9) // (per_token * page_size) - 1
         return max(pages, 0) * page_size
@@ -264,8 +219,6 @@ class NSAKVOnlyTokenToKVPoolHost:
         except Exception:
             pass
 
-    # ---- description -----------------------------------------------------------
-
     def get_size_per_token(self) -> int:
         """Host bytes of one token over all layers of this pool."""
         return self.bytes_per_token(self.layer_num, self.row_bytes)
@@ -297,11 +250,8 @@ class NSAKVOnlyTokenToKVPoolHost:
         return self.data_refs[self._local_layer(layer_id)]
 
     def get_layer_ptrs(self, device=None) -> torch.Tensor:
-        """int64 base address of every layer, as a tensor on ``device``.
-
-        Feed it to all-layer kernels (``copy_rows_all_layers``); the copy per
-        device is cached.
-        """
+        """int64 base address of every layer on ``device`` (cached), for
+        ``copy_rows_all_layers``."""
         if device is None or torch.device(device).type == "cpu":
             return self.layer_ptrs
         key = str(torch.device(device))
@@ -310,9 +260,8 @@ class NSAKVOnlyTokenToKVPoolHost:
         return self._layer_ptrs_on[key]
 
     def get_contiguous_buf_infos(self) -> Tuple[List[int], List[int], List[int]]:
-        """``(data_ptrs, data_lens, item_lens)`` per layer, in the format of the
-        device pool's ``get_contiguous_buf_infos`` (one item = one page of rows),
-        for registering the host memory as a PD transfer target."""
+        """``(data_ptrs, data_lens, item_lens)`` per layer as the device pool's
+        ``get_contiguous_buf_infos`` (item = page): a PD transfer target."""
         data_ptrs = [int(p) for p in self.layer_ptrs.tolist()]
         data_lens = [x.nbytes for x in self.data_refs]
         item_lens = [self.row_bytes * self.page_size] * self.layer_num
@@ -322,8 +271,7 @@ class NSAKVOnlyTokenToKVPoolHost:
         return self.get_contiguous_buf_infos()
 
     def get_page_ptr(self, layer_id: int, page_index: int) -> int:
-        """Host address of page ``page_index`` (token locs
-        ``[page_index * page_size, (page_index + 1) * page_size)``) of a layer."""
+        """Host address of page ``page_index`` of a (global) layer."""
         if not 0 <= page_index < self.page_num + 1:
             raise IndexError(f"page {page_index} outside [0, {self.page_num}]")
         base = int(self.layer_ptrs[self._local_layer(layer_id)])

@@ -1,21 +1,13 @@
 """Decode-side NSA KV offload: host pool + LRU residency + GPU regions + copies.
 
-``SparseCacheController`` owns the pinned host pool (the MLA KV of every token
-at host slot == token loc), the per-(layer, request) LRU residency
-(``LRUCacheState``), the units every request holds (``UnitLedger``: its region
-of ``C + W`` rows and extra units lent while GPU memory idles), and a side
-stream for the copies off the critical path (backups, warm-ups, kept units).
-
-Per decode layer :meth:`swap_one_layer` writes the page table (GPU rows in
-top-k order) and the miss list, then one count-bounded kernel loads the misses
-host -> GPU; both are fixed-shape and sync-free (CUDA-graph safe). Ordering:
-side-stream copies start after the work enqueued so far on the caller's
-stream, and :meth:`wait_backup` makes a stream wait for them (docs/ENGINE.md).
+``SparseCacheController`` owns the pinned host pool (host slot == token loc),
+the LRU residency, the units every request holds and a side stream for the
+copies off the critical path; :meth:`swap_one_layer` is sync-free (CUDA-graph
+safe). Stream rules: docs/ENGINE.md, "Copies and lifecycle".
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Dict, Optional, Sequence
 
 import torch
@@ -23,7 +15,6 @@ from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan, LRUCacheState
 from sglang.srt.mem_cache.nsa_kv_offload_copy import (
     COUNTER_D2H_ROWS,
     COUNTER_H2D_ROWS,
-    DEFAULT_ALL_LAYER_BLOCK_ROWS,
     NUM_COUNTERS,
     as_rows,
     copy_kernels_interpreted,
@@ -43,14 +34,9 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
 
 
 class SparseCacheController:
-    """Host KV pool, LRU residency, GPU regions and copies of the offload.
-
-    ``device_kv_buffers``: every layer's GPU ``kv_buffer`` (contiguous, viewable
-    as ``(N_gpu, row_bytes)``); rows ``[region_start_row, + num_regions x (C +
-    W))`` are the regions. ``host_writer``: False on the ranks of an
-    attention-TP group but its first (they share one host pool). ``extra_units``:
-    units the other sources may lend at once (LRU state is held per unit).
-    """
+    """``device_kv_buffers``: each layer's contiguous GPU ``kv_buffer``.
+    ``host_writer``: False on an attention-TP group's ranks but its first.
+    ``extra_units``: units the other sources may lend at once."""
 
     def __init__(
         self,
@@ -86,12 +72,12 @@ class SparseCacheController:
             raise ValueError("device KV buffers differ in row count")
         self.num_device_rows = self._device_rows[0].shape[0]
         self.device = self._device_rows[0].device
-        if self.device.type == "cuda" and not host_pool.pin_memory:
+        cuda = self.device.type == "cuda"
+        if cuda and not host_pool.pin_memory:
             raise ValueError("the host pool must be pinned for GPU copies")
 
         self.top_k = top_k
-        # Positions below the window an admission warms (without warm units
-        # or direct slots): the newest top-k by default.
+        # Positions below the window a plain admission warms (newest first).
         self.warm_tokens = top_k if warm_tokens is None else warm_tokens
         self.buffer_size = buffer_size
         self.recent_window = recent_window
@@ -117,14 +103,11 @@ class SparseCacheController:
             max_units=max_units,
             max_query_tokens=max_query_tokens,
             direct_slots=direct_slots,
-            # Every admitted request holds a region: the regions and what the
-            # other sources lend are all the units that exist at once.
+            # The regions and what the other sources lend: all units at once.
             num_units=max(1, num_regions + (extra_units if max_units > 1 else 0)),
         )
 
-        # The copies: Triton kernels on CUDA and under the interpreter, else
-        # their torch references (CPU tests).
-        self.use_triton_copy = self.device.type == "cuda" or copy_kernels_interpreted()
+        self.use_triton_copy = cuda or copy_kernels_interpreted()
         self._gather_rows = (
             gather_rows if self.use_triton_copy else gather_rows_reference
         )
@@ -133,22 +116,14 @@ class SparseCacheController:
         )
         self.host_layer_ptrs = host_pool.get_layer_ptrs(self.device)
         self._host_rows = [host_pool.data_refs[i] for i in range(self.layer_num)]
-        # Rows/bytes moved (nsa_kv_offload_copy.COUNTER_*), on the device.
+        # Rows and bytes moved (COUNTER_*), on the device.
         self.counters = torch.zeros(NUM_COUNTERS, dtype=torch.int64, device=self.device)
 
-        self.side_stream = (
-            torch.cuda.Stream(device=self.device)
-            if self.device.type == "cuda"
-            else None
-        )
+        self.side_stream = torch.cuda.Stream(device=self.device) if cuda else None
         self._last_side_event = None
         # Host-side counters since the last read (get_stats).
-        self._events = dict.fromkeys(
-            ("units_moved", "units_reclaimed", "units_kept", "warmed_requests"), 0
-        )
-        self._events["warmed_bytes"] = 0
-
-    # ------------------------------------------------------------------ copies
+        events = "units_moved units_reclaimed units_kept warmed_requests warmed_bytes"
+        self._events = dict.fromkeys(events.split(), 0)
 
     def _local_layer(self, layer_id: int) -> int:
         idx = layer_id - self.start_layer
@@ -157,8 +132,7 @@ class SparseCacheController:
         return idx
 
     def _launch_side(self, fn, tensors: Sequence[torch.Tensor] = ()) -> None:
-        """Run ``fn`` on the side stream after the work enqueued so far on the
-        caller's stream (inline off CUDA)."""
+        """Run ``fn`` on the side stream after the caller's stream (inline off CUDA)."""
         if self.side_stream is None:
             fn()
             return
@@ -174,32 +148,15 @@ class SparseCacheController:
 
     def _copy_all_layers(self, src, dst, src_idx, dst_idx, count, counter_idx):
         # src / dst: "device" or "host"; one launch over every layer.
-        ptrs = {"device": self.device_layer_ptrs, "host": self.host_layer_ptrs}
-        rows = {"device": self._device_rows, "host": self._host_rows}
-        counters = None if counter_idx is None else self.counters
         if self.use_triton_copy:
-            copy_rows_all_layers(
-                ptrs[src],
-                ptrs[dst],
-                src_idx,
-                dst_idx,
-                self.row_bytes,
-                count=count,
-                counters=counters,
-                counter_idx=counter_idx or 0,
-                block_rows=DEFAULT_ALL_LAYER_BLOCK_ROWS,
-            )
+            layers = {"device": self.device_layer_ptrs, "host": self.host_layer_ptrs}
+            copy = copy_rows_all_layers
         else:
-            copy_rows_all_layers_reference(
-                rows[src],
-                rows[dst],
-                src_idx,
-                dst_idx,
-                self.row_bytes,
-                count,
-                counters=counters,
-                counter_idx=counter_idx or 0,
-            )
+            layers = {"device": self._device_rows, "host": self._host_rows}
+            copy = copy_rows_all_layers_reference
+        counters = None if counter_idx is None else self.counters
+        kw = dict(count=count, counters=counters, counter_idx=counter_idx or 0)
+        copy(layers[src], layers[dst], src_idx, dst_idx, self.row_bytes, **kw)
 
     def _d2h_all_layers(self, gpu_rows, locs, count=None) -> None:
         self._copy_all_layers("device", "host", gpu_rows, locs, count, COUNTER_D2H_ROWS)
@@ -209,8 +166,6 @@ class SparseCacheController:
 
     def _d2d_all_layers(self, src_rows, dst_rows) -> None:
         self._copy_all_layers("device", "device", src_rows, dst_rows, None, None)
-
-    # ---------------------------------------------------------------- hot path
 
     def swap_one_layer(
         self,
@@ -224,51 +179,33 @@ class SparseCacheController:
         num_query_tokens: int = 1,
         defer_lru_reorder: bool = False,
     ) -> torch.Tensor:
-        """One layer's LRU swap (``LRUCacheState.swap_layer``) and its miss
-        copy ``host[loc] -> kv_buffer[layer][row]`` on the current stream;
-        returns the page table, ready for FlashMLA."""
+        """One layer's LRU swap and miss copy on the current stream; returns the
+        page table, ready for FlashMLA."""
         layer = self._local_layer(layer_id)
+        args = (topk_pos, req_pool_indices, seq_lens, req_to_token, num_real_reqs)
+        q, defer = num_query_tokens, defer_lru_reorder
         plan = self.lru.swap_layer(
-            layer,
-            topk_pos,
-            req_pool_indices,
-            seq_lens,
-            req_to_token,
-            num_real_reqs,
-            out=out,
-            num_query_tokens=num_query_tokens,
-            defer_reorder=defer_lru_reorder,
+            layer, *args, out=out, num_query_tokens=q, defer_reorder=defer
         )
-        self._gather_rows(
-            self._host_rows[layer],
-            self._device_rows[layer],
-            plan.miss_src_loc,
-            plan.miss_dst_row,
-            plan.miss_count,
-            self.row_bytes,
-            counters=self.counters,
-            counter_idx=COUNTER_H2D_ROWS,
-        )
+        # Counted as COUNTER_H2D_ROWS (the copy's default).
+        src, dst = self._host_rows[layer], self._device_rows[layer]
+        misses = (plan.miss_src_loc, plan.miss_dst_row, plan.miss_count)
+        self._gather_rows(src, dst, *misses, self.row_bytes, counters=self.counters)
         return plan.page_table
 
     def finish_lru_reorder(self) -> None:
         """Launch the deferred recency update of the last swap (current stream)."""
         self.lru.finish_reorder()
 
-    # ------------------------------------------------------------------ backups
-
     def write_back_new_tokens(self, gpu_rows, locs, count=None) -> None:
-        """Copy one step's new-token rows ``gpu_rows`` of all layers to host
-        slots ``locs`` on the current stream (CUDA-graph safe; ``count``: a
-        device tensor, the real entries). A rank not the host writer copies
-        nothing."""
+        """Copy one step's new-token rows of all layers to host slots ``locs`` on
+        the current stream (graph-safe; ``count``: real entries, on the device)."""
         if self.host_writer:
             self._d2h_all_layers(gpu_rows, locs, count)
 
     def backup_prefilled_request(self, gpu_rows, locs) -> None:
-        """Copy every layer of a prefilled request's staging rows to its host
-        slots, on the side stream; staging rows are reused only after
-        :meth:`wait_backup`."""
+        """Copy a prefilled request's staging rows (all layers) to its host slots on
+        the side stream (reuse them after :meth:`wait_backup`)."""
         if not self.host_writer:
             return
         gpu_rows = gpu_rows.reshape(-1).to(self.device, torch.int64).contiguous()
@@ -278,8 +215,7 @@ class SparseCacheController:
         )
 
     def wait_backup(self, stream=None) -> None:
-        """Make ``stream`` (default: current) wait on the GPU for every side-stream
-        copy issued so far. No host sync."""
+        """Make ``stream`` (default: current) wait for every side-stream copy so far."""
         if self._last_side_event is None:
             return
         stream = stream or torch.cuda.current_stream(self.device)
@@ -289,8 +225,6 @@ class SparseCacheController:
         """Block the host until every side-stream copy issued so far is done."""
         if self.side_stream is not None:
             self.side_stream.synchronize()
-
-    # ---------------------------------------------------------------- lifecycle
 
     def is_admitted(self, req_pool_idx: int) -> bool:
         return self.units.is_admitted(int(req_pool_idx))
@@ -311,8 +245,7 @@ class SparseCacheController:
         return self.admission_room() >= num_reqs
 
     def units_to_hold(self, seq_len: int) -> int:
-        """Units whose slots hold a ``seq_len`` context below its window, within
-        ``1 .. max_units``."""
+        """Units holding a ``seq_len`` context below its window (<= max_units)."""
         units = units_for_context(seq_len, self.buffer_size, self.recent_window)
         return min(self.max_units, units)
 
@@ -323,10 +256,9 @@ class SparseCacheController:
         prefix_rows: Optional[torch.Tensor] = None,
         max_seq_len: Optional[int] = None,
     ) -> Optional[int]:
-        """Give a request a region (taking back a lent one when none is free)
-        and its LRU state; warm it from ``prefix_locs`` (its positions' host
-        slots, or the GPU rows ``prefix_rows``) when given. ``max_seq_len``
-        caps the units it is lent. Returns the region's first row, or None."""
+        """Give a request a region (taking back a lent one if none is free) and LRU
+        state, warmed from ``prefix_locs`` (or GPU rows ``prefix_rows``) if given;
+        ``max_seq_len`` caps its units. Returns the region's first row, or None."""
         r = int(req_pool_idx)
         if self.units.is_admitted(r):
             raise ValueError(f"request {r} is already admitted")
@@ -343,18 +275,15 @@ class SparseCacheController:
         return base
 
     def warm_admitted(self, req_pool_idx: int, prefix_locs, prefix_rows=None) -> None:
-        """Warm a request admitted without ``prefix_locs`` once its units are
-        granted: its first step's window rows and the newest positions below
-        it, into every slot it holds."""
+        """Warm a request admitted without ``prefix_locs``, into all its slots."""
         r = int(req_pool_idx)
         most = self.max_units * self.buffer_size
         self._warm_request(r, self.units.base(r), prefix_locs, most, prefix_rows)
 
     def _warm_request(self, r, base, prefix_locs, warm_tokens, prefix_rows) -> None:
-        # One all-layer copy on the side stream: the window rows of the first
-        # step (seq_len n + 1: [n + 1 - W, n)) and the newest positions below
-        # it into the LRU slots (direct mode: all of them, position p in slot p).
-        C, W = self.buffer_size, self.recent_window
+        # One side-stream copy: the first step's window rows ([n + 1 - W, n))
+        # and the newest positions below (direct: all, position p in slot p).
+        C, W, L = self.buffer_size, self.recent_window, self.layer_num
         prefix_locs = prefix_locs.reshape(-1).to(self.device, torch.int64)
         source = prefix_locs  # host slots, or the same positions' GPU rows
         if prefix_rows is not None:
@@ -372,30 +301,25 @@ class SparseCacheController:
         num_warm = win_start if direct else max(0, min(warm_tokens, slots, win_start))
         if num_warm > 0 or direct:
             # Oldest first: the newest token ends up most recently used.
-            warm_locs = prefix_locs[win_start - num_warm : win_start]
-            layers = range(self.layer_num)
+            warm = slice(win_start - num_warm, win_start)
             if direct:
-                rows = self.lru.warm_direct(layers, r, warm_locs, slots)
+                rows = self.lru.warm_direct(range(L), r, prefix_locs[warm], slots)
             else:
-                rows = self.lru.warm_request(layers, r, warm_locs)
-            warm_src = source[win_start - num_warm : win_start]
-            src = torch.cat([src, warm_src]).expand(self.layer_num, -1)
-            dst = dst.expand(self.layer_num, -1)
-            dst = torch.cat([dst, rows.to(torch.int64)], dim=1)
-            src, dst = src.contiguous(), dst.contiguous()
+                rows = self.lru.warm_request(range(L), r, prefix_locs[warm])
+            src = torch.cat([src, source[warm]]).expand(L, -1).contiguous()
+            dst = torch.cat([dst.expand(L, -1), rows.to(torch.int64)], dim=1)
         if src.shape[-1] == 0:
             return
         self._events["warmed_requests"] += 1
-        self._events["warmed_bytes"] += src.shape[-1] * self.layer_num * self.row_bytes
+        self._events["warmed_bytes"] += src.shape[-1] * L * self.row_bytes
         copy = self._h2d_all_layers if prefix_rows is None else self._d2d_all_layers
         self._launch_side(lambda: copy(src, dst), [src, dst])
         # The first decode step reads these rows.
         self.wait_backup()
 
     def release_request(self, req_pool_idx: int) -> None:
-        """Free the request's region, units and LRU state without a host sync:
-        whoever reuses them is ordered after its copies on the GPU. The caller's
-        stream must already wait for any forward that may still read it."""
+        """Free the request's region, units and LRU state without a host sync (the
+        caller's stream already waits for the forwards that may read it)."""
         r = int(req_pool_idx)
         if not self.units.is_admitted(r):
             raise ValueError(f"request {r} is not admitted")
@@ -403,14 +327,11 @@ class SparseCacheController:
         self.lru.release_request(r)
         self.units.release(r)
 
-    # ------------------------------------------------------------------- units
-
     def units_lent_by(self, source: str) -> int:
         return self.units.lent_by(source)
 
     def add_unit_source(self, name: str, source) -> None:
-        """Another lender of units (``buffer_size`` rows each), asked after the
-        sources added before it (the free regions first)."""
+        """Another lender of units, asked after those added before it."""
         self.units.add_source(name, source)
 
     def wants_rebalance(self) -> bool:
@@ -419,9 +340,8 @@ class SparseCacheController:
         return bool(grow) or self.units.level_move() is not None
 
     def rebalance(self) -> int:
-        """Lend idle rows as units, fewest units first, then even units out
-        (``UnitLedger.level_move``). The caller's stream must already wait for
-        every forward that may still read the LRU state. Returns units lent."""
+        """Lend idle rows as units, fewest units first, then even units out (the
+        caller's stream already waits for the forwards); returns units lent."""
         granted = 0
         while True:
             while self.lru.free_units():
@@ -447,25 +367,21 @@ class SparseCacheController:
         self.lru.grow_request(r, held - 1, unit[0])
 
     def _drop_last_unit(self, r: int):
-        # Its resident rows are dropped (missed again when read). Side-stream
-        # copies still in flight may target its rows.
+        # Its rows are dropped; side-stream copies may still target them.
         self.wait_backup()
         self.lru.shrink_request(r, len(self.units.units(r)))
         return self.units.pop_last(r)
 
     def _reclaim_from(self, source: str) -> bool:
-        """Give one unit of ``source`` back (``UnitLedger.reclaim_choice``).
-        When it is not the request's newest, its rows are first copied into
-        the newest's, which is given back instead: one unit's rows are lost,
-        not those of every unit lent after it. False when none is lent."""
+        """Give one unit of ``source`` back (``UnitLedger.reclaim_choice``); one not
+        the newest has its rows copied into the newest's, which goes back instead."""
         choice = self.units.reclaim_choice(source)
         if choice is None:
             return False
         r, k = choice
         units = self.units.units(r)
         if k != len(units) - 1:
-            # One all-layer copy of C rows, ordered after every side-stream
-            # copy into either unit (the caller waits for the forwards).
+            # Ordered after every side-stream copy into either unit.
             rows = torch.arange(self.buffer_size, dtype=torch.int64, device=self.device)
             src, dst = rows + units[k][0], rows + units[-1][0]
             self._launch_side(lambda: self._d2d_all_layers(src, dst), [src, dst])
@@ -478,13 +394,10 @@ class SparseCacheController:
         return True
 
     def reclaim_units_of(self, source: str, enough) -> bool:
-        """Take units of ``source`` back until ``enough()`` (the caller's stream
-        already waits for the forwards that may read them); returns it."""
+        """Take units of ``source`` back until ``enough()``; returns ``enough()``."""
         while not enough() and self._reclaim_from(source):
             pass
         return enough()
-
-    # ------------------------------------------------------------------- stats
 
     def reset_stats(self) -> None:
         self._events = dict.fromkeys(self._events, 0)
@@ -492,29 +405,19 @@ class SparseCacheController:
         self.lru.reset_counters()
 
     def get_stats(self) -> Dict[str, int]:
-        """Counters since :meth:`reset_stats` and the units held now (reads
-        device tensors: for logs and metrics)."""
-        hits, window, misses = (int(x) for x in self.lru.counters.sum(0).tolist())
-        h2d_rows, h2d_bytes, d2h_rows, d2h_bytes = (
-            int(x) for x in self.counters.tolist()
-        )
+        """Counters since :meth:`reset_stats` and the units held now (syncs)."""
+        lookups = (int(x) for x in self.lru.counters.sum(0).tolist())
+        stats = dict(zip(("lru_hits", "window_hits", "misses"), lookups))
+        moved = (int(x) for x in self.counters.tolist())
+        stats.update(zip(("h2d_rows", "h2d_bytes", "d2h_rows", "d2h_bytes"), moved))
         fewest, most = self.units.spread()
-        stats = dict(
-            lru_hits=hits,
-            window_hits=window,
-            misses=misses,
-            h2d_rows=h2d_rows,
-            h2d_bytes=h2d_bytes,
-            d2h_rows=d2h_rows,
-            d2h_bytes=d2h_bytes,
+        skip = (REGION_UNIT_SOURCE, IDLE_LOC_UNIT_SOURCE)
+        lent = sum(self.units_lent_by(n) for n in self.units.sources if n not in skip)
+        stats.update(
             regions_used=self.regions.num_regions - self.regions.available_size(),
             regions_total=self.regions.num_regions,
             extra_units=sum(len(self.units.units(r)) for r in self.units.requests()),
-            extra_units_lent=sum(
-                self.units_lent_by(name)
-                for name in self.units.sources
-                if name not in (REGION_UNIT_SOURCE, IDLE_LOC_UNIT_SOURCE)
-            ),
+            extra_units_lent=lent,
             idle_loc_units_lent=self.units_lent_by(IDLE_LOC_UNIT_SOURCE),
             fewest_units=fewest,
             most_units=most,

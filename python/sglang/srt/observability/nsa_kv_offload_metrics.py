@@ -1,10 +1,8 @@
 """Prometheus metrics and the decode log line of the decode NSA KV offload.
 
-The scheduler hands the offload its metric labels (``--enable-metrics``); the
-offload feeds these collectors where it reads its device counters for the
-decode log line (one host sync per log interval, none on the decode path) and
-once more when the scheduler goes idle. Counters accumulate what each interval
-moved; gauges hold the state at the last log or idle check.
+Fed where the offload reads its device counters for the decode log line (one
+host sync per log interval) and when the scheduler idles: counters add each
+interval, gauges hold the last state.
 """
 
 from typing import Dict, Optional
@@ -77,8 +75,7 @@ class NSAKVOffloadMetricsCollector:
             setattr(self, name, metric)
 
     def observe(self, stats: Dict[str, float]) -> None:
-        """Add one log interval's counts (``stats`` as the offload's decode
-        log reads them) and set the gauges."""
+        """Add one log interval's counts (``get_stats``) and set the gauges."""
         for key in _COUNTERS:
             if stats.get(key):
                 getattr(self, key).labels(**self.labels).inc(stats[key])
@@ -91,36 +88,34 @@ class NSAKVOffloadMetricsCollector:
 def decode_log_suffix(stats: Dict[str, float], interval_s: float) -> str:
     """``, nsa-offload hit rate: ...`` for the scheduler's decode log line, from
     one interval's stats (``NSAKVOffloadCoordinator.get_stats``)."""
-    lookups = stats["lru_hits"] + stats["window_hits"] + stats["misses"]
-    hit_rate = (lookups - stats["misses"]) / max(lookups, 1)
+    s = stats
+    lookups = s["lru_hits"] + s["window_hits"] + s["misses"]
+    hit_rate = (lookups - s["misses"]) / max(lookups, 1)
     parts = [
         f"nsa-offload hit rate: {hit_rate:.3f}",
-        f"misses: {stats['misses']}",
-        f"H2D: {stats['h2d_bytes'] / max(interval_s, 1e-9) / 1e9:.2f} GB/s",
-        f"regions: {stats['regions_used']}/{stats['regions_total']}",
+        f"misses: {s['misses']}",
+        f"H2D: {s['h2d_bytes'] / max(interval_s, 1e-9) / 1e9:.2f} GB/s",
+        f"regions: {s['regions_used']}/{s['regions_total']}",
     ]
-    if stats["max_units"] > 1:
+    if s["max_units"] > 1:
         parts.append(
-            f"extra units: {stats['extra_units']} ({stats['extra_units_lent']} of "
-            f"staging, {stats['units_moved']} moved, "
-            f"{stats['idle_loc_units_lent']} of idle locs)"
+            f"extra units: {s['extra_units']} ({s['extra_units_lent']} of staging, "
+            f"{s['units_moved']} moved, {s['idle_loc_units_lent']} of idle locs)"
         )
-        parts.append(
-            f"units per request: {stats['fewest_units']}-{stats['most_units']}"
-        )
-        if stats["units_reclaimed"]:
+        parts.append(f"units per request: {s['fewest_units']}-{s['most_units']}")
+        if s["units_reclaimed"]:
             parts.append(
-                f"units reclaimed: {stats['units_reclaimed']} "
-                f"({stats['units_kept']} kept by a copy)"
+                f"units reclaimed: {s['units_reclaimed']} "
+                f"({s['units_kept']} kept by a copy)"
             )
-    parts.append(f"direct: {stats['direct_requests']}")
-    if stats["warmed_requests"]:
+    parts.append(f"direct: {s['direct_requests']}")
+    if s["warmed_requests"]:
         parts.append(
-            f"warmed: {stats['warmed_requests']} ({stats['warmed_bytes'] / 1e9:.2f} GB)"
+            f"warmed: {s['warmed_requests']} ({s['warmed_bytes'] / 1e9:.2f} GB)"
         )
-    if "verify_checked_total" in stats:
+    if "verify_checked_total" in s:
         parts.append(
-            f"verify: {stats['verify_checked_total']} rows checked, "
-            f"{stats['verify_mismatches_total']} mismatches"
+            f"verify: {s['verify_checked_total']} rows checked, "
+            f"{s['verify_mismatches_total']} mismatches"
         )
     return ", " + ", ".join(parts)

@@ -1,10 +1,6 @@
-"""What the NSA attention backend and the model call when the decode NSA KV
-offload is on.
-
-The backend is handed the coordinator at construction
-(``model_runner.nsa_kv_offload``, None when the offload is off), so it needs no
-new ForwardBatch field and CUDA-graph capture sees the same object as eager
-runs.
+"""What the NSA attention backend and the model call with the decode NSA KV
+offload on; the backend holds the coordinator (``model_runner.nsa_kv_offload``,
+None when off) from construction on (docs/INTEGRATION.md).
 """
 
 from __future__ import annotations
@@ -23,9 +19,7 @@ def use_positional_topk(offload, forward_batch) -> bool:
     return mode.is_decode_or_idle() or mode.is_target_verify()
 
 
-def begin_layer_swap(
-    forward_batch, layer_id: int, topk_positions: torch.Tensor
-) -> None:
+def begin_layer_swap(forward_batch, layer_id: int, topk_positions: torch.Tensor):
     """The model, right after a layer's indexer: start the layer's decode or
     verify swap beside the query projection and rope (reached through the
     forward's attention backend: a draft model's has no offload)."""
@@ -45,9 +39,7 @@ def verify_page_table(offload, forward_batch, layer_id: int, topk_positions):
     return offload.swap_verify_layer(layer_id, topk_positions, forward_batch)
 
 
-def translate_locs_to_rows(
-    offload, locs: Optional[torch.Tensor]
-) -> Optional[torch.Tensor]:
+def translate_locs_to_rows(offload, locs: Optional[torch.Tensor]):
     """Prefill reads KV by token loc; with the offload a prompt's KV lives in
     staging rows (``-1`` stays ``-1``)."""
     if offload is None or locs is None:
