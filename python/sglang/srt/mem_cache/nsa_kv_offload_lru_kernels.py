@@ -135,6 +135,28 @@ if _HAS_TRITON:
         return slot_row, rows
 
     @triton.jit
+    def _store_row(
+        slot, hit, miss, lookup, in_window, pos, loc, miss_rank, num_misses,
+        base, unit_base_ptr, r, pt_row, offs_k, mask_k, miss_src_row,
+        miss_dst_row, miss_count_at, counters_ptr,
+        C0: tl.constexpr, U: tl.constexpr, W: tl.constexpr,
+    ):  # fmt: skip
+        # The row's page table (top-k order), copy list and counters.
+        slot_row, rows = _entry_rows(
+            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
+        )
+        tl.store(pt_row + offs_k, rows, mask=mask_k)
+        tl.store(miss_src_row + miss_rank, loc.to(tl.int64), mask=miss)
+        tl.store(miss_dst_row + miss_rank, slot_row, mask=miss)
+        tl.store(miss_count_at, num_misses)
+        _add_counters(
+            counters_ptr,
+            tl.sum(hit.to(tl.int32), axis=0),
+            tl.sum(in_window.to(tl.int32), axis=0),
+            num_misses,
+        )
+
+    @triton.jit
     def _copy_back_order(
         new_lru_ptr,
         lru_ptr,
@@ -244,65 +266,63 @@ if _HAS_TRITON:
             )
             at = _state_offset(unit_index_ptr, r, pos, miss, C0, U)
             tl.store(slot_loc_ptr + at, loc, mask=miss)
-        else:
-            # Victims: the first num_misses unflagged slots of lru_order.
-            tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
-            tl.debug_barrier()
-            offs = tl.arange(0, BLOCK_S)
-            found = num_misses * 0
-            start = num_misses * 0
-            while (found < num_misses) & (start < capacity):
-                p = start + offs
-                mask = p < capacity
-                at = _state_offset(unit_index_ptr, r, p, mask, C0, U)
-                order = tl.load(lru_ptr + at, mask=mask, other=0).to(tl.int32)
-                flag = tl.load(flags_row + order, mask=mask, other=1)
-                evictable = mask & (flag == 0)
-                ev_i = evictable.to(tl.int32)
-                ev_rank = found + tl.cumsum(ev_i, axis=0) - ev_i
-                taken = evictable & (ev_rank < num_misses)
-                at = _state_offset(unit_index_ptr, r, order, taken, C0, U)
-                old_loc = tl.load(slot_loc_ptr + at, mask=taken, other=-1)
-                _evict_victims(
-                    loc_to_slot_ptr,
-                    old_loc,
-                    taken,
-                    victims_row,
-                    ev_rank,
-                    order,
-                    BLOCK_S,
-                )
-                found += tl.sum(ev_i, axis=0)
-                start += BLOCK_S
-            tl.debug_barrier()
-            victim = _take_victims(
-                victims_row,
-                miss_rank,
-                miss,
-                loc,
+            # Its own epilogue and return: one shared by both paths spills.
+            _store_row(
+                slot, hit, miss, lookup, in_window, pos, loc, miss_rank, num_misses,
+                base, unit_base_ptr, r, pt_row, offs_k, mask_k,
+                miss_src_ptr + b * miss_src_stride, miss_dst_ptr + b * miss_dst_stride,
+                miss_count_ptr + b, counters_ptr, C0, U, W,
+            )  # fmt: skip
+            return
+        # Victims: the first num_misses unflagged slots of lru_order.
+        tl.store(flags_row + cur, tl.full([BLOCK_K], 1, tl.int8), mask=hit)
+        tl.debug_barrier()
+        offs = tl.arange(0, BLOCK_S)
+        found = num_misses * 0
+        start = num_misses * 0
+        while (found < num_misses) & (start < capacity):
+            p = start + offs
+            mask = p < capacity
+            at = _state_offset(unit_index_ptr, r, p, mask, C0, U)
+            order = tl.load(lru_ptr + at, mask=mask, other=0).to(tl.int32)
+            flag = tl.load(flags_row + order, mask=mask, other=1)
+            evictable = mask & (flag == 0)
+            ev_i = evictable.to(tl.int32)
+            ev_rank = found + tl.cumsum(ev_i, axis=0) - ev_i
+            taken = evictable & (ev_rank < num_misses)
+            at = _state_offset(unit_index_ptr, r, order, taken, C0, U)
+            old_loc = tl.load(slot_loc_ptr + at, mask=taken, other=-1)
+            _evict_victims(
                 loc_to_slot_ptr,
-                slot_loc_ptr,
-                unit_index_ptr,
-                r,
-                C0,
-                U,
+                old_loc,
+                taken,
+                victims_row,
+                ev_rank,
+                order,
+                BLOCK_S,
             )
-            slot = tl.where(hit, cur, victim)
-        slot_row, rows = _entry_rows(
-            slot, lookup, in_window, pos, base, unit_base_ptr, r, C0, U, W
+            found += tl.sum(ev_i, axis=0)
+            start += BLOCK_S
+        tl.debug_barrier()
+        victim = _take_victims(
+            victims_row,
+            miss_rank,
+            miss,
+            loc,
+            loc_to_slot_ptr,
+            slot_loc_ptr,
+            unit_index_ptr,
+            r,
+            C0,
+            U,
         )
-        tl.store(pt_row + offs_k, rows, mask=mask_k)
-        tl.store(
-            miss_src_ptr + b * miss_src_stride + miss_rank, loc.to(tl.int64), mask=miss
-        )
-        tl.store(miss_dst_ptr + b * miss_dst_stride + miss_rank, slot_row, mask=miss)
-        tl.store(miss_count_ptr + b, num_misses)
-        _add_counters(
-            counters_ptr,
-            tl.sum(hit.to(tl.int32), axis=0),
-            tl.sum(in_window.to(tl.int32), axis=0),
-            num_misses,
-        )
+        slot = tl.where(hit, cur, victim)
+        _store_row(
+            slot, hit, miss, lookup, in_window, pos, loc, miss_rank, num_misses,
+            base, unit_base_ptr, r, pt_row, offs_k, mask_k,
+            miss_src_ptr + b * miss_src_stride, miss_dst_ptr + b * miss_dst_stride,
+            miss_count_ptr + b, counters_ptr, C0, U, W,
+        )  # fmt: skip
 
     @triton.jit
     def _chunk_evictable(
