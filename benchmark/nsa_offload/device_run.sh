@@ -154,6 +154,42 @@ run_step() {
       # against the same outputs.
       mkdir -p /tmp/exact_keep && cp -r $OUT/exact_${EXACT_MODEL:-tiny}* /tmp/exact_keep/
       ;;
+    faults)
+      # The two GPU faults' cause (gpu_fault_repro.py: the rank kernel with and
+      # without its barrier at 4/8/16 warps, 3 repeats), compute-sanitizer
+      # synccheck and memcheck over a small repro, then the failing
+      # configurations' tests on CUDA three times: 2 units + warm units +
+      # direct slots through the coordinator at the served sizes, and the
+      # verify mode (a planted wrong row counted).
+      timeout 240 python3 benchmark/nsa_offload/engine/gpu_fault_repro.py \
+        --out $OUT/fault_repro.json 2>&1 | tail -3 || rc=1
+      for tool in synccheck memcheck; do
+        timeout 120 /usr/local/cuda/bin/compute-sanitizer --tool $tool --error-exitcode 9 \
+          python3 benchmark/nsa_offload/engine/gpu_fault_repro.py --out $OUT/sanitizer_$tool.json \
+          --small --trials 2 --steps 3 --repeats 1 > $OUT/sanitizer_$tool.txt 2>&1
+        echo "compute-sanitizer $tool: rc=$?"; grep -E "ERROR SUMMARY" $OUT/sanitizer_$tool.txt
+      done
+      for i in 1 2 3; do
+        timeout 150 python3 -m pytest -q -p no:cacheprovider test/srt/test_nsa_kv_offload_verify_mode.py \
+          test/srt/test_nsa_kv_offload_integration.py::TestOneRequestAtATime > $OUT/pytest_faults_$i.txt 2>&1 || rc=1
+        echo "run $i: $(tail -1 $OUT/pytest_faults_$i.txt)"
+      done
+      ;;
+    churn)
+      # The churn soak on the defaults in verify mode (soak.py: random
+      # arrivals, prompts 1-30K skewed short, client aborts, forced
+      # retraction, a small GPU KV budget so that lent units go back) beside
+      # the default gate in verify mode on the tiny checkpoint (batch 1 vs
+      # tiny_run6's no-offload outputs and negative control).
+      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      SOAK_ARGS="${SOAK_ARGS:---num-requests 3000 --concurrency 32 --max-len 30000 \
+        --kv-budget-gib 0.7 --retract-interval 40 --probe-tokens 16 --time-budget-s 180}" \
+        run_step soak > $OUT/soak_step.log 2>&1 &
+      local soak_pid=$!
+      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_verify $resume" run_step exact
+      wait $soak_pid || rc=1
+      echo "=== soak"; tail -30 $OUT/soak_step.log
+      ;;
     kernel-gate)
       # After any change to the swap, reorder or copy kernels, before timing
       # it: the swap kernels against the torch reference at the served sizes

@@ -445,9 +445,14 @@ class TestRunOrchestration(FakeServerCase):
         # Whether a load sample (every 0.02 s) falls inside a request's 0.2 s
         # wait is timing: on a loaded CI machine none may (a fresh-clone run
         # at f58c195 beside other tests); the criterion follows the count.
-        expected = ["requests >= 5000"]
-        if s["waited_on_host_pool"] == 0:
-            expected.append("requests waited on the host pool")
+        # The fake server exports no unit or verify counters.
+        expected = [
+            "requests >= 5000",
+            "units moved",
+            "units reclaimed",
+            "idle-loc units lent",
+            "rows verified, 0 mismatches",
+        ]
         self.assertEqual(fails, expected)
 
 
@@ -585,7 +590,18 @@ def clean_result(**over):
         "alive_at_end": True,
         "idle_reached": True,
         "final_load": {"running": 0, "waiting": 0, "used": 0},
-        "host_pool_seen": {"max_used_tokens": 98000.0, "total_tokens": 98304.0},
+        "host_pool_seen": {
+            "max_used_tokens": 98000.0,
+            "total_tokens": 98304.0,
+            soak.IDLE_LOC_GAUGE: 3.0,
+        },
+        "metrics": {
+            soak.COUNTER_KEYS["units_moved"]: 5.0,
+            soak.COUNTER_KEYS["units_reclaimed"]: 7.0,
+            soak.COUNTER_KEYS["units_kept"]: 2.0,
+            soak.COUNTER_KEYS["verify_checked_rows"]: 1e6,
+            soak.COUNTER_KEYS["verify_mismatches"]: 0.0,
+        },
         "wall_s": 321.0,
         "soak_s": 250.0,
         "code_commit": "abc1234",
@@ -606,17 +622,22 @@ class TestSummary(unittest.TestCase):
         self.assertEqual(
             {k: s[k] for k in soak.SUMMARY_KEYS},
             {
+                "settings": "default",
                 "requests": 5000,
                 "aborted": 500,
                 "retracted": 4,
-                "waited_on_host_pool": 5000,
+                "units_moved": 5,
+                "units_reclaimed": 7,
+                "units_kept": 2,
+                "idle_loc_units_lent": 3,
+                "verify_checked_rows": 1000000,
+                "verify_mismatches": 0,
                 "leaks": 0,
-                "crashed": False,
-                "probe_identical": True,
-                "wall_s": 321.0,
+                "failed": 0,
                 "code_commit": "abc1234",
             },
         )
+        self.assertEqual(s["waited_on_host_pool"], 5000)
         self.assertIsInstance(s["crashed"], bool)
         self.assertIsInstance(s["probe_identical"], bool)
         self.assertEqual(s["completed"], 4500)
@@ -672,11 +693,11 @@ class TestSummary(unittest.TestCase):
             s = soak.write_summary(clean_result(), d)
             with open(os.path.join(d, "summary.json")) as f:
                 on_disk = json.load(f)
-            self.assertEqual(list(on_disk)[:9], list(soak.SUMMARY_KEYS))
+            self.assertEqual(list(on_disk)[: len(soak.SUMMARY_KEYS)], list(soak.SUMMARY_KEYS))
             self.assertEqual(on_disk["requests"], s["requests"])
             with open(os.path.join(d, "summary.md")) as f:
                 md = f.read()
-            self.assertIn("| `waited_on_host_pool` | 5000 |", md)
+            self.assertIn("| `units_moved` | 5 |", md)
             self.assertIn("**passed**", md)
             # --report: the summary again from soak.json, exit status by verdict.
             with open(os.path.join(d, "soak.json"), "w") as f:

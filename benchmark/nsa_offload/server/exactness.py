@@ -159,6 +159,11 @@ SERVERS = {
     "ours_fp8_2units": dict(
         offload=["--nsa-kv-offload-max-units", "2"], base="base_fp8"
     ),
+    # The default in verify mode (--nsa-kv-offload-verify count): every KV row
+    # attention reads is compared with the full pool kept beside the offload.
+    "ours_fp8_verify": dict(
+        offload=["--nsa-kv-offload-verify", "count"], base="base_fp8", metrics=True
+    ),
     "ours_fp8_1unit": dict(
         offload=["--nsa-kv-offload-max-units", "1"], base="base_fp8"
     ),
@@ -497,6 +502,10 @@ HOST_POOL_SCOPE = re.compile(
 )
 
 
+# The verify mode's part of the decode log line (totals since startup).
+VERIFY_RE = re.compile(r"verify: (\d+) rows checked, (\d+) mismatches")
+
+
 def scan_log(path: str) -> dict:
     """Retractions, errors and the offload's decode-log counters (summed over
     the run: misses are KV rows copied from host, all layers); the host pools
@@ -531,6 +540,10 @@ def scan_log(path: str) -> dict:
                     moved = (moved or 0) + int(m.group(2))
                 if m and m.group(3) is not None:
                     idle_locs = max(idle_locs or 0, int(m.group(3)))
+                m = VERIFY_RE.search(line)
+                if m:  # cumulative: the last line holds the totals
+                    out["verify_checked_rows"] = int(m.group(1))
+                    out["verify_mismatches"] = int(m.group(2))
     if min_hit is not None:
         out.update(misses=misses, min_hit_rate=min_hit)
     if moved is not None:

@@ -110,18 +110,33 @@ from make_checkpoint import (
 )
 from server_utils import git_commit, num_model_layers, random_prompts
 
-# summary.json: the issue's keys, in its order, before the extras.
+# summary.json: the keys of the churn soak (issue 65), in its order, before
+# the extras.
 SUMMARY_KEYS = (
+    "settings",
     "requests",
     "aborted",
     "retracted",
-    "waited_on_host_pool",
+    "units_moved",
+    "units_reclaimed",
+    "units_kept",
+    "idle_loc_units_lent",
+    "verify_checked_rows",
+    "verify_mismatches",
     "leaks",
-    "crashed",
-    "probe_identical",
-    "wall_s",
+    "failed",
     "code_commit",
 )
+# The offload's counters behind them (summed over the run, /metrics).
+COUNTER_KEYS = {
+    "units_moved": "sglang:nsa_kv_offload_units_moved_total",
+    "units_reclaimed": "sglang:nsa_kv_offload_units_reclaimed_total",
+    "units_kept": "sglang:nsa_kv_offload_units_kept_total",
+    "verify_checked_rows": "sglang:nsa_kv_offload_verify_checked_rows_total",
+    "verify_mismatches": "sglang:nsa_kv_offload_verify_mismatches_total",
+}
+IDLE_LOC_GAUGE = "sglang:nsa_kv_offload_idle_loc_units_used"
+EXTRA_UNITS_GAUGE = "sglang:nsa_kv_offload_extra_units_used"
 ISSUE_MIN_REQUESTS = 5000
 # The probe set: page, top-k (2048) and GPU buffer (4096 + 64) edges, long ones.
 PROBE_LENGTHS = (
@@ -520,6 +535,9 @@ class SoakRunner:
             m = scrape_offload_metrics(self.url)
         except (OSError, ValueError, http.client.HTTPException):
             return
+        for gauge in (IDLE_LOC_GAUGE, EXTRA_UNITS_GAUGE):
+            if gauge in m:
+                self.host_pool[gauge] = max(self.host_pool.get(gauge, 0), m[gauge])
         used = m.get("sglang:nsa_kv_offload_host_pool_used_tokens")
         if used is not None and used >= self.host_pool.get("max_used_tokens", -1):
             self.host_pool["max_used_tokens"] = used
@@ -671,17 +689,32 @@ def build_summary(result: dict) -> dict:
     queue_times = [r["queue_time"] for r in sent if r.get("queue_time") is not None]
     host_seen = result.get("host_pool_seen") or {}
     gauge_total = host_seen.get("total_tokens")
+    metrics = result.get("metrics") or {}
+    config = result.get("config") or {}
+    counters = {k: int(metrics.get(name, 0)) for k, name in COUNTER_KEYS.items()}
     summary = {
+        "settings": "default",
         "requests": len(sent),
         "aborted": len(by_status["aborted"]),
         "retracted": log.get("retracted_reqs", 0),
-        "waited_on_host_pool": waited,
+        **{k: counters[k] for k in ("units_moved", "units_reclaimed", "units_kept")},
+        # The most idle-loc units lent at once (the gauge, scraped while the
+        # soak ran); the gauge is back at 0 at the end when all went back.
+        "idle_loc_units_lent": int(host_seen.get(IDLE_LOC_GAUGE, 0)),
+        "verify_checked_rows": counters["verify_checked_rows"],
+        "verify_mismatches": counters["verify_mismatches"],
         "leaks": log.get("leaks", 0),
+        "failed": len(failed),
+        "code_commit": result.get("code_commit"),
+        # extras
+        "mtp_draft_tokens": config.get("mtp") and config["mtp"] + 1,
+        "verify_mode": config.get("verify"),
+        "extra_units_lent_peak": int(host_seen.get(EXTRA_UNITS_GAUGE, 0)),
+        "idle_loc_units_at_end": int(metrics.get(IDLE_LOC_GAUGE, 0)),
+        "waited_on_host_pool": waited,
         "crashed": crashed,
         "probe_identical": probe_identical,
         "wall_s": result.get("wall_s"),
-        "code_commit": result.get("code_commit"),
-        # extras
         "completed": len(by_status["ok"]),
         "closed_after_finishing": sum(
             bool(r.get("closed_early")) for r in by_status["ok"]
@@ -738,9 +771,13 @@ def build_summary(result: dict) -> dict:
         f"requests >= {ISSUE_MIN_REQUESTS}": summary["requests"] >= ISSUE_MIN_REQUESTS,
         "client aborts": summary["aborted"] > 0,
         "retractions on a full pool in the log": summary["kv_full_retractions"] > 0,
-        "requests waited on the host pool": waited > 0,
         "no failed request": not failed,
         "0 leaks": summary["leaks"] == 0,
+        "units moved": summary["units_moved"] > 0,
+        "units reclaimed": summary["units_reclaimed"] > 0,
+        "idle-loc units lent": summary["idle_loc_units_lent"] > 0,
+        "rows verified, 0 mismatches": summary["verify_checked_rows"] > 0
+        and summary["verify_mismatches"] == 0,
         "not crashed": not crashed,
         "alive at the end": alive is True,
         "probes identical": probe_identical,
@@ -789,7 +826,7 @@ def summary_markdown(s: dict) -> str:
         f"- probes: {s['probes']} at batch 1 before and after; differing "
         f"{s['probes_differing'] or 'none'}",
         "",
-        "| criterion (issue 21, item 4) | holds |",
+        "| criterion (churn soak) | holds |",
         "|---|---|",
     ]
     lines += [f"| {k} | {v} |" for k, v in s["criteria"].items()]
@@ -925,6 +962,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(default /tmp/ckpt)",
     )
     p.add_argument(
+        "--verify",
+        choices=("fail", "count"),
+        default="count",
+        help="--nsa-kv-offload-verify mode (default count: mismatches counted)",
+    )
+    p.add_argument(
+        "--mtp",
+        type=int,
+        default=0,
+        help="MTP (spec v2) with this many steps (default 0: none)",
+    )
+    p.add_argument(
+        "--retract-interval",
+        type=int,
+        default=0,
+        help="force a retraction every N decode steps (default 0: only on a full pool)",
+    )
+    p.add_argument(
+        "--kv-budget-gib",
+        type=float,
+        help="GPU KV budget (sets --mem-fraction-static): small makes units scarce",
+    )
+    p.add_argument(
         "--extra-server-args", default="", help="more server flags, one string"
     )
     p.add_argument(
@@ -1052,7 +1112,20 @@ def run(args) -> dict:
     )
     probes = random_prompts(probe_lengths(args.max_len), args.seed + 2, vocab)
     result["probe_lens"] = [len(p) for p in probes]
-    extra, env = exactness_server_args({"offload": [], "metrics": True}, args, ckpt)
+    spec = {"offload": [], "metrics": True}
+    if args.mtp:
+        spec.update(mtp=args.mtp, spec_v2=True)
+    if args.retract_interval:
+        spec["retract"] = True  # sglang's forced retraction (SGLANG_TEST_RETRACT)
+    extra, env = exactness_server_args(spec, args, ckpt)
+    if args.verify:
+        extra += ["--nsa-kv-offload-verify", args.verify]
+    if args.kv_budget_gib:
+        from bench_server import mem_fraction_for_budget
+
+        fraction, how = mem_fraction_for_budget(args.kv_budget_gib)
+        print(f"[soak] --mem-fraction-static {fraction} ({how})", flush=True)
+        extra += ["--mem-fraction-static", str(fraction)]
     extra += shlex.split(args.extra_server_args)
     srv = ExactServer("soak", extra, args.port, args.out, env, args.timeout)
     try:
