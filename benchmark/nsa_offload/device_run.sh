@@ -183,7 +183,7 @@ run_step() {
       # tiny_run6's no-offload outputs and negative control).
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       SOAK_ARGS="${SOAK_ARGS:---num-requests 3000 --concurrency 32 --max-len 30000 \
-        --kv-budget-gib 0.7 --retract-interval 40 --probe-tokens 16 --time-budget-s 180}" \
+        --mem-fraction-static 0.045 --retract-interval 40 --probe-tokens 16 --time-budget-s 120}" \
         run_step soak > $OUT/soak_step.log 2>&1 &
       local soak_pid=$!
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_verify $resume" run_step exact

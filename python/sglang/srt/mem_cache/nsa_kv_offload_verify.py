@@ -91,11 +91,15 @@ class NSAKVOffloadVerifier:
         entry = (row[:, None] << _ROW_SHIFT) + torch.arange(k, device=dev)
         stamp = (self.step << _STEP_SHIFT) + (layer << _LAYER_SHIFT)
         key = torch.where(mismatch, stamp + entry, _NO_MISMATCH).reshape(-1)
-        at = key.argmin()
-        detail = torch.stack([t.reshape(-1)[at] for t in (pos, loc, gpu_row)])
-        first = key[at] < self.first_key
+        # Tensor indices only: no host sync (CUDA-graph capture).
+        at = key.argmin().view(1)
+        detail = torch.cat(
+            [t.reshape(-1).index_select(0, at) for t in (pos, loc, gpu_row)]
+        )
+        best = key.index_select(0, at)
+        first = best < self.first_key
         self.first_detail.copy_(torch.where(first, detail, self.first_detail))
-        torch.minimum(self.first_key, key[at : at + 1], out=self.first_key)
+        torch.minimum(self.first_key, best, out=self.first_key)
 
     def first_mismatch(self) -> Optional[Dict[str, int]]:
         """The first mismatch's step, layer, row, top-k index, position, loc and GPU
