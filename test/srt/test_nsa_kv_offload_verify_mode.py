@@ -6,6 +6,7 @@ next check (mode "fail") with the layer, position and GPU row it was read at.
 """
 
 import unittest
+from types import SimpleNamespace
 
 import torch
 from offload_harness import DEVICE, OffloadHarness, setUpModule, tearDownModule  # noqa: F401
@@ -132,6 +133,28 @@ class TestVerifyMode(unittest.TestCase):
         self.assertEqual(totals["verify_mismatches"], 0)
         h.finish(a)
         h.check_no_leaks()
+
+    def test_check_never_syncs(self):
+        # It runs inside CUDA-graph capture, where a host sync fails; on the
+        # meta device every host read of a tensor value raises.
+        meta = torch.device("meta")
+        buf = torch.empty((2, 128, 1, 16), dtype=torch.bfloat16, device=meta)
+        pool = SimpleNamespace(
+            kv_buffer=[buf[0]],
+            verify_kv_buffer=[buf[1]],
+            start_layer=0,
+            device=meta,
+            kv_row_bytes=32,
+        )
+        req_to_token = torch.empty((4, 64), dtype=torch.int32, device=meta)
+        verifier = NSAKVOffloadVerifier(pool, req_to_token, "fail")
+        topk = torch.empty((3, 16), dtype=torch.int32, device=meta)
+        idx = torch.empty((3,), dtype=torch.int64, device=meta)
+        one = torch.empty((1,), dtype=torch.int32, device=meta)
+        verifier.check(0, topk, topk, idx, idx, one)
+        verifier.check(0, topk, topk, idx, idx, one, num_query_tokens=3)
+        with self.assertRaises(Exception):  # the control: a read does sync
+            int(verifier.counts[0])
 
     def test_needs_a_verify_pool(self):
         h = OffloadHarness(self)
