@@ -9,7 +9,12 @@ import unittest
 from types import SimpleNamespace
 
 import torch
-from offload_harness import DEVICE, OffloadHarness, setUpModule, tearDownModule  # noqa: F401
+from offload_harness import (
+    DEVICE,
+    OffloadHarness,
+    setUpModule,
+    tearDownModule,
+)  # noqa: F401
 from sglang.srt.mem_cache.nsa_kv_offload_verify import NSAKVOffloadVerifier
 
 
@@ -112,7 +117,9 @@ class TestVerifyMode(unittest.TestCase):
         one = torch.ones(1, dtype=torch.int32, device=DEVICE)
         page_table = h.controller.swap_one_layer(0, topk, idx, seq, h.req_to_token, one)
         verifier.check(0, topk, page_table, idx, seq, one)
-        self.assertEqual(verifier.read(), dict(verify_checked_rows=2, verify_mismatches=0))
+        self.assertEqual(
+            verifier.read(), dict(verify_checked_rows=2, verify_mismatches=0)
+        )
         wrong = page_table.clone()
         wrong[0, 0] = -1  # skips a position attention must read
         wrong[0, 2] = page_table[0, 1]  # reads a row for a position beyond
@@ -155,6 +162,33 @@ class TestVerifyMode(unittest.TestCase):
         verifier.check(0, topk, topk, idx, idx, one, num_query_tokens=3)
         with self.assertRaises(Exception):  # the control: a read does sync
             int(verifier.counts[0])
+
+    @unittest.skipUnless(DEVICE == "cuda", "CUDA-graph capture needs CUDA")
+    def test_check_inside_a_cuda_graph(self):
+        # What a decode forward does: check() captured once, replayed per step.
+        h = OffloadHarness(self, verify="count")
+        a = h.new_req()
+        h.prefill([(a, 150)])
+        h.decode_step([a], first_step_of=(a,))
+        v, n = h.co.verifier, a.seq_len
+        topk = torch.arange(n - 16, n, dtype=torch.int32, device=DEVICE)[None]
+        idx = torch.tensor([a.req_pool_idx], device=DEVICE)
+        seq = torch.tensor([n], device=DEVICE)
+        one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+        page_table = h.controller.swap_one_layer(0, topk, idx, seq, h.req_to_token, one)
+        before = v.read()["verify_checked_rows"]
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            v.check(0, topk, page_table, idx, seq, one)  # warm-up
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            v.check(0, topk, page_table, idx, seq, one)
+        graph.replay()
+        graph.replay()
+        totals = v.read()
+        self.assertEqual(totals["verify_checked_rows"], before + 3 * 16)
+        self.assertEqual(totals["verify_mismatches"], 0)
 
     def test_needs_a_verify_pool(self):
         h = OffloadHarness(self)
