@@ -171,7 +171,8 @@ class TestVerifyMode(unittest.TestCase):
         h.prefill([(a, 150)])
         h.decode_step([a], first_step_of=(a,))
         v, n = h.co.verifier, a.seq_len
-        topk = torch.arange(n - 16, n, dtype=torch.int32, device=DEVICE)[None]
+        topk = torch.full((1, h.K), -1, dtype=torch.int32, device=DEVICE)
+        topk[0, :16] = torch.arange(n - 16, n, device=DEVICE)
         idx = torch.tensor([a.req_pool_idx], device=DEVICE)
         seq = torch.tensor([n], device=DEVICE)
         one = torch.ones(1, dtype=torch.int32, device=DEVICE)
