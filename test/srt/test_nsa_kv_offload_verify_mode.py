@@ -100,6 +100,9 @@ class TestVerifyMode(unittest.TestCase):
         h.co.check_idle()  # counts only
         # Mode "fail" stops at the next check, naming the first mismatch.
         h.co.verifier.mode = "fail"
+        h.co.verifier.poll()  # between forwards: copies the counts, no sync
+        with self.assertRaisesRegex(RuntimeError, f"'position': {pos}"):
+            h.co.verifier.poll()  # sees the copy once it has landed
         with self.assertRaisesRegex(RuntimeError, f"'position': {pos}"):
             h.co.check_idle()
 

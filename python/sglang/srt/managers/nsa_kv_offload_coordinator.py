@@ -415,14 +415,15 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         idx, real = fb.req_pool_indices, self.num_real_reqs
         self.verifier.check(layer_id, topk_pos, page_table, idx, seq_lens, real, q)
 
-    def _check_verify(self) -> None:
-        # Mode "fail": raise at the first mismatch of a finished forward.
+    def _check_verify(self, sync: bool = False) -> None:
+        # Mode "fail": raise at the first mismatch of a finished forward
+        # (between forwards without a sync; at idle with one).
         if self.verifier is not None and self.verifier.mode == "fail":
-            self.verifier.read()
+            self.verifier.read() if sync else self.verifier.poll()
 
     def check_idle(self) -> str:
         """The offload's leaks when the scheduler is idle, as one message."""
-        self._check_verify()
+        self._check_verify(sync=True)
         leaks = self.controller.idle_leaks()
         staging = self.allocator.staging
         if staging.available_pages() != staging.num_pages:

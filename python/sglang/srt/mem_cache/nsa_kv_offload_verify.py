@@ -19,6 +19,17 @@ _STEP_SHIFT, _LAYER_SHIFT, _ROW_SHIFT = 40, 32, 16
 _NO_MISMATCH = torch.iinfo(torch.int64).max
 
 
+class _Done:
+    """A completed event (poll's copy on CPU is synchronous)."""
+
+    @staticmethod
+    def query() -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
 def _as_words(buf: torch.Tensor, row_bytes: int) -> torch.Tensor:
     rows = as_rows(buf, row_bytes)
     return rows.view(torch.int32) if row_bytes % 4 == 0 else rows
@@ -46,6 +57,11 @@ class NSAKVOffloadVerifier:
         self.first_key = torch.full((1,), _NO_MISMATCH, dtype=torch.int64, device=dev)
         self.first_detail = torch.full((3,), -1, dtype=torch.int64, device=dev)
         self._reported = (0, 0)  # (checked, mismatches) at the last stats_delta
+        # poll(): the counts' copy in host memory and the event it waits for.
+        self._host = torch.zeros(
+            2, dtype=torch.int64, pin_memory=torch.device(dev).type == "cuda"
+        )
+        self._copied = None
 
     def fill_from_host(self, host_pool, locs: torch.Tensor) -> None:
         """A PD prompt's truth: what the transfer put in its host slots ``locs``."""
@@ -117,6 +133,21 @@ class NSAKVOffloadVerifier:
             loc=loc,
             gpu_row=row,
         )
+
+    def poll(self) -> None:
+        """Mode "fail" between forwards, without a host sync: raises once the
+        mismatch count copied after an earlier forward is non-zero, then
+        copies the current one (it lands while later work runs)."""
+        if self.mode != "fail":
+            return
+        if self._copied is not None and self._copied.query() and self._host[1]:
+            self.read()
+        self._host.copy_(self.counts, non_blocking=True)
+        if self.counts.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._copied = _DONE
 
     def read(self) -> Dict[str, int]:
         """Totals since startup (syncs); raises in mode "fail" after a mismatch."""
