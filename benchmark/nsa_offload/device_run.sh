@@ -14,7 +14,8 @@
 # $GPUTEST_ARGS), kernel-gate (after a kernel change: the swap kernels = the
 # reference with units, the LRU CUDA tests and three tiny exactness servers),
 # elastic-gate (the tiny servers of idle-loc units and of 2 units side by
-# side), default-gate (the default's
+# side), churn (the churn soaks in verify mode, plain and MTP), verify-gate
+# (the verify-mode tiny gate beside the default's), default-gate (the default's
 # tiny exactness servers: bf16, retraction, leveling, 7 x 4,416 rows), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
 # machine), a path to a python script, or "pytest FILES..." (the rest of the
@@ -178,17 +179,47 @@ run_step() {
     churn)
       # The churn soak on the defaults in verify mode (soak.py: random
       # arrivals, prompts 1-30K skewed short, client aborts, forced
-      # retraction, a small GPU KV budget so that lent units go back) beside
-      # the default gate in verify mode on the tiny checkpoint (batch 1 vs
-      # tiny_run6's no-offload outputs and negative control).
-      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      # retraction, a GPU KV budget of ~1 GiB so that lent units go back and
+      # move), then the same with MTP (spec v2, 3 steps) beside it, started
+      # once the first server's pools are allocated: sglang sizes its pools
+      # from the memory free between its start and its weights, two servers
+      # sizing at once take each other's. The batch-1 gate against no
+      # offload is the step "verify-gate".
       SOAK_ARGS="${SOAK_ARGS:---num-requests 3000 --concurrency 32 --max-len 30000 \
-        --mem-fraction-static 0.045 --retract-interval 40 --probe-tokens 16 --time-budget-s 120}" \
+        --mem-fraction-static 0.045 --retract-interval 40 --probe-tokens 16 --time-budget-s 150}" \
         run_step soak > $OUT/soak_step.log 2>&1 &
-      local soak_pid=$!
-      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_verify $resume" run_step exact
+      local soak_pid=$! t=0
+      while [ ! -f $OUT/soak/soak_started ] && kill -0 $soak_pid 2>/dev/null && [ $t -lt 400 ]; do
+        sleep 2; t=$((t + 2))
+      done
+      # ~1 GiB of KV: sglang gives f * (memory free at its start) - 2.8 GiB
+      # (the tiny model's weights and buffers, measured beside 0.045).
+      local f
+      f=$(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i $GPU0 \
+        | awk '{printf "%.4f", 3.8 / ($1 / 1024 - 1.6)}')
+      echo "MTP soak after ${t} s, --mem-fraction-static $f"
+      (cd benchmark/nsa_offload/server && timeout ${MTP_SOAK_TIMEOUT:-400} python3 soak.py \
+        --out $OUT/soak_mtp --port $((34050 + 100 * GPU0)) --mtp 3 --mem-fraction-static $f \
+        ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 16 --max-len 30000 \
+        --retract-interval 40 --probe-tokens 16 --time-budget-s 90}) > $OUT/soak_mtp_step.log 2>&1 &
+      local mtp_pid=$!
       wait $soak_pid || rc=1
-      echo "=== soak"; tail -30 $OUT/soak_step.log
+      wait $mtp_pid || rc=1
+      echo "=== soak"; tail -32 $OUT/soak_step.log
+      echo "=== MTP soak"; tail -32 $OUT/soak_mtp_step.log
+      ;;
+    verify-gate)
+      # The default in verify mode on the tiny checkpoint at batch 1 against
+      # tiny_run6's no-offload outputs and negative control, beside the
+      # default without verify (the gate of the lean default path); then the
+      # verify mode's CUDA tests (a planted wrong row counted, the check in
+      # a CUDA graph, mode fail's poll).
+      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_verify $resume" \
+        EXACT_ARGS_2="--servers ours_fp8 $resume" run_step exact
+      timeout 150 python3 -m pytest -q -p no:cacheprovider test/srt/test_nsa_kv_offload_verify_mode.py \
+        > $OUT/pytest_verify_cuda.txt 2>&1 || rc=1
+      echo "verify-mode tests on CUDA: $(tail -1 $OUT/pytest_verify_cuda.txt)"
       ;;
     kernel-gate)
       # After any change to the swap, reorder or copy kernels, before timing

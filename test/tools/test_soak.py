@@ -396,13 +396,14 @@ class TestRunOrchestration(FakeServerCase):
                 result = json.load(f)
             with gzip.open(os.path.join(d, "server_soak.log.gz"), "rt") as f:
                 self.assertEqual(f.read(), FAKE_LOG)
-        self.assertEqual(rc, 1)  # 40 < 5000 requests
+        self.assertEqual(rc, 1)  # 40 < 1000 requests
         self.assertEqual(
             files,
             [
                 "ckpt_tiny_s0_q1.5_o16_a1",
                 "server_soak.log.gz",
                 "soak.json",
+                "soak_started",
                 "summary.json",
                 "summary.md",
             ],
@@ -447,7 +448,7 @@ class TestRunOrchestration(FakeServerCase):
         # at f58c195 beside other tests); the criterion follows the count.
         # The fake server exports no unit or verify counters.
         expected = [
-            "requests >= 5000",
+            "requests >= 1000",
             "units moved",
             "units reclaimed",
             "idle-loc units lent",
@@ -685,7 +686,7 @@ class TestSummary(unittest.TestCase):
             build(final_load={"running": 0, "waiting": 0, "used": 64})["idle_clean"]
         )
         s = build(records=clean_result()["records"][:100])
-        self.assertFalse(s["criteria"]["requests >= 5000"])
+        self.assertFalse(s["criteria"]["requests >= 1000"])
         self.assertEqual(build(samples=[])["waited_on_host_pool"], 0)
 
     def test_write_and_report(self):
@@ -693,7 +694,9 @@ class TestSummary(unittest.TestCase):
             s = soak.write_summary(clean_result(), d)
             with open(os.path.join(d, "summary.json")) as f:
                 on_disk = json.load(f)
-            self.assertEqual(list(on_disk)[: len(soak.SUMMARY_KEYS)], list(soak.SUMMARY_KEYS))
+            self.assertEqual(
+                list(on_disk)[: len(soak.SUMMARY_KEYS)], list(soak.SUMMARY_KEYS)
+            )
             self.assertEqual(on_disk["requests"], s["requests"])
             with open(os.path.join(d, "summary.md")) as f:
                 md = f.read()
@@ -708,6 +711,32 @@ class TestSummary(unittest.TestCase):
             with open(os.path.join(d, "soak.json"), "w") as f:
                 json.dump(clean_result(), f)
             self.assertEqual(soak.main(["--report", "--out", d]), 0)
+
+    def test_mtp_run_beside(self):
+        # --report --mtp-from: the MTP run's issue keys under "mtp", before
+        # code_commit; passed only when both runs passed.
+        with tempfile.TemporaryDirectory() as d:
+            mtp_dir = os.path.join(d, "mtp")
+            os.makedirs(mtp_dir)
+            mtp = soak.write_summary(
+                clean_result(config={"mtp": 3}, code_commit="abc1234"), mtp_dir
+            )
+            self.assertEqual(mtp["mtp_draft_tokens"], 4)
+            s = soak.write_summary(clean_result(), d, mtp_dir)
+            keys = list(s)
+            self.assertEqual(keys.index("mtp"), keys.index("code_commit") - 1)
+            self.assertEqual(
+                set(s["mtp"]), set(soak.SUMMARY_KEYS) | {"mtp_draft_tokens", "passed"}
+            )
+            self.assertTrue(s["passed"])
+            with open(os.path.join(d, "summary.md")) as f:
+                self.assertIn("| `units_moved` | 5 | 5 |", f.read())
+            recs = clean_result()["records"]
+            recs[5] = dict(recs[5], status="error", server_error=True, error="HTTP 500")
+            soak.write_summary(clean_result(records=recs), mtp_dir)
+            s = soak.write_summary(clean_result(), d, mtp_dir)
+            self.assertEqual(s["mtp"]["failed"], 1)
+            self.assertFalse(s["passed"])
 
     def test_default_host_pool(self):
         self.assertEqual(soak.default_host_pool_gb(98304, 3), 0.19)

