@@ -179,34 +179,37 @@ run_step() {
     churn)
       # The churn soak on the defaults in verify mode (soak.py: random
       # arrivals, prompts 1-30K skewed short, client aborts, forced
-      # retraction, a GPU KV budget of ~0.8 GiB so that lent units go back and
-      # move), then the same with MTP (spec v2, 3 steps) beside it, started
-      # once the first server's pools are allocated: sglang sizes its pools
-      # from the memory free between its start and its weights, two servers
-      # sizing at once take each other's. The batch-1 gate against no
-      # offload is the step "verify-gate".
-      # KV budget: sglang gives f * (GiB free at its start - 1.6) - 2.75 GiB
-      # (the tiny model's weights; an H100 run at 0.045 had 0.76 GiB).
+      # retraction), with a GPU KV budget of 1.5 GiB that the locs take (a
+      # large --max-total-tokens): no spare regions, units lent by idle locs
+      # and staging only, taken back and moved; then the same with MTP
+      # (spec v2, 3 steps) beside it, started once the first server's pools
+      # are allocated: sglang sizes its pools from the memory free between
+      # its start and its weights, two servers sizing at once take each
+      # other's. The batch-1 gate against no offload is the step "verify-gate".
+      # KV budget: sglang gives f * (GiB free at its start - 0.7) - 0.51 GiB
+      # (the tiny model's weights; 0.08 more with its MTP layer).
       kv_fraction() {
         nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i $GPU0 \
-          | awk -v kv=$1 '{printf "%.4f", (kv + 2.75) / ($1 / 1024 - 1.6)}'
+          | awk -v kv=$1 '{printf "%.4f", (kv + 0.6) / ($1 / 1024 - 0.7)}'
       }
       local f
-      f=$(kv_fraction 0.8)
-      SOAK_ARGS="${SOAK_ARGS:---num-requests 3000 --concurrency 32 --max-len 30000 \
-        --retract-interval 40 --probe-tokens 16 --time-budget-s 150} --mem-fraction-static $f" \
+      f=$(kv_fraction 1.5)
+      SOAK_ARGS="${SOAK_ARGS:---num-requests 4000 --concurrency 64 --max-len 30000 \
+        --max-total-tokens 400000 --retract-interval 40 --probe-tokens 16 \
+        --time-budget-s 150} --mem-fraction-static $f" \
         run_step soak > $OUT/soak_step.log 2>&1 &
       local soak_pid=$! t=0
       while [ ! -f $OUT/soak/soak_started ] && kill -0 $soak_pid 2>/dev/null && [ $t -lt 400 ]; do
         sleep 2; t=$((t + 2))
       done
       echo "soak: --mem-fraction-static $f"
-      f=$(kv_fraction 1.0)
+      f=$(kv_fraction 1.5)
       echo "MTP soak after ${t} s, --mem-fraction-static $f"
       (cd benchmark/nsa_offload/server && timeout ${MTP_SOAK_TIMEOUT:-400} python3 soak.py \
         --out $OUT/soak_mtp --port $((34050 + 100 * GPU0)) --mtp 3 --mem-fraction-static $f \
         ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 16 --max-len 30000 \
-        --retract-interval 40 --probe-tokens 16 --time-budget-s 90}) > $OUT/soak_mtp_step.log 2>&1 &
+        --max-total-tokens 400000 --retract-interval 40 --probe-tokens 16 \
+        --time-budget-s 90}) > $OUT/soak_mtp_step.log 2>&1 &
       local mtp_pid=$!
       wait $soak_pid || rc=1
       wait $mtp_pid || rc=1
