@@ -156,3 +156,38 @@ class TestDocLinks(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def readme_budget_breaches(text: str) -> list:
+    """The README's budgets: at most 120 lines; a status table (the first
+    table after ``## Status``) of at most 12 rows of at most 200 characters."""
+    breaches = []
+    lines = text.splitlines()
+    if len(lines) > 120:
+        breaches.append(f"{len(lines)} lines (budget 120)")
+    if "## Status" not in text:
+        return breaches + ["no ## Status section"]
+    status = text.split("## Status", 1)[1].split("\n## ", 1)[0]
+    rows = [l for l in status.splitlines() if l.startswith("|")][2:]
+    if not rows or len(rows) > 12:
+        breaches.append(f"{len(rows)} status rows (budget 1-12)")
+    breaches += [
+        f"status row of {len(r)} characters: {r[:40]}" for r in rows if len(r) > 200
+    ]
+    return breaches
+
+
+class TestReadmeBudget(unittest.TestCase):
+    def test_readme_within_budget(self):
+        text = (REPO_ROOT / "README.md").read_text()
+        self.assertEqual(readme_budget_breaches(text), [])
+
+    def test_breaches_are_found(self):
+        table = "## Status\n\n| a | b |\n|---|---|\n"
+        self.assertEqual(readme_budget_breaches(table + "| x |\n"), [])
+        self.assertEqual(len(readme_budget_breaches(table + "| x |\n" * 13)), 1)
+        self.assertEqual(
+            len(readme_budget_breaches(table + "|" + "x" * 200 + "|\n")), 1
+        )
+        self.assertEqual(len(readme_budget_breaches("\n" * 121 + table + "| x |\n")), 1)
+        self.assertEqual(readme_budget_breaches("no table"), ["no ## Status section"])

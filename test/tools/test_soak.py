@@ -446,12 +446,16 @@ class TestRunOrchestration(FakeServerCase):
         # Whether a load sample (every 0.02 s) falls inside a request's 0.2 s
         # wait is timing: on a loaded CI machine none may (a fresh-clone run
         # at f58c195 beside other tests); the criterion follows the count.
-        # The fake server exports no unit or verify counters.
+        # The fake server exports no unit or verify counters, its log no
+        # decode lines.
         expected = [
             "requests >= 1000",
             "units moved",
             "units reclaimed",
             "idle-loc units lent",
+            "idle-loc units taken back",
+            "requests warmed",
+            "direct beside walking requests",
             "rows verified, 0 mismatches",
         ]
         self.assertEqual(fails, expected)
@@ -495,13 +499,13 @@ class TestWaitedOnHostPool(unittest.TestCase):
 
 LOG = """\
 [2026-12-01 10:00:00] max_total_num_tokens=98304, chunked_prefill_size=8192, max_prefill_tokens=16384, max_running_requests=64
-[2026-12-01 10:00:00] NSA KV offload: 98304 logical token locs (host capacity 103600), 64 decode regions of 4160 rows (4096 LRU + 64 window), 70000 staging rows, 340000 GPU KV rows per layer.
+[2026-12-01 10:00:00] Decode NSA KV offload: 4096 LRU rows + 64 recent-window rows per request per layer (index_topk=2048), up to 8 x 4096 LRU rows while GPU memory is idle; 98304 token locs (host capacity 103600), 64 decode regions, 23 spare regions, 67520 staging rows, 19 idle-loc units; host pool 0.73 GB pinned in 0.2 s; early swap, warm units, direct slots, verify mode (count).
 [2026-12-01 10:00:01] Can not initialize OpenAIServingResponses ... Traceback (most recent call last): harmless
 [2026-12-01 10:00:02] Prefill batch, #new-seq: 3, #new-token: 8192, #cached-token: 0, token usage: 0.95, #running-req: 40, #queue-req: 12, #pending-token: 0, cuda graph: False
-[2026-12-01 10:00:03] Decode batch, #running-req: 41, #token: 97000, token usage: 0.99, cuda graph: True, gen throughput (token/s): 9000.00, #queue-req: 20, nsa-offload hit rate: 0.800, misses: 1000, H2D: 2.00 GB/s, regions: 41/64, extra units: 3 (0 of staging)
+[2026-12-01 10:00:03] Decode batch, #running-req: 41, #token: 97000, token usage: 0.99, cuda graph: True, gen throughput (token/s): 9000.00, #queue-req: 20, nsa-offload hit rate: 0.800, misses: 1000, H2D: 2.00 GB/s, regions: 41/64, extra units: 3 (0 of staging, 2 moved, 5 of idle locs), units per request: 1-6, direct: 40, warmed: 5 (0.01 GB), verify: 100 rows checked, 0 mismatches
 [2026-12-01 10:00:04] KV cache pool is full. Retract requests. #retracted_reqs: 2, #new_tokens_gained: 20000, #new_token_ratio: 0.0980 -> 0.5100
 [2026-12-01 10:00:05] KV cache pool is full. Retract requests. #retracted_reqs: 1, #new_tokens_gained: 9000, #new_token_ratio: 0.3000 -> 0.4000
-[2026-12-01 10:00:06] Decode batch, #running-req: 5, #token: 9000, token usage: 0.10, cuda graph: True, gen throughput (token/s): 900.00, #queue-req: 0, nsa-offload hit rate: 0.600, misses: 500, H2D: 1.00 GB/s, regions: 5/64
+[2026-12-01 10:00:06] Decode batch, #running-req: 5, #token: 9000, token usage: 0.10, cuda graph: True, gen throughput (token/s): 900.00, #queue-req: 0, nsa-offload hit rate: 0.600, misses: 500, H2D: 1.00 GB/s, regions: 5/64, extra units: 1 (0 of staging, 0 moved, 2 of idle locs), units per request: 1-2, direct: 5, warmed: 2 (0.00 GB), verify: 200 rows checked, 0 mismatches
 [2026-12-01 10:00:07] retract_decode: aborted last request abc due to OOM
 [2026-12-01 10:00:07] Out of memory even after retracting all other requests in the decode batch. Aborting the last request.
 [2026-12-01 10:00:08] Scheduler hit an exception: Traceback (most recent call last):
@@ -536,6 +540,18 @@ class TestLogParser(unittest.TestCase):
         self.assertEqual(out["max_total_num_tokens"], 98304)
         self.assertEqual(out["misses"], 1500)
         self.assertEqual(out["min_hit_rate"], 0.6)
+        # The offload's decode-log fields: 40 direct beside 1 walking, then 5
+        # of 5 direct; warm-ups 5 + 2; idle-loc units 5, then 2 (fewer once).
+        self.assertEqual(out["lines_direct_beside_walking"], 1)
+        self.assertEqual(out["warmed"], 7)
+        self.assertEqual(out["max_idle_loc_units_logged"], 5)
+        self.assertEqual(out["lines_idle_loc_units_back"], 1)
+        # A gzipped log reads the same (--report rescans the returned log).
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "server.log.gz")
+            with gzip.open(path, "wt") as f:
+                f.write(LOG)
+            self.assertEqual(soak.scan_soak_log(path), out)
 
     def test_clean_log(self):
         clean = "\n".join(
@@ -584,6 +600,10 @@ def clean_result(**over):
             "kv_full_retractions": 3,
             "leaks": 0,
             "tracebacks": 0,
+            "warmed": 9,
+            "lines_direct_beside_walking": 4,
+            "max_idle_loc_units_logged": 3,
+            "lines_idle_loc_units_back": 2,
         },
         "probes_before": [[1, 2], [3]],
         "probes_after": [[1, 2], [3]],
@@ -688,6 +708,14 @@ class TestSummary(unittest.TestCase):
         s = build(records=clean_result()["records"][:100])
         self.assertFalse(s["criteria"]["requests >= 1000"])
         self.assertEqual(build(samples=[])["waited_on_host_pool"], 0)
+        # Forced retraction (--retract-interval): any retraction in the log.
+        forced = build(config={"retract_interval": 40}, log={"retractions": 0})
+        self.assertFalse(forced["criteria"]["retractions in the log (forced)"])
+        forced = build(config={"retract_interval": 40})
+        self.assertTrue(forced["criteria"]["retractions in the log (forced)"])
+        self.assertNotIn("retractions on a full pool in the log", forced["criteria"])
+        s = build(host_pool_seen={"max_used_tokens": 9000.0, "total_tokens": 98304.0})
+        self.assertFalse(s["criteria"]["host pool full at times (>= 95% seen)"])
 
     def test_write_and_report(self):
         with tempfile.TemporaryDirectory() as d:
@@ -711,6 +739,12 @@ class TestSummary(unittest.TestCase):
             with open(os.path.join(d, "soak.json"), "w") as f:
                 json.dump(clean_result(), f)
             self.assertEqual(soak.main(["--report", "--out", d]), 0)
+            # As committed: soak.json.gz.
+            with open(os.path.join(d, "soak.json"), "rb") as src:
+                with gzip.open(os.path.join(d, "soak.json.gz"), "wb") as dst:
+                    dst.write(src.read())
+            os.remove(os.path.join(d, "soak.json"))
+            self.assertEqual(soak.main(["--report", "--out", d]), 0)
 
     def test_mtp_run_beside(self):
         # --report --mtp-from: the MTP run's issue keys under "mtp", before
@@ -725,9 +759,7 @@ class TestSummary(unittest.TestCase):
             s = soak.write_summary(clean_result(), d, mtp_dir)
             keys = list(s)
             self.assertEqual(keys.index("mtp"), keys.index("code_commit") - 1)
-            self.assertEqual(
-                set(s["mtp"]), set(soak.SUMMARY_KEYS) | {"mtp_draft_tokens", "passed"}
-            )
+            self.assertEqual(set(s["mtp"]), set(soak.SUMMARY_KEYS) | {"passed"})
             self.assertTrue(s["passed"])
             with open(os.path.join(d, "summary.md")) as f:
                 self.assertIn("| `units_moved` | 5 | 5 |", f.read())
@@ -737,6 +769,16 @@ class TestSummary(unittest.TestCase):
             s = soak.write_summary(clean_result(), d, mtp_dir)
             self.assertEqual(s["mtp"]["failed"], 1)
             self.assertFalse(s["passed"])
+            # A run whose files did not come back: its printed summary.
+            printed = soak.summary_markdown(soak.build_summary(clean_result()))
+            os.remove(os.path.join(mtp_dir, "summary.json"))
+            with open(os.path.join(mtp_dir, "stdout.txt"), "w") as f:
+                f.write("[soak] log lines\n" + printed)
+            s = soak.write_summary(clean_result(), d, mtp_dir)
+            expected = {k: v for k, v in build().items() if k in soak.SUMMARY_KEYS}
+            self.assertEqual({k: s["mtp"][k] for k in soak.SUMMARY_KEYS}, expected)
+            self.assertIsNone(s["mtp"]["passed"])
+            self.assertFalse(s["passed"])  # not known to have passed
 
     def test_default_host_pool(self):
         self.assertEqual(soak.default_host_pool_gb(98304, 3), 0.19)

@@ -42,6 +42,7 @@ Writes ``exactness.json`` (every output) and ``summary.json``/``summary.md``.
 """
 
 import argparse
+import gzip
 import json
 import os
 import random
@@ -513,7 +514,8 @@ def scan_log(path: str) -> dict:
     out = {"retractions": 0, "retracted_reqs": 0, "errors": 0, "offload_line": None}
     misses, min_hit, moved, idle_locs = 0, None, None, None
     pools, ranks_per_pool = [], None
-    with open(path, errors="replace") as f:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as f:
         for line in f:
             m = HOST_POOL_LINE.search(line)
             if m:

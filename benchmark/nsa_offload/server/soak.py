@@ -175,9 +175,13 @@ KV_FULL_MARK = "KV cache pool is full. Retract requests."
 OOM_ABORT_MARK = "Out of memory even after retracting"
 USAGE_RE = re.compile(r"token usage: ([0-9.]+)")
 QUEUE_RE = re.compile(r"#queue-req: (\d+)")
-HOST_LOCS_RE = re.compile(
-    r"NSA KV offload: (\d+) logical token locs \(host capacity (\d+)\)"
-)
+HOST_LOCS_RE = re.compile(r"(\d+) (?:logical )?token locs \(host capacity (\d+)\)")
+# The offload's decode-log fields the soak reports (the startup line and the
+# decode line's "direct: D, warmed: W (...)" and "N of idle locs").
+RUNNING_RE = re.compile(r"#running-req: (\d+)")
+DIRECT_RE = re.compile(r"direct: (\d+)")
+WARMED_RE = re.compile(r"warmed: (\d+)")
+IDLE_LOCS_RE = re.compile(r"(\d+) of idle locs")
 MAX_TOTAL_RE = re.compile(r"max_total_num_tokens=(\d+)")
 # sglang's counters on /metrics, cross-checks of the client's and the log's.
 CORE_SERIES = (
@@ -612,9 +616,30 @@ def scan_soak_log(path: str) -> dict:
         host_locs=None,
         host_capacity_locs=None,
         max_total_num_tokens=None,
+        warmed=0,
+        lines_direct_beside_walking=0,
+        max_idle_loc_units_logged=0,
+        lines_idle_loc_units_back=0,
     )
-    with open(path, errors="replace") as f:
+    idle_before = 0
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as f:
         for line in f:
+            running, direct = RUNNING_RE.search(line), DIRECT_RE.search(line)
+            if running and direct:
+                # Direct requests beside walking ones in one batch.
+                d = int(direct.group(1))
+                out["lines_direct_beside_walking"] += 0 < d < int(running.group(1))
+            m = WARMED_RE.search(line)
+            out["warmed"] += int(m.group(1)) if m else 0
+            m = IDLE_LOCS_RE.search(line)
+            if m:
+                idle = int(m.group(1))
+                out["max_idle_loc_units_logged"] = max(
+                    out["max_idle_loc_units_logged"], idle
+                )
+                out["lines_idle_loc_units_back"] += idle < idle_before
+                idle_before = idle
             if LEAK_MARK in line:
                 out["leaks"] += 1
                 if len(out["leak_lines"]) < 5:
@@ -713,6 +738,12 @@ def build_summary(result: dict) -> dict:
         "verify_mode": config.get("verify"),
         "extra_units_lent_peak": int(host_seen.get(EXTRA_UNITS_GAUGE, 0)),
         "idle_loc_units_at_end": int(metrics.get(IDLE_LOC_GAUGE, 0)),
+        # From the decode log: warm-ups, direct requests beside walking ones,
+        # idle-loc units given back while the soak ran.
+        "warmed": log.get("warmed", 0),
+        "lines_direct_beside_walking": log.get("lines_direct_beside_walking", 0),
+        "max_idle_loc_units_logged": log.get("max_idle_loc_units_logged", 0),
+        "lines_idle_loc_units_back": log.get("lines_idle_loc_units_back", 0),
         "waited_on_host_pool": waited,
         "crashed": crashed,
         "probe_identical": probe_identical,
@@ -772,12 +803,26 @@ def build_summary(result: dict) -> dict:
     criteria = {
         f"requests >= {MIN_REQUESTS}": summary["requests"] >= MIN_REQUESTS,
         "client aborts": summary["aborted"] > 0,
-        "retractions on a full pool in the log": summary["kv_full_retractions"] > 0,
+        **(
+            {"retractions in the log (forced)": summary["retraction_events"] > 0}
+            if config.get("retract_interval")
+            else {
+                "retractions on a full pool in the log": summary["kv_full_retractions"]
+                > 0
+            }
+        ),
+        "host pool full at times (>= 95% seen)": (
+            summary["host_pool"]["max_fill_seen"] or 0
+        )
+        >= 0.95,
         "no failed request": not failed,
         "0 leaks": summary["leaks"] == 0,
         "units moved": summary["units_moved"] > 0,
         "units reclaimed": summary["units_reclaimed"] > 0,
         "idle-loc units lent": summary["idle_loc_units_lent"] > 0,
+        "idle-loc units taken back": summary["lines_idle_loc_units_back"] > 0,
+        "requests warmed": summary["warmed"] > 0,
+        "direct beside walking requests": summary["lines_direct_beside_walking"] > 0,
         "rows verified, 0 mismatches": summary["verify_checked_rows"] > 0
         and summary["verify_mismatches"] == 0,
         "not crashed": not crashed,
@@ -804,7 +849,7 @@ def summary_markdown(s: dict) -> str:
     if mtp:
         lines += ["| key | value | MTP run |", "|---|---|---|"]
         lines += [f"| `{k}` | {s[k]} | {mtp[k]} |" for k in SUMMARY_KEYS]
-        lines += [f"| passed | {s['passed']} | {mtp['passed']} |"]
+        lines += [f"| passed | {s['passed_without_mtp']} | {mtp['passed']} |"]
     else:
         lines += ["| key | value |", "|---|---|"]
         lines += [f"| `{k}` | {s[k]} |" for k in SUMMARY_KEYS]
@@ -830,6 +875,11 @@ def summary_markdown(s: dict) -> str:
         f"- leaks {s['leaks']}, tracebacks {s['tracebacks']}; alive at the end "
         f"{s['alive_at_end']}, idle-clean {s['idle_clean']}"
         + (f"; error: {s['error']}" if s["error"] else ""),
+        f"- decode log: {s['warmed']} warm-ups, {s['lines_direct_beside_walking']} "
+        f"lines with direct requests beside walking ones, idle-loc units up to "
+        f"{s['max_idle_loc_units_logged']} and fewer than before in "
+        f"{s['lines_idle_loc_units_back']} lines; extra units lent at once up to "
+        f"{s['extra_units_lent_peak']}",
         f"- probes: {s['probes']} at batch 1 before and after; differing "
         f"{s['probes_differing'] or 'none'}",
         "",
@@ -840,19 +890,37 @@ def summary_markdown(s: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_printed_summary(text: str) -> dict:
+    """The issue's keys from a run's printed summary (``summary_markdown``'s
+    key table), for a run whose files did not come back; ``passed`` None."""
+    found = dict(re.findall(r"^\| `(\w+)` \| ([^|]*?) \|", text, re.M))
+    out = {k: found.get(k) for k in SUMMARY_KEYS}
+    for k, v in out.items():
+        out[k] = int(v) if v is not None and v.isdigit() else v
+    out.update(passed=None, source="stdout.txt: its files did not come back")
+    return out
+
+
 def with_mtp_run(summary: dict, mtp_dir: str) -> dict:
     """``summary`` with the MTP run's issue keys under ``mtp`` (before
-    ``code_commit``, the issue's order); passed only if both passed."""
-    with open(os.path.join(mtp_dir, "summary.json")) as f:
-        mtp = json.load(f)
-    mtp_keys = {k: mtp.get(k) for k in SUMMARY_KEYS}
-    mtp_keys.update(mtp_draft_tokens=mtp.get("mtp_draft_tokens"), passed=mtp["passed"])
+    ``code_commit``, the issue's order), from its summary.json or else its
+    printed summary (stdout.txt); passed only if both passed."""
+    path = os.path.join(mtp_dir, "summary.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            mtp = json.load(f)
+        mtp_keys = {k: mtp.get(k) for k in SUMMARY_KEYS}
+        mtp_keys.update(passed=mtp["passed"])
+    else:
+        with open(os.path.join(mtp_dir, "stdout.txt")) as f:
+            mtp_keys = parse_printed_summary(f.read())
     out = {}
     for k, v in summary.items():
         if k == "code_commit":
             out["mtp"] = mtp_keys
         out[k] = v
-    out["passed"] = summary["passed"] and mtp["passed"]
+    out["passed_without_mtp"] = summary["passed"]
+    out["passed"] = summary["passed"] and bool(mtp_keys["passed"])
     return out
 
 
@@ -1217,8 +1285,14 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "soak.json")
     if args.report:
-        with open(path) as f:
+        # soak.json, or soak.json.gz as committed under results/.
+        packed = not os.path.exists(path) and os.path.exists(path + ".gz")
+        with gzip.open(path + ".gz", "rt") if packed else open(path) as f:
             result = json.load(f)
+        # The log again: what a newer scan reads from it.
+        log_gz = os.path.join(args.out, "server_soak.log.gz")
+        if os.path.exists(log_gz):
+            result["log"] = scan_soak_log(log_gz)
     else:
         # A timeout's SIGTERM still stops the server and writes the summary.
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
