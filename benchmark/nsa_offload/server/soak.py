@@ -66,11 +66,11 @@ error or timeout; client aborts are not failures) or the server did not
 answer at the end.
 
 Writes ``soak.json`` (config, per-request records, load samples, probes),
-``summary.json`` (the issue's keys first: ``requests``, ``aborted``,
-``retracted``, ``waited_on_host_pool``, ``leaks``, ``crashed``,
-``probe_identical``, ``wall_s`` (the whole run), ``code_commit``; then
-extras), ``summary.md`` and the server log (gzipped). Exit status 0 only if
-every criterion of the issue holds.
+``summary.json`` (the churn soak's keys first, ``SUMMARY_KEYS``: units
+moved / reclaimed / kept, rows verified, mismatches, leaks, failures; then
+extras; ``--report --mtp-from`` adds an MTP run's keys under ``mtp``),
+``summary.md`` and the server log (gzipped). Exit status 0 only if every
+criterion holds (``build_summary``).
 
     python benchmark/nsa_offload/server/soak.py --out /tmp/soak
     python benchmark/nsa_offload/server/soak.py --quick --out /tmp/soak_quick
