@@ -223,13 +223,18 @@ run_step() {
       # tiny_run6's no-offload outputs and negative control, beside the
       # default without verify (the gate of the lean default path); then the
       # verify mode's CUDA tests (a planted wrong row counted, the check in
-      # a CUDA graph, mode fail's poll).
+      # a CUDA graph, mode fail's poll) and the suite's --full tier.
       local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_verify $resume" \
         EXACT_ARGS_2="--servers ours_fp8 $resume" run_step exact
       timeout 150 python3 -m pytest -q -p no:cacheprovider test/srt/test_nsa_kv_offload_verify_mode.py \
         > $OUT/pytest_verify_cuda.txt 2>&1 || rc=1
       echo "verify-mode tests on CUDA: $(tail -1 $OUT/pytest_verify_cuda.txt)"
+      # The CPU suite's slow tier (test/README.md: the GPU gate runs it).
+      timeout 150 python3 -m pytest -q -p no:cacheprovider --full test/tools/test_kernel_resources.py \
+        test/checkers/test_stream_order.py::TestLifecycleStreams::test_colocated \
+        > $OUT/pytest_full_tier.txt 2>&1 || rc=1
+      echo "full tier: $(tail -1 $OUT/pytest_full_tier.txt)"
       ;;
     kernel-gate)
       # After any change to the swap, reorder or copy kernels, before timing
