@@ -507,6 +507,11 @@ HOST_POOL_SCOPE = re.compile(
 VERIFY_RE = re.compile(r"verify: (\d+) rows checked, (\d+) mismatches")
 
 
+def open_log(path: str):
+    """A server log for reading as text, gzipped (``.gz``) or not."""
+    return (gzip.open if path.endswith(".gz") else open)(path, "rt", errors="replace")
+
+
 def scan_log(path: str) -> dict:
     """Retractions, errors and the offload's decode-log counters (summed over
     the run: misses are KV rows copied from host, all layers); the host pools
@@ -514,8 +519,7 @@ def scan_log(path: str) -> dict:
     out = {"retractions": 0, "retracted_reqs": 0, "errors": 0, "offload_line": None}
     misses, min_hit, moved, idle_locs = 0, None, None, None
     pools, ranks_per_pool = [], None
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", errors="replace") as f:
+    with open_log(path) as f:
         for line in f:
             m = HOST_POOL_LINE.search(line)
             if m:

@@ -101,7 +101,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from capacity import ROW_BYTES_FP8
-from exactness import ExactServer, scan_log, scrape_offload_metrics
+from exactness import ExactServer, open_log, scan_log, scrape_offload_metrics
 from exactness import server_args as exactness_server_args
 from make_checkpoint import (
     RECORD_OUT_GAIN,
@@ -622,8 +622,7 @@ def scan_soak_log(path: str) -> dict:
         lines_idle_loc_units_back=0,
     )
     idle_before = 0
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", errors="replace") as f:
+    with open_log(path) as f:
         for line in f:
             running, direct = RUNNING_RE.search(line), DIRECT_RE.search(line)
             if running and direct:
