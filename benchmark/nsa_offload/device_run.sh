@@ -179,9 +179,9 @@ run_step() {
     churn)
       # The churn soak on the defaults in verify mode (soak.py: random
       # arrivals, prompts 1-30K skewed short, client aborts, forced
-      # retraction), with a GPU KV budget of 1.5 GiB that the locs take (a
-      # large --max-total-tokens): no spare regions, units lent by idle locs
-      # and staging only, taken back and moved; then the same with MTP
+      # retraction), with a small GPU KV budget (1.25 GiB; 1.5 with MTP) that
+      # the locs mostly take (a large --max-total-tokens): few spare regions,
+      # units lent by idle locs and staging, taken back and moved; then MTP
       # (spec v2, 3 steps) beside it, started once the first server's pools
       # are allocated: sglang sizes its pools from the memory free between
       # its start and its weights, two servers sizing at once take each
@@ -193,9 +193,11 @@ run_step() {
           | awk -v kv=$1 '{printf "%.4f", (kv + 0.6) / ($1 / 1024 - 0.7)}'
       }
       local f
-      f=$(kv_fraction 1.5)
-      # 300,000 locs: 400,000 (the run in results/soak/) filled to 81% only;
-      # 300,000 keeps 27 spare regions for 64 slots (the sizing; not yet run).
+      f=$(kv_fraction 1.25)
+      # 400,000 locs (results/soak/, 1.5 GiB) filled the host pool to 81%
+      # only; 300,000 at 1.5 GiB filled it (99% logged) but kept 52 spare
+      # regions: units barely scarce, no idle-loc unit lent. 300,000 at 1.25
+      # GiB: about 20 spare regions (not yet run).
       SOAK_ARGS="${SOAK_ARGS:---num-requests 4000 --concurrency 64 --max-len 30000 \
         --max-total-tokens 300000 --retract-interval 40 --probe-tokens 16 \
         --time-budget-s 150} --mem-fraction-static $f" \
@@ -209,9 +211,9 @@ run_step() {
       echo "MTP soak after ${t} s, --mem-fraction-static $f"
       (cd benchmark/nsa_offload/server && timeout ${MTP_SOAK_TIMEOUT:-400} python3 soak.py \
         --out $OUT/soak_mtp --port $((34050 + 100 * GPU0)) --mtp 3 --mem-fraction-static $f \
-        ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 16 --max-len 30000 \
+        ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 32 --max-len 30000 \
         --max-total-tokens 400000 --retract-interval 40 --probe-tokens 16 \
-        --time-budget-s 90}) > $OUT/soak_mtp_step.log 2>&1 &
+        --time-budget-s 120}) > $OUT/soak_mtp_step.log 2>&1 &
       local mtp_pid=$!
       wait $soak_pid || rc=1
       wait $mtp_pid || rc=1
