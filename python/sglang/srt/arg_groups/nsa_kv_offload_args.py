@@ -117,13 +117,13 @@ class NSAKVOffloadOptions:
 
     @classmethod
     def from_server_args(cls, server_args, hf_config=None) -> "NSAKVOffloadOptions":
-        from sglang.srt.configs.model_config import get_nsa_index_topk
+        from sglang.srt.mem_cache.nsa_kv_offload_compat import get_index_topk
 
         sa = server_args
         hf_config = hf_config or sa.get_model_config().hf_config
         layout = NSAKVOffloadRankLayout.from_server_args(sa)
         return cls(
-            top_k=get_nsa_index_topk(hf_config),
+            top_k=get_index_topk(hf_config),
             buffer_size=sa.nsa_kv_offload_gpu_buffer_size,
             recent_window=sa.nsa_kv_offload_recent_window,
             max_units=sa.nsa_kv_offload_max_units,
@@ -160,16 +160,19 @@ def handle_decode_nsa_kv_offload(server_args) -> None:
         if sa.nsa_kv_offload_verify is not None:
             _fail("--nsa-kv-offload-verify needs --enable-decode-nsa-kv-offload.")
         return
-    from sglang.srt.configs.model_config import get_nsa_index_topk, is_deepseek_nsa
+    from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+        get_index_topk,
+        is_deepseek_sparse,
+    )
 
     model_config = sa.get_model_config()
-    if not is_deepseek_nsa(model_config.hf_config):
+    if not is_deepseek_sparse(model_config.hf_config):
         archs = getattr(model_config.hf_config, "architectures", None)
         _fail(
             "only DSA/NSA models (e.g. DeepSeek-V3.2, GLM-5) are supported, "
             f"but --model-path {sa.model_path} is {archs}."
         )
-    index_topk = get_nsa_index_topk(model_config.hf_config)
+    index_topk = get_index_topk(model_config.hf_config)
     _check_server_mode(sa)
     layout = NSAKVOffloadRankLayout.from_server_args(sa)
     _check_parallelism(sa, layout)

@@ -496,7 +496,7 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     host_pool_group = None
     if NSAKVOffloadRankLayout.from_server_args(sa).attn_tp_size > 1:
         # Same KV on every rank of the group: one host pool per node.
-        from sglang.srt.layers.dp_attention import get_attention_tp_group
+        from sglang.srt.mem_cache.nsa_kv_offload_compat import get_attention_tp_group
 
         host_pool_group = get_attention_tp_group()
     sizes = model_runner.token_to_kv_pool.sizes

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.nsa_kv_offload_compat import SparseTokenToKVPool
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolSizes,
     _round_up,
@@ -34,8 +34,8 @@ def get_nsa_kv_offload(tree_cache):
     return getattr(tree_cache, "nsa_kv_offload", None)
 
 
-class NSAKVOffloadTokenToKVPool(NSATokenToKVPool):
-    """``NSATokenToKVPool`` whose KV rows are addressed through ``loc_to_row``;
+class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
+    """sglang's sparse-attention pool whose KV rows are addressed through ``loc_to_row``;
     ``size``: token locs; ``verify``: also keep the full KV pool."""
 
     def __init__(self, size: int, sizes: NSAKVOffloadPoolSizes, verify=False, **kw):

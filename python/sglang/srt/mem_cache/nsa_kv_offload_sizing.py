@@ -15,7 +15,10 @@ from typing import Optional
 
 import torch
 from sglang.srt.mem_cache.lru_cache_state import lru_slot_dtype
-from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+    SparseTokenToKVPool,
+    get_index_head_dim,
+)
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_units import staging_unit_capacity
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
@@ -29,7 +32,7 @@ _DEFAULT_MAX_REGIONS = 256
 
 def nsa_indexer_bytes(index_head_dim: int) -> int:
     """One token's indexer key bytes per layer: fp8 keys and fp32 block scales."""
-    return index_head_dim + index_head_dim // NSATokenToKVPool.quant_block_size * 4
+    return index_head_dim + index_head_dim // SparseTokenToKVPool.quant_block_size * 4
 
 
 @dataclass
@@ -260,14 +263,13 @@ class NSAKVOffloadPoolConfigurator:
 
     def __init__(self, mr):
         from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
-        from sglang.srt.configs.model_config import get_nsa_index_head_dim
 
         sa, mc = mr.server_args, mr.model_config
         self.options = NSAKVOffloadOptions.from_server_args(sa, mc.hf_config)
         self.num_layers = mr.num_effective_layers
         elem = torch._utils._element_size(mr.kv_cache_dtype)
         self.row_bytes = mr.calculate_mla_kv_cache_dim() * elem
-        self.indexer_bytes = nsa_indexer_bytes(get_nsa_index_head_dim(mc.hf_config))
+        self.indexer_bytes = nsa_indexer_bytes(get_index_head_dim(mc.hf_config))
         # The KV row sglang's pool sizing counts (sglang_pool_footprint).
         self.nominal_row_bytes = (mc.kv_lora_rank + mc.qk_rope_head_dim) * elem
         self.host_pool_bytes = int(self.options.host_pool_gb * (1 << 30))

@@ -1,0 +1,41 @@
+"""The upstream names that differ between the sglang releases the offload
+supports (0.5.12.post1, 0.5.17): the one module that knows them.
+
+Every other offload module imports these names from here. 0.5.17 renamed
+NSA to DSA (the pool, the model-config helpers, the backend flags), moved
+the attention-TP group to ``parallel_state`` and the CUDA-graph batch cap to
+``cuda_graph_max_bs_decode``.
+"""
+
+from sglang.srt.configs import model_config as _model_config
+from sglang.srt.mem_cache import memory_pool as _memory_pool
+
+IS_DSA_NAMING = hasattr(_memory_pool, "DSATokenToKVPool")
+
+if IS_DSA_NAMING:
+    SparseTokenToKVPool = _memory_pool.DSATokenToKVPool
+    get_index_topk = _model_config.get_dsa_index_topk
+    get_index_head_dim = _model_config.get_dsa_index_head_dim
+    is_deepseek_sparse = _model_config.is_deepseek_dsa
+    DECODE_BACKEND_FIELD = "dsa_decode_backend"
+    PREFILL_BACKEND_FIELD = "dsa_prefill_backend"
+    CUDA_GRAPH_MAX_BS_FIELD = "cuda_graph_max_bs_decode"
+else:
+    SparseTokenToKVPool = _memory_pool.NSATokenToKVPool
+    get_index_topk = _model_config.get_nsa_index_topk
+    get_index_head_dim = _model_config.get_nsa_index_head_dim
+    is_deepseek_sparse = _model_config.is_deepseek_nsa
+    DECODE_BACKEND_FIELD = "nsa_decode_backend"
+    PREFILL_BACKEND_FIELD = "nsa_prefill_backend"
+    CUDA_GRAPH_MAX_BS_FIELD = "cuda_graph_max_bs"
+
+
+def get_attention_tp_group():
+    """The attention tensor-parallel group of this rank."""
+    if IS_DSA_NAMING:
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+        return get_attn_tp_group()
+    from sglang.srt.layers.dp_attention import get_attention_tp_group as get_group
+
+    return get_group()
