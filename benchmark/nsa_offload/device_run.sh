@@ -29,13 +29,28 @@
 # One-time setup in the checkout (the wheelhouse is too big for git):
 #   mkdir -p .devwheels && cp -r ../shared/device/{wheels-a,wheels-b,jitcache-h200.tgz} .devwheels/
 #   echo /.devwheels/ >> .git/info/exclude
+#
+# SGLANG_VERSION=0.5.17 (on every call): sglang 0.5.17's wheelhouse instead,
+# .devwheels/wheels-0517-{a1,a2,b} (../shared/device/wheels-0517-{a,b} split by
+# size: a1 flashinfer + sglang-kernel, a2 sglang + deep-gemm + transformers +
+# tokenizers, b the rest); no JIT cache is carried for it yet.
 set -uo pipefail
 W=.devwheels
+SGV=${SGLANG_VERSION:-0.5.12.post1}
+case $SGV in
+  0.5.12.post1) WV= ;;
+  0.5.17) WV=0517-
+    # 0.5.17 reads the DSA_ names only (its NSA_ threshold name is ignored and
+    # short prefills go to FA3, trimmed from the wheelhouse); DeepGEMM's
+    # start-up precompile held stock 0.5.17's /health at 503 for minutes.
+    export SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 ;;
+  *) echo "SGLANG_VERSION=$SGV: no wheelhouse for it (0.5.12.post1, 0.5.17)"; exit 2 ;;
+esac
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site"
 if [ "${1:-}" = install-a ]; then
   # wheels-a, or its halves wheels-a1 / wheels-a2 in two calls when the
   # checkout plus wheels-a exceed what one call carries (64 MiB).
-  $PIP $W/wheels-a*/*.whl && echo "installed: $(ls $W | grep wheels-a)" || exit 1
+  $PIP $W/wheels-${WV}a*/*.whl && echo "installed: $(ls $W | grep wheels-${WV}a)" || exit 1
   # A JIT cache carried with wheels-a waits here for the wheels-b call.
   if [ -d $W/jitcache-extra ]; then mkdir -p /tmp/jit-parts && cp $W/jitcache-extra/part-* /tmp/jit-parts/; fi
   # So does the rank model's cache when the wheels-b call has no room for it.
@@ -52,7 +67,9 @@ fi
 # remain; results/rank_speed/run_budget_29ec250/).
 touch_jit() { find ~/.cache/tvm-ffi ~/.cache/flashinfer -type f -exec touch -r /tmp/site/.jit-stamp {} + 2>/dev/null; }
 if [ ! -f /tmp/site/.wheels-b ]; then
-  $PIP $W/wheels-b/*.whl && touch /tmp/site/.jit-stamp && tar xzf $W/jitcache-h200.tgz -C ~ || exit 1
+  $PIP $W/wheels-${WV}b/*.whl && touch /tmp/site/.jit-stamp || exit 1
+  # The carried JIT caches were built with 0.5.12.post1's kernel wheels.
+  [ -n "$WV" ] || tar xzf $W/jitcache-h200.tgz -C ~ || exit 1
   # JIT caches saved by an earlier "savejit" step (Triton MoE kernels etc.):
   # carry .devwheels/jitcache-extra (a folder of archive parts; older: one
   # jitcache-extra.tgz) to skip ~2 min of compiling per start.
