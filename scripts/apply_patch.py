@@ -5,8 +5,10 @@ The patch set has two parts:
 
 * new modules: every file under ``python/sglang/`` of this repository, copied
   to the same place in the target's ``sglang`` package;
-* edits of upstream files: the unified diffs listed in ``patches/series``
-  (paths ``a/python/sglang/...``), against sglang 0.5.12.post1.
+* edits of upstream files: the unified diffs listed in
+  ``patches/<version>/series`` (paths ``a/python/sglang/...``), one series
+  per supported sglang release (``SUPPORTED_VERSIONS``); the target's
+  installed version picks it, ``--patches-dir`` overrides the choice.
 
 The target (``--sglang-dir DIR``) is either a directory holding the installed
 package (site-packages or a ``pip --target`` dir: the package is
@@ -26,9 +28,10 @@ Usage::
 server): the top-k trace override / recorder
 (``benchmark/nsa_offload/traces/nsa_topk_trace.py``, installed as
 ``sglang/srt/layers/attention/nsa_topk_trace.py``) and the patches listed in
-``benchmark/nsa_offload/traces/bench_hooks/series`` (its calls in the MLA
-forward and the NSA backend), applied after ``patches/series``. Applying without the option takes
-them back out.
+``benchmark/nsa_offload/traces/bench_hooks/<version>/series`` (its calls in
+the MLA forward and the NSA backend), applied after the patch series; a
+version whose hooks series is empty refuses the option. Applying without the
+option takes them back out.
 
 Everything is computed in memory before anything is written: a patch that
 does not apply leaves every file untouched. Patches are applied in pure
@@ -60,14 +63,14 @@ import zlib
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-SGLANG_VERSION = "0.5.12.post1"
+# The sglang releases with a patch series (patches/<version>/series), oldest
+# first. Any other version is refused: add its series first.
+SUPPORTED_VERSIONS = ("0.5.12.post1", "0.5.17")
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PATCHES_DIR = REPO_ROOT / "patches"
+PATCHES_ROOT = REPO_ROOT / "patches"
 DEFAULT_MODULES_DIR = REPO_ROOT / "python" / "sglang"
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache"
-BENCH_HOOKS_PATCHES_DIR = (
-    REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "bench_hooks"
-)
+BENCH_HOOKS_ROOT = REPO_ROOT / "benchmark" / "nsa_offload" / "traces" / "bench_hooks"
 # Package-relative path -> file of the benchmark-only modules.
 BENCH_HOOKS_MODULES = {
     "srt/layers/attention/nsa_topk_trace.py": REPO_ROOT
@@ -481,7 +484,7 @@ def read_series(patches_dir: Path) -> List[Patch]:
         name = line.split()[0]
         path = patches_dir / name
         if not path.is_file():
-            raise PatchError(f"patches/series lists {name}, which does not exist")
+            raise PatchError(f"{series} lists {name}, which does not exist")
         patches.append(parse_patch(_decode(path.read_bytes()), name))
     return patches
 
@@ -489,10 +492,22 @@ def read_series(patches_dir: Path) -> List[Patch]:
 _IGNORED_MODULE_NAMES = re.compile(r"(^\.|~$|\.py[co]$|\.sw[po]$|\.orig$|\.rej$)")
 
 
-def bench_hooks() -> Tuple[Dict[str, bytes], List[Patch]]:
-    """The benchmark-only modules and patches (``--with-bench-hooks``)."""
+def patches_dir_for(version: str) -> Path:
+    """The patch series of one supported sglang release."""
+    return PATCHES_ROOT / version
+
+
+def bench_hooks(version: str) -> Tuple[Dict[str, bytes], List[Patch]]:
+    """The benchmark-only modules and patches (``--with-bench-hooks``) of one
+    supported sglang release; refused where that release has none yet."""
+    series = read_series(BENCH_HOOKS_ROOT / version)
+    if not series:
+        raise RefusedError(
+            f"no benchmark hooks for sglang {version} yet "
+            f"({BENCH_HOOKS_ROOT / version / 'series'} lists no patch)"
+        )
     modules = {rel: path.read_bytes() for rel, path in BENCH_HOOKS_MODULES.items()}
-    return modules, read_series(BENCH_HOOKS_PATCHES_DIR)
+    return modules, series
 
 
 def list_modules(modules_dir: Path) -> Dict[str, bytes]:
@@ -647,8 +662,8 @@ def _git_head_tags(root: Path) -> Optional[List[str]]:
                 body = data.split(b"\0", 1)[1]
                 if body.startswith(b"object ") and body[7:47].decode() == head:
                     found.append(tag)
-        elif tag.lstrip("v") == SGLANG_VERSION:
-            return None  # the tag we care about is packed: cannot peel it here
+        elif tag.lstrip("v") in SUPPORTED_VERSIONS:
+            return None  # a tag we care about is packed: cannot peel it here
     return found
 
 
@@ -683,33 +698,60 @@ def read_version(target: Target) -> Tuple[Optional[str], str]:
             for t in tags
             if re.match(r"^v?\d+\.\d+", t)
         )
-        if SGLANG_VERSION in versions:
-            return SGLANG_VERSION, f"git tag at HEAD of {target.checkout_root}"
+        supported = [v for v in versions if v in SUPPORTED_VERSIONS]
+        if supported:
+            return supported[-1], f"git tag at HEAD of {target.checkout_root}"
         if versions:
             return versions[-1], f"git tag at HEAD of {target.checkout_root}"
     return None, f"{pkg / 'version.py'} (no __version__ literal, no _version.py)"
 
 
+def _supported() -> str:
+    return ", ".join(SUPPORTED_VERSIONS)
+
+
 def check_version(target: Target, ignore: bool) -> str:
     version, source = read_version(target)
-    if version == SGLANG_VERSION:
+    if version in SUPPORTED_VERSIONS:
         return version
     if ignore:
         print(
             f"warning: sglang version {version or 'unknown'} (from {source}) is not "
-            f"{SGLANG_VERSION}; continuing because of --ignore-version"
+            f"one of {_supported()}; continuing because of --ignore-version"
         )
         return version or "unknown"
     if version is None:
         raise RefusedError(
             f"cannot tell which sglang version {target.package_dir} is: {source}; "
-            f"this patch set is for sglang {SGLANG_VERSION} "
+            f"this patch set supports sglang {_supported()} "
             "(use --ignore-version to go ahead anyway)"
         )
     raise RefusedError(
         f"refusing to touch {target.package_dir}: it is sglang {version} "
-        f"(read from {source}), but this patch set is for sglang {SGLANG_VERSION}"
+        f"(read from {source}), but this patch set supports sglang {_supported()} "
+        f"only (a series in {PATCHES_ROOT}/<version>/ for each)"
     )
+
+
+def series_version(version: str, patches_dir: Optional[Path]) -> Optional[str]:
+    """The supported release whose series (bench hooks, pristine wheel) goes
+    in: the one a ``--patches-dir .../<version>`` names, else the target's;
+    None when neither is supported (a ``--patches-dir`` of one's own)."""
+    if patches_dir is not None and patches_dir.resolve().name in SUPPORTED_VERSIONS:
+        return patches_dir.resolve().name
+    return version if version in SUPPORTED_VERSIONS else None
+
+
+def resolve_patches_dir(version: str, patches_dir: Optional[Path]) -> Path:
+    """``--patches-dir`` when given, else the series of the target's version."""
+    if patches_dir is not None:
+        return patches_dir
+    if version not in SUPPORTED_VERSIONS:
+        raise RefusedError(
+            f"sglang {version} has no patch series here (supported: {_supported()}); "
+            "name one with --patches-dir"
+        )
+    return patches_dir_for(version)
 
 
 class _AllFiles:
@@ -719,12 +761,12 @@ class _AllFiles:
         return True
 
 
-def upstream_file_list(target: Target):
+def upstream_file_list(target: Target, version: str):
     """Package-relative paths of the upstream files: from the wheel's RECORD
     for an installed package; unknown (every file counts) otherwise."""
     if target.layout != "package":
         return _AllFiles()
-    record = target.package_dir.parent / f"sglang-{SGLANG_VERSION}.dist-info" / "RECORD"
+    record = target.package_dir.parent / f"sglang-{version}.dist-info" / "RECORD"
     if not record.is_file():
         return _AllFiles()
     files = set()
@@ -870,7 +912,7 @@ def plan_apply(
     old_modules: Dict[str, str] = manifest.get("modules", {})
     old_created_dirs: List[str] = manifest.get("created_dirs", [])
     patched_rels = set(_touched(series))
-    upstream_files = upstream_file_list(target)
+    upstream_files = upstream_file_list(target, version)
 
     # Modules.
     new_modules: Dict[str, str] = {}
@@ -1039,7 +1081,9 @@ def plan_apply(
     return plan
 
 
-def plan_revert(target: Target, modules: Dict[str, bytes], series: List[Patch]) -> Plan:
+def plan_revert(
+    target: Target, modules: Dict[str, bytes], series: List[Patch], version: str
+) -> Plan:
     plan = Plan()
     pkg = target.package_dir
     manifest = load_manifest(target)
@@ -1073,7 +1117,7 @@ def plan_revert(target: Target, modules: Dict[str, bytes], series: List[Patch]) 
         else:
             # No record: remove only files identical to the repo's modules
             # that are not upstream files (an empty file may well be one).
-            upstream_files = upstream_file_list(target)
+            upstream_files = upstream_file_list(target, version)
             known = not isinstance(upstream_files, _AllFiles)
             our_modules = [
                 rel
@@ -1192,15 +1236,17 @@ def report(plan: Plan, dry_run: bool, what: str) -> None:
 # ---------------------------------------------------------------------------
 
 
-def ensure_pristine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
-    """Path of a pristine sglang package (``.../sglang``) from the PyPI wheel,
-    downloaded with pip into ``cache_dir`` once."""
-    root = cache_dir / f"sglang-{SGLANG_VERSION}"
+def ensure_pristine(version: str, cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
+    """Path of a pristine sglang ``version`` package (``.../sglang``) from the
+    PyPI wheel, downloaded with pip into ``cache_dir`` once (per version)."""
+    if version not in SUPPORTED_VERSIONS:
+        raise RefusedError(f"no pristine wheel for sglang {version}: not supported")
+    root = cache_dir / f"sglang-{version}"
     stamp = root / ".complete"
     if stamp.is_file():
         return root / "sglang"
     wheel_dir = cache_dir / "wheels"
-    pattern = str(wheel_dir / f"sglang-{SGLANG_VERSION}-*.whl")
+    pattern = str(wheel_dir / f"sglang-{version}-*.whl")
     wheels = sorted(glob.glob(pattern))
     if not wheels:
         wheel_dir.mkdir(parents=True, exist_ok=True)
@@ -1211,7 +1257,7 @@ def ensure_pristine(cache_dir: Path = DEFAULT_CACHE_DIR) -> Path:
             "--disable-pip-version-check",
             "-d",
             str(wheel_dir),
-            f"sglang=={SGLANG_VERSION}",
+            f"sglang=={version}",
         ]
         pip = [sys.executable, "-m", "pip"]
         probe = subprocess.run(pip + ["--version"], capture_output=True)
@@ -1339,7 +1385,8 @@ def export_patch(
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Install the decode-side NSA KV-offload modules and patch "
-        f"series into sglang {SGLANG_VERSION}.",
+        f"series into sglang {' or '.join(SUPPORTED_VERSIONS)} (the series of "
+        "the target's version, patches/<version>/).",
     )
     parser.add_argument(
         "--sglang-dir",
@@ -1357,7 +1404,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument(
         "--export",
         metavar="NAME.patch",
-        help="write patches/NAME.patch from the edited files of --sglang-dir, "
+        help="write NAME.patch into the patches dir (patches/<version>/) from "
+        "the edited files of --sglang-dir, "
         "diffed against the pristine wheel (plus the other patches)",
     )
     parser.add_argument(
@@ -1374,8 +1422,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--patches-dir",
         type=Path,
-        default=DEFAULT_PATCHES_DIR,
-        help="directory holding series and the patches (default: %(default)s)",
+        help="directory holding series and the patches (default: "
+        f"{PATCHES_ROOT}/<the target's sglang version>)",
     )
     parser.add_argument(
         "--modules-dir",
@@ -1387,19 +1435,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--pristine-dir",
         type=Path,
         help="with --export: a pristine sglang package dir to diff against "
-        f"(default: the {SGLANG_VERSION} wheel, downloaded into .cache/)",
+        "(default: the wheel of the series' version, downloaded into .cache/)",
     )
     parser.add_argument(
         "--with-bench-hooks",
         action="store_true",
         help="also install the benchmark-only top-k trace override / recorder "
-        "and its hook in the NSA backend (benchmark servers only; applying "
-        "without it takes them back out)",
+        "and its hook in the NSA backend, from bench_hooks/<version>/ (benchmark "
+        "servers only; applying without it takes them back out)",
     )
     parser.add_argument(
         "--ignore-version",
         action="store_true",
-        help=f"go ahead even when the target is not sglang {SGLANG_VERSION}",
+        help=f"go ahead even when the target is not sglang {_supported()} "
+        "(then name the series with --patches-dir)",
     )
     return parser
 
@@ -1418,26 +1467,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         target = find_target(args.sglang_dir)
         version = check_version(target, args.ignore_version)
+        patches_dir = resolve_patches_dir(version, args.patches_dir)
+        release = series_version(version, args.patches_dir)
+        if (args.export and not args.pristine_dir or args.with_bench_hooks) and (
+            release is None
+        ):
+            raise RefusedError(
+                f"{patches_dir} is not the series of a supported sglang release "
+                f"({_supported()}): no pristine wheel or benchmark hooks for it"
+            )
         if args.export:
-            pristine = args.pristine_dir or ensure_pristine()
+            pristine = args.pristine_dir or ensure_pristine(release)
             if (pristine / "sglang" / "version.py").is_file():
                 pristine = pristine / "sglang"
-            export_patch(target, args.export, args.files, args.patches_dir, pristine)
+            export_patch(target, args.export, args.files, patches_dir, pristine)
             return EXIT_OK
-        series = read_series(args.patches_dir)
+        series = read_series(patches_dir)
         modules = list_modules(args.modules_dir)
         if args.with_bench_hooks:
-            bench_modules, bench_series = bench_hooks()
+            bench_modules, bench_series = bench_hooks(release)
             modules.update(bench_modules)
             series += bench_series
         what = "revert" if args.revert else "apply"
         print(
             f"{'check ' if args.check else ''}{what}: sglang {version} at "
             f"{target.describe()}; {len(modules)} module(s), "
-            f"{len(series)} patch(es) in {args.patches_dir}"
+            f"{len(series)} patch(es) in {patches_dir}"
         )
         if args.revert:
-            plan = plan_revert(target, modules, series)
+            plan = plan_revert(target, modules, series, version)
         else:
             plan = plan_apply(target, modules, series, version)
         report(plan, args.check, what)

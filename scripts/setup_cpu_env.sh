@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Build the CPU test environment: a virtualenv with CPU torch 2.13.0, sglang
-# 0.5.12.post1 (no deps), torchvision, triton (for TRITON_INTERPRET=1), the
-# test tools and the pure-Python packages sglang's imports need; then install
-# our patch set into the venv's sglang (scripts/apply_patch.py).
+# (no deps) of one supported release, torchvision, triton (for
+# TRITON_INTERPRET=1), the test tools and the pure-Python packages sglang's
+# imports need; then install our patch set of that release into the venv's
+# sglang (scripts/apply_patch.py picks patches/<version>/).
 #
 #   VENV=/path/to/venv bash scripts/setup_cpu_env.sh    # default: .venv
+#   SGLANG_VERSION=0.5.17 bash scripts/setup_cpu_env.sh # default: .venv-0.5.17
+#
+# SGLANG_VERSION (default 0.5.12.post1) picks the release:
+# requirements/sglang-<version>.txt holds its pin and what only it needs.
 #
 # Idempotent and fast when nothing changed: a stamp in the venv records a hash
 # of requirements/*.txt and of this script.
@@ -15,11 +20,24 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${VENV:-$ROOT/.venv}"
 REQ="$ROOT/requirements"
-STAMP="$VENV/.nsa-offload-cpu-env"
 
 log() { echo "[setup_cpu_env] $*"; }
+
+# The releases with a patch series (scripts/apply_patch.py SUPPORTED_VERSIONS);
+# the default's venv is .venv, another's .venv-<version> (scripts/test.sh too).
+SGLANG_VERSION="${SGLANG_VERSION:-0.5.12.post1}"
+case "$SGLANG_VERSION" in
+0.5.12.post1) default_venv="$ROOT/.venv" ;;
+0.5.17) default_venv="$ROOT/.venv-$SGLANG_VERSION" ;;
+*)
+    log "ERROR: SGLANG_VERSION=$SGLANG_VERSION is not supported (0.5.12.post1, 0.5.17)"
+    exit 2
+    ;;
+esac
+SGLANG_REQ="$REQ/sglang-$SGLANG_VERSION.txt"
+VENV="${VENV:-$default_venv}"
+STAMP="$VENV/.nsa-offload-cpu-env"
 
 if [[ -z "${PYTHON:-}" ]]; then
     if command -v python3.11 >/dev/null 2>&1; then
@@ -29,8 +47,13 @@ if [[ -z "${PYTHON:-}" ]]; then
     fi
 fi
 
+# The requirement files of this release (the other release's are not).
+REQ_FILES=("$REQ/torch-cpu.txt" "$REQ/cpu-test-constraints.txt" "$REQ/no-deps.txt"
+    "$SGLANG_REQ" "$REQ/cpu-test.txt")
+
 env_hash() {
-    cat "$REQ"/*.txt "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1
+    { echo "$SGLANG_VERSION"; cat "${REQ_FILES[@]}" "${BASH_SOURCE[0]}"; } |
+        sha256sum | cut -d' ' -f1
 }
 
 # pip, without the expected noise: this machine's missing local index
@@ -40,7 +63,7 @@ pip_() {
     "$VENV/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 | awk '
         /is ignored: it is neither a file nor a directory/ { next }
         /^ERROR: pip.s dependency resolver does not currently/ { hdr = $0; next }
-        /^(sglang|torchvision) [^ ]+ requires / { next }
+        /^(sglang|torchvision|xgrammar) [^ ]+ requires / { next }
         { if (hdr != "") { print hdr; hdr = "" } print }'
 }
 
@@ -104,13 +127,13 @@ if [[ "$mode" == full ]]; then
     # torch 2.13.0 with another build.
     pins=(-c "$REQ/torch-cpu.txt" -c "$REQ/cpu-test-constraints.txt")
     pip_ install -q "${pins[@]}" -r "$REQ/torch-cpu.txt"
-    pip_ install -q --no-deps -r "$REQ/no-deps.txt"
+    pip_ install -q --no-deps -r "$REQ/no-deps.txt" -r "$SGLANG_REQ"
     pip_ install -q "${pins[@]}" -r "$REQ/cpu-test.txt"
 else
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
     missing_reqs "$REQ/torch-cpu.txt" >"$tmp/torch.txt"
-    missing_reqs "$REQ/no-deps.txt" >"$tmp/no-deps.txt"
+    missing_reqs "$REQ/no-deps.txt" "$SGLANG_REQ" >"$tmp/no-deps.txt"
     missing_reqs "$REQ/cpu-test.txt" >"$tmp/cpu-test.txt"
     for f in torch no-deps cpu-test; do
         if [[ -s "$tmp/$f.txt" ]]; then
@@ -140,6 +163,13 @@ case "$torch_version" in
     ;;
 esac
 
+sglang_version="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("sglang"))')"
+if [[ "$sglang_version" != "$SGLANG_VERSION" ]]; then
+    log "ERROR: sglang $sglang_version in $VENV, SGLANG_VERSION=$SGLANG_VERSION" \
+        "(CPU_ENV_SYNC=1 installs the pin, or pick another VENV)"
+    exit 1
+fi
+
 echo "$mode $want_hash" >"$STAMP"
-log "venv ready in $((SECONDS - start))s (torch $torch_version)"
+log "venv ready in $((SECONDS - start))s (torch $torch_version, sglang $sglang_version)"
 apply_patch_set

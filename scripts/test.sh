@@ -4,14 +4,22 @@
 #   bash scripts/test.sh [pytest args...]     # VENV=... overrides .venv
 #   bash scripts/test.sh test/srt/test_cpu_env.py -x   # some tests only
 #   TEST_WORKERS=1 bash scripts/test.sh                 # the suite in one process
+#   SGLANG_VERSION=0.5.17 bash scripts/test.sh          # on sglang 0.5.17 (.venv-0.5.17)
 #
-# 1. scripts/setup_cpu_env.sh builds or tops up the venv (fast when nothing
-#    changed) and 2. re-applies our modules and patches/ into its sglang, so
-#    edits under python/sglang/ and patches/ are always what gets tested.
+# 1. scripts/setup_cpu_env.sh builds or tops up the venv of SGLANG_VERSION
+#    (default 0.5.12.post1; fast when nothing changed) and 2. re-applies our
+#    modules and patches/<version>/ into its sglang, so edits under
+#    python/sglang/ and patches/ are always what gets tested.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-export VENV="${VENV:-$ROOT/.venv}"
+export SGLANG_VERSION="${SGLANG_VERSION:-0.5.12.post1}"
+if [[ -z "${VENV:-}" ]]; then
+    # As scripts/setup_cpu_env.sh: .venv for the default, else .venv-<version>.
+    VENV="$ROOT/.venv"
+    [[ "$SGLANG_VERSION" == 0.5.12.post1 ]] || VENV="$ROOT/.venv-$SGLANG_VERSION"
+fi
+export VENV
 
 bash "$ROOT/scripts/setup_cpu_env.sh"
 

@@ -1,14 +1,16 @@
 """Tests of scripts/apply_patch.py, the installer of our patch set.
 
 They run the tool (as a subprocess, like a user) against copies of the
-pristine sglang 0.5.12.post1 wheel (downloaded once with pip into .cache/),
-laid out as an installed package (DIR/sglang) and as a git checkout
-(DIR/python/sglang), with small patch series made here and with the repo's
-real series and modules.
+pristine wheel of the sglang the venv holds (one of the supported releases,
+else the oldest; downloaded once with pip into .cache/), laid out as an
+installed package (DIR/sglang) and as a git checkout (DIR/python/sglang), with
+small patch series made here and with the repo's real series of that version
+(patches/<version>/) and modules.
 """
 
 import difflib
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -25,7 +27,6 @@ from hypothesis import strategies as st
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = REPO_ROOT / "scripts" / "apply_patch.py"
-VERSION = "0.5.12.post1"
 MANIFEST = ".nsa_kv_offload_manifest.json"
 
 
@@ -41,11 +42,23 @@ ap = _load_tool()
 _PRISTINE = None
 
 
+def _venv_version() -> str:
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return version if version in ap.SUPPORTED_VERSIONS else ap.SUPPORTED_VERSIONS[0]
+
+
+VERSION = _venv_version()
+REPO_PATCHES = ap.patches_dir_for(VERSION)
+
+
 def pristine_package() -> Path:
-    """The pristine sglang package dir of the 0.5.12.post1 wheel (cached)."""
+    """The pristine sglang package dir of the VERSION wheel (cached)."""
     global _PRISTINE
     if _PRISTINE is None:
-        _PRISTINE = ap.ensure_pristine(REPO_ROOT / ".cache")
+        _PRISTINE = ap.ensure_pristine(VERSION, REPO_ROOT / ".cache")
     return _PRISTINE
 
 
@@ -119,7 +132,7 @@ def copy_pristine(dest: Path, full: bool) -> None:
     for dirpath, _, _ in os.walk(src):
         (dest / Path(dirpath).relative_to(src)).mkdir(parents=True, exist_ok=True)
     files = set(TOUCHED_FILES)
-    files.update(ap._touched(ap.read_series(REPO_ROOT / "patches")))
+    files.update(ap._touched(ap.read_series(REPO_PATCHES)))
     for rel in sorted(files):
         if (src / rel).is_file():
             shutil.copy2(src / rel, dest / rel)
@@ -314,7 +327,8 @@ class _LayoutTests:
         for args in ((), ("--check",), ("--revert",)):
             proc = fx.run(*args, check_rc=2)
             self.assertIn("0.5.11", proc.stdout)
-            self.assertIn(VERSION, proc.stdout)
+            for supported in ap.SUPPORTED_VERSIONS:
+                self.assertIn(supported, proc.stdout)
             self.assertIn("refusing", proc.stdout)
         self.assertEqual(snapshot(fx.sglang_dir, with_mtimes=True), before)
 
@@ -337,16 +351,19 @@ class _LayoutTests:
         """The repo's real patches/ and python/sglang/ on this layout."""
         fx = self.fx
         before = snapshot(fx.sglang_dir)
-        repo = ("--patches-dir", REPO_ROOT / "patches")
-        repo += ("--modules-dir", REPO_ROOT / "python" / "sglang")
-        run_tool("--sglang-dir", fx.sglang_dir, "--check", *repo, check_rc=0)
+        # No --patches-dir: the series of the target's version.
+        out = run_tool("--sglang-dir", fx.sglang_dir, "--check", check_rc=0).stdout
+        self.assertIn(f"sglang {VERSION} at", out)
+        self.assertIn(f"patch(es) in {REPO_PATCHES}\n", out)
         self.assertEqual(snapshot(fx.sglang_dir), before)
+        repo = ("--patches-dir", REPO_PATCHES)
+        repo += ("--modules-dir", REPO_ROOT / "python" / "sglang")
         out = run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0).stdout
         self.assertNotIn("ERROR", out)
         modules = ap.list_modules(REPO_ROOT / "python" / "sglang")
         for rel, data in modules.items():
             self.assertEqual((fx.package / rel).read_bytes(), data)
-        for patch in ap.read_series(REPO_ROOT / "patches"):
+        for patch in ap.read_series(REPO_PATCHES):
             self.assertIn(patch.name, out)
         applied = snapshot(fx.sglang_dir, with_mtimes=True)
         out = run_tool("--sglang-dir", fx.sglang_dir, *repo, check_rc=0).stdout
@@ -468,11 +485,19 @@ class _ToolBehaviourTests(_LayoutTests):
     def test_bench_hooks_only_with_the_option(self):
         """--with-bench-hooks adds the top-k trace module and its calls (the
         MLA forward's decode and verify hooks); a plain apply
-        installs neither (and takes them back out)."""
+        installs neither (and takes them back out). A version without
+        hooks yet refuses the option, writing nothing."""
         fx = self.fx
         before = snapshot(fx.sglang_dir)
-        repo = ("--patches-dir", REPO_ROOT / "patches")
+        repo = ("--patches-dir", REPO_PATCHES)
         repo += ("--modules-dir", REPO_ROOT / "python" / "sglang")
+        if not ap.read_series(ap.BENCH_HOOKS_ROOT / VERSION):
+            proc = run_tool(
+                "--sglang-dir", fx.sglang_dir, "--with-bench-hooks", *repo, check_rc=2
+            )
+            self.assertIn(f"no benchmark hooks for sglang {VERSION}", proc.stdout)
+            self.assertEqual(snapshot(fx.sglang_dir), before)
+            return
         trace_rel = "srt/layers/attention/nsa_topk_trace.py"
         backend = fx.package / "srt/layers/attention/nsa_backend.py"
         mla = fx.package / (
@@ -604,6 +629,42 @@ class TestApplyPatchPackageLayout(_ToolBehaviourTests, unittest.TestCase):
         ).stdout
         self.assertIn("installed package", out)
         fx.assert_applied(self)
+
+
+class TestVersionSelection(unittest.TestCase):
+    """Each supported release has its series and its bench-hooks folder; the
+    target's version picks them; any other version is refused by name."""
+
+    def test_every_supported_version_has_both_dirs(self):
+        self.assertIn(VERSION, ap.SUPPORTED_VERSIONS)
+        for version in ap.SUPPORTED_VERSIONS:
+            with self.subTest(version=version):
+                for folder in (
+                    ap.patches_dir_for(version),
+                    ap.BENCH_HOOKS_ROOT / version,
+                ):
+                    self.assertTrue((folder / "series").is_file(), folder)
+                    ap.read_series(folder)  # every listed patch exists and parses
+                self.assertEqual(ap.resolve_patches_dir(version, None).name, version)
+                self.assertEqual(ap.series_version(version, None), version)
+        # A --patches-dir of a release names the release (for its bench hooks).
+        other = ap.patches_dir_for(ap.SUPPORTED_VERSIONS[-1])
+        self.assertEqual(ap.series_version(ap.SUPPORTED_VERSIONS[0], other), other.name)
+
+    def test_unsupported_version_is_refused_by_name(self):
+        tmp = Path(tempfile.mkdtemp(prefix="apply-patch-version-"))
+        self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+        (tmp / "sglang").mkdir()
+        (tmp / "sglang" / "version.py").write_text("__version__ = '0.5.23'\n")
+        before = snapshot(tmp)
+        for args in ((), ("--check",), ("--revert",), ("--with-bench-hooks",)):
+            proc = run_tool("--sglang-dir", tmp, *args, check_rc=2)
+            self.assertIn("it is sglang 0.5.23", proc.stdout)
+            self.assertIn(", ".join(ap.SUPPORTED_VERSIONS), proc.stdout)
+        # --ignore-version goes ahead only with a series named.
+        proc = run_tool("--sglang-dir", tmp, "--ignore-version", "--check", check_rc=2)
+        self.assertIn("name one with --patches-dir", proc.stdout)
+        self.assertEqual(snapshot(tmp), before)
 
 
 class TestApplyPatchCheckoutLayout(_LayoutTests, unittest.TestCase):

@@ -1,10 +1,13 @@
 """Server arguments of --enable-decode-nsa-kv-offload: CLI, defaults, validation.
 
 The checks run through the patched ServerArgs (its _handle_decode_nsa_kv_offload
-step) on the tiny DeepSeek-V3.2-shaped config shipped with the benchmarks.
+step) on the tiny DeepSeek-V3.2-shaped config shipped with the benchmarks. The
+upstream names that differ between the supported sglang releases (the DSA/NSA
+backend flags, the prefill-CP flag) come from nsa_kv_offload_compat.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +24,13 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
     NSAKVOffloadRankLayout,
 )
 from sglang.srt.mem_cache import nsa_kv_offload_sizing as sizing
+from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+    DECODE_BACKEND_FIELD,
+    IS_DSA_NAMING,
+    PREFILL_BACKEND_FIELD,
+    PREFILL_CP_FIELD,
+    resolved_view,
+)
 from sglang.srt.server_args import ServerArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +38,28 @@ ENV_UNPROVEN_PARALLEL = "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL"
 TINY_DSV32_CONFIG = (
     REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
 )
+DECODE, PREFILL = DECODE_BACKEND_FIELD, PREFILL_BACKEND_FIELD
+
+
+def flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def backends(**by_phase) -> dict:
+    """``decode=`` / ``prefill=`` backends as this sglang release's fields."""
+    return {DECODE if k == "decode" else PREFILL: v for k, v in by_phase.items()}
+
+
+def resolve_default_backends(args, kv_cache_dtype: str):
+    """Run sglang's DSA/NSA backend defaults (on Hopper: SM90) and return the
+    resolved (prefill, decode) backends."""
+    if IS_DSA_NAMING:  # a declaration pass that asks torch for the device
+        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+            args._set_default_dsa_backends(9)
+    else:
+        args._set_default_nsa_backends(kv_cache_dtype, 9)
+    view = resolved_view(args)
+    return getattr(view, PREFILL), getattr(view, DECODE)
 
 
 class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
@@ -63,8 +95,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             skip_tokenizer_init=True,
             page_size=64,
             kv_cache_dtype="fp8_e4m3",
-            nsa_prefill_backend="flashmla_sparse",
-            nsa_decode_backend="flashmla_kv",
+            **backends(decode="flashmla_kv", prefill="flashmla_sparse"),
             disable_radix_cache=True,
             enable_decode_nsa_kv_offload=True,
             nsa_kv_offload_host_pool_gb=0.5,
@@ -80,6 +111,45 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             args._handle_decode_nsa_kv_offload()
         self.assertIn("--enable-decode-nsa-kv-offload", str(ctx.exception))
         self.assertIn(message, str(ctx.exception))
+
+    def test_full_resolution_on_a_hopper_gpu(self):
+        # The whole ServerArgs resolution (its GPU queries answered as on an
+        # H100): the offload's backends are the defaults, its sizes resolved.
+        gpu = dict(
+            is_available=True, get_device_capability=(9, 0), get_device_name="H100"
+        )
+        with contextlib.ExitStack() as stack:
+            for name, value in gpu.items():
+                stack.enter_context(
+                    mock.patch(f"torch.cuda.{name}", return_value=value)
+                )
+            stack.enter_context(
+                mock.patch(
+                    "sglang.srt.server_args.get_device_memory_capacity",
+                    return_value=80 * 1024,
+                )
+            )
+            for dtype, decode in (
+                ("fp8_e4m3", "flashmla_kv"),
+                ("auto", "flashmla_sparse"),
+            ):
+                with self.subTest(kv_cache_dtype=dtype):
+                    args = ServerArgs(
+                        model_path=self.dsv32_dir,
+                        skip_tokenizer_init=True,
+                        device="cuda",
+                        page_size=64,
+                        kv_cache_dtype=dtype,
+                        disable_radix_cache=True,
+                        enable_decode_nsa_kv_offload=True,
+                        nsa_kv_offload_host_pool_gb=0.5,
+                    )
+                    self.assertEqual(
+                        (getattr(args, PREFILL), getattr(args, DECODE)),
+                        ("flashmla_sparse", decode),
+                    )
+                    self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
+                    self.assertEqual(args.nsa_kv_offload_max_units, 40)
 
     def test_cli_flags_parse(self):
         parser = argparse.ArgumentParser()
@@ -192,7 +262,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
 
     def test_bf16_with_flashmla_sparse_accepted(self):
         args = self._server_args(
-            kv_cache_dtype="bfloat16", nsa_decode_backend="flashmla_sparse"
+            kv_cache_dtype="bfloat16", **backends(decode="flashmla_sparse")
         )
         args._handle_decode_nsa_kv_offload()
 
@@ -329,13 +399,13 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             ),
             (
                 "attention context parallelism (--attn-cp-size 2, "
-                "--enable-nsa-prefill-context-parallel) is not supported",
+                f"{flag(PREFILL_CP_FIELD)}) is not supported",
                 dict(tp_size=2, dp_size=1, attn_cp_size=2),
             ),
             (
                 "attention context parallelism (--attn-cp-size 1, "
-                "--enable-nsa-prefill-context-parallel) is not supported",
-                dict(enable_nsa_prefill_context_parallel=True),
+                f"{flag(PREFILL_CP_FIELD)}) is not supported",
+                {PREFILL_CP_FIELD: True},
             ),
         ]
         for message, overrides in cases:
@@ -482,9 +552,9 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
 
     def test_reject_decode_backend(self):
         self._assert_rejected(
-            "requires --nsa-decode-backend flashmla_kv, but got "
-            "--nsa-decode-backend flashmla_sparse",
-            nsa_decode_backend="flashmla_sparse",
+            f"requires {flag(DECODE)} flashmla_kv, but got "
+            f"{flag(DECODE)} flashmla_sparse",
+            **backends(decode="flashmla_sparse"),
         )
 
     def test_reject_buffer_smaller_than_topk(self):
@@ -529,10 +599,10 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         for backend in ("flashmla_kv", "flashmla_auto", "trtllm", "fa3", "tilelang"):
             with self.subTest(backend=backend):
                 self._assert_rejected(
-                    "requires --nsa-prefill-backend flashmla_sparse (the prefill "
+                    f"requires {flag(PREFILL)} flashmla_sparse (the prefill "
                     "path that reads KV through the offload's staging rows), but "
-                    f"got --nsa-prefill-backend {backend}",
-                    nsa_prefill_backend=backend,
+                    f"got {flag(PREFILL)} {backend}",
+                    **backends(prefill=backend),
                 )
 
     def test_reject_unproven_decode_backends(self):
@@ -551,10 +621,10 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                     continue
                 with self.subTest(dtype=dtype, backend=backend):
                     self._assert_rejected(
-                        f"requires --nsa-decode-backend {expect}, but got "
-                        f"--nsa-decode-backend {backend}",
+                        f"requires {flag(DECODE)} {expect}, but got "
+                        f"{flag(DECODE)} {backend}",
                         kv_cache_dtype=dtype,
-                        nsa_decode_backend=backend,
+                        **backends(decode=backend),
                     )
 
     def test_backend_defaults_with_offload(self):
@@ -567,27 +637,22 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         ):
             with self.subTest(dtype=dtype):
                 args = self._server_args(
-                    kv_cache_dtype=dtype,
-                    nsa_prefill_backend=None,
-                    nsa_decode_backend=None,
+                    kv_cache_dtype=dtype, **backends(decode=None, prefill=None)
                 )
-                args._set_default_nsa_backends(dtype, 9)
-                self.assertEqual(args.nsa_prefill_backend, "flashmla_sparse")
-                self.assertEqual(args.nsa_decode_backend, decode)
+                self.assertEqual(
+                    resolve_default_backends(args, dtype), ("flashmla_sparse", decode)
+                )
                 args._handle_decode_nsa_kv_offload()
-        args = self._server_args(
-            nsa_prefill_backend="flashmla_kv", nsa_decode_backend=None
+        args = self._server_args(**backends(prefill="flashmla_kv", decode=None))
+        self.assertEqual(
+            resolve_default_backends(args, "fp8_e4m3"), ("flashmla_kv", "flashmla_kv")
         )
-        args._set_default_nsa_backends("fp8_e4m3", 9)
-        self.assertEqual(args.nsa_prefill_backend, "flashmla_kv")
-        self.assertEqual(args.nsa_decode_backend, "flashmla_kv")
         off = self._server_args(
-            enable_decode_nsa_kv_offload=False,
-            nsa_prefill_backend=None,
-            nsa_decode_backend=None,
+            enable_decode_nsa_kv_offload=False, **backends(decode=None, prefill=None)
         )
-        off._set_default_nsa_backends("fp8_e4m3", 9)
-        self.assertEqual(off.nsa_prefill_backend, "flashmla_kv")  # sglang's own
+        self.assertEqual(  # sglang's own
+            resolve_default_backends(off, "fp8_e4m3"), ("flashmla_kv", "flashmla_kv")
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ from unittest import mock
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     check_nsa_kv_offload_speculative,
 )
+from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+    DECODE_BACKEND_FIELD,
+    PREFILL_BACKEND_FIELD,
+)
 from sglang.srt.server_args import ServerArgs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -184,8 +188,8 @@ class TestStartup(unittest.TestCase):
             skip_tokenizer_init=True,
             page_size=64,
             kv_cache_dtype="fp8_e4m3",
-            nsa_prefill_backend="flashmla_sparse",
-            nsa_decode_backend="flashmla_kv",
+            **{PREFILL_BACKEND_FIELD: "flashmla_sparse"},
+            **{DECODE_BACKEND_FIELD: "flashmla_kv"},
             disable_radix_cache=True,
             enable_decode_nsa_kv_offload=True,
             nsa_kv_offload_host_pool_gb=0.5,
@@ -255,7 +259,8 @@ class TestStartup(unittest.TestCase):
         with self._env():
             self._start(
                 self._args(
-                    kv_cache_dtype="bfloat16", nsa_decode_backend="flashmla_sparse"
+                    kv_cache_dtype="bfloat16",
+                    **{DECODE_BACKEND_FIELD: "flashmla_sparse"},
                 )
             )
         # Verify's limits (the heavy server): buffer q x top-k, window 2q - 1, one unit.

@@ -3,7 +3,7 @@
 Benchmark tooling, not part of the product: ``scripts/apply_patch.py
 --with-bench-hooks`` installs this file as
 ``sglang/srt/layers/attention/nsa_topk_trace.py`` and applies
-``benchmark/nsa_offload/traces/bench_hooks/``, so that the model's MLA forward
+``benchmark/nsa_offload/traces/bench_hooks/<version>/``, so that the model's MLA forward
 (``forward_mla.py``) calls :func:`apply_decode_topk_hooks` on each decode
 layer's top-k of every server (no offload, HiSparse, decode NSA KV offload),
 and :func:`apply_verify_topk_hooks` on the other forwards' (MTP verify rows;

@@ -3,8 +3,9 @@ the frozen options the offload is built from.
 
 :func:`handle_decode_nsa_kv_offload` (once, in ``ServerArgs.__post_init__``)
 resolves the ``--nsa-kv-offload-*`` defaults and refuses, naming the flag at
-fault, what the offload does not handle; ``NSAKVOffloadOptions`` reads the
-resolved args (docs/ENGINE.md, "Options"; docs/MTP.md; docs/MULTI_GPU.md).
+fault, what the offload does not handle (docs/MTP.md; docs/MULTI_GPU.md);
+``NSAKVOffloadOptions`` reads the resolved args (docs/ENGINE.md, "Options").
+Mid-resolution reads go through ``resolved_view``; backends are declarations.
 """
 
 import logging
@@ -13,6 +14,7 @@ from typing import Optional
 
 import psutil
 from sglang.srt.environ import envs
+from sglang.srt.mem_cache import nsa_kv_offload_compat as compat
 from sglang.srt.mem_cache.nsa_kv_offload_units import units_for_context
 
 logger = logging.getLogger(__name__)
@@ -37,20 +39,20 @@ def _fail(message: str) -> None:
     raise ValueError(f"--enable-decode-nsa-kv-offload: {message}")
 
 
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
 def _query_tokens(sa) -> int:
     # Per request and target forward: the MTP draft tokens, or 1.
     return sa.speculative_num_draft_tokens if sa.speculative_algorithm else 1
 
 
-def host_memory_reserve_gb(total_bytes: int) -> float:
-    return max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * total_bytes / GB)
-
-
 def pinnable_host_memory_gb(num_host_pools: int) -> float:
     """Available RAM minus the reserve, split over this node's host pools."""
     mem = psutil.virtual_memory()
-    usable = mem.available / GB - host_memory_reserve_gb(mem.total)
-    return max(usable, 0.0) / max(num_host_pools, 1)
+    reserve = max(_HOST_RESERVE_MIN_GB, _HOST_RESERVE_FRACTION * mem.total / GB)
+    return max(mem.available / GB - reserve, 0.0) / max(num_host_pools, 1)
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,12 @@ class NSAKVOffloadRankLayout:
         return self.attn_tp_size > self.ranks_per_pool
 
     @classmethod
-    def from_server_args(cls, server_args) -> "NSAKVOffloadRankLayout":
-        tp, dp = server_args.tp_size, max(server_args.dp_size, 1)
-        if server_args.enable_dp_attention:
-            replicas, attn_tp = 1, max(tp // dp, 1)
-        else:
-            replicas, attn_tp = dp, tp  # plain DP: dp replicas of tp ranks
-        world = tp * server_args.pp_size * replicas
-        local = max(world // max(server_args.nnodes, 1), 1)
+    def from_server_args(cls, sa) -> "NSAKVOffloadRankLayout":
+        tp, dp, dpa = sa.tp_size, max(sa.dp_size, 1), sa.enable_dp_attention
+        # DP attention: dp groups of tp // dp ranks; plain DP: dp replicas of tp.
+        replicas, attn_tp = (1, max(tp // dp, 1)) if dpa else (dp, tp)
+        world = tp * sa.pp_size * replicas
+        local = max(world // max(sa.nnodes, 1), 1)
         return cls(local, attn_tp, min(attn_tp, local))
 
 
@@ -106,9 +106,7 @@ class NSAKVOffloadOptions:
     def warm_units(self) -> bool:
         """An admission is warmed into every slot its units give it: with units,
         one query token and a host pool of its own (docs/ELASTIC_BUFFER.md)."""
-        return (
-            self.max_units > 1 and self.query_tokens == 1 and not self.shares_host_pool
-        )
+        return self.max_units > 1 and self.direct_slots and not self.shares_host_pool
 
     @property
     def direct_slots(self) -> bool:
@@ -116,14 +114,10 @@ class NSAKVOffloadOptions:
         return self.query_tokens == 1
 
     @classmethod
-    def from_server_args(cls, server_args, hf_config=None) -> "NSAKVOffloadOptions":
-        from sglang.srt.mem_cache.nsa_kv_offload_compat import get_index_topk
-
-        sa = server_args
-        hf_config = hf_config or sa.get_model_config().hf_config
+    def from_server_args(cls, sa, hf_config=None) -> "NSAKVOffloadOptions":
         layout = NSAKVOffloadRankLayout.from_server_args(sa)
         return cls(
-            top_k=get_index_topk(hf_config),
+            top_k=compat.get_index_topk(hf_config or sa.get_model_config().hf_config),
             buffer_size=sa.nsa_kv_offload_gpu_buffer_size,
             recent_window=sa.nsa_kv_offload_recent_window,
             max_units=sa.nsa_kv_offload_max_units,
@@ -132,51 +126,46 @@ class NSAKVOffloadOptions:
             kv_arrives_in_host=sa.disaggregation_mode == "decode",
             shares_host_pool=layout.attn_tp_size > 1,
             prefill_budget=max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens),
-            cuda_graph_max_bs=sa.cuda_graph_max_bs or 0,
+            cuda_graph_max_bs=compat.cuda_graph_max_bs(sa),
             verify=sa.nsa_kv_offload_verify,
         )
 
 
-def apply_nsa_kv_offload_backend_defaults(
-    server_args, user_set_prefill: bool, user_set_decode: bool, kv_cache_dtype: str
-) -> bool:
-    """The offload's NSA backends for the backend flags left unset; True if set."""
-    if not server_args.enable_decode_nsa_kv_offload:
-        return False
+def nsa_kv_offload_backend_declarations(
+    view, user_set_prefill: bool, user_set_decode: bool, kv_cache_dtype: str
+) -> Optional[dict]:
+    """``{field: backend}`` for the backend flags left unset; None (sglang's
+    defaults) with the offload off or a KV dtype it refuses (and says why)."""
     decode = _DECODE_BACKENDS_BY_DTYPE.get(kv_cache_dtype)
-    if decode is None:
-        return False  # refused with its reason by handle_decode_nsa_kv_offload
+    if not view.enable_decode_nsa_kv_offload or decode is None:
+        return None
+    declared = {}
     if not user_set_prefill:
-        server_args.nsa_prefill_backend = _PREFILL_BACKENDS[0]
+        declared[compat.PREFILL_BACKEND_FIELD] = _PREFILL_BACKENDS[0]
     if not user_set_decode:
-        server_args.nsa_decode_backend = decode
-    return True
+        declared[compat.DECODE_BACKEND_FIELD] = decode
+    return declared
 
 
 def handle_decode_nsa_kv_offload(server_args) -> None:
     """Resolve the --nsa-kv-offload-* defaults and validate the combination."""
-    sa = server_args
+    sa, cfg = server_args, compat.resolved_view(server_args)
     if not sa.enable_decode_nsa_kv_offload:
         if sa.nsa_kv_offload_verify is not None:
             _fail("--nsa-kv-offload-verify needs --enable-decode-nsa-kv-offload.")
         return
-    from sglang.srt.mem_cache.nsa_kv_offload_compat import (
-        get_index_topk,
-        is_deepseek_sparse,
-    )
-
     model_config = sa.get_model_config()
-    if not is_deepseek_sparse(model_config.hf_config):
+    if not compat.is_deepseek_sparse(model_config.hf_config):
         archs = getattr(model_config.hf_config, "architectures", None)
         _fail(
             "only DSA/NSA models (e.g. DeepSeek-V3.2, GLM-5) are supported, "
             f"but --model-path {sa.model_path} is {archs}."
         )
-    index_topk = get_index_topk(model_config.hf_config)
-    _check_server_mode(sa)
-    layout = NSAKVOffloadRankLayout.from_server_args(sa)
-    _check_parallelism(sa, layout)
-    _check_backends(sa)
+    index_topk = compat.get_index_topk(model_config.hf_config)
+    _check_server_mode(cfg)
+    layout = NSAKVOffloadRankLayout.from_server_args(cfg)
+    _check_parallelism(cfg, layout)
+    _check_backends(cfg)
     if sa.nsa_kv_offload_verify not in (None,) + VERIFY_MODES:
         _fail(
             f"--nsa-kv-offload-verify {sa.nsa_kv_offload_verify!r}: expected one of "
@@ -185,7 +174,7 @@ def handle_decode_nsa_kv_offload(server_args) -> None:
 
     if sa.nsa_kv_offload_gpu_buffer_size is None:
         # One top-k more than the union of a step's query tokens can need.
-        q = _query_tokens(sa) or 1
+        q = _query_tokens(cfg) or 1
         sa.nsa_kv_offload_gpu_buffer_size = (q + 1) * index_topk
     buffer_size = sa.nsa_kv_offload_gpu_buffer_size
     window = sa.nsa_kv_offload_recent_window
@@ -206,16 +195,14 @@ def handle_decode_nsa_kv_offload(server_args) -> None:
             f"--nsa-kv-offload-recent-window ({window}) must be smaller than "
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size})."
         )
-    check_nsa_kv_offload_speculative(sa, index_topk)
-    if sa.nsa_kv_offload_max_units is None:
+    check_nsa_kv_offload_speculative(cfg, index_topk)
+    units = sa.nsa_kv_offload_max_units
+    if units is None:
         sa.nsa_kv_offload_max_units = units_for_context(
             model_config.context_len, buffer_size, window
         )
-    elif sa.nsa_kv_offload_max_units < 1:
-        _fail(
-            f"--nsa-kv-offload-max-units ({sa.nsa_kv_offload_max_units}) must be at "
-            "least 1."
-        )
+    elif units < 1:
+        _fail(f"--nsa-kv-offload-max-units ({units}) must be at least 1.")
 
     pinnable_gb = pinnable_host_memory_gb(layout.host_pools_per_node)
     host_pool_gb = sa.nsa_kv_offload_host_pool_gb
@@ -254,10 +241,9 @@ def _check_server_mode(sa) -> None:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
     if not sa.disable_radix_cache:
         _fail("it requires --disable-radix-cache.")
-    if sa.enable_mixed_chunk:
-        _fail("--enable-mixed-chunk is not supported.")
-    if sa.enable_two_batch_overlap:
-        _fail("--enable-two-batch-overlap is not supported.")
+    for field in ("enable_mixed_chunk", "enable_two_batch_overlap"):
+        if getattr(sa, field):
+            _fail(f"{_flag(field)} is not supported.")
     if sa.page_size != NSA_KV_OFFLOAD_PAGE_SIZE:
         _fail(
             f"it requires --page-size {NSA_KV_OFFLOAD_PAGE_SIZE} (the NSA indexer "
@@ -272,17 +258,17 @@ def _check_backends(sa) -> None:
             "it supports --kv-cache-dtype fp8_e4m3 or bfloat16, but got "
             f"--kv-cache-dtype {sa.kv_cache_dtype}."
         )
-    if sa.nsa_decode_backend != expected:
+    decode, prefill = compat.DECODE_BACKEND_FIELD, compat.PREFILL_BACKEND_FIELD
+    if getattr(sa, decode) != expected:
         _fail(
-            f"with --kv-cache-dtype {sa.kv_cache_dtype} it requires "
-            f"--nsa-decode-backend {expected}, but got --nsa-decode-backend "
-            f"{sa.nsa_decode_backend}."
+            f"with --kv-cache-dtype {sa.kv_cache_dtype} it requires {_flag(decode)} "
+            f"{expected}, but got {_flag(decode)} {getattr(sa, decode)}."
         )
-    if sa.nsa_prefill_backend not in _PREFILL_BACKENDS:
+    if getattr(sa, prefill) not in _PREFILL_BACKENDS:
         _fail(
-            f"it requires --nsa-prefill-backend {' or '.join(_PREFILL_BACKENDS)} (the "
+            f"it requires {_flag(prefill)} {' or '.join(_PREFILL_BACKENDS)} (the "
             "prefill path that reads KV through the offload's staging rows), but got "
-            f"--nsa-prefill-backend {sa.nsa_prefill_backend}."
+            f"{_flag(prefill)} {getattr(sa, prefill)}."
         )
 
 
@@ -319,14 +305,11 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
             f"--speculative-num-draft-tokens ({q}) must be --speculative-num-steps + 1 "
             f"({steps + 1}) with --speculative-eagle-topk 1."
         )
-    if sa.speculative_adaptive:
-        _fail(
-            f"--speculative-adaptive is not supported with --speculative-algorithm {algorithm}."
-        )
-    if sa.enable_multi_layer_eagle:
-        _fail(
-            f"--enable-multi-layer-eagle is not supported with --speculative-algorithm {algorithm}."
-        )
+    for field in ("speculative_adaptive", "enable_multi_layer_eagle"):
+        if getattr(sa, field):
+            _fail(
+                f"{_flag(field)} is not supported with --speculative-algorithm {algorithm}."
+            )
     if not sa.disable_overlap_schedule:  # spec v2
         if sa.disaggregation_mode == "decode":
             # The transfer may write host slots a forward still writes back.
@@ -361,10 +344,10 @@ def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
     tp, dp = sa.tp_size, sa.dp_size
     if sa.pp_size > 1:
         _fail(f"pipeline parallelism (--pp-size {sa.pp_size}) is not supported.")
-    if sa.attn_cp_size > 1 or sa.enable_nsa_prefill_context_parallel:
+    if sa.attn_cp_size > 1 or getattr(sa, compat.PREFILL_CP_FIELD):
         _fail(
             f"attention context parallelism (--attn-cp-size {sa.attn_cp_size}, "
-            "--enable-nsa-prefill-context-parallel) is not supported."
+            f"{_flag(compat.PREFILL_CP_FIELD)}) is not supported."
         )
     if sa.enable_dp_attention and dp != tp:
         _fail(
@@ -389,19 +372,14 @@ def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
         return
     if envs.SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL.get():
         logger.warning(
-            "Decode NSA KV offload: SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL=1, "
-            "starting a layout not yet run on GPUs (--tp-size %d, --dp-size %d, "
-            "--enable-dp-attention %s).",
-            tp,
-            dp,
-            sa.enable_dp_attention,
+            "Decode NSA KV offload: SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL=1, starting "
+            f"a layout not yet run on GPUs (--tp-size {tp}, --dp-size {dp}, "
+            f"--enable-dp-attention {sa.enable_dp_attention})."
         )
         return
-    what = (
-        f"DP attention (--enable-dp-attention --dp-size {dp})"
-        if sa.enable_dp_attention
-        else f"tensor parallelism (--tp-size {tp})"
-    )
+    what = f"tensor parallelism (--tp-size {tp})"
+    if sa.enable_dp_attention:
+        what = f"DP attention (--enable-dp-attention --dp-size {dp})"
     _fail(
         f"{what} has not run on GPUs yet (tested on CPU only); "
         "SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL=1 lets it start, for the GPU runs "

@@ -39,3 +39,25 @@ def get_attention_tp_group():
     from sglang.srt.layers.dp_attention import get_attention_tp_group as get_group
 
     return get_group()
+
+
+# Server args: 0.5.17 declares resolvable fields until __post_init__ ends (read
+# through resolved_view), names --enable-prefill-cp, resolves cuda_graph_config.
+if IS_DSA_NAMING:
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    PREFILL_CP_FIELD = "enable_prefill_cp"
+else:
+
+    def resolved_view(server_args):
+        return server_args
+
+    PREFILL_CP_FIELD = "enable_nsa_prefill_context_parallel"
+
+
+def cuda_graph_max_bs(server_args) -> int:
+    """The resolved decode CUDA-graph batch cap (0: none or not resolved yet)."""
+    if IS_DSA_NAMING:
+        graphs = server_args.cuda_graph_config  # None until __post_init__ parses it
+        return (graphs.decode.max_bs or 0) if graphs else 0
+    return server_args.cuda_graph_max_bs or 0
