@@ -39,3 +39,12 @@ def get_attention_tp_group():
     from sglang.srt.layers.dp_attention import get_attention_tp_group as get_group
 
     return get_group()
+
+
+def forward_attn_backend(forward_batch):
+    """The attention backend of ``forward_batch`` (0.5.17: the forward context's)."""
+    if not IS_DSA_NAMING:
+        return forward_batch.attn_backend
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    return get_attn_backend()
