@@ -40,6 +40,7 @@ from offload_harness import (  # noqa: F401 (setUpModule: the tests' fixtures)
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.mem_cache import memory_pool as memory_pool_module
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sparse_backend import forward_backend
 
 
 def torch_kv_writes(test: unittest.TestCase) -> None:
@@ -202,7 +203,7 @@ class _MTPHarness(OffloadHarness):
             seq_lens=pre.to(DEVICE),
             attn_backend=SimpleNamespace(nsa_kv_offload=self.co),
         )
-        with self.forward_context((fb, batch, idx)):
+        with self.forward_context((fb, batch, idx)), forward_backend(fb.attn_backend):
             self.co.before_forward(fb)
             with self.decode_graph_context():
                 for layer in range(self.L):

@@ -50,6 +50,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
 )
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import NSAKVOffloadPoolSizes
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sparse_backend import forward_backend
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -669,7 +670,7 @@ class OffloadHarness:
             seq_lens=torch.cat([batch.seq_lens, pad_seq]),
             attn_backend=SimpleNamespace(nsa_kv_offload=self.co),
         )
-        with self.forward_context((fb, batch, idx)):
+        with self.forward_context((fb, batch, idx)), forward_backend(fb.attn_backend):
             self.co.before_forward(fb)
             self.co.num_real_reqs.fill_(-1)  # left over from another batch
             with self.decode_graph_context():

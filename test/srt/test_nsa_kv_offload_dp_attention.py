@@ -29,10 +29,10 @@ import torch
 from mtp_verify_sim import cpu_torch_paths
 from offload_harness import DEVICE, PAGE, OffloadHarness
 from sglang.srt.layers.attention import nsa_offload_hooks
-from sglang.srt.layers.attention.nsa_backend import NativeSparseAttnBackend
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import NSAKVOffloadPoolConfigurator
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sparse_backend import SparseAttnBackend
 
 # The offload refuses DP attention unless it is set (read through
 # sglang.srt.environ.envs when the server args are handled).
@@ -54,7 +54,7 @@ def tearDownModule():
     offload_harness.tearDownModule()
 
 
-class _ProbeBackend(NativeSparseAttnBackend):
+class _ProbeBackend(SparseAttnBackend):
     """sglang's NSA backend with its per-mode entry points recorded (nothing
     else of it is built)."""
 
@@ -113,7 +113,7 @@ def _decode_forward_batch(reqs, out):
 def _pad_like_dp_max_len(fb, num_tokens):
     """sglang's padding of a DP-attention batch to ``num_tokens`` rows (decode:
     one token per request), with the NSA backend's fill value."""
-    fill = NativeSparseAttnBackend.get_cuda_graph_seq_len_fill_value(None)
+    fill = SparseAttnBackend.get_cuda_graph_seq_len_fill_value(None)
     mr = SimpleNamespace(
         attn_backend=SimpleNamespace(get_cuda_graph_seq_len_fill_value=lambda: fill)
     )

@@ -123,6 +123,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_units import (
 )
 from sglang.srt.mem_cache.sparse_cache_controller import SparseCacheController
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sparse_backend import forward_backend
 from test_lru_cache_state import check_invariants
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -725,7 +726,8 @@ class TestEarlySwap(unittest.TestCase):
             fb = SimpleNamespace(
                 forward_mode=mode, attn_backend=SimpleNamespace(nsa_kv_offload=h.co)
             )
-            nsa_offload_hooks.begin_layer_swap(fb, 0, topk)
+            with forward_backend(fb.attn_backend):
+                nsa_offload_hooks.begin_layer_swap(fb, 0, topk)
             self.assertEqual(h.co._early_page_tables, {})
 
 

@@ -1,6 +1,10 @@
 """MTP target verify with the decode NSA KV offload under spec v2 (the overlap
 scheduler), driven through the real sglang code (CPU integration,
-docs/MTP.md "Spec v2").
+docs/MTP.md "Spec v2"). Written for 0.5.12.post1; on 0.5.17 (spec v2 only) the
+same steps go through ``spec_prepare_for_decode`` / ``eagle_prepare_for_decode``
+(allocation ahead page-aligned, the bonus slot committed when the result is
+processed) and ``eagle_utils.eagle_prepare_for_verify`` on the ScheduleBatch,
+with ``seq_lens_cpu`` None (no verify sync): see ``_V17``.
 
 The real pools, allocator and coordinator of ``test_nsa_kv_offload_mtp_verify``
 (on CPU with its torch paths for the swap, the copies and the KV rows);
@@ -34,13 +38,24 @@ from offload_harness import DEVICE, PAGE, FakeReq
 from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers import utils as managers_utils
 from sglang.srt.mem_cache import common as common_module
-from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
+from sglang.srt.mem_cache.common import release_kv_cache
+from sglang.srt.mem_cache.nsa_kv_offload_compat import IS_DSA_NAMING
+from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.speculative import eagle_info_v2, spec_utils
-from sglang.srt.speculative.eagle_info_v2 import (
-    EagleDraftInputV2Mixin,
-    EagleVerifyInputV2Mixin,
-)
+from sglang.srt.speculative import spec_utils
+
+if IS_DSA_NAMING:
+    from sglang.kernels.ops.speculative import cache_locs
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+    from sglang.srt.speculative import eagle_utils
+else:
+    from sglang.srt.mem_cache.common import get_last_loc_torch
+    from sglang.srt.speculative import eagle_info_v2
+    from sglang.srt.speculative.eagle_info_v2 import (
+        EagleDraftInputV2Mixin,
+        EagleVerifyInputV2Mixin,
+    )
 from test_nsa_kv_offload_mtp_verify import (  # noqa: F401 (module fixtures)
     _MTPHarness,
     setUpModule,
@@ -73,13 +88,54 @@ class _TorchAssignKernel:
         return launch
 
 
+def _torch_assign(write):
+    """0.5.17's ``assign_req_to_token_pool_func`` (``write``) or
+    ``assign_extend_cache_locs_uniform_func``, in torch (their kernels do
+    not run under the interpreter): see ``_TorchAssignKernel``."""
+    launch = _TorchAssignKernel(write)[None]
+    if write:
+        return lambda idx, r2t, start, end, out, bs: launch(
+            idx, r2t, start, end, out, 0, bs
+        )
+
+    def read(
+        req_pool_indices,
+        req_to_token,
+        start_offset,
+        batch_size,
+        draft_token_num,
+        device,
+    ):
+        out = torch.empty(
+            batch_size * draft_token_num, dtype=torch.int64, device=device
+        )
+        end = start_offset + draft_token_num
+        launch(req_pool_indices, req_to_token, start_offset, end, out, 0, batch_size)
+        return out
+
+    return read
+
+
 class _V2Req(FakeReq):
-    """A ``Req`` as spec v2 keeps it: committed and allocated KV lengths."""
+    """A ``Req`` as spec v2 keeps it: committed and allocated KV lengths
+    (0.5.17: the allocated one in ``req.kv``, held with the request slot)."""
 
     def __init__(self, rid):
         super().__init__(rid)
-        self.kv_allocated_len = 0
+        self._kv = SimpleNamespace(kv_allocated_len=0)
         self.decode_batch_idx = 0
+
+    kv = property(
+        lambda self: None if self.req_pool_idx is None else self._kv,
+        lambda self, value: None,  # release_kv_cache drops it with the slot
+    )
+    kv_allocated_len = property(
+        lambda self: self._kv.kv_allocated_len,
+        lambda self, n: setattr(self._kv, "kv_allocated_len", n),
+    )
+
+    def effective_kv_committed_len(self):
+        return self.kv_committed_len
 
     def pop_overallocated_kv_cache(self):
         return self.kv_committed_len, self.kv_allocated_len
@@ -94,6 +150,7 @@ class _V2Harness(_MTPHarness):
             speculative_num_steps=steps,
             speculative_eagle_topk=1,
             speculative_num_draft_tokens=q,
+            max_speculative_num_draft_tokens=q,
             page_size=PAGE,
             attention_backend="nsa",
             strip_thinking_cache=False,
@@ -115,6 +172,8 @@ class _V2Harness(_MTPHarness):
 
     def _patches(self):
         sa = self.server_args
+        if IS_DSA_NAMING:
+            return self._patches_v17(sa)
         return [
             mock.patch.object(
                 eagle_info_v2,
@@ -138,6 +197,35 @@ class _V2Harness(_MTPHarness):
             ),
         ]
 
+    def _patches_v17(self, sa):
+        from sglang.srt.mem_cache import allocation_sizing
+
+        no_mamba = SimpleNamespace(
+            enable_mamba_extra_buffer=lambda: False,
+            enable_mamba_extra_buffer_lazy=lambda: False,
+        )
+        init_new = SimpleNamespace(init_new=lambda batch, runner, **kw: batch)
+        return [
+            mock.patch.object(schedule_batch_module, "get_server_args", lambda: sa),
+            mock.patch.object(spec_utils, "get_server_args", lambda: no_mamba),
+            mock.patch.object(
+                eagle_utils,
+                "get_alloc_reserve_per_decode",
+                lambda: allocation_sizing.get_alloc_reserve_per_decode(sa),
+            ),
+            mock.patch.object(eagle_utils, "get_spec", lambda: sa),
+            mock.patch.object(allocation, "get_last_loc", get_last_loc_torch),
+            mock.patch.object(
+                allocation, "assign_req_to_token_pool_func", _torch_assign(True)
+            ),
+            mock.patch.object(
+                cache_locs,
+                "assign_extend_cache_locs_uniform_func",
+                _torch_assign(False),
+            ),
+            mock.patch.object(forward_batch_info, "ForwardBatch", init_new),
+        ]
+
     def prepare_for_decode(self, reqs, seq_lens):
         """The patched ``ScheduleBatch.prepare_for_decode`` with spec v2 on;
         returns the ``out_cache_loc`` of the allocation ahead."""
@@ -146,7 +234,9 @@ class _V2Harness(_MTPHarness):
             reqs=reqs,
             input_embeds=None,
             is_spec_v2=True,
-            spec_algorithm=SimpleNamespace(is_none=lambda: False),
+            spec_algorithm=SimpleNamespace(
+                is_none=lambda: False, is_dflash_family=lambda: False
+            ),
             token_to_kv_pool_allocator=self.allocator,
             tree_cache=self.tree_cache,
             req_to_token_pool=self.req_to_token_pool,
@@ -188,10 +278,14 @@ class _V2Harness(_MTPHarness):
         # Allocated ahead: kv_committed_len + 2 alloc_len, locs only.
         taken = 0
         for r, (allocated, committed) in zip(reqs, before):
-            self.t.assertEqual(r.kv_committed_len, committed + 1)  # bonus slot
-            self.t.assertEqual(
-                r.kv_allocated_len, max(allocated, committed + 2 * self.alloc_len)
-            )
+            ahead = committed + 2 * self.alloc_len
+            if IS_DSA_NAMING:
+                # The bonus slot is committed with the result; whole pages.
+                self.t.assertEqual(r.kv_committed_len, committed)
+                ahead = -(-ahead // PAGE) * PAGE
+            else:
+                self.t.assertEqual(r.kv_committed_len, committed + 1)  # bonus slot
+            self.t.assertEqual(r.kv_allocated_len, max(allocated, ahead))
             new_pages = -(-r.kv_allocated_len // PAGE) - (-(-allocated // PAGE))
             taken += new_pages * PAGE
         self.t.assertEqual(alloc.available_size(), free_before - taken)
@@ -207,8 +301,11 @@ class _V2Harness(_MTPHarness):
 
     def prepare_for_v2_verify(self, reqs, seq_lens):
         """The patched ``EagleVerifyInputV2Mixin.prepare_for_v2_verify`` on
-        the worker's ``ModelWorkerBatch`` (``seq_lens`` on the device only)."""
+        the worker's ``ModelWorkerBatch`` (``seq_lens`` on the device only;
+        0.5.17: ``eagle_utils.eagle_prepare_for_verify`` on the ScheduleBatch)."""
         q, bs = self.q, len(reqs)
+        if IS_DSA_NAMING:
+            return self._prepare_for_verify_v17(reqs, seq_lens)
         mwb = SimpleNamespace(
             forward_mode=ForwardMode.DECODE,
             req_pool_indices=torch.tensor(
@@ -250,6 +347,46 @@ class _V2Harness(_MTPHarness):
         self.t.assertTrue(torch.equal(out.long(), expect))
         return out, pre, idx
 
+    def _prepare_for_verify_v17(self, reqs, seq_lens):
+        q, bs = self.q, len(reqs)
+        idx = torch.tensor([r.req_pool_idx for r in reqs], device=DEVICE)
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.DECODE,
+            req_pool_indices=idx,
+            seq_lens=seq_lens,
+            seq_lens_cpu=None,  # no verify sync
+            reqs=reqs,
+            device=DEVICE,
+            model_config=SimpleNamespace(vocab_size=1 << 16),
+            req_to_token_pool=self.req_to_token_pool,
+        )
+        verify_input = SimpleNamespace(
+            draft_token=torch.zeros(bs * q, dtype=torch.int64, device=DEVICE),
+            draft_token_num=q,
+        )
+        runner = SimpleNamespace(
+            nsa_kv_offload=self.co,  # create_nsa_kv_offload_coordinator's
+            spec_algorithm=SimpleNamespace(is_standalone=lambda: False),
+            decode_cuda_graph_runner=None,
+        )
+        fb, can_graph = eagle_utils.eagle_prepare_for_verify(
+            verify_input,
+            self.req_to_token_pool,
+            batch,
+            SimpleNamespace(model_runner=runner),
+        )
+        self.t.assertFalse(can_graph)
+        self.t.assertEqual(fb.forward_mode, ForwardMode.TARGET_VERIFY)
+        out, pre = fb.out_cache_loc, seq_lens.cpu()
+        expect = torch.cat(
+            [
+                self.req_to_token[r.req_pool_idx, int(n) : int(n) + q]
+                for r, n in zip(reqs, pre)
+            ]
+        ).long()
+        self.t.assertTrue(torch.equal(out.long(), expect))
+        return out, pre, idx
+
     def check_ring_rows(self, out, pre, idx):
         q = self.q
         base = self.co.lru.region_base[idx].long().repeat_interleave(q)
@@ -272,7 +409,8 @@ class _V2Harness(_MTPHarness):
         # The result, as spec v2 processes it: nothing freed.
         free_before = self.allocator.available_size()
         for r, a in zip(reqs, accepts):
-            r.kv_committed_len += (a + 1) - 1
+            # a drafts and the bonus token (0.5.12: its slot claimed ahead).
+            r.kv_committed_len += a + (1 if IS_DSA_NAMING else 0)
             r.seq_len += a + 1
             self.t.assertEqual(r.kv_committed_len, r.seq_len)
             self.t.assertLessEqual(r.seq_len, r.kv_allocated_len)
@@ -287,9 +425,13 @@ class _V2Harness(_MTPHarness):
         r = req.req_pool_idx
         free_before = self.allocator.available_size()
         allocated = req.kv_allocated_len
-        with mock.patch.object(
-            common_module, "get_global_server_args", lambda: self.server_args
-        ):
+        names = ("get_global_server_args", "get_spec", "get_serving")
+        args = [
+            mock.patch.object(common_module, name, lambda: self.server_args)
+            for name in names
+            if hasattr(common_module, name)  # 0.5.17: get_spec, get_serving
+        ]
+        with contextlib_exit_stack(args):
             release_kv_cache(req, self.tree_cache)
         self.t.assertIsNone(req.req_pool_idx)
         self.t.assertFalse(self.co.is_admitted(SimpleNamespace(req_pool_idx=r)))

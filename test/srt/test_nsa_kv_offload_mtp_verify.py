@@ -15,8 +15,9 @@ of a decode step with ``s`` draft steps (``q = s + 1``):
   ring row, staging untouched, requests the prefill hook missed admitted;
 * the ``TARGET_VERIFY`` forward, padded like a CUDA-graph replay: every layer
   hands its top-k over (the early swap starts), writes the ``q`` tokens' KV,
-  then its page table comes from ``NativeSparseAttnBackend.forward_extend``
-  (the patched method, with the FlashMLA call captured) or the hook directly;
+  then its page table comes from the sparse backend's ``forward_extend``
+  (``NativeSparseAttnBackend`` / 0.5.17's ``DeepseekSparseAttnBackend``: the
+  patched method, with the FlashMLA call captured) or the hook directly;
   each query token's row must hold exactly the KV of its top-k positions
   (full-KV reference), and the last layer writes all ``q`` tokens back to
   host memory;
@@ -46,13 +47,15 @@ from offload_harness import (
     ROPE_DIM,
     OffloadHarness,
 )
-from sglang.srt.layers.attention import nsa_backend, nsa_offload_hooks
+from sglang.srt.layers.attention import nsa_offload_hooks
+from sglang.srt.mem_cache.nsa_kv_offload_compat import IS_DSA_NAMING
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSA_KV_OFFLOAD_DRAFT_LAYERS,
     compute_offload_pool_sizes,
     lru_slot_id_bytes,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sparse_backend import IMPL, SparseAttnBackend, TopkTransformMethod, forward_backend
 
 _PATCHES = cpu_torch_paths()
 
@@ -71,21 +74,30 @@ def tearDownModule():
     offload_harness.tearDownModule()
 
 
-def _backend(coordinator, captured):
-    """The attributes of a ``NativeSparseAttnBackend`` its ``forward_extend``
-    reads on the TARGET_VERIFY path, FlashMLA replaced by a capture."""
+def _backend(coordinator, captured, kv_pool=None):
+    """The attributes of sglang's sparse backend (``SparseAttnBackend``) its
+    ``forward_extend`` and ``get_indexer_metadata`` read on the TARGET_VERIFY
+    path (fused top-k on, as by default), FlashMLA replaced by a capture."""
 
     def flashmla_kv(**kwargs):
         captured.append(kwargs["page_table_1"])
         return kwargs["q_all"]
 
     return SimpleNamespace(
-        forward_metadata=SimpleNamespace(paged_mqa_schedule_metadata=None),
-        nsa_decode_impl="flashmla_kv",
-        nsa_prefill_impl="flashmla_sparse",
+        forward_metadata=SimpleNamespace(
+            paged_mqa_schedule_metadata=None, paged_mqa_ctx_lens_2d=None
+        ),
+        **{
+            f"{IMPL}_decode_impl": "flashmla_kv",
+            f"{IMPL}_prefill_impl": "flashmla_sparse",
+        },
         use_mha=False,
+        use_fused_topk=True,
+        hisparse_coordinator=None,
+        token_to_kv_pool=kv_pool,
+        dsa_topk_backend=None,
         nsa_kv_offload=coordinator,
-        get_topk_transform_method=lambda mode=None: nsa_backend.TopkTransformMethod.PAGED,
+        get_topk_transform_method=lambda mode=None: TopkTransformMethod.PAGED,
         _pad_topk_indices=lambda topk, rows: topk,
         _forward_flashmla_kv=flashmla_kv,
     )
@@ -100,7 +112,10 @@ class _MTPHarness(OffloadHarness):
 
     def draft_pass(self, reqs):
         """EAGLE v1 ``_draft_preprocess_decode`` (page size > 1, topk 1): ``s``
-        locs per request for the NextN layer's own pool, given back at once."""
+        locs per request for the NextN layer's own pool, given back at once
+        (spec v1: 0.5.12 only; spec v2 allocates ahead, test_..._mtp_v2)."""
+        if IS_DSA_NAMING:
+            return
         alloc = self.allocator
         idx = torch.tensor([r.req_pool_idx for r in reqs], device=DEVICE)
         pre = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
@@ -175,6 +190,13 @@ class _MTPHarness(OffloadHarness):
             attn_backend=SimpleNamespace(nsa_kv_offload=self.co),
         )
         self.t.assertTrue(nsa_offload_hooks.use_positional_topk(self.co, fb))
+        with forward_backend(fb.attn_backend):
+            self._verify_layers(reqs, out, pre, pad_reqs, backend_layers, fb)
+        # The last layer's hook wrote all q tokens of every layer back.
+        self.check_host(out)
+
+    def _verify_layers(self, reqs, out, pre, pad_reqs, backend_layers, fb):
+        q, bs = self.q, len(reqs)
         self.co.before_forward(fb)
         self.co.num_real_reqs.fill_(-1)  # left over from another batch
         rows_total = (bs + pad_reqs) * q
@@ -205,8 +227,8 @@ class _MTPHarness(OffloadHarness):
                 )
                 q_nope = torch.zeros((rows_total, 1, KV_LORA_RANK), device=DEVICE)
                 q_rope = torch.zeros((rows_total, 1, ROPE_DIM), device=DEVICE)
-                nsa_backend.NativeSparseAttnBackend.forward_extend(
-                    _backend(self.co, captured),
+                SparseAttnBackend.forward_extend(
+                    _backend(self.co, captured, self.pool),
                     q_nope,
                     None,
                     None,
@@ -224,8 +246,6 @@ class _MTPHarness(OffloadHarness):
             self.t.assertEqual(int(self.co.num_real_reqs[0]), bs)
             self.t.assertEqual(int(self.co.num_real_tokens[0]), bs * q)
             self.check_verify_page_table(layer, reqs, pre, topk, page_table, pad_reqs)
-        # The last layer's hook wrote all q tokens of every layer back.
-        self.check_host(out)
 
     def check_verify_page_table(self, layer, reqs, pre, topk, page_table, pad_reqs):
         q, bs = self.q, len(reqs)
@@ -369,15 +389,13 @@ class TestMTPVerify(unittest.TestCase):
             (ForwardMode.EXTEND, False),
         ):
             fb = SimpleNamespace(forward_mode=mode, hisparse_coordinator=None)
-            meta = nsa_backend.NativeSparseAttnBackend.get_indexer_metadata(
-                backend, 0, fb
-            )
+            meta = SparseAttnBackend.get_indexer_metadata(backend, 0, fb)
             self.assertEqual(meta.force_unfused_topk, positional, mode)
         backend.nsa_kv_offload = None
         fb = SimpleNamespace(
             forward_mode=ForwardMode.TARGET_VERIFY, hisparse_coordinator=None
         )
-        meta = nsa_backend.NativeSparseAttnBackend.get_indexer_metadata(backend, 0, fb)
+        meta = SparseAttnBackend.get_indexer_metadata(backend, 0, fb)
         self.assertFalse(meta.force_unfused_topk)
 
     def test_query_tokens_checked(self):
@@ -457,9 +475,15 @@ class TestDraftWorkerPool(sizing_tests.TinyConfigDirCase):
         runner = source("sglang.srt.model_executor.model_runner")
         at = runner.index("create_nsa_kv_offload_coordinator(self)")
         self.assertIn("and not self.is_draft_worker", runner[at - 400 : at])
-        mixin = source("sglang.srt.model_executor.model_runner_kv_cache_mixin")
+        pools = "model_executor.model_runner_kv_cache_mixin"
+        if IS_DSA_NAMING:
+            pools = "mem_cache.kv_cache_configurator"
+        mixin = source(f"sglang.srt.{pools}")
         at = mixin.index("nsa_kv_offload_pool_kwargs,")
         self.assertIn("and not self.is_draft_worker", mixin[at - 300 : at])
+        if IS_DSA_NAMING:
+            self._check_spec_v2_hooks(source)
+            return
         verify = source("sglang.srt.speculative.eagle_info")
         self.assertIn("offload.prepare_verify(batch, self.draft_token_num)", verify)
         batch = source("sglang.srt.managers.schedule_batch")
@@ -473,6 +497,24 @@ class TestDraftWorkerPool(sizing_tests.TinyConfigDirCase):
         self.assertLess(verify_v2.index("assign_extend_cache_locs_func(\n"), hook)
         self.assertLess(
             hook, verify_v2.index("verify_forward_batch = ForwardBatch.init_new")
+        )
+
+    def _check_spec_v2_hooks(self, source):
+        # 0.5.17: spec v2 only. Admitted before spec_prepare_for_decode
+        # allocates ahead; the verify's q locs mapped once they are read
+        # from req_to_token, before its ForwardBatch exists.
+        batch = source("sglang.srt.managers.schedule_batch")
+        admit = batch.index("offload.prepare_speculative_decode(self, spec_v2=True)")
+        self.assertLess(admit, batch.index("spec_prepare_for_decode(self)\n"))
+        verify = source("sglang.srt.speculative.eagle_utils")
+        hook = verify.index(
+            "offload.prepare_v2_verify(batch, verify_input.draft_token_num)"
+        )
+        self.assertLess(
+            verify.index("= assign_extend_cache_locs_uniform_func(\n"), hook
+        )
+        self.assertLess(
+            hook, verify.index("verify_forward_batch = ForwardBatch.init_new")
         )
 
 

@@ -53,10 +53,8 @@ IDLE_METRICS_INTERVAL_S = 1.0  # the most often metrics refresh while idle
 
 def longest_seq_len(req) -> Optional[int]:
     """Prompt plus ``max_new_tokens`` of ``req`` (None when unset)."""
-    max_new_tokens = req.sampling_params.max_new_tokens
-    return (
-        None if max_new_tokens is None else len(req.origin_input_ids) + max_new_tokens
-    )
+    n = req.sampling_params.max_new_tokens
+    return None if n is None else len(req.origin_input_ids) + n
 
 
 class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
@@ -257,11 +255,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         ]
         if not self.options.warm_units:
             for req in reqs:
-                self._admit_for_decode(req, len(req.fill_ids))
+                self._admit_for_decode(req, req.kv_committed_len)
             return
         # Warm units: grant units now, fill them from the staging rows.
         staged = [
-            (req.req_pool_idx, self.admit(req, len(req.fill_ids), True, True))
+            (req.req_pool_idx, self.admit(req, req.kv_committed_len, True, True))
             for req in reqs
         ]
         self._rebalance_if_wanted()
@@ -313,9 +311,8 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
 
     def reclaim_idle_locs(self, num_pages: int) -> bool:
         """Take idle-loc units back until ``num_pages`` are free (False: not enough)."""
-        allocator = self.allocator
         return self._reclaim(
-            IDLE_LOC_UNIT_SOURCE, lambda: allocator.free_page_count() >= num_pages
+            IDLE_LOC_UNIT_SOURCE, lambda: self.allocator.free_page_count() >= num_pages
         )
 
     def release(self, req) -> None:
@@ -437,11 +434,6 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             self._last_idle_metrics_tic = now
             self.get_stats()
         return "; ".join(leaks)
-
-    def synchronize(self) -> None:
-        """Block until every forward and copy issued so far is done."""
-        if torch.device(self.device).type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def enable_metrics(self, labels, registry=None) -> None:
         """Export the counters and gauges to Prometheus (fed at each decode log)."""

@@ -17,10 +17,10 @@ class NSAKVOffloadMTPMixin:
     """Target-verify part of ``NSAKVOffloadCoordinator``."""
 
     def admit_running(self, batch) -> None:
-        """Admit what the prefill hook missed (``seq_lens``: the committed length)."""
-        for i, req in enumerate(batch.reqs):
+        """Admit what the prefill hook missed, with its committed KV."""
+        for req in batch.reqs:
             if not self.is_admitted(req):
-                self.admit(req, int(batch.seq_lens_cpu[i]))
+                self.admit(req, req.kv_committed_len)
 
     def prepare_speculative_decode(self, batch, spec_v2: bool) -> None:
         """Speculative ``prepare_for_decode``, before the step's locs (spec v2) or

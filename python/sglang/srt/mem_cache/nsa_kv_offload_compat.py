@@ -61,3 +61,12 @@ def cuda_graph_max_bs(server_args) -> int:
         graphs = server_args.cuda_graph_config  # None until __post_init__ parses it
         return (graphs.decode.max_bs or 0) if graphs else 0
     return server_args.cuda_graph_max_bs or 0
+
+
+def forward_attn_backend(forward_batch):
+    """The attention backend of ``forward_batch`` (0.5.17: the forward context's)."""
+    if not IS_DSA_NAMING:
+        return forward_batch.attn_backend
+    from sglang.srt.model_executor.forward_context import get_attn_backend
+
+    return get_attn_backend()

@@ -8,22 +8,21 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from sglang.srt.mem_cache.nsa_kv_offload_compat import forward_attn_backend
 
 
 def use_positional_topk(offload, forward_batch) -> bool:
     """Decode and MTP target verify take the indexer's top-k as sequence
     positions (not token locs): the offload maps positions to GPU rows."""
-    if offload is None:
-        return False
     mode = forward_batch.forward_mode
-    return mode.is_decode_or_idle() or mode.is_target_verify()
+    return offload is not None and (mode.is_decode_or_idle() or mode.is_target_verify())
 
 
 def begin_layer_swap(forward_batch, layer_id: int, topk_positions: torch.Tensor):
     """The model, right after a layer's indexer: start the layer's decode or
     verify swap beside the query projection and rope (reached through the
     forward's attention backend: a draft model's has no offload)."""
-    offload = getattr(forward_batch.attn_backend, "nsa_kv_offload", None)
+    offload = getattr(forward_attn_backend(forward_batch), "nsa_kv_offload", None)
     if offload is not None:
         offload.begin_layer_swap(layer_id, topk_positions, forward_batch)
 
