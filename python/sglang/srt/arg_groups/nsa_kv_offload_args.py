@@ -117,7 +117,10 @@ class NSAKVOffloadOptions:
 
     @classmethod
     def from_server_args(cls, server_args, hf_config=None) -> "NSAKVOffloadOptions":
-        from sglang.srt.mem_cache.nsa_kv_offload_compat import get_index_topk
+        from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+            decode_cuda_graph_max_bs,
+            get_index_topk,
+        )
 
         sa = server_args
         hf_config = hf_config or sa.get_model_config().hf_config
@@ -132,7 +135,7 @@ class NSAKVOffloadOptions:
             kv_arrives_in_host=sa.disaggregation_mode == "decode",
             shares_host_pool=layout.attn_tp_size > 1,
             prefill_budget=max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens),
-            cuda_graph_max_bs=sa.cuda_graph_max_bs or 0,
+            cuda_graph_max_bs=decode_cuda_graph_max_bs(sa),
             verify=sa.nsa_kv_offload_verify,
         )
 

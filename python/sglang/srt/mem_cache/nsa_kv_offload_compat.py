@@ -39,3 +39,43 @@ def get_attention_tp_group():
     from sglang.srt.layers.dp_attention import get_attention_tp_group as get_group
 
     return get_group()
+
+
+# ---- Pools. 0.5.17 builds them in a KVCacheConfigurator (``layer_info``, ``ps``),
+# counts an MLA token's real KV row in its sizing, frees pages only through
+# ``_release_page_ids`` and may pass writes a ``KVWriteLoc``; 0.5.12 builds them
+# in the ModelRunner and counts the nominal ``kv_lora_rank + qk_rope_head_dim``.
+POOL_SIZING_COUNTS_REAL_ROW = IS_DSA_NAMING
+FREES_THROUGH_PAGE_IDS = IS_DSA_NAMING
+
+
+def pool_builder_layout(builder):
+    """``(KV layers, MLA KV row dim, attention-DP size)`` of the pools'
+    builder: a KVCacheConfigurator (0.5.17) or the ModelRunner (0.5.12)."""
+    if not hasattr(builder, "layer_info"):
+        dim = builder.calculate_mla_kv_cache_dim()
+        return builder.num_effective_layers, dim, builder.dp_size
+    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+
+    dim = calculate_mla_kv_cache_dim(
+        model_config=builder.model_config,
+        kv_cache_dtype=builder.kv_cache_dtype,
+        server_args=builder.server_args,
+    )
+    return builder.layer_info.num_effective_layers, dim, builder.ps.attn_dp_size
+
+
+def write_locs(loc_info):
+    """The token locs of a KV write (a ``KVWriteLoc`` on 0.5.17, or plain)."""
+    return getattr(loc_info, "loc", loc_info)
+
+
+def decode_cuda_graph_max_bs(server_args) -> int:
+    """The largest decode batch captured in a CUDA graph (0: none); 0.5.17
+    resolves it into ``cuda_graph_config``."""
+    config = getattr(server_args, "cuda_graph_config", None)
+    if config is not None:
+        return 0 if config.decode.backend == "disabled" else config.decode.max_bs or 0
+    if server_args.disable_cuda_graph:
+        return 0
+    return getattr(server_args, CUDA_GRAPH_MAX_BS_FIELD) or 0
