@@ -41,10 +41,9 @@ def get_attention_tp_group():
     return get_group()
 
 
-# ---- Pools. 0.5.17 builds them in a KVCacheConfigurator (``layer_info``, ``ps``),
-# counts an MLA token's real KV row in its sizing, frees pages only through
-# ``_release_page_ids`` and may pass writes a ``KVWriteLoc``; 0.5.12 builds them
-# in the ModelRunner and counts the nominal ``kv_lora_rank + qk_rope_head_dim``.
+# ---- Pools. 0.5.17 builds them in a KVCacheConfigurator, sizes a token by its real
+# MLA KV row (0.5.12: kv_lora_rank + qk_rope_head_dim), frees pages only through
+# ``_release_page_ids`` and may pass writes a ``KVWriteLoc``.
 POOL_SIZING_COUNTS_REAL_ROW = IS_DSA_NAMING
 FREES_THROUGH_PAGE_IDS = IS_DSA_NAMING
 
@@ -71,11 +70,9 @@ def write_locs(loc_info):
 
 
 def decode_cuda_graph_max_bs(server_args) -> int:
-    """The largest decode batch captured in a CUDA graph (0: none); 0.5.17
-    resolves it into ``cuda_graph_config``."""
-    config = getattr(server_args, "cuda_graph_config", None)
-    if config is not None:
-        return 0 if config.decode.backend == "disabled" else config.decode.max_bs or 0
-    if server_args.disable_cuda_graph:
-        return 0
-    return getattr(server_args, CUDA_GRAPH_MAX_BS_FIELD) or 0
+    """The largest decode batch captured in a CUDA graph (0: none), as 0.5.17
+    resolves it into ``cuda_graph_config`` (0.5.12: the flags)."""
+    sa, config = server_args, getattr(server_args, "cuda_graph_config", None)
+    if config is None:
+        return 0 if sa.disable_cuda_graph else getattr(sa, CUDA_GRAPH_MAX_BS_FIELD) or 0
+    return 0 if config.decode.backend == "disabled" else config.decode.max_bs or 0

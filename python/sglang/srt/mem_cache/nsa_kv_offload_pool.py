@@ -102,8 +102,7 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
         ]
 
     def _create_index_buffers(self):
-        """Upstream's indexer-key pages, or with the arena its key pages
-        (upstream would allocate one placeholder page per layer)."""
+        """Upstream's indexer-key pages, or the arena's (no placeholder page)."""
         if not self.uses_arena:
             return super()._create_index_buffers()
         keys = slice(self.index_offset, self.index_end)
@@ -198,10 +197,8 @@ class StagingRowAllocator:
     def alloc(self, num_pages: int) -> Optional[torch.Tensor]:
         if num_pages > self.free_pages.numel():
             return None
-        pages, self.free_pages = (
-            self.free_pages[:num_pages],
-            self.free_pages[num_pages:],
-        )
+        pages = self.free_pages[:num_pages]
+        self.free_pages = self.free_pages[num_pages:]
         return pages
 
     def free(self, pages: torch.Tensor) -> None:
@@ -393,24 +390,20 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             self.staging.free((rows[staged] - self.staging.start_row) // self.page_size)
             self.page_to_staging_row[pages[staged]] = -1
 
-    if FREES_THROUGH_PAGE_IDS:
+    def _release_page_ids(self, *page_ids: torch.Tensor):
+        # 0.5.17: the sink of every free path (free, free_segment, groups).
+        self._release_staging_pages(torch.cat(page_ids))
+        super()._release_page_ids(*page_ids)
 
-        def _release_page_ids(self, *page_ids: torch.Tensor):
-            # Every free path's sink (free, free_segment, free groups).
-            self._release_staging_pages(torch.cat(page_ids))
-            super()._release_page_ids(*page_ids)
-
-    else:
-
-        def free(self, free_index: torch.Tensor):
-            if free_index.numel() and self.is_not_in_free_group:
-                self.release_staging(free_index)
-            super().free(free_index)
+    def free(self, free_index: torch.Tensor):
+        # 0.5.12 frees only here.
+        if not FREES_THROUGH_PAGE_IDS and self.is_not_in_free_group:
+            self.release_staging(free_index)
+        super().free(free_index)
 
 
 def create_nsa_kv_offload_allocator(builder, need_sort: bool, kvcache=None):
-    """The allocator of the offload's pool ``kvcache`` (by default the
-    builder's ``token_to_kv_pool``: the ModelRunner's on 0.5.12)."""
+    """The allocator of ``kvcache`` (default: the 0.5.12 ModelRunner's pool)."""
     kvcache = builder.token_to_kv_pool if kvcache is None else kvcache
     return NSAKVOffloadTokenToKVPoolAllocator(
         kvcache.num_locs,

@@ -119,14 +119,6 @@ def offload_bytes_per_region(
     return num_layers * (buffer_size + recent_window) * row_bytes + state
 
 
-def sglang_pool_footprint(
-    available_bytes: int, nominal_cell_bytes: int, real_cell_bytes: int
-) -> int:
-    """GPU bytes sglang's own NSA pool takes for ``available_bytes``: tokens
-    counted by the nominal cell, each allocated a ``real_cell_bytes`` cell."""
-    return available_bytes // nominal_cell_bytes * real_cell_bytes
-
-
 def max_spare_regions(num_regions: int, max_units: int) -> int:
     """What the request slots can borrow: ``max_units - 1`` extra units each."""
     return num_regions * max(0, max_units - 1)
@@ -261,8 +253,7 @@ def compute_offload_pool_sizes(
 
 
 class NSAKVOffloadPoolConfigurator:
-    """The pools' sizing with the offload on (module doc), for their builder:
-    a KVCacheConfigurator or ModelRunner (``pool_builder_layout``)."""
+    """The pools' sizing with the offload on (module doc; ``pool_builder_layout``)."""
 
     def __init__(self, builder):
         from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
@@ -273,7 +264,7 @@ class NSAKVOffloadPoolConfigurator:
         elem = torch._utils._element_size(builder.kv_cache_dtype)
         self.row_bytes = kv_dim * elem
         self.indexer_bytes = nsa_indexer_bytes(get_index_head_dim(mc.hf_config))
-        # The KV row sglang's pool sizing counts (sglang_pool_footprint).
+        # The KV row sglang's pool sizing counts (budget_bytes).
         if not POOL_SIZING_COUNTS_REAL_ROW:
             kv_dim = mc.kv_lora_rank + mc.qk_rope_head_dim
         self.nominal_row_bytes = kv_dim * elem
@@ -348,12 +339,11 @@ class NSAKVOffloadPoolConfigurator:
         )
 
     def budget_bytes(self, available_bytes: int) -> int:
-        """What sglang's pool would take for the same ``--mem-fraction-static``."""
-        return sglang_pool_footprint(
-            available_bytes,
-            self.num_layers * (self.nominal_row_bytes + self.indexer_bytes),
-            self.num_layers * (self.row_bytes + self.indexer_bytes),
-        )
+        """What sglang's pool takes for the same ``--mem-fraction-static``: the
+        tokens its cell counts, each allocated a real cell."""
+        nominal = self.num_layers * (self.nominal_row_bytes + self.indexer_bytes)
+        real = self.num_layers * (self.row_bytes + self.indexer_bytes)
+        return available_bytes // nominal * real
 
     def calculate_pool_sizes(
         self, available_bytes: int, page_size: int
@@ -377,12 +367,10 @@ class NSAKVOffloadPoolConfigurator:
         )
 
     def finalize_with_max_running_requests(self, config):
-        """At most the request slots the sizing gave regions (the sizing's
-        configurator is ``config``'s: sglang may ask a fresh one)."""
-        resolved = config.nsa_kv_offload_configurator._resolved
-        config.max_running_requests = min(
-            config.max_running_requests, resolved.num_regions
-        )
+        """At most the request slots the sizing gave regions (``config``'s
+        configurator sized it: sglang may ask a fresh one)."""
+        regions = config.nsa_kv_offload_configurator._resolved.num_regions
+        config.max_running_requests = min(config.max_running_requests, regions)
         return config
 
     def final_sizes(
@@ -419,8 +407,7 @@ class NSAKVOffloadMemoryPoolConfig(MemoryPoolConfig):
 
 
 def nsa_kv_offload_pool_kwargs(builder) -> dict:
-    """Extra kwargs of the offload's KV pool: the final layout of the
-    configurator that sized the builder's ``memory_pool_config``."""
+    """Extra kwargs of the offload's KV pool: its ``memory_pool_config``'s layout."""
     config = builder.memory_pool_config
     configurator = config.nsa_kv_offload_configurator
     sizes = configurator.final_sizes(
