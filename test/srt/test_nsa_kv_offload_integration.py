@@ -524,6 +524,25 @@ class TestStagingAllocator(unittest.TestCase):
         self.assertEqual(self.allocator.available_size(), avail)
         self.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))
 
+    def test_every_free_path_releases_staging(self):
+        # 0.5.17 also frees by page ids (free_segment: the tail release_kv_cache
+        # frees, free groups of page representatives), never through free().
+        if not hasattr(self.allocator, "free_segment"):
+            self.skipTest("0.5.12 frees only through free()")
+        avail = self.allocator.available_size()
+        locs = self._extend([(0, 0, 3 * PAGE + 5)])  # 4 pages
+        self.assertEqual(self.allocator.staging.available_pages(), 6 - 4)
+        # From mid page 1 on: pages 1, 2 and 3.
+        self.allocator.free_segment(locs[PAGE + 3 :], start_pos=PAGE + 3)
+        self.assertEqual(self.allocator.staging.available_pages(), 6 - 1)
+        self.allocator.free_group_begin()
+        self.allocator.free_segment(locs[:PAGE], start_pos=0)
+        self.assertEqual(self.allocator.staging.available_pages(), 6 - 1)
+        self.allocator.free_group_end()
+        self.assertEqual(self.allocator.staging.available_pages(), 6)
+        self.assertEqual(self.allocator.available_size(), avail)
+        self.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))
+
     def test_out_of_staging(self):
         avail = self.allocator.available_size()
         self._extend([(0, 0, 2 * PAGE)])

@@ -2,6 +2,7 @@
 the pools, allocator and coordinator ModelRunner builds (CPU, real sglang
 classes)."""
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -531,36 +532,84 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(
             kwargs, {"sizes": sizes, "verify": args.nsa_kv_offload_verify is not None}
         )
-        layers, kv_cache_dim, _ = pool_builder_layout(mr)
-        mr.token_to_kv_pool = NSAKVOffloadTokenToKVPool(
-            mr.max_total_num_tokens,
-            page_size=mr.page_size,
-            dtype=mr.kv_cache_dtype,
-            kv_lora_rank=mr.model_config.kv_lora_rank,
-            qk_rope_head_dim=mr.model_config.qk_rope_head_dim,
-            layer_num=layers,
-            device=DEVICE,
-            kv_cache_dim=kv_cache_dim,
-            enable_memory_saver=False,
-            start_layer=0,
-            end_layer=None,
-            index_head_dim=128,
-            **kwargs,
-        )
-        mr.token_to_kv_pool_allocator = create_nsa_kv_offload_allocator(
-            mr, need_sort=False
-        )
         mr.req_to_token_pool = ReqToTokenPool(
             size=mr.max_running_requests,
             max_context_len=mr.model_config.context_len + 4,
             device=DEVICE,
             enable_memory_saver=False,
         )
+        if IS_DSA_NAMING:
+            self._build_pools_0517(mr)
+            self.assertEqual(mr.token_to_kv_pool.sizes, sizes)
+            sizes = mr.token_to_kv_pool.sizes
+        else:
+            layers, kv_cache_dim, _ = pool_builder_layout(mr)
+            mr.token_to_kv_pool = NSAKVOffloadTokenToKVPool(
+                mr.max_total_num_tokens,
+                page_size=mr.page_size,
+                dtype=mr.kv_cache_dtype,
+                kv_lora_rank=mr.model_config.kv_lora_rank,
+                qk_rope_head_dim=mr.model_config.qk_rope_head_dim,
+                layer_num=layers,
+                device=DEVICE,
+                kv_cache_dim=kv_cache_dim,
+                enable_memory_saver=False,
+                start_layer=0,
+                end_layer=None,
+                index_head_dim=128,
+                **kwargs,
+            )
+            mr.token_to_kv_pool_allocator = create_nsa_kv_offload_allocator(
+                mr, need_sort=False
+            )
         with self.assertLogs(
             "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
         ) as logs:
             coordinator = create_nsa_kv_offload_coordinator(mr)
         return mr, sizes, coordinator, logs.output
+
+    def _build_pools_0517(self, mr):
+        """0.5.17: the patched KVCacheConfigurator builds the pool (from the
+        configurator in ``memory_pool_config``, no second one) and allocator."""
+        from sglang.srt.mem_cache import kv_cache_configurator as module
+
+        kvc, sa = module.KVCacheConfigurator, mr.server_args
+        features = SimpleNamespace(enable_memory_saver=False)
+        bags = dict(
+            get_memory=sa,
+            get_schedule=sa,
+            get_disagg=sa,
+            get_exec=SimpleNamespace(features=features),
+        )
+        mr.pool_page_size = mr.page_size
+        with contextlib.ExitStack() as stack:
+            for name, bag in bags.items():
+                stack.enter_context(mock.patch.object(module, name, return_value=bag))
+            with mock.patch.object(
+                NSAKVOffloadPoolConfigurator, "__init__", side_effect=AssertionError
+            ):
+                mr.token_to_kv_pool = kvc._build_dsa_kv_pool(
+                    mr, max_total_num_tokens=mr.max_total_num_tokens
+                )
+            self.assertIsInstance(mr.token_to_kv_pool, NSAKVOffloadTokenToKVPool)
+            mr.token_to_kv_pool_allocator = kvc._build_token_to_kv_pool_allocator(
+                mr,
+                sizes=SimpleNamespace(max_total_num_tokens=mr.max_total_num_tokens),
+                token_to_kv_pool=mr.token_to_kv_pool,
+                is_dsv4_model=False,
+                req_to_token_pool=mr.req_to_token_pool,
+                token_to_kv_pool_allocator=None,
+            )
+        # A draft worker builds upstream's pool from the same config.
+        mr.is_draft_worker = True
+        with contextlib.ExitStack() as stack:
+            for name, bag in bags.items():
+                stack.enter_context(mock.patch.object(module, name, return_value=bag))
+            draft = kvc._build_dsa_kv_pool(
+                mr, max_total_num_tokens=mr.max_total_num_tokens
+            )
+        mr.is_draft_worker = False
+        self.assertIs(type(draft), module.DSATokenToKVPool)
 
     def test_resolved_pools(self):
         mr, sizes, coordinator, logs = self._resolved_pools()
