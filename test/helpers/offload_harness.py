@@ -1,7 +1,7 @@
 """A real-pools harness of the decode NSA KV offload for CPU tests.
 
 ``OffloadHarness`` builds the real ``NSAKVOffloadTokenToKVPool`` (an sglang
-``NSATokenToKVPool``), ``ReqToTokenPool``, ``NSAKVOffloadTokenToKVPoolAllocator``
+``NSATokenToKVPool``, ``DSATokenToKVPool`` on 0.5.17), ``ReqToTokenPool``, ``NSAKVOffloadTokenToKVPoolAllocator``
 (an sglang ``PagedTokenToKVPoolAllocator``), a ``ChunkCache`` and the
 ``NSAKVOffloadCoordinator``, then plays the scheduler and the model with small
 fake ``Req`` / ``ScheduleBatch`` / ``ForwardBatch`` objects: chunked prefill,
@@ -27,6 +27,7 @@ offload's logic, not of its kernels; the default is the product's choice).
 """
 
 import contextlib
+import sys
 from types import SimpleNamespace
 from unittest import mock
 
@@ -34,14 +35,13 @@ import torch
 from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.managers.nsa_kv_offload_coordinator import NSAKVOffloadCoordinator
-from sglang.srt.mem_cache import allocator as allocator_module
 from sglang.srt.mem_cache import common as common_module
 from sglang.srt.mem_cache import lru_cache_state as lru_cache_state_module
 from sglang.srt.mem_cache import memory_pool as memory_pool_module
 from sglang.srt.mem_cache import sparse_cache_controller as controller_module
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
+from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
@@ -51,6 +51,20 @@ from sglang.srt.mem_cache.nsa_kv_offload_pool import (
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import NSAKVOffloadPoolSizes
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sparse_backend import forward_backend
+
+# What moved between the sglang versions the harness runs on (0.5.12.post1,
+# 0.5.17): get_last_loc_torch, the module of the paged allocator's kernels
+# (a package on 0.5.17) and the server args release_kv_cache reads.
+try:
+    from sglang.srt.mem_cache.common import get_last_loc_torch
+except ImportError:
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+allocator_module = sys.modules[NSAKVOffloadTokenToKVPoolAllocator.__mro__[1].__module__]
+RELEASE_KV_CACHE_ARGS = [
+    name
+    for name in ("get_global_server_args", "get_spec", "get_serving")
+    if hasattr(common_module, name)
+]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -236,6 +250,8 @@ class FakeReq:
         self.req_pool_idx = None
         self.mamba_pool_idx = None
         self.is_chunked = 0
+        self.inflight_middle_chunks = 0
+        self.cache_protected_len = 0
         self.kv_committed_len = 0
         self.fill_ids = []
         self.seq_len = 0
@@ -243,6 +259,20 @@ class FakeReq:
         # None (no cap) unless a test sets it.
         self.origin_input_ids = []
         self.sampling_params = SimpleNamespace(max_new_tokens=None)
+
+    @property
+    def kv(self):
+        """0.5.17's ``ReqKvInfo``: held with the request slot, all committed."""
+        if self.req_pool_idx is None:
+            return None
+        return SimpleNamespace(kv_allocated_len=self.kv_committed_len)
+
+    @kv.setter
+    def kv(self, value):
+        pass  # release_kv_cache drops it with the request slot
+
+    def effective_kv_committed_len(self):
+        return self.kv_committed_len
 
     def pop_committed_kv_cache(self):
         return self.kv_committed_len
@@ -255,6 +285,16 @@ class FakeReq:
 GLOBAL_SERVER_ARGS = SimpleNamespace(
     page_size=PAGE, speculative_algorithm=None, strip_thinking_cache=False
 )
+
+
+@contextlib.contextmanager
+def release_kv_cache_args(server_args=GLOBAL_SERVER_ARGS):
+    """``release_kv_cache`` (and what it calls) reading ``server_args``."""
+    with contextlib.ExitStack() as stack:
+        for name in RELEASE_KV_CACHE_ARGS:
+            patch = mock.patch.object(common_module, name, return_value=server_args)
+            stack.enter_context(patch)
+        yield
 
 
 class OffloadHarness:
@@ -790,9 +830,7 @@ class OffloadHarness:
                 self.index_ref.pop((layer, page), None)
         regions_before = self.controller.admission_room()
         locs_before = self.allocator.available_size()
-        with mock.patch.object(
-            common_module, "get_global_server_args", return_value=GLOBAL_SERVER_ARGS
-        ):
+        with release_kv_cache_args():
             release_kv_cache(req, self.tree_cache)
         self.t.assertIsNone(req.req_pool_idx)
         self.t.assertFalse(self.co.is_admitted(SimpleNamespace(req_pool_idx=r)))

@@ -1,6 +1,7 @@
 """Decode NSA KV offload driven through the real sglang pools (CPU integration).
 
-Builds the real ``NSAKVOffloadTokenToKVPool`` (an sglang ``NSATokenToKVPool``),
+Builds the real ``NSAKVOffloadTokenToKVPool`` (an sglang ``NSATokenToKVPool``,
+``DSATokenToKVPool`` on 0.5.17),
 ``ReqToTokenPool``, ``NSAKVOffloadTokenToKVPoolAllocator`` (an sglang
 ``PagedTokenToKVPoolAllocator``) and ``NSAKVOffloadCoordinator`` (host pool +
 ``SparseCacheController``), then plays the scheduler's part with small fake
@@ -48,11 +49,8 @@ CUDA the same tests run on the GPU.
 
 import contextlib
 import importlib.util
-import os
 import random
 import re
-import shutil
-import tempfile
 import types
 import unittest
 from pathlib import Path
@@ -63,60 +61,34 @@ import torch
 from lru_shadow import shadow_reference
 from offload_harness import (  # noqa: F401 (module fixtures)
     DEVICE,
-    GLOBAL_SERVER_ARGS,
-    INDEX_HEAD_DIM,
-    KV_DIM_BF16,
-    KV_DIM_FP8,
     KV_LORA_RANK,
     PAGE,
     ROPE_DIM,
     UPSTREAM_ALLOC_EXTEND,
-    FakeReq,
     OffloadHarness,
     TorchAllocExtendKernel,
+    get_last_loc_torch,
     layer_arg,
     make_options,
     make_pool,
     quantize_k_cache_separate_torch,
     set_mla_kv_rows_torch,
     setUpModule,
-    sync,
     tearDownModule,
     torch_kv_write_patches,
 )
 from sglang.srt.layers.attention import nsa_offload_hooks
-from sglang.srt.managers.nsa_kv_offload_coordinator import (
-    NSAKVOffloadCoordinator,
-    create_nsa_kv_offload_coordinator,
-)
-from sglang.srt.mem_cache import allocator as allocator_module
-from sglang.srt.mem_cache import common as common_module
+from sglang.srt.managers.nsa_kv_offload_coordinator import NSAKVOffloadCoordinator
 from sglang.srt.mem_cache import lru_cache_state as lru_cache_state_module
 from sglang.srt.mem_cache import nsa_kv_offload_lru_triton as triton_swap_module
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.chunk_cache import ChunkCache
-from sglang.srt.mem_cache.common import get_last_loc_torch, release_kv_cache
-from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
-from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.nsa_kv_offload_compat import IS_DSA_NAMING
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
-    NSAKVOffloadTokenToKVPool,
     NSAKVOffloadTokenToKVPoolAllocator,
     StagingRowAllocator,
-    create_nsa_kv_offload_allocator,
     get_nsa_kv_offload,
 )
-from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
-    NSAKVOffloadPoolConfigurator,
-    NSAKVOffloadPoolSizes,
-    compute_offload_pool_sizes,
-    lru_unit_state_bytes,
-    nsa_kv_offload_pool_kwargs,
-    offload_bytes_per_loc,
-    offload_bytes_per_region,
-    spare_region_count,
-    staging_lru_units,
-)
+from sglang.srt.mem_cache.nsa_kv_offload_sizing import NSAKVOffloadPoolSizes
 from sglang.srt.mem_cache.nsa_kv_offload_units import (
     REGION_UNIT_SOURCE,
     StagingUnitLender,
@@ -210,13 +182,21 @@ class TestHooksAndLookup(unittest.TestCase):
         self.assertTrue(use_positional(coordinator, idle))
         self.assertFalse(use_positional(coordinator, extend))
         self.assertFalse(use_positional(None, decode))
-        backend = importlib.util.find_spec("sglang.srt.layers.attention.nsa_backend")
+        backend = "dsa_backend" if IS_DSA_NAMING else "nsa_backend"
+        backend = importlib.util.find_spec(f"sglang.srt.layers.attention.{backend}")
         backend_src = Path(backend.origin).read_text()
         self.assertIn("self.nsa_kv_offload = model_runner.nsa_kv_offload", backend_src)
         runner = importlib.util.find_spec("sglang.srt.model_executor.model_runner")
         runner_src = Path(runner.origin).read_text()
         built = runner_src.index("create_nsa_kv_offload_coordinator(self)")
-        self.assertLess(built, runner_src.index("self.init_attention_backend()"))
+        if IS_DSA_NAMING:
+            # 0.5.17: with the pools, which the scheduler builds before the
+            # attention backends (init_memory_pools, init_all_attention_backends).
+            start = runner_src.index("def _init_post_memory_pool_components(")
+            self.assertLess(start, built)
+            self.assertLess(built, runner_src.index("\n    def ", start + 1))
+        else:
+            self.assertLess(built, runner_src.index("self.init_attention_backend()"))
         # The decode top-k reaches the offload untouched: a production install
         # has no top-k trace hook (apply_patch.py --with-bench-hooks adds it;
         # unset, it returns its input itself: test_nsa_topk_trace.py).
@@ -541,6 +521,25 @@ class TestStagingAllocator(unittest.TestCase):
         self._extend([(2, 0, 6 * PAGE)])
         self._check_mapping(self.req_to_token[2, : 6 * PAGE].long())
         self.allocator.clear()
+        self.assertEqual(self.allocator.staging.available_pages(), 6)
+        self.assertEqual(self.allocator.available_size(), avail)
+        self.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))
+
+    def test_every_free_path_releases_staging(self):
+        # 0.5.17 also frees by page ids (free_segment: the tail release_kv_cache
+        # frees, free groups of page representatives), never through free().
+        if not hasattr(self.allocator, "free_segment"):
+            self.skipTest("0.5.12 frees only through free()")
+        avail = self.allocator.available_size()
+        locs = self._extend([(0, 0, 3 * PAGE + 5)])  # 4 pages
+        self.assertEqual(self.allocator.staging.available_pages(), 6 - 4)
+        # From mid page 1 on: pages 1, 2 and 3.
+        self.allocator.free_segment(locs[PAGE + 3 :], start_pos=PAGE + 3)
+        self.assertEqual(self.allocator.staging.available_pages(), 6 - 1)
+        self.allocator.free_group_begin()
+        self.allocator.free_segment(locs[:PAGE], start_pos=0)
+        self.assertEqual(self.allocator.staging.available_pages(), 6 - 1)
+        self.allocator.free_group_end()
         self.assertEqual(self.allocator.staging.available_pages(), 6)
         self.assertEqual(self.allocator.available_size(), avail)
         self.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))

@@ -2,6 +2,7 @@
 the pools, allocator and coordinator ModelRunner builds (CPU, real sglang
 classes)."""
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -16,6 +17,14 @@ from sglang.srt.managers.nsa_kv_offload_coordinator import (
     create_nsa_kv_offload_coordinator,
 )
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+    CUDA_GRAPH_MAX_BS_FIELD,
+    DECODE_BACKEND_FIELD,
+    IS_DSA_NAMING,
+    POOL_SIZING_COUNTS_REAL_ROW,
+    PREFILL_BACKEND_FIELD,
+    pool_builder_layout,
+)
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadTokenToKVPool,
@@ -33,6 +42,21 @@ from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The server-args fields the tests set by their 0.5.12 names (see _server_args).
+ARG_NAMES = {
+    "nsa_prefill_backend": PREFILL_BACKEND_FIELD,
+    "nsa_decode_backend": DECODE_BACKEND_FIELD,
+    "cuda_graph_max_bs": CUDA_GRAPH_MAX_BS_FIELD,
+}
+# The offload's server args (patch 0001) and their defaults.
+OFFLOAD_ARG_DEFAULTS = dict(
+    enable_decode_nsa_kv_offload=False,
+    nsa_kv_offload_gpu_buffer_size=None,
+    nsa_kv_offload_recent_window=64,
+    nsa_kv_offload_host_pool_gb=None,
+    nsa_kv_offload_max_units=None,
+    nsa_kv_offload_verify=None,
+)
 TINY_DSV32_CONFIG = (
     REPO_ROOT / "benchmark" / "nsa_offload" / "server" / "tiny_dsv32_config.json"
 )
@@ -208,6 +232,12 @@ class TestServerArgsToPools(TinyConfigDirCase):
         # model_path="dummy" stops __post_init__ before the GPU-only steps; the
         # fields it would resolve for DSA on Hopper are set explicitly.
         args = self.ServerArgs(model_path="dummy")
+        handler = getattr(args, "_handle_decode_nsa_kv_offload", None)
+        if handler is None:
+            # Without patch 0001 (0.5.17 port pending): its fields, resolved
+            # below as its handler does for these tests.
+            for name, value in OFFLOAD_ARG_DEFAULTS.items():
+                setattr(args, name, value)
         fields = dict(
             model_path=self.tmp_dir,
             skip_tokenizer_init=True,
@@ -227,42 +257,81 @@ class TestServerArgsToPools(TinyConfigDirCase):
         )
         fields.update(overrides)
         for name, value in fields.items():
-            setattr(args, name, value)
+            setattr(args, ARG_NAMES.get(name, name), value)
+        if handler is None:
+            if args.nsa_kv_offload_max_units is None:
+                self.skipTest("the --nsa-kv-offload-* defaults need patch 0001")
+            if args.nsa_kv_offload_gpu_buffer_size is None:
+                args.nsa_kv_offload_gpu_buffer_size = 2 * 2048  # 2 x top-k
+            return args
         # Independent of this machine's free RAM (the handler checks it).
         from sglang.srt.arg_groups import nsa_kv_offload_args
 
         with mock.patch.object(
             nsa_kv_offload_args, "pinnable_host_memory_gb", return_value=64.0
         ):
-            args._handle_decode_nsa_kv_offload()
+            handler()
         return args
 
     def _model_runner(self, server_args, available_bytes):
-        from sglang.srt.model_executor.model_runner_kv_cache_mixin import (
-            ModelRunnerKVCacheMixin as Mixin,
-        )
+        """What the patched sglang builds the pools with and hands our
+        configurator: the ModelRunner and its pool mixin (0.5.12) or a
+        KVCacheConfigurator (0.5.17); one namespace is also the ModelRunner."""
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         model_config = server_args.get_model_config()
+        layers = model_config.num_hidden_layers
         mr = SimpleNamespace(
             server_args=server_args,
             model_config=model_config,
             kv_cache_dtype=torch.float8_e4m3fn,
-            num_effective_layers=model_config.num_hidden_layers,
+            kv_cache_dtype_str=server_args.kv_cache_dtype,
             is_draft_worker=False,
+            is_hybrid_swa=False,
+            use_mla_backend=True,
+            spec_algorithm=SpeculativeAlgorithm.NONE,
             page_size=server_args.page_size,
             device=DEVICE,
-            pp_size=1,
-            dp_size=1,
             mambaish_config=None,
+            memory_pool_config=None,
         )
-        for name in (
-            "calculate_mla_kv_cache_dim",
-            "_apply_token_constraints",
-            "_resolve_max_num_reqs",
-            "_resolve_memory_pool_config",
-        ):
-            setattr(mr, name, getattr(Mixin, name).__get__(mr))
         mr._profile_available_bytes = lambda pre_model_load_memory: available_bytes
+        if not IS_DSA_NAMING:
+            from sglang.srt.model_executor.model_runner_kv_cache_mixin import (
+                ModelRunnerKVCacheMixin as Mixin,
+            )
+
+            mr.num_effective_layers, mr.pp_size, mr.dp_size = layers, 1, 1
+            for name in (
+                "calculate_mla_kv_cache_dim",
+                "_apply_token_constraints",
+                "_resolve_max_num_reqs",
+                "_resolve_memory_pool_config",
+            ):
+                setattr(mr, name, getattr(Mixin, name).__get__(mr))
+            return mr
+        from sglang.srt.mem_cache import kv_cache_configurator
+
+        mr.layer_info = SimpleNamespace(
+            num_effective_layers=layers, start_layer=0, end_layer=layers
+        )
+        mr.ps = SimpleNamespace(attn_dp_size=1, pp_size=1)
+        kvc = kv_cache_configurator.KVCacheConfigurator
+        for name in (
+            "_apply_token_constraints",
+            "resolve_max_num_reqs",
+            "config_from_budget",
+        ):
+            setattr(mr, name, getattr(kvc, name).__get__(mr))
+
+        def resolve(pre_model_load_memory):
+            # The schedule config bag holds the resolved server args.
+            with mock.patch.object(
+                kv_cache_configurator, "get_schedule", return_value=server_args
+            ):
+                return kvc._resolve_memory_pool_config(mr, pre_model_load_memory)
+
+        mr._resolve_memory_pool_config = resolve
         return mr
 
     def test_cuda_graph_coverage_warning(self):
@@ -274,7 +343,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertIsNone(cuda_graph_coverage_warning(args, 256))
         warning = cuda_graph_coverage_warning(args, 270)
         self.assertIn("270 decode regions", warning)
-        self.assertIn("--cuda-graph-max-bs 270", warning)
+        flag = "--" + CUDA_GRAPH_MAX_BS_FIELD.replace("_", "-")
+        self.assertIn(f"{flag} 270", warning)
         args.disable_cuda_graph = True  # eager anyway: nothing to say
         self.assertIsNone(cuda_graph_coverage_warning(args, 270))
 
@@ -306,7 +376,6 @@ class TestServerArgsToPools(TinyConfigDirCase):
         with mock.patch(
             "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator"
         ) as default:
-            mr.is_hybrid_swa = False
             mr.is_draft_worker = True
             self.assertIs(create_memory_pool_configurator(mr), default.return_value)
             mr.is_draft_worker = False
@@ -323,12 +392,22 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(NSAKVOffloadPoolConfigurator(bf16).row_bytes, 1152)
 
     def test_pools_take_what_sglangs_pool_takes(self):
-        # sglang's own pool counts tokens by a nominal 576 B fp8 row and
+        # sglang 0.5.12's own pool counts tokens by a nominal 576 B fp8 row and
         # allocates 656 B ones: with the offload on, the same
-        # --mem-fraction-static must give the pools that footprint, not 11% less.
-        from sglang.srt.model_executor.pool_configurator import (
-            DefaultPoolConfigurator,
-        )
+        # --mem-fraction-static must give the pools that footprint, not 11% less
+        # (0.5.17 counts the real row: the budget as given).
+        from sglang.srt.model_executor import pool_configurator
+
+        if hasattr(pool_configurator, "get_attention_tp_size"):
+            tp_size = mock.patch.object(
+                pool_configurator, "get_attention_tp_size", return_value=1
+            )
+        else:
+            tp_size = mock.patch.object(
+                pool_configurator,
+                "get_parallel",
+                return_value=SimpleNamespace(attn_tp_size=1),
+            )
 
         available = 1 << 30
         for dtype, backend in (
@@ -343,14 +422,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
                 mr.kv_cache_dtype = (
                     torch.float8_e4m3fn if dtype == "fp8_e4m3" else torch.bfloat16
                 )
-                mr.spec_algorithm = SimpleNamespace(is_dflash=lambda: False)
-                mr.use_mla_backend = True
-                with mock.patch(
-                    "sglang.srt.model_executor.pool_configurator."
-                    "get_attention_tp_size",
-                    return_value=1,
-                ):
-                    upstream = DefaultPoolConfigurator(mr)
+                with tp_size:
+                    upstream = pool_configurator.DefaultPoolConfigurator(mr)
                 ours = NSAKVOffloadPoolConfigurator(mr)
                 tokens = available // upstream._cell_size
                 real_cell = 3 * (ours.row_bytes + ours.indexer_bytes)
@@ -362,7 +435,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
                 else:
                     self.assertEqual(ours.row_bytes, 656)
                     ratio = ours.budget_bytes(available) / available
-                    self.assertAlmostEqual(ratio, (656 + 132) / (576 + 132), places=4)
+                    nominal = 656 if POOL_SIZING_COUNTS_REAL_ROW else 576
+                    self.assertAlmostEqual(ratio, (656 + 132) / (nominal + 132), 4)
                 # The pools are sized from that footprint.
                 with mock.patch.object(
                     NSAKVOffloadPoolConfigurator,
@@ -458,35 +532,84 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(
             kwargs, {"sizes": sizes, "verify": args.nsa_kv_offload_verify is not None}
         )
-        mr.token_to_kv_pool = NSAKVOffloadTokenToKVPool(
-            mr.max_total_num_tokens,
-            page_size=mr.page_size,
-            dtype=mr.kv_cache_dtype,
-            kv_lora_rank=mr.model_config.kv_lora_rank,
-            qk_rope_head_dim=mr.model_config.qk_rope_head_dim,
-            layer_num=mr.num_effective_layers,
-            device=DEVICE,
-            kv_cache_dim=mr.calculate_mla_kv_cache_dim(),
-            enable_memory_saver=False,
-            start_layer=0,
-            end_layer=None,
-            index_head_dim=128,
-            **kwargs,
-        )
-        mr.token_to_kv_pool_allocator = create_nsa_kv_offload_allocator(
-            mr, need_sort=False
-        )
         mr.req_to_token_pool = ReqToTokenPool(
             size=mr.max_running_requests,
             max_context_len=mr.model_config.context_len + 4,
             device=DEVICE,
             enable_memory_saver=False,
         )
+        if IS_DSA_NAMING:
+            self._build_pools_0517(mr)
+            self.assertEqual(mr.token_to_kv_pool.sizes, sizes)
+            sizes = mr.token_to_kv_pool.sizes
+        else:
+            layers, kv_cache_dim, _ = pool_builder_layout(mr)
+            mr.token_to_kv_pool = NSAKVOffloadTokenToKVPool(
+                mr.max_total_num_tokens,
+                page_size=mr.page_size,
+                dtype=mr.kv_cache_dtype,
+                kv_lora_rank=mr.model_config.kv_lora_rank,
+                qk_rope_head_dim=mr.model_config.qk_rope_head_dim,
+                layer_num=layers,
+                device=DEVICE,
+                kv_cache_dim=kv_cache_dim,
+                enable_memory_saver=False,
+                start_layer=0,
+                end_layer=None,
+                index_head_dim=128,
+                **kwargs,
+            )
+            mr.token_to_kv_pool_allocator = create_nsa_kv_offload_allocator(
+                mr, need_sort=False
+            )
         with self.assertLogs(
             "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
         ) as logs:
             coordinator = create_nsa_kv_offload_coordinator(mr)
         return mr, sizes, coordinator, logs.output
+
+    def _build_pools_0517(self, mr):
+        """0.5.17: the patched KVCacheConfigurator builds the pool (from the
+        configurator in ``memory_pool_config``, no second one) and allocator."""
+        from sglang.srt.mem_cache import kv_cache_configurator as module
+
+        kvc, sa = module.KVCacheConfigurator, mr.server_args
+        features = SimpleNamespace(enable_memory_saver=False)
+        bags = dict(
+            get_memory=sa,
+            get_schedule=sa,
+            get_disagg=sa,
+            get_exec=SimpleNamespace(features=features),
+        )
+        mr.pool_page_size = mr.page_size
+        with contextlib.ExitStack() as stack:
+            for name, bag in bags.items():
+                stack.enter_context(mock.patch.object(module, name, return_value=bag))
+            with mock.patch.object(
+                NSAKVOffloadPoolConfigurator, "__init__", side_effect=AssertionError
+            ):
+                mr.token_to_kv_pool = kvc._build_dsa_kv_pool(
+                    mr, max_total_num_tokens=mr.max_total_num_tokens
+                )
+            self.assertIsInstance(mr.token_to_kv_pool, NSAKVOffloadTokenToKVPool)
+            mr.token_to_kv_pool_allocator = kvc._build_token_to_kv_pool_allocator(
+                mr,
+                sizes=SimpleNamespace(max_total_num_tokens=mr.max_total_num_tokens),
+                token_to_kv_pool=mr.token_to_kv_pool,
+                is_dsv4_model=False,
+                req_to_token_pool=mr.req_to_token_pool,
+                token_to_kv_pool_allocator=None,
+            )
+        # A draft worker builds upstream's pool from the same config.
+        mr.is_draft_worker = True
+        with contextlib.ExitStack() as stack:
+            for name, bag in bags.items():
+                stack.enter_context(mock.patch.object(module, name, return_value=bag))
+            draft = kvc._build_dsa_kv_pool(
+                mr, max_total_num_tokens=mr.max_total_num_tokens
+            )
+        mr.is_draft_worker = False
+        self.assertIs(type(draft), module.DSATokenToKVPool)
 
     def test_resolved_pools(self):
         mr, sizes, coordinator, logs = self._resolved_pools()

@@ -295,7 +295,12 @@ def main():
     out = {
         "env": env_info(),
         "row_bytes": rb,
-        "host_pool": repr(pool),
+        "host_pool": {
+            "tokens": pool.size,
+            "layers": pool.layer_num,
+            "row_bytes": pool.row_bytes,
+            "pinned": pool.pin_memory,
+        },
         "default_config": default_cfg,
         "best_config": best_cfg,
         "sweep": sweep,

@@ -126,7 +126,7 @@ class NSAKVOffloadOptions:
             kv_arrives_in_host=sa.disaggregation_mode == "decode",
             shares_host_pool=layout.attn_tp_size > 1,
             prefill_budget=max(sa.chunked_prefill_size or 0, sa.max_prefill_tokens),
-            cuda_graph_max_bs=compat.cuda_graph_max_bs(sa),
+            cuda_graph_max_bs=compat.decode_cuda_graph_max_bs(sa),
             verify=sa.nsa_kv_offload_verify,
         )
 

@@ -22,6 +22,11 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
 )
 from sglang.srt.managers.nsa_kv_offload_mtp import NSAKVOffloadMTPMixin
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
+from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+    CUDA_GRAPH_MAX_BS_FIELD,
+    decode_cuda_graph_max_bs,
+    get_attention_tp_group,
+)
 from sglang.srt.mem_cache.nsa_kv_offload_shared_host import (
     SharedHostLayout,
     open_shared_host_segment,
@@ -468,14 +473,15 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
 
 def cuda_graph_coverage_warning(server_args, num_regions: int) -> Optional[str]:
     """A warning when decode batches can outgrow the captured CUDA graphs."""
-    max_bs = server_args.cuda_graph_max_bs
-    if server_args.disable_cuda_graph or not max_bs or num_regions <= max_bs:
+    max_bs = decode_cuda_graph_max_bs(server_args)
+    if not max_bs or num_regions <= max_bs:
         return None
     return (
         f"NSA KV offload: {num_regions} decode regions (--max-running-requests) but "
         f"CUDA graphs only up to batch {max_bs}: decode batches above it run "
         f"without CUDA graphs, several times slower per step; set "
-        f"--cuda-graph-max-bs {num_regions} to capture them all."
+        f"--{CUDA_GRAPH_MAX_BS_FIELD.replace('_', '-')} {num_regions} to capture "
+        "them all."
     )
 
 
@@ -488,8 +494,6 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     host_pool_group = None
     if NSAKVOffloadRankLayout.from_server_args(sa).attn_tp_size > 1:
         # Same KV on every rank of the group: one host pool per node.
-        from sglang.srt.mem_cache.nsa_kv_offload_compat import get_attention_tp_group
-
         host_pool_group = get_attention_tp_group()
     sizes = model_runner.token_to_kv_pool.sizes
     logger.info(

@@ -55,14 +55,6 @@ else:
     PREFILL_CP_FIELD = "enable_nsa_prefill_context_parallel"
 
 
-def cuda_graph_max_bs(server_args) -> int:
-    """The resolved decode CUDA-graph batch cap (0: none or not resolved yet)."""
-    if IS_DSA_NAMING:
-        graphs = server_args.cuda_graph_config  # None until __post_init__ parses it
-        return (graphs.decode.max_bs or 0) if graphs else 0
-    return server_args.cuda_graph_max_bs or 0
-
-
 def forward_attn_backend(forward_batch):
     """The attention backend of ``forward_batch`` (0.5.17: the forward context's)."""
     if not IS_DSA_NAMING:
@@ -70,3 +62,40 @@ def forward_attn_backend(forward_batch):
     from sglang.srt.model_executor.forward_context import get_attn_backend
 
     return get_attn_backend()
+
+
+# ---- Pools. 0.5.17 builds them in a KVCacheConfigurator, sizes a token by its real
+# MLA KV row (0.5.12: kv_lora_rank + qk_rope_head_dim), frees pages only through
+# ``_release_page_ids`` and may pass writes a ``KVWriteLoc``.
+POOL_SIZING_COUNTS_REAL_ROW = IS_DSA_NAMING
+FREES_THROUGH_PAGE_IDS = IS_DSA_NAMING
+
+
+def pool_builder_layout(builder):
+    """``(KV layers, MLA KV row dim, attention-DP size)`` of the pools'
+    builder: a KVCacheConfigurator (0.5.17) or the ModelRunner (0.5.12)."""
+    if not hasattr(builder, "layer_info"):
+        dim = builder.calculate_mla_kv_cache_dim()
+        return builder.num_effective_layers, dim, builder.dp_size
+    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+
+    dim = calculate_mla_kv_cache_dim(
+        model_config=builder.model_config,
+        kv_cache_dtype=builder.kv_cache_dtype,
+        server_args=builder.server_args,
+    )
+    return builder.layer_info.num_effective_layers, dim, builder.ps.attn_dp_size
+
+
+def write_locs(loc_info):
+    """The token locs of a KV write (a ``KVWriteLoc`` on 0.5.17, or plain)."""
+    return getattr(loc_info, "loc", loc_info)
+
+
+def decode_cuda_graph_max_bs(server_args) -> int:
+    """The largest decode batch captured in a CUDA graph (0: none), as 0.5.17
+    resolves it into ``cuda_graph_config`` (0.5.12: the flags)."""
+    sa, config = server_args, getattr(server_args, "cuda_graph_config", None)
+    if config is None:
+        return 0 if sa.disable_cuda_graph else getattr(sa, CUDA_GRAPH_MAX_BS_FIELD) or 0
+    return 0 if config.decode.backend == "disabled" else config.decode.max_bs or 0

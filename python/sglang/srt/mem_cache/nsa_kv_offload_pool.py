@@ -20,7 +20,11 @@ from typing import Callable, Optional, Tuple
 import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.nsa_kv_offload_compat import SparseTokenToKVPool
+from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+    FREES_THROUGH_PAGE_IDS,
+    SparseTokenToKVPool,
+    write_locs,
+)
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolSizes,
     _round_up,
@@ -52,11 +56,8 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
         super().__init__(
             size=sizes.kv_pool_size, index_buf_size=0 if self.uses_arena else size, **kw
         )
-        if self.uses_arena:
-            # Upstream allocated one placeholder page per layer.
-            keys = slice(self.index_offset, self.index_end)
-            shape = (self.num_index_pages, self.index_page_bytes)
-            self.index_k_with_scale_buffer = [a[keys].view(shape) for a in self._arenas]
+        if self.uses_arena:  # (0.5.12 has no _create_index_buffers hook)
+            self._create_index_buffers()
         # Unmapped locs map to the padding rows; the last entry keeps -1 at -1.
         self.loc_to_row = torch.zeros(
             size + page_size + 1, dtype=torch.int64, device=self.device
@@ -100,6 +101,14 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
             for arena in self._arenas
         ]
 
+    def _create_index_buffers(self):
+        """Upstream's indexer-key pages, or the arena's (no placeholder page)."""
+        if not self.uses_arena:
+            return super()._create_index_buffers()
+        keys = slice(self.index_offset, self.index_end)
+        shape = (self.num_index_pages, self.index_page_bytes)
+        self.index_k_with_scale_buffer = [a[keys].view(shape) for a in self._arenas]
+
     def _clear_buffers(self):
         super()._clear_buffers()
         self.verify_kv_buffer = None
@@ -124,11 +133,12 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
         finally:
             self.kv_buffer = rows
 
-    def set_kv_buffer(self, layer, loc, cache_k, cache_v):
-        super().set_kv_buffer(layer, self.loc_to_row[loc], cache_k, cache_v)
+    def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, **kw):
+        loc = write_locs(loc_info)
+        super().set_kv_buffer(layer, self.loc_to_row[loc], cache_k, cache_v, **kw)
         if self.verify_kv_buffer is not None:
             with self._into_verify_pool():
-                super().set_kv_buffer(layer, loc, cache_k, cache_v)
+                super().set_kv_buffer(layer, loc, cache_k, cache_v, **kw)
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
         rows = self.loc_to_row[loc]
@@ -187,10 +197,8 @@ class StagingRowAllocator:
     def alloc(self, num_pages: int) -> Optional[torch.Tensor]:
         if num_pages > self.free_pages.numel():
             return None
-        pages, self.free_pages = (
-            self.free_pages[:num_pages],
-            self.free_pages[num_pages:],
-        )
+        pages = self.free_pages[:num_pages]
+        self.free_pages = self.free_pages[num_pages:]
         return pages
 
     def free(self, pages: torch.Tensor) -> None:
@@ -372,31 +380,39 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def release_staging(self, locs: torch.Tensor) -> None:
         """Return the staging pages behind ``locs`` (any loc of a page frees it)."""
-        if locs.numel() == 0:
-            return
-        pages = torch.unique(locs // self.page_size)
+        if locs.numel():
+            self._release_staging_pages(torch.unique(locs // self.page_size))
+
+    def _release_staging_pages(self, pages: torch.Tensor) -> None:
         rows = self.page_to_staging_row[pages]
         staged = rows >= 0
         if bool(staged.any()):
             self.staging.free((rows[staged] - self.staging.start_row) // self.page_size)
             self.page_to_staging_row[pages[staged]] = -1
 
+    def _release_page_ids(self, *page_ids: torch.Tensor):
+        # 0.5.17: the sink of every free path (free, free_segment, groups).
+        self._release_staging_pages(torch.cat(page_ids))
+        super()._release_page_ids(*page_ids)
+
     def free(self, free_index: torch.Tensor):
-        if free_index.numel() and self.is_not_in_free_group:
+        # 0.5.12 frees only here.
+        if not FREES_THROUGH_PAGE_IDS and self.is_not_in_free_group:
             self.release_staging(free_index)
         super().free(free_index)
 
 
-def create_nsa_kv_offload_allocator(model_runner, need_sort: bool):
-    sizes = model_runner.token_to_kv_pool.sizes
+def create_nsa_kv_offload_allocator(builder, need_sort: bool, kvcache=None):
+    """The allocator of ``kvcache`` (default: the 0.5.12 ModelRunner's pool)."""
+    kvcache = builder.token_to_kv_pool if kvcache is None else kvcache
     return NSAKVOffloadTokenToKVPoolAllocator(
-        model_runner.max_total_num_tokens,
-        page_size=model_runner.page_size,
-        dtype=model_runner.kv_cache_dtype,
-        device=model_runner.device,
-        kvcache=model_runner.token_to_kv_pool,
+        kvcache.num_locs,
+        page_size=kvcache.page_size,
+        dtype=kvcache.dtype,
+        device=kvcache.device,
+        kvcache=kvcache,
         need_sort=need_sort,
-        staging_start_row=sizes.staging_start_row,
-        staging_rows=sizes.staging_rows,
-        speculative=model_runner.server_args.speculative_algorithm is not None,
+        staging_start_row=kvcache.sizes.staging_start_row,
+        staging_rows=kvcache.sizes.staging_rows,
+        speculative=builder.server_args.speculative_algorithm is not None,
     )

@@ -16,8 +16,10 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.lru_cache_state import lru_slot_dtype
 from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+    POOL_SIZING_COUNTS_REAL_ROW,
     SparseTokenToKVPool,
     get_index_head_dim,
+    pool_builder_layout,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_units import staging_unit_capacity
@@ -115,14 +117,6 @@ def offload_bytes_per_region(
     """GPU bytes per region: its KV rows and its one unit's LRU state."""
     state = lru_unit_state_bytes(num_layers, buffer_size, max_units)
     return num_layers * (buffer_size + recent_window) * row_bytes + state
-
-
-def sglang_pool_footprint(
-    available_bytes: int, nominal_cell_bytes: int, real_cell_bytes: int
-) -> int:
-    """GPU bytes sglang's own NSA pool takes for ``available_bytes``: tokens
-    counted by the nominal cell, each allocated a ``real_cell_bytes`` cell."""
-    return available_bytes // nominal_cell_bytes * real_cell_bytes
 
 
 def max_spare_regions(num_regions: int, max_units: int) -> int:
@@ -259,24 +253,26 @@ def compute_offload_pool_sizes(
 
 
 class NSAKVOffloadPoolConfigurator:
-    """ModelRunner's pool sizing with the offload on (module doc)."""
+    """The pools' sizing with the offload on (module doc; ``pool_builder_layout``)."""
 
-    def __init__(self, mr):
+    def __init__(self, builder):
         from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
 
-        sa, mc = mr.server_args, mr.model_config
+        sa, mc = builder.server_args, builder.model_config
         self.options = NSAKVOffloadOptions.from_server_args(sa, mc.hf_config)
-        self.num_layers = mr.num_effective_layers
-        elem = torch._utils._element_size(mr.kv_cache_dtype)
-        self.row_bytes = mr.calculate_mla_kv_cache_dim() * elem
+        self.num_layers, kv_dim, attn_dp_size = pool_builder_layout(builder)
+        elem = torch._utils._element_size(builder.kv_cache_dtype)
+        self.row_bytes = kv_dim * elem
         self.indexer_bytes = nsa_indexer_bytes(get_index_head_dim(mc.hf_config))
-        # The KV row sglang's pool sizing counts (sglang_pool_footprint).
-        self.nominal_row_bytes = (mc.kv_lora_rank + mc.qk_rope_head_dim) * elem
+        # The KV row sglang's pool sizing counts (budget_bytes).
+        if not POOL_SIZING_COUNTS_REAL_ROW:
+            kv_dim = mc.kv_lora_rank + mc.qk_rope_head_dim
+        self.nominal_row_bytes = kv_dim * elem
         self.host_pool_bytes = int(self.options.host_pool_gb * (1 << 30))
         # Per rank: with DP attention --max-running-requests counts all ranks.
         mrr = sa.max_running_requests
         self.user_max_running_requests = (
-            None if mrr is None else mrr // max(mr.dp_size, 1)
+            None if mrr is None else mrr // max(attn_dp_size, 1)
         )
         self.context_len = mc.context_len
         self.max_total_tokens = sa.max_total_tokens
@@ -343,12 +339,11 @@ class NSAKVOffloadPoolConfigurator:
         )
 
     def budget_bytes(self, available_bytes: int) -> int:
-        """What sglang's pool would take for the same ``--mem-fraction-static``."""
-        return sglang_pool_footprint(
-            available_bytes,
-            self.num_layers * (self.nominal_row_bytes + self.indexer_bytes),
-            self.num_layers * (self.row_bytes + self.indexer_bytes),
-        )
+        """What sglang's pool takes for the same ``--mem-fraction-static``: the
+        tokens its cell counts, each allocated a real cell."""
+        nominal = self.num_layers * (self.nominal_row_bytes + self.indexer_bytes)
+        real = self.num_layers * (self.row_bytes + self.indexer_bytes)
+        return available_bytes // nominal * real
 
     def calculate_pool_sizes(
         self, available_bytes: int, page_size: int
@@ -370,6 +365,13 @@ class NSAKVOffloadPoolConfigurator:
             max_running_requests=resolved.num_regions if resolved else None,
             nsa_kv_offload_configurator=self,
         )
+
+    def finalize_with_max_running_requests(self, config):
+        """At most the request slots the sizing gave regions (``config``'s
+        configurator sized it: sglang may ask a fresh one)."""
+        regions = config.nsa_kv_offload_configurator._resolved.num_regions
+        config.max_running_requests = min(config.max_running_requests, regions)
+        return config
 
     def final_sizes(
         self, num_locs: int, num_regions: int, page_size: int
@@ -404,12 +406,13 @@ class NSAKVOffloadMemoryPoolConfig(MemoryPoolConfig):
     nsa_kv_offload_configurator: Optional[NSAKVOffloadPoolConfigurator] = None
 
 
-def nsa_kv_offload_pool_kwargs(model_runner) -> dict:
-    """Extra kwargs of the offload's KV pool: the configurator's final layout."""
-    configurator = model_runner.memory_pool_config.nsa_kv_offload_configurator
+def nsa_kv_offload_pool_kwargs(builder) -> dict:
+    """Extra kwargs of the offload's KV pool: its ``memory_pool_config``'s layout."""
+    config = builder.memory_pool_config
+    configurator = config.nsa_kv_offload_configurator
     sizes = configurator.final_sizes(
-        num_locs=model_runner.max_total_num_tokens,
-        num_regions=model_runner.max_running_requests,
-        page_size=model_runner.page_size,
+        num_locs=config.max_total_num_tokens,
+        num_regions=config.max_running_requests,
+        page_size=builder.page_size,
     )
     return {"sizes": sizes, "verify": configurator.options.verify is not None}

@@ -99,7 +99,6 @@ class NSAKVOnlyTokenToKVPoolHost:
         self.row_bytes = row_bytes
         self.device = "cpu"
         self.num_rows = self.size + page_size
-        self.size_per_token = self.get_size_per_token()
 
         if not pin_memory or not torch.cuda.is_available():
             pin_method = "none"
@@ -141,50 +140,6 @@ class NSAKVOnlyTokenToKVPoolHost:
         num_rows = (size + page_size - 1) // page_size * page_size + page_size
         return (layer_num, num_rows, row_bytes)
 
-    @staticmethod
-    def bytes_per_token(layer_num: int, row_bytes: int) -> int:
-        """Host bytes of one token over all layers."""
-        return layer_num * row_bytes
-
-    @classmethod
-    def num_tokens_for_gb(
-        cls, host_gb: float, layer_num: int, row_bytes: int, page_size: int
-    ) -> int:
-        """Token locs (a multiple of ``page_size``) that fit in ``host_gb`` GB,
-        the buffer's extra page counted."""
-        per_token = cls.bytes_per_token(layer_num, row_bytes)
-        pages = int(host_gb * 1e9) // (per_token * page_size) - 1
-        return max(pages, 0) * page_size
-
-    @classmethod
-    def from_device_pool(
-        cls,
-        device_pool,
-        size: Optional[int] = None,
-        host_gb: Optional[float] = None,
-        pin_memory: bool = True,
-        pin_method: str = "register",
-    ) -> "NSAKVOnlyTokenToKVPoolHost":
-        """Build the host pool matching an ``NSATokenToKVPool`` (or an object with
-        ``layer_num``, ``kv_cache_dim``, ``store_dtype``, ``page_size`` and
-        ``start_layer``). Give either ``size`` (token locs) or ``host_gb``."""
-        row_bytes = cls.get_row_bytes(device_pool.kv_cache_dim, device_pool.store_dtype)
-        if size is None:
-            if host_gb is None:
-                raise ValueError("give size or host_gb")
-            size = cls.num_tokens_for_gb(
-                host_gb, device_pool.layer_num, row_bytes, device_pool.page_size
-            )
-        return cls(
-            size=size,
-            page_size=device_pool.page_size,
-            layer_num=device_pool.layer_num,
-            row_bytes=row_bytes,
-            start_layer=getattr(device_pool, "start_layer", 0) or 0,
-            pin_memory=pin_memory,
-            pin_method=pin_method,
-        )
-
     def _alloc_buffer(self) -> torch.Tensor:
         dims = (self.layer_num, self.num_rows, self.row_bytes)
         if self.shared_segment is not None:
@@ -221,10 +176,7 @@ class NSAKVOnlyTokenToKVPoolHost:
 
     def get_size_per_token(self) -> int:
         """Host bytes of one token over all layers of this pool."""
-        return self.bytes_per_token(self.layer_num, self.row_bytes)
-
-    def get_ksize_per_token(self) -> int:
-        return self.get_size_per_token()
+        return self.layer_num * self.row_bytes
 
     @property
     def nbytes(self) -> int:
@@ -266,20 +218,3 @@ class NSAKVOnlyTokenToKVPoolHost:
         data_lens = [x.nbytes for x in self.data_refs]
         item_lens = [self.row_bytes * self.page_size] * self.layer_num
         return data_ptrs, data_lens, item_lens
-
-    def get_buffer_infos(self) -> Tuple[List[int], List[int], List[int]]:
-        return self.get_contiguous_buf_infos()
-
-    def get_page_ptr(self, layer_id: int, page_index: int) -> int:
-        """Host address of page ``page_index`` of a (global) layer."""
-        if not 0 <= page_index < self.page_num + 1:
-            raise IndexError(f"page {page_index} outside [0, {self.page_num}]")
-        base = int(self.layer_ptrs[self._local_layer(layer_id)])
-        return base + page_index * self.page_size * self.row_bytes
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(size={self.size}, page_size={self.page_size}, "
-            f"layers={self.layer_num}, row_bytes={self.row_bytes}, "
-            f"{self.nbytes / 1e9:.2f} GB, pinned={self.pin_memory})"
-        )
