@@ -185,7 +185,11 @@ class TestHooksAndLookup(unittest.TestCase):
         backend = "dsa_backend" if IS_DSA_NAMING else "nsa_backend"
         backend = importlib.util.find_spec(f"sglang.srt.layers.attention.{backend}")
         backend_src = Path(backend.origin).read_text()
-        self.assertIn("self.nsa_kv_offload = model_runner.nsa_kv_offload", backend_src)
+        self.assertRegex(  # 0.5.17's patch reads it with getattr
+            backend_src,
+            r"self\.nsa_kv_offload = (model_runner\.nsa_kv_offload|"
+            r'getattr\(model_runner, "nsa_kv_offload", None\))',
+        )
         runner = importlib.util.find_spec("sglang.srt.model_executor.model_runner")
         runner_src = Path(runner.origin).read_text()
         built = runner_src.index("create_nsa_kv_offload_coordinator(self)")
@@ -1391,7 +1395,19 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
         queue.metadata_buffers = SimpleNamespace(get_buf_infos=lambda: ([], [], []))
         queue.is_mla_backend = True
         queue.enable_staging = False
-        with mock.patch.object(decode_module, "get_attention_tp_size", return_value=1):
+        # 0.5.17 reads the attention-TP size from its runtime context.
+        one_rank = (
+            mock.patch.object(
+                decode_module,
+                "get_parallel",
+                return_value=SimpleNamespace(attn_tp_size=1),
+            )
+            if IS_DSA_NAMING
+            else mock.patch.object(
+                decode_module, "get_attention_tp_size", return_value=1
+            )
+        )
+        with one_rank:
             kv_args = queue._init_kv_manager().kv_args
         host = h.controller.host_pool
         self.assertEqual(
@@ -1405,7 +1421,7 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
         )
         # Without the offload the device pool stays the target.
         queue.scheduler.nsa_kv_offload = None
-        with mock.patch.object(decode_module, "get_attention_tp_size", return_value=1):
+        with one_rank:
             kv_args = queue._init_kv_manager().kv_args
         self.assertEqual(
             kv_args.kv_data_ptrs, [buf.data_ptr() for buf in h.pool.kv_buffer]
@@ -1418,6 +1434,8 @@ class TestIdleLeakCheck(unittest.TestCase):
     ``on_idle`` and as loudly as its pool check (it raises by default)."""
 
     def _on_idle(self, coordinator):
+        if IS_DSA_NAMING:
+            return self._on_idle_0517(coordinator)
         from sglang.srt.managers.scheduler_runtime_checker_mixin import (
             SchedulerRuntimeCheckerMixin,
         )
@@ -1440,6 +1458,43 @@ class TestIdleLeakCheck(unittest.TestCase):
             sched, *a
         )
         SchedulerRuntimeCheckerMixin.on_idle(sched)
+
+    def _on_idle_0517(self, coordinator):
+        # 0.5.17: Scheduler.on_idle reports through its InvariantChecker.
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.managers.scheduler_components.invariant_checker import (
+            SchedulerInvariantChecker,
+        )
+
+        checker = types.SimpleNamespace(
+            _check_all_pools=lambda ps: (False, []),
+            _check_req_pool=lambda: None,
+            _check_tree_cache=lambda: None,
+        )
+        checker._report_leak = lambda *a: SchedulerInvariantChecker._report_leak(
+            checker, *a
+        )
+        noop = types.SimpleNamespace(
+            get_pool_stats=lambda: None,
+            _maybe_log_idle_metrics=lambda: None,
+            publish_kv_events=lambda: None,
+            reset=lambda: None,
+        )
+        sched = types.SimpleNamespace(
+            maybe_send_health_check_signal=lambda: None,
+            is_fully_idle=lambda: True,
+            enable_unified_memory=False,
+            enable_hisparse=False,
+            invariant_checker=checker,
+            pool_stats_observer=noop,
+            metrics_reporter=noop,
+            kv_events_publisher=noop,
+            new_token_ratio_tracker=noop,
+            publish_load_snapshot=lambda force: None,
+            maybe_sleep_on_idle=lambda: None,
+            nsa_kv_offload=coordinator,
+        )
+        Scheduler.on_idle(sched)
 
     def test_clean_after_lifecycle(self):
         h = torch_harness(self, max_units=4, lend_staging_pages=4)

@@ -309,13 +309,19 @@ class TestServerCommand(unittest.TestCase):
         return parser.parse_args(cmd)
 
     def test_kv_cache_dtype(self):
+        # 0.5.17 stores the --nsa-*-backend flags into its dsa_*_backend fields.
+        from sglang.srt.mem_cache.nsa_kv_offload_compat import (
+            DECODE_BACKEND_FIELD as DECODE,
+            PREFILL_BACKEND_FIELD as PREFILL,
+        )
+
         fp8 = self._launch_args([])
         self.assertEqual(fp8.kv_cache_dtype, "fp8_e4m3")
-        self.assertEqual(fp8.nsa_decode_backend, "flashmla_kv")
+        self.assertEqual(getattr(fp8, DECODE), "flashmla_kv")
         bf16 = self._launch_args(["--kv-cache-dtype", "bfloat16"])
         self.assertEqual(bf16.kv_cache_dtype, "bfloat16")
-        self.assertEqual(bf16.nsa_prefill_backend, "flashmla_sparse")
-        self.assertEqual(bf16.nsa_decode_backend, "flashmla_sparse")
+        self.assertEqual(getattr(bf16, PREFILL), "flashmla_sparse")
+        self.assertEqual(getattr(bf16, DECODE), "flashmla_sparse")
         self.assertEqual(bf16.mem_fraction_static, 0.7)
 
     def test_offload_budget_at_another_fraction(self):
