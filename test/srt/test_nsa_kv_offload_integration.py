@@ -1386,6 +1386,11 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
             enable_hisparse=False,
             nsa_kv_offload=h.co,
             dp_rank=0,
+            # 0.5.17 reads these there:
+            ps=SimpleNamespace(dp_rank=0, gpu_id=0),
+            tp_worker=SimpleNamespace(
+                model_runner=SimpleNamespace(kv_cache_dtype_str="fp8_e4m3")
+            ),
             gpu_id=0,
             model_config=SimpleNamespace(num_hidden_layers=h.L),
             server_args=SimpleNamespace(disaggregation_ib_device=None),
