@@ -121,7 +121,17 @@ else
 fi
 
 start=$SECONDS
-if [[ "$mode" == full ]]; then
+# Another release's venv overlays the default's (.venv): its own sglang and
+# extras (requirements/sglang-<version>.txt) shadow the default's sglang, the
+# rest (torch, triton, test tools) is read from .venv through a .pth file.
+# CPU_ENV_OVERLAY=0 builds it whole instead.
+if [[ "$SGLANG_VERSION" != 0.5.12.post1 && "${CPU_ENV_OVERLAY:-1}" == 1 && "$mode" == full ]]; then
+    SGLANG_VERSION=0.5.12.post1 VENV="$ROOT/.venv" bash "${BASH_SOURCE[0]}" >/dev/null
+    base_site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$base_site" >"$site/zz_nsa_offload_base_venv.pth"
+    pip_ install -q --no-deps --ignore-installed -r "$SGLANG_REQ"
+elif [[ "$mode" == full ]]; then
     # Every pip call is constrained by torch-cpu.txt (on top of whatever the
     # machine's pip config adds, e.g. /etc/xdg/pip), so nothing can replace
     # torch 2.13.0 with another build.

@@ -10,9 +10,20 @@
 #    (default 0.5.12.post1; fast when nothing changed) and 2. re-applies our
 #    modules and patches/<version>/ into its sglang, so edits under
 #    python/sglang/ and patches/ are always what gets tested.
+#
+# Without SGLANG_VERSION (and VENV) the suite runs on every supported release
+# in turn, what CI runs: 0.5.12.post1, then 0.5.17 (its venv overlays .venv).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${SGLANG_VERSION:-}" && -z "${VENV:-}" ]]; then
+    rc=0
+    for version in 0.5.12.post1 0.5.17; do
+        echo "[test.sh] sglang $version"
+        SGLANG_VERSION=$version bash "${BASH_SOURCE[0]}" "$@" || rc=1
+    done
+    exit $rc
+fi
 export SGLANG_VERSION="${SGLANG_VERSION:-0.5.12.post1}"
 if [[ -z "${VENV:-}" ]]; then
     # As scripts/setup_cpu_env.sh: .venv for the default, else .venv-<version>.
