@@ -334,18 +334,9 @@ class _V2Harness(_MTPHarness):
             mwb,
             SimpleNamespace(model_runner=runner),
         )
-        self.t.assertFalse(can_graph)
-        self.t.assertEqual(fb.forward_mode, ForwardMode.TARGET_VERIFY)
-        out, pre = fb.out_cache_loc, seq_lens.cpu()
-        idx = mwb.req_pool_indices
-        expect = torch.cat(
-            [
-                self.req_to_token[r.req_pool_idx, int(n) : int(n) + q]
-                for r, n in zip(reqs, pre)
-            ]
-        ).long()
-        self.t.assertTrue(torch.equal(out.long(), expect))
-        return out, pre, idx
+        return self._checked_verify_locs(
+            fb, can_graph, reqs, seq_lens, mwb.req_pool_indices
+        )
 
     def _prepare_for_verify_v17(self, reqs, seq_lens):
         q, bs = self.q, len(reqs)
@@ -375,12 +366,16 @@ class _V2Harness(_MTPHarness):
             batch,
             SimpleNamespace(model_runner=runner),
         )
+        return self._checked_verify_locs(fb, can_graph, reqs, seq_lens, idx)
+
+    def _checked_verify_locs(self, fb, can_graph, reqs, seq_lens, idx):
+        # The verify forward writes each request's q new tokens at its next locs.
         self.t.assertFalse(can_graph)
         self.t.assertEqual(fb.forward_mode, ForwardMode.TARGET_VERIFY)
         out, pre = fb.out_cache_loc, seq_lens.cpu()
         expect = torch.cat(
             [
-                self.req_to_token[r.req_pool_idx, int(n) : int(n) + q]
+                self.req_to_token[r.req_pool_idx, int(n) : int(n) + self.q]
                 for r, n in zip(reqs, pre)
             ]
         ).long()
