@@ -89,9 +89,8 @@ export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # torch.compile's cache under ~ too, so that "savejit" can carry it.
 export TORCHINDUCTOR_CACHE_DIR=$HOME/.cache/torchinductor
 # --with-bench-hooks: the top-k trace override / recorder the benchmarks use
-# (0.5.17: its bench-hooks series is not ported yet, the product alone).
-hooks=--with-bench-hooks; [ -z "$WV" ] || hooks=
-python3 scripts/apply_patch.py --sglang-dir /tmp/site $hooks || exit 1
+# (both releases: traces/bench_hooks/<version>/series).
+python3 scripts/apply_patch.py --sglang-dir /tmp/site --with-bench-hooks || exit 1
 # Jobs started beside this one in the same call wait for this mark.
 touch /tmp/site/.ready
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT

@@ -1131,8 +1131,13 @@ def _model_layers(forward_batch) -> tuple:
 
     The pool's ``end_layer`` is what the model runner passes: the model's
     exclusive end (a model's MTP layer has no pool layers here), so the
-    layers are ``start_layer .. start_layer + layer_num - 1``."""
+    layers are ``start_layer .. start_layer + layer_num - 1``. sglang 0.5.17's
+    batch has no pool: it is its forward context's attention backend's."""
     pool = getattr(forward_batch, "token_to_kv_pool", None)
+    if pool is None:
+        from sglang.srt.mem_cache.nsa_kv_offload_compat import forward_attn_backend
+
+        pool = getattr(forward_attn_backend(forward_batch), "token_to_kv_pool", None)
     layer_num = getattr(pool, "layer_num", None)
     if layer_num is None:
         raise RuntimeError("NSA top-k trace: the KV pool has no layer_num")
