@@ -55,13 +55,18 @@ else:
     PREFILL_CP_FIELD = "enable_nsa_prefill_context_parallel"
 
 
-def forward_attn_backend(forward_batch):
-    """The attention backend of ``forward_batch`` (0.5.17: the forward context's)."""
-    if not IS_DSA_NAMING:
-        return forward_batch.attn_backend
+if IS_DSA_NAMING:
     from sglang.srt.model_executor.forward_context import get_attn_backend
 
-    return get_attn_backend()
+    def forward_attn_backend(forward_batch):
+        """The attention backend of the forward (0.5.17: its forward context's)."""
+        return get_attn_backend()
+
+else:
+
+    def forward_attn_backend(forward_batch):
+        """The attention backend of the forward (0.5.12: ``forward_batch``'s)."""
+        return forward_batch.attn_backend
 
 
 # ---- Pools. 0.5.17 builds them in a KVCacheConfigurator, sizes a token by its real
