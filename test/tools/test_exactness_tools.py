@@ -950,13 +950,12 @@ class TestSortedTopk(unittest.TestCase):
                 return TestSortedTopk.tie_blind_topk(logits, topk, lengths, starts, gen)
 
         fused = [True]
-        module = types.SimpleNamespace(
-            NSAIndexerMetadata=Metadata,
-            envs=types.SimpleNamespace(
-                SGLANG_NSA_FUSE_TOPK=types.SimpleNamespace(get=lambda: fused[0])
-            ),
-        )
-        sorted_topk._patch(module)
+        module = types.SimpleNamespace(DSAIndexerMetadata=Metadata, __name__="m")
+        Metadata.__module__ = "m"
+        sorted_topk._patch(module, "DSAIndexerMetadata", lambda: fused[0])
+        # A module re-exporting the class (0.5.17's nsa_backend): not again.
+        alias = types.SimpleNamespace(NSAIndexerMetadata=Metadata, __name__="shim")
+        sorted_topk._patch(alias, "NSAIndexerMetadata", lambda: fused[0])
         logits = torch.tensor([[0.5, 2.0, 2.0, -1.0]])
         Metadata().topk_transform(logits.clone(), 2)  # fused: as is, once
         self.assertEqual(len(seen), 1)
