@@ -225,8 +225,14 @@ class _MTPHarness(OffloadHarness):
                     head_dim=KV_LORA_RANK + ROPE_DIM,
                     scaling=1.0,
                 )
-                q_nope = torch.zeros((rows_total, 1, KV_LORA_RANK), device=DEVICE)
-                q_rope = torch.zeros((rows_total, 1, ROPE_DIM), device=DEVICE)
+                # bf16 as the model's: sglang 0.5.17's CUDA concat of q takes
+                # bf16 only.
+                q_nope = torch.zeros(
+                    (rows_total, 1, KV_LORA_RANK), device=DEVICE, dtype=torch.bfloat16
+                )
+                q_rope = torch.zeros(
+                    (rows_total, 1, ROPE_DIM), device=DEVICE, dtype=torch.bfloat16
+                )
                 SparseAttnBackend.forward_extend(
                     _backend(self.co, captured, self.pool),
                     q_nope,

@@ -1659,6 +1659,9 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # of every source levelled (020b0f3) and reclaims that keep a buried
         # unit's rows (c4afa95); replaces the point above.
         "rank_speed/run_h100_default_model_8k_x64_level/bench_server_model.json",
+        # 32751af on an H100, sglang 0.5.17: the model's top-k at 32K x 8, 14
+        # GiB (replaces the 0.5.12.post1 point above).
+        "rank_speed/run_h100_0517_model_32k_x8/bench_server_model.json",
     )
 
     def test_every_committed_server_kind_renders(self):

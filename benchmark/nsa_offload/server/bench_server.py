@@ -97,8 +97,8 @@ from server_utils import (  # noqa: E402
     PD_DECODE_FAKE_ARGS,
     SHAPES,
     UNITS_PER_REQUEST_RE,
-    UNITS_RECLAIMED_RE,
     UNITS_RE,
+    UNITS_RECLAIMED_RE,
     VOCAB_SIZE,
     WARMED_RE,
     Server,
@@ -107,6 +107,7 @@ from server_utils import (  # noqa: E402
     mtp_args,
     num_model_layers,
     offload_max_units,
+    sglang_version,
     use_model,
     widest_units,
 )
@@ -2343,6 +2344,8 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     if not runs:
         return {}
     commits = sorted({r["config"].get("code_commit", "unknown") for r in runs})
+    # Runs before the key ran on sglang 0.5.12.post1 (the only release then).
+    versions = sorted({r["config"].get("sglang_version", "0.5.12.post1") for r in runs})
     speed = {
         "p4_itl_overhead": {},
         "p4_itl_overhead_inline": {},
@@ -2358,9 +2361,11 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "hisparse_itl_overhead": {},
         "traces": {},
         "code_commit": commits[0] if len(commits) == 1 else commits,
+        "sglang_version": versions[0] if len(versions) == 1 else versions,
     }
     model = {
         "code_commit": speed["code_commit"],
+        "sglang_version": speed["sglang_version"],
         "p4_itl_overhead": {},
         "p4_itl_overhead_inline": {},
     }
@@ -3019,6 +3024,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": " ".join(shlex.quote(a) for a in sys.argv),
             "code_commit": git_commit(),
+            "sglang_version": sglang_version(),
             "gpu": gpu_name(),
             # ours' swap schedule without the env var (rank_summaries).
             "early_swap_default": OURS_EARLY_SWAP_DEFAULT,

@@ -69,6 +69,7 @@ from server_utils import (
     git_commit,
     mtp_args,
     random_prompts,
+    sglang_version,
 )
 
 NC_PERIOD = 64  # corrupted decode step: seq_len % NC_PERIOD == 0
@@ -766,6 +767,7 @@ def summarize(result: dict, model: str) -> dict:
         "logs": result.get("logs", {}),
         "prompt_lens": result["prompt_lens"],
         "code_commit": result["code_commit"],
+        "sglang_version": result.get("sglang_version"),
     }
     if result.get("merged_from"):
         summary["merged_from"] = result["merged_from"]
@@ -835,6 +837,7 @@ def mtp_summary(summary: dict, specs: dict) -> Optional[dict]:
         },
         "accept": accept,
         "code_commit": summary["code_commit"],
+        "sglang_version": summary.get("sglang_version"),
     }
 
 
@@ -1032,6 +1035,7 @@ def merge_runs(paths: List[str]) -> dict:
                 }
             )
     merged["code_commit"] = runs[-1][1]["code_commit"]
+    merged["sglang_version"] = runs[-1][1].get("sglang_version")
     return merged
 
 
@@ -1207,6 +1211,7 @@ def main(argv=None) -> int:
         "prompt_lens": lengths,
         "nc_lens": nc_lens,
         "code_commit": args.code_commit or git_commit(),
+        "sglang_version": sglang_version(),
         "servers": {},
         "specs": {},
         "logs": {},

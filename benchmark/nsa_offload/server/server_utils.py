@@ -5,6 +5,7 @@ The model is the tiny config with dummy weights unless ``use_model`` names
 another config (``rank``) or a generated checkpoint (``make_checkpoint.py``),
 which every ``Server`` then loads with sglang's own loader."""
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -92,6 +93,15 @@ def git_commit() -> str:
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except Exception:
+        return "unknown"
+
+
+def sglang_version() -> str:
+    """The sglang release a run's servers import (the installed package's
+    metadata; the GPU host's comes from its wheelhouse)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
         return "unknown"
 
 

@@ -109,7 +109,7 @@ from make_checkpoint import (
     load_config,
     write_checkpoint,
 )
-from server_utils import git_commit, num_model_layers, random_prompts
+from server_utils import git_commit, num_model_layers, random_prompts, sglang_version
 
 # summary.json: the keys of the churn soak (issue 65), in its order, before
 # the extras.
@@ -732,6 +732,7 @@ def build_summary(result: dict) -> dict:
         "leaks": log.get("leaks", 0),
         "failed": len(failed),
         "code_commit": result.get("code_commit"),
+        "sglang_version": result.get("sglang_version"),
         # extras
         "mtp_draft_tokens": config.get("mtp") and config["mtp"] + 1,
         "verify_mode": config.get("verify"),
@@ -843,7 +844,8 @@ def summary_markdown(s: dict) -> str:
     lines = [
         "# GPU soak of the decode NSA KV offload (tiny checkpoint)",
         "",
-        f"Code `{(s['code_commit'] or '?')[:10]}`; "
+        f"Code `{(s['code_commit'] or '?')[:10]}`, sglang "
+        f"{s.get('sglang_version') or '?'}; "
         f"{'**passed**' if s['passed'] else '**not passed**'}.",
         "",
     ]
@@ -1198,7 +1200,12 @@ def run(args) -> dict:
     t0 = time.time()
     config = load_config("tiny")
     vocab = config["vocab_size"]
-    result = {"config": vars(args), "code_commit": git_commit(), "started": t0}
+    result = {
+        "config": vars(args),
+        "code_commit": git_commit(),
+        "sglang_version": sglang_version(),
+        "started": t0,
+    }
     ckpt = ensure_checkpoint(args, config)
     workload = make_workload(
         args.num_requests,
