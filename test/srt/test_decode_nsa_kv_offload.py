@@ -11,7 +11,7 @@ outputs. Every server of a class starts at once (all on the one GPU) with the
 flags of ``benchmark/nsa_offload/server/exactness.py`` (``server_args``):
 fp8 KV + FlashMLA sparse prefill + FlashMLA fp8 decode, CUDA graphs and the
 overlap scheduler on, and sglang's top-k made deterministic on every server
-(positional top-k ``SGLANG_NSA_FUSE_TOPK=0``, ``SGLANG_NSA_TOPK_SORTED=1``
+(positional top-k ``SGLANG_DSA_FUSE_TOPK=0``, ``SGLANG_NSA_TOPK_SORTED=1``
 with ``server/sorted_topk`` first on ``PYTHONPATH``,
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8``). Each server gets the same workload:
 
@@ -48,7 +48,7 @@ the corrupted read must change at least 90% of the outputs (never the first
 token, which comes from the prefill), while the disarmed server repeats its
 clean outputs, which match the offload servers'. Without the hooks only that test is
 skipped. A subclass repeats the no-offload / offload comparison with a bf16
-KV cache (FlashMLA sparse decode, ``--nsa-decode-backend flashmla_sparse``),
+KV cache (FlashMLA sparse decode, ``--dsa-decode-backend flashmla_sparse``),
 another with MTP on every server (NextN, 3 steps; accept counts compared
 too), and two on two GPUs (attention TP and DP attention, against the
 no-offload server of the same shape; skipped on one GPU). Another class
@@ -146,7 +146,7 @@ TINY_CONFIG = load_config("tiny")
 VOCAB_SIZE = TINY_CONFIG["vocab_size"]
 CHECKPOINT_SEED = 0
 
-# Request slots = decode regions (and --cuda-graph-max-bs, server_args).
+# Request slots = decode regions (and --cuda-graph-max-bs-decode, server_args).
 MAX_RUNNING_REQUESTS = 16
 MAX_NEW_TOKENS = 64
 CONCURRENCY = 8
@@ -614,7 +614,7 @@ class TestDecodeNSAKVOffloadPDDecode(CustomTestCase):
             ],
             _port_base(200),
             cls.tmp_dir,
-            {"SGLANG_NSA_FUSE_TOPK": "0"},
+            {"SGLANG_DSA_FUSE_TOPK": "0"},
             900,
         )
         try:

@@ -673,7 +673,7 @@ class TestServerSpecs(unittest.TestCase):
     def test_baseline_fused_topk(self):
         args = bench_server.parse_args(["--out", "/tmp/x", "--baseline-fused-topk"])
         args.record = False
-        fuse = "SGLANG_NSA_FUSE_TOPK"
+        fuse = "SGLANG_DSA_FUSE_TOPK"
         for kind in ("baseline", "baseline_mtp"):
             self.assertEqual(bench_server.server_env(args, kind)[fuse], "1", kind)
         for kind in ("ours", "ours_mtp", "hisparse"):

@@ -420,7 +420,7 @@ class TestRunOrchestration(FakeServerCase):
             self.assertIn(flag, cmd)
         self.assertNotIn("--disable-cuda-graph", cmd)
         self.assertNotIn("--disable-overlap-schedule", cmd)
-        self.assertEqual(calls["env"]["SGLANG_NSA_FUSE_TOPK"], "0")
+        self.assertEqual(calls["env"]["SGLANG_DSA_FUSE_TOPK"], "0")
         self.assertEqual(calls["env"]["SGLANG_NSA_TOPK_SORTED"], "1")
         self.assertEqual(s["requests"], 40)
         self.assertEqual(s["aborted"], 4)

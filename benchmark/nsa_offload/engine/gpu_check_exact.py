@@ -1,7 +1,7 @@
 """Exactness of decode attention through the offloaded page table (H200).
 
 FlashMLA fp8 sparse decode (``flash_mla_with_kvcache``, called as sglang's NSA
-backend calls it for ``--nsa-decode-backend flashmla_kv``) must give
+backend calls it for ``--dsa-decode-backend flashmla_kv``) must give
 bit-identical output (``torch.equal``) whether it reads the top-k rows
 
 * from the full GPU KV (every token at row = token loc: the reference), or

@@ -4,7 +4,7 @@ Starts the tiny DeepSeek-V3.2-shaped model three times, one server after the
 other, with the same GPU memory budget (the same ``--mem-fraction-static``)
 and the same request slots: without offload, with upstream ``--enable-hisparse``
 and with ``--enable-decode-nsa-kv-offload``. Every server takes the positional
-top-k path (``SGLANG_NSA_FUSE_TOPK=0``). Per server: a warm-up, then for each
+top-k path (``SGLANG_DSA_FUSE_TOPK=0``). Per server: a warm-up, then for each
 context length and concurrency, that many requests of that many prompt tokens
 with ``--new-tokens`` greedy tokens each (``ignore_eos``), streamed.
 
@@ -928,7 +928,7 @@ def ours_auto_slots(
 def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[str]]:
     # Every server's flags but its KV budget (--mem-fraction-static, first).
     rest = [
-        "--cuda-graph-max-bs",
+        "--cuda-graph-max-bs-decode",
         str(args.max_running_requests),
         "--decode-log-interval",
         str(args.decode_log_interval),
@@ -989,7 +989,7 @@ VARIANT_MAX_UNITS = {"ours_8units": 8}
 
 def server_env(args, kind: str) -> Dict[str, str]:
     env = {
-        "SGLANG_NSA_FUSE_TOPK": "0",
+        "SGLANG_DSA_FUSE_TOPK": "0",
         "SGLANG_NSA_TOPK_TRACE_FORMAT": str(TRACE_FORMAT_PY),
         "SGLANG_NSA_TOPK_TRACE_SINKS": str(SINKS),
         "SGLANG_NSA_TOPK_TRACE_RECENT": str(RECENT),
@@ -997,7 +997,7 @@ def server_env(args, kind: str) -> Dict[str, str]:
     if args.baseline_fused_topk and kind in REFERENCE_KINDS:
         # sglang's default: the top-k kernel maps positions to locs itself
         # (the offload always takes the positional top-k).
-        env["SGLANG_NSA_FUSE_TOPK"] = "1"
+        env["SGLANG_DSA_FUSE_TOPK"] = "1"
     if args.topk == "override":
         env["SGLANG_NSA_TOPK_TRACE_OVERRIDE"] = args.trace
         if args.trace_layer_cycle:
@@ -2773,7 +2773,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--baseline-fused-topk",
         action="store_true",
         help="the no-offload servers keep sglang's default fused top-k "
-        "(SGLANG_NSA_FUSE_TOPK=1) instead of the positional one every other "
+        "(SGLANG_DSA_FUSE_TOPK=1) instead of the positional one every other "
         "server runs; only with --topk model (the override needs positions)",
     )
     p.add_argument("--host-pool-gb", type=float, help="ours' pinned host pool")

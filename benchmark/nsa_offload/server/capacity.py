@@ -479,7 +479,7 @@ def throughput_at_capacity(
         "tokens_per_s": tok_s,
         "step_ms": 1000.0 * running / tok_s if tok_s else None,
         "offload_hit_rate": statistics.median(hits) if hits else None,
-        # batches above --cuda-graph-max-bs run eagerly (much slower)
+        # batches above --cuda-graph-max-bs-decode run eagerly (much slower)
         "cuda_graph_share": sum(x[3] == "True" for x in lines) / len(lines),
     }
 

@@ -4,7 +4,7 @@ no leaks.
 Starts the tiny DeepSeek-V3.2-shaped model twice, one server after the other,
 with the same GPU memory budget (same ``--mem-fraction-static``), without and
 with --enable-decode-nsa-kv-offload, both on the same top-k path (positional
-top-k + page-table transform: SGLANG_NSA_FUSE_TOPK=0). On each server:
+top-k + page-table transform: SGLANG_DSA_FUSE_TOPK=0). On each server:
 
 1. exactness: the same greedy requests; ``output_ids`` must match token for
    token between the two servers;
@@ -161,7 +161,7 @@ def capacity_phase(server, name, args, length):
 def run_server(name, extra_args, args, prompts, lengths):
     """One server: the exactness requests (if ``prompts``), the capacity
     phases, then idle (sglang's own leak check runs when it goes idle)."""
-    env = {"SGLANG_NSA_FUSE_TOPK": "0"}
+    env = {"SGLANG_DSA_FUSE_TOPK": "0"}
     offload = "--enable-decode-nsa-kv-offload" in extra_args
     if args.max_units is not None and offload:
         extra_args = list(extra_args) + [

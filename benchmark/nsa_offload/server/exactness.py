@@ -25,7 +25,7 @@ same requests:
   before it the output must be unchanged.
 
 Every offload server is compared with the no-offload server of its KV dtype
-(same top-k path: positional top-k, ``SGLANG_NSA_FUSE_TOPK=0``); the
+(same top-k path: positional top-k, ``SGLANG_DSA_FUSE_TOPK=0``); the
 ``stock`` server (sglang's defaults: fused top-k, no hooks) with the
 no-offload one; ``*_retract`` servers force retraction
 (``SGLANG_TEST_RETRACT``: sglang retracts decode requests every
@@ -344,7 +344,7 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
         str(args.max_total_tokens),
         "--max-running-requests",
         str(spec.get("max_running", args.concurrency)),
-        "--cuda-graph-max-bs",
+        "--cuda-graph-max-bs-decode",
         str(args.concurrency),
         "--context-length",
         str(args.context_length),
@@ -375,7 +375,7 @@ def server_args(spec: dict, args, ckpt: str) -> (List[str], Dict[str, str]):
         ]
     if not spec.get("stock"):
         # Positional top-k in a deterministic order (sorted_topk/).
-        env["SGLANG_NSA_FUSE_TOPK"] = "0"
+        env["SGLANG_DSA_FUSE_TOPK"] = "0"
         env["SGLANG_NSA_TOPK_SORTED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (SORTED_TOPK_DIR, os.environ.get("PYTHONPATH")) if p

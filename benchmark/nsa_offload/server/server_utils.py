@@ -35,9 +35,9 @@ BASE_ARGS = [
     "dummy",
     "--kv-cache-dtype",
     "fp8_e4m3",
-    "--nsa-prefill-backend",
+    "--dsa-prefill-backend",
     "flashmla_sparse",
-    "--nsa-decode-backend",
+    "--dsa-decode-backend",
     "flashmla_kv",
     "--sampling-backend",
     "pytorch",
@@ -52,9 +52,9 @@ BASE_ARGS = [
 BF16_KV_ARGS = [
     "--kv-cache-dtype",
     "bfloat16",
-    "--nsa-prefill-backend",
+    "--dsa-prefill-backend",
     "flashmla_sparse",
-    "--nsa-decode-backend",
+    "--dsa-decode-backend",
     "flashmla_sparse",
 ]
 KV_DTYPE_ARGS = {"fp8_e4m3": [], "bfloat16": BF16_KV_ARGS}
@@ -129,9 +129,9 @@ HISPARSE_ARGS = [
     "--enable-hisparse",
     "--hisparse-config",
     json.dumps(HISPARSE_CONFIG),
-    "--nsa-prefill-backend",
+    "--dsa-prefill-backend",
     "flashmla_kv",
-    "--nsa-decode-backend",
+    "--dsa-decode-backend",
     "flashmla_kv",
 ]
 
@@ -170,7 +170,7 @@ PD_DECODE_FAKE_ARGS = [
     "fake",
 ]
 BASE_ENV = {
-    "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
+    "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
     "HF_HUB_OFFLINE": "1",
 }
 

@@ -5,7 +5,7 @@ One offload server (CUDA graphs and the overlap scheduler on, fp8 KV,
 ``--enable-metrics``) on the ``tiny`` checkpoint of ``make_checkpoint.py``
 (written like ``exactness.py`` does, the gains of record by default), with the
 deterministic top-k of ``exactness.py`` (``sorted_topk/``,
-``SGLANG_NSA_FUSE_TOPK=0``, a fixed cuBLAS workspace), then:
+``SGLANG_DSA_FUSE_TOPK=0``, a fixed cuBLAS workspace), then:
 
 1. a fixed probe set (lengths 1 to 32K), one request at a time once the
    server is idle, greedy, ``--probe-tokens`` tokens;
@@ -982,7 +982,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--concurrency",
         type=int,
         help="clients at a time, also the server's --max-running-requests and "
-        "--cuda-graph-max-bs" + by_mode("concurrency"),
+        "--cuda-graph-max-bs-decode" + by_mode("concurrency"),
     )
     p.add_argument("--min-len", type=int, default=1, help="shortest prompt (default 1)")
     p.add_argument("--max-len", type=int, help="longest prompt" + by_mode("max_len"))

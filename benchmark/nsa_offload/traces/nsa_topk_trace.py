@@ -17,7 +17,7 @@ Override (``SGLANG_NSA_TOPK_TRACE_OVERRIDE=/path/trace.npz``)
     top-k trace (``benchmark/nsa_offload/traces/trace_format.py``, e.g. written by
     ``trace_gen.py``), so that servers with dummy weights see DeepSeek-V3.2-like
     locality. Needs positional top-k on every server: HiSparse and the offload
-    force it; the server without offload needs ``SGLANG_NSA_FUSE_TOPK=0``.
+    force it; the server without offload needs ``SGLANG_DSA_FUSE_TOPK=0``.
     For batch row ``b`` with sequence length ``n`` (counting the token being
     decoded) and request pool index ``r``:
 

@@ -1,7 +1,7 @@
 """Benchmark-only: a deterministic NSA top-k in every sglang process.
 
 sglang's unfused top-k (``sgl_kernel.fast_topk_v2``, taken with
-``SGLANG_NSA_FUSE_TOPK=0``) returns the selected positions in an order that
+``SGLANG_DSA_FUSE_TOPK=0``) returns the selected positions in an order that
 changes from run to run, and FlashMLA's output depends on that order (about
 1e-3 when the same set is permuted). The set can change too: the indexer's
 scores come from fp8 keys and queries, equal scores are common, and which of
