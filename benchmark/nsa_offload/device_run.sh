@@ -1,8 +1,11 @@
 #!/bin/bash
-# Runs on the lent H200 (see ../shared/DEVICE.md). Two back-to-back calls:
-#   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-a, or
-#     wheels-a1 then wheels-a2 in two calls: split by size when the tree is large)
-#   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-b + jitcache)
+# Runs on the lent GPU host (see ../shared/DEVICE.md), sglang 0.5.17 from the
+# wheelhouse .devwheels/wheels-0517-{a1,a2,b} (../shared/device/wheels-0517-{a,b}
+# split by size: a1 flashinfer + sglang-kernel, a2 sglang + deep-gemm +
+# transformers + tokenizers, b the rest). Calls back to back:
+#   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-0517-a1;
+#     again with wheels-0517-a2)
+#   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-0517-b)
 # STEP: checks (GPU correctness, no servers), engine (GPU checks + P1/P2
 # benchmarks), units (LRU units: GPU tests,
 # exactness with/without, a server with units), swap-units (the swap with
@@ -22,39 +25,27 @@
 # arguments; $PYTEST_TIMEOUT seconds, default 500).
 # The device's copy of .git can be stale: prefix the step with CODE_COMMIT=<hash of
 # the tree sent> so that the results name the code that ran (server_utils.git_commit).
-# Results go under $OUT. A cold machine compiles kernels for ~150-210 s
-# at each first server start: end the first warm call with "savejit" and carry
-# the returned jitcache-extra/ folder as .devwheels/jitcache-extra/ afterwards.
+# Results go under $OUT. A cold machine compiles JIT kernels for ~180 s at
+# its first server start (sglang's prefill CUDA graph capture): end the
+# first warm call with "savejit" and carry the returned jitcache-extra/
+# folder as .devwheels/jitcache-extra/ afterwards.
 #
 # One-time setup in the checkout (the wheelhouse is too big for git):
-#   mkdir -p .devwheels && cp -r ../shared/device/{wheels-a,wheels-b,jitcache-h200.tgz} .devwheels/
+#   mkdir -p .devwheels && cp -r ../shared/device/wheels-0517-* .devwheels/  (then split a)
 #   echo /.devwheels/ >> .git/info/exclude
-#
-# SGLANG_VERSION=0.5.17 (on every call): sglang 0.5.17's wheelhouse instead,
-# .devwheels/wheels-0517-{a1,a2,b} (../shared/device/wheels-0517-{a,b} split by
-# size: a1 flashinfer + sglang-kernel, a2 sglang + deep-gemm + transformers +
-# tokenizers, b the rest); no JIT cache is carried for it yet.
 set -uo pipefail
 W=.devwheels
-SGV=${SGLANG_VERSION:-0.5.12.post1}
-case $SGV in
-  0.5.12.post1) WV= ;;
-  0.5.17) WV=0517-
-    # 0.5.17 reads the DSA_ names only (its NSA_ threshold name is ignored and
-    # short prefills go to FA3, trimmed from the wheelhouse); DeepGEMM's
-    # start-up precompile held stock 0.5.17's /health at 503 for minutes.
-    export SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 ;;
-  *) echo "SGLANG_VERSION=$SGV: no wheelhouse for it (0.5.12.post1, 0.5.17)"; exit 2 ;;
-esac
+# sglang 0.5.17 reads the DSA_ names only (its NSA_ threshold name is ignored
+# and short prefills go to FA3, trimmed from the wheelhouse); DeepGEMM's
+# start-up precompile held stock 0.5.17's /health at 503 for minutes.
+export SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site"
 if [ "${1:-}" = install-a ]; then
-  # wheels-a, or its halves wheels-a1 / wheels-a2 in two calls when the
-  # checkout plus wheels-a exceed what one call carries (64 MiB).
-  $PIP $W/wheels-${WV}a*/*.whl && echo "installed: $(ls $W | grep wheels-${WV}a)" || exit 1
+  # wheels-0517-a1 / wheels-0517-a2, one per call: the checkout plus both
+  # exceed what one call carries (64 MiB).
+  $PIP $W/wheels-0517-a*/*.whl && echo "installed: $(ls $W | grep wheels-0517-a)" || exit 1
   # A JIT cache carried with wheels-a waits here for the wheels-b call.
   if [ -d $W/jitcache-extra ]; then mkdir -p /tmp/jit-parts && cp $W/jitcache-extra/part-* /tmp/jit-parts/; fi
-  # So does the rank model's cache when the wheels-b call has no room for it.
-  if [ -f $W/jitcache-rank-h200.tgz ]; then cp $W/jitcache-rank-h200.tgz /tmp/jit-rank.tgz; fi
   exit 0
 fi
 # The ninja-built JIT caches (tvm-ffi, flashinfer) count as stale when their
@@ -62,14 +53,10 @@ fi
 # cached objects' old times: the tvm-ffi kernels of the carried caches, same
 # hashed names, were built again on each fresh machine. They take the time of
 # .jit-stamp (after pip, before .wheels-b): "savejit" packs only what is newer
-# than .wheels-b, built here. A rank server's first CUDA-graph capture on a
-# fresh machine: 148-164 s before, 116.7 s with it, 12.5 s warm (some builds
-# remain; results/rank_speed/run_budget_29ec250/).
+# than .wheels-b, built here.
 touch_jit() { find ~/.cache/tvm-ffi ~/.cache/flashinfer -type f -exec touch -r /tmp/site/.jit-stamp {} + 2>/dev/null; }
 if [ ! -f /tmp/site/.wheels-b ]; then
-  $PIP $W/wheels-${WV}b/*.whl && touch /tmp/site/.jit-stamp || exit 1
-  # The carried JIT caches were built with 0.5.12.post1's kernel wheels.
-  [ -n "$WV" ] || tar xzf $W/jitcache-h200.tgz -C ~ || exit 1
+  $PIP $W/wheels-0517-b/*.whl && touch /tmp/site/.jit-stamp || exit 1
   # JIT caches saved by an earlier "savejit" step (Triton MoE kernels etc.):
   # carry .devwheels/jitcache-extra (a folder of archive parts; older: one
   # jitcache-extra.tgz) to skip ~2 min of compiling per start.
@@ -78,18 +65,11 @@ if [ ! -f /tmp/site/.wheels-b ]; then
   [ -d /tmp/jit-parts ] && cat /tmp/jit-parts/part-* | tar xzf - -C ~
   touch_jit; sleep 1; touch /tmp/site/.wheels-b
 fi
-# What a rank-sized (61-layer) server compiles beyond that (../shared/DEVICE.md),
-# on top of jitcache-h200.tgz; carried in a later call if need be.
-for rank_jit in $W/jitcache-rank-h200.tgz /tmp/jit-rank.tgz; do
-  if [ -f $rank_jit ] && [ ! -f /tmp/site/.jit-rank ]; then
-    tar xzf $rank_jit -C ~ && touch_jit && touch /tmp/site/.jit-rank
-  fi
-done
 export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 # torch.compile's cache under ~ too, so that "savejit" can carry it.
 export TORCHINDUCTOR_CACHE_DIR=$HOME/.cache/torchinductor
 # --with-bench-hooks: the top-k trace override / recorder the benchmarks use
-# (both releases: traces/bench_hooks/<version>/series).
+# (traces/bench_hooks/<version>/series).
 python3 scripts/apply_patch.py --sglang-dir /tmp/site --with-bench-hooks || exit 1
 # Jobs started beside this one in the same call wait for this mark.
 touch /tmp/site/.ready
@@ -359,8 +339,8 @@ run_step() {
       ;;
     savejit)
       # Triton's cache plus what the other JIT caches (deep_gemm, tvm-ffi,
-      # flashinfer, torch.compile) built here beyond jitcache-h200.tgz: a cold no
-      # offload server spends ~2 min compiling in its CUDA graph capture.
+      # flashinfer, torch.compile) built here: a cold server spends ~3 min
+      # compiling in its prefill CUDA graph capture.
       # Copy the returned folder into .devwheels/ here.
       (cd ~ && { find .cache/deep_gemm .cache/tvm-ffi .cache/flashinfer \
         .cache/torchinductor -type f \
