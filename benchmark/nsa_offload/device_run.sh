@@ -17,7 +17,8 @@
 # $GPUTEST_ARGS), kernel-gate (after a kernel change: the swap kernels = the
 # reference with units, the LRU CUDA tests and three tiny exactness servers),
 # elastic-gate (the tiny servers of idle-loc units and of 2 units side by
-# side), churn (the churn soaks in verify mode, plain and MTP), verify-gate
+# side), churn (the churn soaks in verify mode, plain and MTP), churn-rank
+# (the churn soak on the rank model), verify-gate
 # (the verify-mode tiny gate beside the default's), default-gate (the default's
 # tiny exactness servers: bf16, retraction, leveling, 7 x 4,416 rows), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
@@ -217,6 +218,15 @@ run_step() {
       wait $mtp_pid || rc=1
       echo "=== soak"; tail -32 $OUT/soak_step.log
       echo "=== MTP soak"; tail -32 $OUT/soak_mtp_step.log
+      ;;
+    churn-rank)
+      # The churn soak of "churn" on the rank model (61 layers, dummy weights:
+      # the verify mode is its oracle), one server: 32 clients, 300,000 locs
+      # at a 12 GiB KV budget, about as scarce per client as the tiny run's
+      # 1.25 GiB (not yet run).
+      SOAK_ARGS="${SOAK_ARGS:---model rank --num-requests 3000 --concurrency 32 \
+        --max-len 30000 --max-total-tokens 300000 --kv-budget-gib 12 \
+        --retract-interval 40 --probe-tokens 8 --time-budget-s 240}" run_step soak
       ;;
     verify-gate)
       # The default in verify mode on the tiny checkpoint at batch 1 against

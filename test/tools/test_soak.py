@@ -35,6 +35,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BENCH_DIR = REPO_ROOT / "benchmark" / "nsa_offload"
 sys.path.insert(0, str(BENCH_DIR / "server"))
 
+import server_utils  # noqa: E402
 import soak  # noqa: E402
 
 # ---------------------------------------------------------------- fake server
@@ -358,12 +359,15 @@ class TestRunOrchestration(FakeServerCase):
     """``main`` end to end with the server process and the checkpoint faked:
     probes, soak, idle, metrics, final checks, log scan, files."""
 
-    def test_quick_run(self):
-        url, calls = self.url, {}
+    def fake_server(self, calls):
+        url = self.url
 
         class FakeExactServer(soak.ExactServer):
             def start(self):
                 calls["args"], calls["env"] = self.cmd, self.env
+                model_dir = self.cmd[self.cmd.index("--model-path") + 1]
+                with open(os.path.join(model_dir, "config.json")) as f:
+                    calls["config"] = json.load(f)
                 self.url = url
                 self._log = open(self.log_path, "w")
                 self._log.write(FAKE_LOG)
@@ -373,6 +377,32 @@ class TestRunOrchestration(FakeServerCase):
 
             def wait_ready(self):
                 return self
+
+        return FakeExactServer
+
+    def test_rank_model_runs_dummy_weights(self):
+        calls = {}
+        self.addCleanup(server_utils.use_model, "tiny")
+        with tempfile.TemporaryDirectory() as d, mock.patch.object(
+            soak, "ExactServer", self.fake_server(calls)
+        ), mock.patch.object(soak, "write_checkpoint") as write:
+            argv = ["--quick", "--model", "rank", "--num-requests", "4"]
+            argv += ["--max-len", "100", "--out", d, "--idle-wait", "0"]
+            argv += ["--probe-tokens", "2", "--max-new-tokens", "2"]
+            with contextlib.redirect_stdout(io.StringIO()):
+                soak.main(argv)
+            with open(os.path.join(d, "summary.json")) as f:
+                s = json.load(f)
+        write.assert_not_called()
+        cmd = calls["args"]
+        self.assertNotIn("--load-format auto", " ".join(cmd))
+        self.assertEqual(cmd[cmd.index("--load-format") + 1], "dummy")
+        self.assertEqual(calls["config"]["num_hidden_layers"], 61)
+        self.assertEqual(s["model"], "rank")
+
+    def test_quick_run(self):
+        calls = {}
+        FakeExactServer = self.fake_server(calls)
 
         def fake_checkpoint(config, path, *args, **kwargs):
             os.makedirs(path, exist_ok=True)

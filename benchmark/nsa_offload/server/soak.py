@@ -1,5 +1,6 @@
 """GPU soak of --enable-decode-nsa-kv-offload on the tiny attention-dependent
-checkpoint (issue 21, item 4).
+checkpoint (issue 21, item 4), or on the rank model (``--model rank``: 61
+layers, dummy weights; the verify mode is its oracle).
 
 One offload server (CUDA graphs and the overlap scheduler on, fp8 KV,
 ``--enable-metrics``) on the ``tiny`` checkpoint of ``make_checkpoint.py``
@@ -109,7 +110,7 @@ from make_checkpoint import (
     load_config,
     write_checkpoint,
 )
-from server_utils import git_commit, num_model_layers, random_prompts, sglang_version
+from server_utils import git_commit, random_prompts, sglang_version, use_model
 
 # summary.json: the keys of the churn soak (issue 65), in its order, before
 # the extras.
@@ -734,6 +735,7 @@ def build_summary(result: dict) -> dict:
         "code_commit": result.get("code_commit"),
         "sglang_version": result.get("sglang_version"),
         # extras
+        "model": config.get("model", "tiny"),
         "mtp_draft_tokens": config.get("mtp") and config["mtp"] + 1,
         "verify_mode": config.get("verify"),
         "extra_units_lent_peak": int(host_seen.get(EXTRA_UNITS_GAUGE, 0)),
@@ -842,7 +844,7 @@ def summary_markdown(s: dict) -> str:
     hp = s["host_pool"]
     qt = s["queue_time_s"] or {}
     lines = [
-        "# GPU soak of the decode NSA KV offload (tiny checkpoint)",
+        f"# GPU soak of the decode NSA KV offload ({s.get('model', 'tiny')} model)",
         "",
         f"Code `{(s['code_commit'] or '?')[:10]}`, sglang "
         f"{s.get('sglang_version') or '?'}; "
@@ -1057,6 +1059,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="make_checkpoint --attn-out-gain (1)",
     )
     p.add_argument(
+        "--model",
+        choices=("tiny", "rank"),
+        default="tiny",
+        help="tiny: the generated checkpoint (default); rank: the 61-layer "
+        "config with dummy weights (token identity means nothing there: "
+        "--verify is the check)",
+    )
+    p.add_argument(
         "--ckpt",
         default="/tmp/ckpt",
         help="checkpoint dir prefix, exactness.py's naming: reused if there "
@@ -1154,7 +1164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("need 1 <= --min-new-tokens <= --max-new-tokens")
     if args.host_pool_gb is None:
         args.host_pool_gb = default_host_pool_gb(
-            args.max_total_tokens, num_model_layers()
+            args.max_total_tokens, load_config(args.model)["num_hidden_layers"]
         )
     return args
 
@@ -1198,7 +1208,7 @@ def _exit_on_sigterm(signum, frame):
 def run(args) -> dict:
     """Start the server, probe, soak, probe, check; the run's result."""
     t0 = time.time()
-    config = load_config("tiny")
+    config = load_config(args.model)
     vocab = config["vocab_size"]
     result = {
         "config": vars(args),
@@ -1206,7 +1216,11 @@ def run(args) -> dict:
         "sglang_version": sglang_version(),
         "started": t0,
     }
-    ckpt = ensure_checkpoint(args, config)
+    if args.model == "rank":
+        use_model("rank")  # dummy weights: the servers copy its config
+        ckpt = None
+    else:
+        ckpt = ensure_checkpoint(args, config)
     workload = make_workload(
         args.num_requests,
         args.seed,
@@ -1219,7 +1233,7 @@ def run(args) -> dict:
     )
     probes = random_prompts(probe_lengths(args.max_len), args.seed + 2, vocab)
     result["probe_lens"] = [len(p) for p in probes]
-    spec = {"offload": [], "metrics": True}
+    spec = {"offload": [], "metrics": True, "dummy": args.model == "rank"}
     if args.mtp:
         spec.update(mtp=args.mtp, spec_v2=True)
     if args.retract_interval:
