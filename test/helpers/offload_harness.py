@@ -52,8 +52,8 @@ from sglang.srt.mem_cache.nsa_kv_offload_sizing import NSAKVOffloadPoolSizes
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sparse_backend import forward_backend
 
-# What moved between the sglang versions the harness runs on (0.5.12.post1,
-# 0.5.17): get_last_loc_torch, the module of the paged allocator's kernels
+# What moved between the sglang versions the harness runs on (0.5.17 and
+# later): get_last_loc_torch, the module of the paged allocator's kernels
 # (a package on 0.5.17) and the server args release_kv_cache reads.
 try:
     from sglang.srt.mem_cache.common import get_last_loc_torch

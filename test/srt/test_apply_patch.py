@@ -500,9 +500,9 @@ class _ToolBehaviourTests(_LayoutTests):
             return
         trace_rel = "srt/layers/attention/nsa_topk_trace.py"
         backend = fx.package / "srt/layers/attention/nsa_backend.py"
-        if not backend.exists():  # 0.5.17: the DSA backend (no hook of its own)
+        if not backend.exists():  # the DSA backend (no hook of its own)
             backend = fx.package / "srt/layers/attention/dsa_backend.py"
-        # 0.5.12.post1's 0003: the unfused verify top-k mapped in one gather.
+        # An NSA backend's 0003: the unfused verify top-k mapped in one gather.
         one_gather = "all(n == 1 for n in metadata.nsa_extend_seq_lens_list)"
         hooks_backend = backend.name == "nsa_backend.py"
         mla = fx.package / (
@@ -667,6 +667,19 @@ class TestVersionSelection(unittest.TestCase):
         # --ignore-version goes ahead only with a series named.
         proc = run_tool("--sglang-dir", tmp, "--ignore-version", "--check", check_rc=2)
         self.assertIn("name one with --patches-dir", proc.stdout)
+        self.assertEqual(snapshot(tmp), before)
+
+    def test_dropped_version_is_refused_by_name(self):
+        self.assertNotIn("0.5.12.post1", ap.SUPPORTED_VERSIONS)
+        tmp = Path(tempfile.mkdtemp(prefix="apply-patch-dropped-"))
+        self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+        (tmp / "sglang").mkdir()
+        (tmp / "sglang" / "version.py").write_text("__version__ = '0.5.12.post1'\n")
+        before = snapshot(tmp)
+        for args in ((), ("--check",), ("--revert",)):
+            proc = run_tool("--sglang-dir", tmp, *args, check_rc=2)
+            self.assertIn("it is sglang 0.5.12.post1", proc.stdout)
+            self.assertIn("support for sglang 0.5.12.post1 was dropped", proc.stdout)
         self.assertEqual(snapshot(tmp), before)
 
 

@@ -26,7 +26,6 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
 from sglang.srt.mem_cache import nsa_kv_offload_sizing as sizing
 from sglang.srt.mem_cache.nsa_kv_offload_compat import (
     DECODE_BACKEND_FIELD,
-    IS_DSA_NAMING,
     PREFILL_BACKEND_FIELD,
     PREFILL_CP_FIELD,
     resolved_view,
@@ -51,13 +50,11 @@ def backends(**by_phase) -> dict:
 
 
 def resolve_default_backends(args, kv_cache_dtype: str):
-    """Run sglang's DSA/NSA backend defaults (on Hopper: SM90) and return the
+    """Run sglang's DSA backend defaults (on Hopper: SM90) and return the
     resolved (prefill, decode) backends."""
-    if IS_DSA_NAMING:  # a declaration pass that asks torch for the device
-        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-            args._set_default_dsa_backends(9)
-    else:
-        args._set_default_nsa_backends(kv_cache_dtype, 9)
+    # A declaration pass that asks torch for the device.
+    with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
+        args._set_default_dsa_backends(9)
     view = resolved_view(args)
     return getattr(view, PREFILL), getattr(view, DECODE)
 

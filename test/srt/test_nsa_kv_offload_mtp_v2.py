@@ -1,10 +1,9 @@
 """MTP target verify with the decode NSA KV offload under spec v2 (the overlap
 scheduler), driven through the real sglang code (CPU integration,
-docs/MTP.md "Spec v2"). Written for 0.5.12.post1; on 0.5.17 (spec v2 only) the
-same steps go through ``spec_prepare_for_decode`` / ``eagle_prepare_for_decode``
+docs/MTP.md "Spec v2"): ``spec_prepare_for_decode`` / ``eagle_prepare_for_decode``
 (allocation ahead page-aligned, the bonus slot committed when the result is
 processed) and ``eagle_utils.eagle_prepare_for_verify`` on the ScheduleBatch,
-with ``seq_lens_cpu`` None (no verify sync): see ``_V17``.
+with ``seq_lens_cpu`` None (no verify sync).
 
 The real pools, allocator and coordinator of ``test_nsa_kv_offload_mtp_verify``
 (on CPU with its torch paths for the swap, the copies and the KV rows);
@@ -12,11 +11,11 @@ the test plays the scheduler and the model around sglang's own spec v2 code:
 
 * ``ScheduleBatch.prepare_for_decode`` (the patched method, on a stand-in
   batch): the offload's ``prepare_speculative_decode`` admits requests the
-  prefill hook missed, then ``EagleDraftInputV2Mixin.prepare_for_decode``
+  prefill hook missed, then ``eagle_prepare_for_decode``
   allocates ahead up to ``kv_committed_len + 2 * alloc_len_per_decode`` with
   ``alloc_paged_token_slots_extend`` and writes ``req_to_token`` (Triton
   kernel, interpreted): no staging page;
-* ``EagleVerifyInputV2Mixin.prepare_for_v2_verify`` (the patched method):
+* ``eagle_prepare_for_verify`` (the patched function):
   ``assign_extend_cache_locs`` (Triton, interpreted) reads the ``q`` locs at
   ``seq_lens``, the offload's hook maps them to their ring rows;
 * the ``TARGET_VERIFY`` forward, padded like a CUDA-graph replay, through the
@@ -35,27 +34,16 @@ from unittest import mock
 
 import torch
 from offload_harness import DEVICE, PAGE, FakeReq
+from sglang.kernels.ops.speculative import cache_locs
 from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers import utils as managers_utils
+from sglang.srt.mem_cache import allocation
 from sglang.srt.mem_cache import common as common_module
+from sglang.srt.mem_cache.allocation import get_last_loc_torch
 from sglang.srt.mem_cache.common import release_kv_cache
-from sglang.srt.mem_cache.nsa_kv_offload_compat import IS_DSA_NAMING
 from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.speculative import spec_utils
-
-if IS_DSA_NAMING:
-    from sglang.kernels.ops.speculative import cache_locs
-    from sglang.srt.mem_cache import allocation
-    from sglang.srt.mem_cache.allocation import get_last_loc_torch
-    from sglang.srt.speculative import eagle_utils
-else:
-    from sglang.srt.mem_cache.common import get_last_loc_torch
-    from sglang.srt.speculative import eagle_info_v2
-    from sglang.srt.speculative.eagle_info_v2 import (
-        EagleDraftInputV2Mixin,
-        EagleVerifyInputV2Mixin,
-    )
+from sglang.srt.speculative import eagle_utils, spec_utils
 from test_nsa_kv_offload_mtp_verify import (  # noqa: F401 (module fixtures)
     _MTPHarness,
     setUpModule,
@@ -172,32 +160,6 @@ class _V2Harness(_MTPHarness):
 
     def _patches(self):
         sa = self.server_args
-        if IS_DSA_NAMING:
-            return self._patches_v17(sa)
-        return [
-            mock.patch.object(
-                eagle_info_v2,
-                "get_alloc_len_per_decode",
-                lambda: managers_utils.get_alloc_len_per_decode(sa),
-            ),
-            mock.patch.object(eagle_info_v2, "get_global_server_args", lambda: sa),
-            mock.patch.object(eagle_info_v2, "get_last_loc", get_last_loc_torch),
-            # assign_extend_cache_locs_func's Triton branch (CUDA / HIP / MUSA).
-            mock.patch.object(eagle_info_v2, "_is_cuda", True),
-            mock.patch.object(
-                spec_utils, "assign_req_to_token_pool", _TorchAssignKernel(True)
-            ),
-            mock.patch.object(
-                eagle_info_v2, "assign_extend_cache_locs", _TorchAssignKernel(False)
-            ),
-            mock.patch.object(
-                eagle_info_v2,
-                "ForwardBatch",
-                SimpleNamespace(init_new=lambda batch, runner: batch),
-            ),
-        ]
-
-    def _patches_v17(self, sa):
         from sglang.srt.mem_cache import allocation_sizing
 
         no_mamba = SimpleNamespace(
@@ -256,11 +218,6 @@ class _V2Harness(_MTPHarness):
             maybe_wait_verify_done=lambda: None,
             batch_size=lambda: len(reqs),
         )
-        batch.spec_info = SimpleNamespace(
-            prepare_for_decode=lambda b: EagleDraftInputV2Mixin.prepare_for_decode(
-                None, b
-            )
-        )
         alloc = self.allocator
         # Stragglers give their prompt's staging pages back at admission.
         released = 0
@@ -279,12 +236,9 @@ class _V2Harness(_MTPHarness):
         taken = 0
         for r, (allocated, committed) in zip(reqs, before):
             ahead = committed + 2 * self.alloc_len
-            if IS_DSA_NAMING:
-                # The bonus slot is committed with the result; whole pages.
-                self.t.assertEqual(r.kv_committed_len, committed)
-                ahead = -(-ahead // PAGE) * PAGE
-            else:
-                self.t.assertEqual(r.kv_committed_len, committed + 1)  # bonus slot
+            # The bonus slot is committed with the result; whole pages.
+            self.t.assertEqual(r.kv_committed_len, committed)
+            ahead = -(-ahead // PAGE) * PAGE
             self.t.assertEqual(r.kv_allocated_len, max(allocated, ahead))
             new_pages = -(-r.kv_allocated_len // PAGE) - (-(-allocated // PAGE))
             taken += new_pages * PAGE
@@ -300,45 +254,8 @@ class _V2Harness(_MTPHarness):
         return batch
 
     def prepare_for_v2_verify(self, reqs, seq_lens):
-        """The patched ``EagleVerifyInputV2Mixin.prepare_for_v2_verify`` on
-        the worker's ``ModelWorkerBatch`` (``seq_lens`` on the device only;
-        0.5.17: ``eagle_utils.eagle_prepare_for_verify`` on the ScheduleBatch)."""
-        q, bs = self.q, len(reqs)
-        if IS_DSA_NAMING:
-            return self._prepare_for_verify_v17(reqs, seq_lens)
-        mwb = SimpleNamespace(
-            forward_mode=ForwardMode.DECODE,
-            req_pool_indices=torch.tensor(
-                [r.req_pool_idx for r in reqs], device=DEVICE
-            ),
-            seq_lens=seq_lens,
-            seq_lens_cpu=None,
-            seq_lens_sum=None,
-            reqs=reqs,
-        )
-        verify_input = SimpleNamespace(
-            draft_token=torch.zeros(bs * q, dtype=torch.int64, device=DEVICE),
-            draft_token_num=q,
-        )
-        runner = SimpleNamespace(
-            # What ModelRunner keeps (create_nsa_kv_offload_coordinator).
-            nsa_kv_offload=self.co,
-            token_to_kv_pool_allocator=self.allocator,
-            spec_algorithm=SimpleNamespace(is_standalone=lambda: False),
-            graph_runner=None,
-            attn_backend=SimpleNamespace(init_forward_metadata=lambda fb: None),
-        )
-        fb, can_graph = EagleVerifyInputV2Mixin.prepare_for_v2_verify(
-            verify_input,
-            self.req_to_token_pool,
-            mwb,
-            SimpleNamespace(model_runner=runner),
-        )
-        return self._checked_verify_locs(
-            fb, can_graph, reqs, seq_lens, mwb.req_pool_indices
-        )
-
-    def _prepare_for_verify_v17(self, reqs, seq_lens):
+        """The patched ``eagle_utils.eagle_prepare_for_verify`` on the
+        ScheduleBatch (``seq_lens`` on the device only, no verify sync)."""
         q, bs = self.q, len(reqs)
         idx = torch.tensor([r.req_pool_idx for r in reqs], device=DEVICE)
         batch = SimpleNamespace(
@@ -404,8 +321,8 @@ class _V2Harness(_MTPHarness):
         # The result, as spec v2 processes it: nothing freed.
         free_before = self.allocator.available_size()
         for r, a in zip(reqs, accepts):
-            # a drafts and the bonus token (0.5.12: its slot claimed ahead).
-            r.kv_committed_len += a + (1 if IS_DSA_NAMING else 0)
+            # a drafts and the bonus token.
+            r.kv_committed_len += a + 1
             r.seq_len += a + 1
             self.t.assertEqual(r.kv_committed_len, r.seq_len)
             self.t.assertLessEqual(r.seq_len, r.kv_allocated_len)

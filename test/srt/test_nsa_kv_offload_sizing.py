@@ -20,15 +20,11 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.nsa_kv_offload_compat import (
     CUDA_GRAPH_MAX_BS_FIELD,
     DECODE_BACKEND_FIELD,
-    IS_DSA_NAMING,
-    POOL_SIZING_COUNTS_REAL_ROW,
     PREFILL_BACKEND_FIELD,
-    pool_builder_layout,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadTokenToKVPool,
-    create_nsa_kv_offload_allocator,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolConfigurator,
@@ -42,7 +38,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The server-args fields the tests set by their 0.5.12 names (see _server_args).
+# The server-args fields the tests set by their NSA-era names (see _server_args).
 ARG_NAMES = {
     "nsa_prefill_backend": PREFILL_BACKEND_FIELD,
     "nsa_decode_backend": DECODE_BACKEND_FIELD,
@@ -275,8 +271,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
 
     def _model_runner(self, server_args, available_bytes):
         """What the patched sglang builds the pools with and hands our
-        configurator: the ModelRunner and its pool mixin (0.5.12) or a
-        KVCacheConfigurator (0.5.17); one namespace is also the ModelRunner."""
+        configurator, a KVCacheConfigurator; one namespace is also the
+        ModelRunner."""
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
         model_config = server_args.get_model_config()
@@ -296,20 +292,6 @@ class TestServerArgsToPools(TinyConfigDirCase):
             memory_pool_config=None,
         )
         mr._profile_available_bytes = lambda pre_model_load_memory: available_bytes
-        if not IS_DSA_NAMING:
-            from sglang.srt.model_executor.model_runner_kv_cache_mixin import (
-                ModelRunnerKVCacheMixin as Mixin,
-            )
-
-            mr.num_effective_layers, mr.pp_size, mr.dp_size = layers, 1, 1
-            for name in (
-                "calculate_mla_kv_cache_dim",
-                "_apply_token_constraints",
-                "_resolve_max_num_reqs",
-                "_resolve_memory_pool_config",
-            ):
-                setattr(mr, name, getattr(Mixin, name).__get__(mr))
-            return mr
         from sglang.srt.mem_cache import kv_cache_configurator
 
         mr.layer_info = SimpleNamespace(
@@ -392,10 +374,9 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(NSAKVOffloadPoolConfigurator(bf16).row_bytes, 1152)
 
     def test_pools_take_what_sglangs_pool_takes(self):
-        # sglang 0.5.12's own pool counts tokens by a nominal 576 B fp8 row and
-        # allocates 656 B ones: with the offload on, the same
-        # --mem-fraction-static must give the pools that footprint, not 11% less
-        # (0.5.17 counts the real row: the budget as given).
+        # sglang's own pool counts tokens by the real (656 B fp8) row: with the
+        # offload on, the same --mem-fraction-static gives the pools that
+        # footprint (the budget as given, whole cells).
         from sglang.srt.model_executor import pool_configurator
 
         if hasattr(pool_configurator, "get_attention_tp_size"):
@@ -428,15 +409,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
                 tokens = available // upstream._cell_size
                 real_cell = 3 * (ours.row_bytes + ours.indexer_bytes)
                 self.assertEqual(ours.budget_bytes(available), tokens * real_cell)
-                if dtype == "bfloat16":
-                    # Its row is what sglang counts: the budget as given.
-                    self.assertEqual(ours.row_bytes, 1152)
-                    self.assertLessEqual(available - tokens * real_cell, real_cell)
-                else:
-                    self.assertEqual(ours.row_bytes, 656)
-                    ratio = ours.budget_bytes(available) / available
-                    nominal = 656 if POOL_SIZING_COUNTS_REAL_ROW else 576
-                    self.assertAlmostEqual(ratio, (656 + 132) / (nominal + 132), 4)
+                self.assertEqual(ours.row_bytes, 1152 if dtype == "bfloat16" else 656)
+                self.assertLessEqual(available - tokens * real_cell, real_cell)
                 # The pools are sized from that footprint.
                 with mock.patch.object(
                     NSAKVOffloadPoolConfigurator,
@@ -538,38 +512,17 @@ class TestServerArgsToPools(TinyConfigDirCase):
             device=DEVICE,
             enable_memory_saver=False,
         )
-        if IS_DSA_NAMING:
-            self._build_pools_0517(mr)
-            self.assertEqual(mr.token_to_kv_pool.sizes, sizes)
-            sizes = mr.token_to_kv_pool.sizes
-        else:
-            layers, kv_cache_dim, _ = pool_builder_layout(mr)
-            mr.token_to_kv_pool = NSAKVOffloadTokenToKVPool(
-                mr.max_total_num_tokens,
-                page_size=mr.page_size,
-                dtype=mr.kv_cache_dtype,
-                kv_lora_rank=mr.model_config.kv_lora_rank,
-                qk_rope_head_dim=mr.model_config.qk_rope_head_dim,
-                layer_num=layers,
-                device=DEVICE,
-                kv_cache_dim=kv_cache_dim,
-                enable_memory_saver=False,
-                start_layer=0,
-                end_layer=None,
-                index_head_dim=128,
-                **kwargs,
-            )
-            mr.token_to_kv_pool_allocator = create_nsa_kv_offload_allocator(
-                mr, need_sort=False
-            )
+        self._build_pools(mr)
+        self.assertEqual(mr.token_to_kv_pool.sizes, sizes)
+        sizes = mr.token_to_kv_pool.sizes
         with self.assertLogs(
             "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
         ) as logs:
             coordinator = create_nsa_kv_offload_coordinator(mr)
         return mr, sizes, coordinator, logs.output
 
-    def _build_pools_0517(self, mr):
-        """0.5.17: the patched KVCacheConfigurator builds the pool (from the
+    def _build_pools(self, mr):
+        """The patched KVCacheConfigurator builds the pool (from the
         configurator in ``memory_pool_config``, no second one) and allocator."""
         from sglang.srt.mem_cache import kv_cache_configurator as module
 

@@ -20,11 +20,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.nsa_kv_offload_compat import (
-    FREES_THROUGH_PAGE_IDS,
-    SparseTokenToKVPool,
-    write_locs,
-)
+from sglang.srt.mem_cache.nsa_kv_offload_compat import SparseTokenToKVPool, write_locs
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolSizes,
     _round_up,
@@ -53,11 +49,7 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
         self.uses_arena = sizes.idle_loc_units > 0
         self.verify = verify
         self.host_pool = None  # set by the coordinator
-        super().__init__(
-            size=sizes.kv_pool_size, index_buf_size=0 if self.uses_arena else size, **kw
-        )
-        if self.uses_arena:  # (0.5.12 has no _create_index_buffers hook)
-            self._create_index_buffers()
+        super().__init__(size=sizes.kv_pool_size, index_buf_size=size, **kw)
         # Unmapped locs map to the padding rows; the last entry keeps -1 at -1.
         self.loc_to_row = torch.zeros(
             size + page_size + 1, dtype=torch.int64, device=self.device
@@ -270,23 +262,6 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         runs = torch.cat([lender.run_pages(p) for p in sorted(first_pages)])
         self.free_pages = self.free_pages[~torch.isin(self.free_pages, runs)]
 
-    def backup_state(self):
-        lender = self.idle_loc_lender
-        runs = lender.lent_page_runs() if lender is not None else frozenset()
-        return super().backup_state(), runs
-
-    def restore_state(self, state):
-        """The free lists of :meth:`backup_state`, adjusted for runs lent since."""
-        upstream_state, lent_then = state
-        super().restore_state(upstream_state)
-        lender = self.idle_loc_lender
-        if lender is None:
-            return
-        lent_now = lender.lent_page_runs()
-        self._drop_from_free(lent_now - lent_then)
-        for first in sorted(lent_then - lent_now):
-            self.return_pages(lender.run_pages(first))
-
     def _alloc_or_reclaim(self, alloc, num_pages):
         """``alloc()``, after taking lent units back if fewer than ``num_pages()``
         pages are free (upstream's kernels read that many free-list entries)."""
@@ -391,19 +366,13 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             self.page_to_staging_row[pages[staged]] = -1
 
     def _release_page_ids(self, *page_ids: torch.Tensor):
-        # 0.5.17: the sink of every free path (free, free_segment, groups).
+        # The sink of every free path (free, free_segment, groups).
         self._release_staging_pages(torch.cat(page_ids))
         super()._release_page_ids(*page_ids)
 
-    def free(self, free_index: torch.Tensor):
-        # 0.5.12 frees only here.
-        if not FREES_THROUGH_PAGE_IDS and self.is_not_in_free_group:
-            self.release_staging(free_index)
-        super().free(free_index)
-
 
 def create_nsa_kv_offload_allocator(builder, need_sort: bool, kvcache=None):
-    """The allocator of ``kvcache`` (default: the 0.5.12 ModelRunner's pool)."""
+    """The allocator of ``kvcache`` (default: the builder's pool)."""
     kvcache = builder.token_to_kv_pool if kvcache is None else kvcache
     return NSAKVOffloadTokenToKVPoolAllocator(
         kvcache.num_locs,
