@@ -65,7 +65,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 # The sglang releases with a patch series (patches/<version>/series), oldest
 # first. Any other version is refused: add its series first.
-SUPPORTED_VERSIONS = ("0.5.17",)
+SUPPORTED_VERSIONS = ("0.5.17", "0.5.23")
 # Releases supported once, refused now with the reason.
 DROPPED_VERSIONS = {
     "0.5.12.post1": "support for sglang 0.5.12.post1 was dropped (the GPU base "

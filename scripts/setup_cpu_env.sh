@@ -6,6 +6,7 @@
 # sglang (scripts/apply_patch.py picks patches/<version>/).
 #
 #   VENV=/path/to/venv bash scripts/setup_cpu_env.sh    # default: .venv
+#   SGLANG_VERSION=0.5.23 bash scripts/setup_cpu_env.sh # default: .venv-0.5.23
 #
 # SGLANG_VERSION (default 0.5.17) picks the release:
 # requirements/sglang-<version>.txt holds its pin and what only it needs.
@@ -28,8 +29,9 @@ log() { echo "[setup_cpu_env] $*"; }
 SGLANG_VERSION="${SGLANG_VERSION:-0.5.17}"
 case "$SGLANG_VERSION" in
 0.5.17) default_venv="$ROOT/.venv" ;;
+0.5.23) default_venv="$ROOT/.venv-$SGLANG_VERSION" ;;
 *)
-    log "ERROR: SGLANG_VERSION=$SGLANG_VERSION is not supported (0.5.17)"
+    log "ERROR: SGLANG_VERSION=$SGLANG_VERSION is not supported (0.5.17, 0.5.23)"
     exit 2
     ;;
 esac

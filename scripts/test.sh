@@ -4,7 +4,7 @@
 #   bash scripts/test.sh [pytest args...]     # VENV=... overrides .venv
 #   bash scripts/test.sh test/srt/test_cpu_env.py -x   # some tests only
 #   TEST_WORKERS=1 bash scripts/test.sh                 # the suite in one process
-#   SGLANG_VERSION=0.5.17 bash scripts/test.sh          # on sglang 0.5.17 only (.venv)
+#   SGLANG_VERSION=0.5.23 bash scripts/test.sh          # on sglang 0.5.23 (.venv-0.5.23)
 #
 # 1. scripts/setup_cpu_env.sh builds or tops up the venv of SGLANG_VERSION
 #    (default 0.5.17; fast when nothing changed) and 2. re-applies our
@@ -12,13 +12,13 @@
 #    python/sglang/ and patches/ are always what gets tested.
 #
 # Without SGLANG_VERSION (and VENV) the suite runs on every supported release
-# in turn, what CI runs: 0.5.17.
+# in turn, what CI runs: 0.5.17, then 0.5.23 (its venv overlays .venv).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z "${SGLANG_VERSION:-}" && -z "${VENV:-}" ]]; then
     rc=0
-    for version in 0.5.17; do
+    for version in 0.5.17 0.5.23; do
         echo "[test.sh] sglang $version"
         SGLANG_VERSION=$version bash "${BASH_SOURCE[0]}" "$@" || rc=1
     done

@@ -64,6 +64,7 @@ from offload_harness import (  # noqa: F401 (module fixtures)
     PAGE,
     ROPE_DIM,
     UPSTREAM_ALLOC_EXTEND,
+    FakeReq,
     OffloadHarness,
     TorchAllocExtendKernel,
     get_last_loc_torch,
@@ -206,7 +207,7 @@ class TestHooksAndLookup(unittest.TestCase):
     def test_translate_locs_to_rows(self):
         coordinator = self._coordinator()
         # Locs of a 70-token prompt: two pages, each with its staging page.
-        req = SimpleNamespace(req_pool_idx=None, is_chunked=0, kv_committed_len=0)
+        req = FakeReq("r0")
         self.req_to_token_pool.alloc([req])
         zero = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         seq = torch.full((1,), 70, dtype=torch.int64, device=DEVICE)
@@ -323,7 +324,8 @@ class TestKVWriteEquivalents(unittest.TestCase):
         return nope, rope.to(DEVICE, torch.bfloat16)
 
     def test_fp8_quantization(self):
-        from sglang.srt.layers.attention.nsa import quant_k_cache
+        # The quantization sglang's pool writes with (memory_pool's import).
+        from sglang.srt.mem_cache import memory_pool as quant_k_cache
 
         n = 4
         nope, rope = self._inputs(n, 0)
@@ -355,7 +357,8 @@ class TestKVWriteEquivalents(unittest.TestCase):
         self.assertGreater(same, 0.95)
 
     def test_pool_reads_and_writes_through_the_patched_kernels(self):
-        from sglang.srt.layers.attention.nsa import quant_k_cache
+        # The quantization sglang's pool writes with (memory_pool's import).
+        from sglang.srt.mem_cache import memory_pool as quant_k_cache
 
         sizes = NSAKVOffloadPoolSizes(
             num_locs=2 * PAGE,
@@ -529,8 +532,8 @@ class TestStagingAllocator(unittest.TestCase):
         avail = self.allocator.available_size()
         locs = self._extend([(0, 0, 3 * PAGE + 5)])  # 4 pages
         self.assertEqual(self.allocator.staging.available_pages(), 6 - 4)
-        # From mid page 1 on: pages 1, 2 and 3.
-        self.allocator.free_segment(locs[PAGE + 3 :], start_pos=PAGE + 3)
+        # From page 1 on: pages 1, 2 and 3.
+        self.allocator.free_segment(locs[PAGE:], start_pos=PAGE)
         self.assertEqual(self.allocator.staging.available_pages(), 6 - 1)
         self.allocator.free_group_begin()
         self.allocator.free_segment(locs[:PAGE], start_pos=0)
@@ -1392,11 +1395,27 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
         queue.metadata_buffers = SimpleNamespace(get_buf_infos=lambda: ([], [], []))
         queue.is_mla_backend = True
         queue.enable_staging = False
+
         # The attention-TP size comes from the runtime context.
-        one_rank = mock.patch.object(
-            decode_module, "get_parallel", return_value=SimpleNamespace(attn_tp_size=1)
-        )
-        with one_rank:
+        def one_rank():
+            stack = contextlib.ExitStack()
+            parallel = SimpleNamespace(attn_tp_size=1, dp_rank=0)
+            stack.enter_context(
+                mock.patch.object(decode_module, "get_parallel", return_value=parallel)
+            )
+            if hasattr(decode_module, "get_disagg"):  # 0.5.23: no host receive
+                disagg = SimpleNamespace(
+                    disaggregation_decode_host_receive_threshold=1,
+                    disaggregation_ib_device=None,
+                )
+                device = SimpleNamespace(gpu_id=0)
+                for name, value in (("get_disagg", disagg), ("get_device", device)):
+                    stack.enter_context(
+                        mock.patch.object(decode_module, name, return_value=value)
+                    )
+            return stack
+
+        with one_rank():
             kv_args = queue._init_kv_manager().kv_args
         host = h.controller.host_pool
         self.assertEqual(
@@ -1410,7 +1429,7 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
         )
         # Without the offload the device pool stays the target.
         queue.scheduler.nsa_kv_offload = None
-        with one_rank:
+        with one_rank():
             kv_args = queue._init_kv_manager().kv_args
         self.assertEqual(
             kv_args.kv_data_ptrs, [buf.data_ptr() for buf in h.pool.kv_buffer]
@@ -1442,8 +1461,24 @@ class TestIdleLeakCheck(unittest.TestCase):
             _maybe_log_idle_metrics=lambda: None,
             publish_kv_events=lambda: None,
             reset=lambda: None,
+            # 0.5.23's on_idle reads these too.
+            drop_sync_wait_carry=lambda: None,
+            record_scheduler_idle=lambda: None,
+            record=lambda stage: contextlib.nullcontext(),
+            enter=lambda stage: None,
+            exit=lambda previous: None,
+            _trace_stage=None,
+            verify_byte_accounting=lambda: [],
+            publish_load_stat=lambda *args, **kwargs: None,
+            get_loads=None,
         )
         sched = types.SimpleNamespace(
+            dp_attn_adapter=noop,
+            scheduler_stage_metrics=noop,
+            disaggregation_mode=None,
+            token_to_kv_pool_allocator=noop,
+            load_publisher=noop,
+            load_inquirer=noop,
             maybe_send_health_check_signal=lambda: None,
             is_fully_idle=lambda: True,
             enable_unified_memory=False,

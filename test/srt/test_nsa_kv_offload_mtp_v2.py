@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
-from offload_harness import DEVICE, PAGE, FakeReq
+from offload_harness import DEVICE, PAGE, REQ_KV_RECORD, FakeReq
 from sglang.kernels.ops.speculative import cache_locs
 from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers import utils as managers_utils
@@ -127,6 +127,14 @@ class _V2Req(FakeReq):
 
     def pop_overallocated_kv_cache(self):
         return self.kv_committed_len, self.kv_allocated_len
+
+
+if REQ_KV_RECORD:  # 0.5.23: the request's KV record holds both lengths
+
+    class _V2Req(FakeReq):  # noqa: F811
+        def __init__(self, rid):
+            super().__init__(rid)
+            self.decode_batch_idx = 0
 
 
 class _V2Harness(_MTPHarness):
@@ -346,7 +354,7 @@ class _V2Harness(_MTPHarness):
         with contextlib_exit_stack(args):
             release_kv_cache(req, self.tree_cache)
         self.t.assertIsNone(req.req_pool_idx)
-        self.t.assertFalse(self.co.is_admitted(SimpleNamespace(req_pool_idx=r)))
+        self.t.assertFalse(self.co.controller.is_admitted(r))
         pages = -(-allocated // PAGE)
         self.t.assertEqual(self.allocator.available_size(), free_before + pages * PAGE)
 

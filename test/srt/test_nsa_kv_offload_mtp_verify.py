@@ -96,6 +96,9 @@ def _backend(coordinator, captured, kv_pool=None):
         get_topk_transform_method=lambda mode=None: TopkTransformMethod.PAGED,
         _pad_topk_indices=lambda topk, rows: topk,
         _forward_flashmla_kv=flashmla_kv,
+        # 0.5.23: the kpool tail (index_kpool 1: none).
+        _resolve_kpool_tail_backend=lambda topk, impl: impl,
+        _check_kpool_tail_backend=lambda topk, impl, phase: None,
     )
 
 

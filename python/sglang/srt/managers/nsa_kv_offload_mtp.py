@@ -11,6 +11,7 @@ host holds").
 from __future__ import annotations
 
 import torch
+from sglang.srt.mem_cache.nsa_kv_offload_compat import kv_committed_len
 
 
 class NSAKVOffloadMTPMixin:
@@ -20,7 +21,7 @@ class NSAKVOffloadMTPMixin:
         """Admit what the prefill hook missed, with its committed KV."""
         for req in batch.reqs:
             if not self.is_admitted(req):
-                self.admit(req, req.kv_committed_len)
+                self.admit(req, kv_committed_len(req))
 
     def prepare_speculative_decode(self, batch) -> None:
         """Speculative ``prepare_for_decode``, before the step's locs exist:

@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_compat import (
     SparseTokenToKVPool,
     get_index_head_dim,
     pool_builder_layout,
+    resolved_args,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_units import staging_unit_capacity
@@ -257,7 +258,7 @@ class NSAKVOffloadPoolConfigurator:
     def __init__(self, builder):
         from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
 
-        sa, mc = builder.server_args, builder.model_config
+        sa, mc = resolved_args(builder.server_args), builder.model_config
         self.options = NSAKVOffloadOptions.from_server_args(sa, mc.hf_config)
         self.num_layers, kv_dim, attn_dp_size = pool_builder_layout(builder)
         elem = torch._utils._element_size(builder.kv_cache_dtype)
