@@ -79,21 +79,7 @@ def _check_sglang_location() -> None:
 _check_sglang_location()
 
 
-def _stamp_one_gpu_layout() -> None:
-    # sglang 0.5.23 reads parallel widths from its runtime context, which
-    # nothing publishes in a CPU test: one GPU, no decode context parallelism.
-    try:
-        from sglang.srt.runtime_context import get_parallel
-    except ImportError:
-        return
-    if hasattr(get_parallel(), "override_permanently"):
-        ranks = ("tp", "pp", "dp", "attn_tp", "attn_dp", "attn_cp", "attn_dcp")
-        get_parallel().override_permanently(
-            attn_dcp_size=1, **{f"{name}_rank": 0 for name in ranks}
-        )
-
-
-_stamp_one_gpu_layout()
+cpu_shims.stamp_one_gpu_layout()
 
 try:
     from hypothesis import settings

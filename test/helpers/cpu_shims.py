@@ -197,6 +197,23 @@ def cuda_available() -> bool:
 requires_cuda = unittest.skipUnless(cuda_available(), "requires a CUDA device")
 
 
+def stamp_one_gpu_layout() -> None:
+    """sglang 0.5.23 reads the parallel layout from its runtime context, which
+    nothing publishes in a CPU test: every configured leaf at its default (one
+    GPU), the derived widths 1 and the ranks 0 (after sglang can be imported)."""
+    try:
+        from sglang.srt.arg_groups.fields.parallel import Parallel
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        return
+    defaults = Parallel()
+    leaves = {name: getattr(defaults, name) for name in Parallel.__struct_fields__}
+    groups = ("tp", "pp", "dp", "attn_tp", "attn_dp", "attn_cp", "attn_dcp")
+    leaves.update({f"{name}_size": 1 for name in groups})
+    leaves.update({f"{name}_rank": 0 for name in groups})
+    get_parallel().override_permanently(**leaves)
+
+
 def install_all() -> Dict[str, bool]:
     return {
         "torchvision": install_torchvision_shim(),

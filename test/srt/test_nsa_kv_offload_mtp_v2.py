@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
-from offload_harness import DEVICE, PAGE, REQ_KV_RECORD, FakeReq
+from offload_harness import DEVICE, PAGE, RELEASE_ARGS, REQ_KV_RECORD, FakeReq
 from sglang.kernels.ops.speculative import cache_locs
 from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers import utils as managers_utils
@@ -175,14 +175,35 @@ class _V2Harness(_MTPHarness):
             enable_mamba_extra_buffer_lazy=lambda: False,
         )
         init_new = SimpleNamespace(init_new=lambda batch, runner, **kw: batch)
-        return [
-            mock.patch.object(schedule_batch_module, "get_server_args", lambda: sa),
-            mock.patch.object(spec_utils, "get_server_args", lambda: no_mamba),
-            mock.patch.object(
-                eagle_utils,
-                "get_alloc_reserve_per_decode",
-                lambda: allocation_sizing.get_alloc_reserve_per_decode(sa),
-            ),
+        if REQ_KV_RECORD:  # 0.5.23 reads the config bags
+            from sglang.srt import runtime_context
+
+            bags = [
+                (allocation_sizing, "get_spec", lambda: sa),
+                (runtime_context, "get_spec", lambda: sa),
+                (allocation_sizing, "get_schedule", lambda: sa),
+                (
+                    spec_utils,
+                    "get_exec",
+                    lambda: SimpleNamespace(
+                        mamba=SimpleNamespace(
+                            enable_mamba_extra_buffer=False,
+                            enable_mamba_extra_buffer_lazy=False,
+                        )
+                    ),
+                ),
+            ]
+        else:
+            bags = [
+                (schedule_batch_module, "get_server_args", lambda: sa),
+                (spec_utils, "get_server_args", lambda: no_mamba),
+                (
+                    eagle_utils,
+                    "get_alloc_reserve_per_decode",
+                    lambda: allocation_sizing.get_alloc_reserve_per_decode(sa),
+                ),
+            ]
+        return [mock.patch.object(*bag) for bag in bags] + [
             mock.patch.object(eagle_utils, "get_spec", lambda: sa),
             mock.patch.object(allocation, "get_last_loc", get_last_loc_torch),
             mock.patch.object(
@@ -205,7 +226,9 @@ class _V2Harness(_MTPHarness):
             input_embeds=None,
             is_spec_v2=True,
             spec_algorithm=SimpleNamespace(
-                is_none=lambda: False, is_dflash_family=lambda: False
+                is_none=lambda: False,
+                is_dflash_family=lambda: False,
+                is_uno=lambda: False,
             ),
             token_to_kv_pool_allocator=self.allocator,
             tree_cache=self.tree_cache,
@@ -223,6 +246,7 @@ class _V2Harness(_MTPHarness):
                 penalizer_orchestrator=SimpleNamespace(is_required=False)
             ),
             maybe_evict_swa=lambda: None,
+            hisparse_coordinator=None,
             maybe_wait_verify_done=lambda: None,
             batch_size=lambda: len(reqs),
         )
@@ -275,10 +299,14 @@ class _V2Harness(_MTPHarness):
             device=DEVICE,
             model_config=SimpleNamespace(vocab_size=1 << 16),
             req_to_token_pool=self.req_to_token_pool,
+            hisparse_coordinator=None,
         )
         verify_input = SimpleNamespace(
             draft_token=torch.zeros(bs * q, dtype=torch.int64, device=DEVICE),
             draft_token_num=q,
+            prepared_out_cache_loc=None,
+            prepared_mrope_positions=None,
+            kv_loc_plan=None,
         )
         runner = SimpleNamespace(
             nsa_kv_offload=self.co,  # create_nsa_kv_offload_coordinator's
@@ -352,7 +380,7 @@ class _V2Harness(_MTPHarness):
             if hasattr(common_module, name)  # 0.5.17: get_spec, get_serving
         ]
         with contextlib_exit_stack(args):
-            release_kv_cache(req, self.tree_cache)
+            release_kv_cache(req, self.tree_cache, **RELEASE_ARGS)
         self.t.assertIsNone(req.req_pool_idx)
         self.t.assertFalse(self.co.controller.is_admitted(r))
         pages = -(-allocated // PAGE)
