@@ -1410,9 +1410,10 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
                 )
                 device = SimpleNamespace(gpu_id=0)
                 for name, value in (("get_disagg", disagg), ("get_device", device)):
-                    stack.enter_context(
-                        mock.patch.object(decode_module, name, return_value=value)
-                    )
+                    if hasattr(decode_module, name):
+                        stack.enter_context(
+                            mock.patch.object(decode_module, name, return_value=value)
+                        )
             return stack
 
         with one_rank():
