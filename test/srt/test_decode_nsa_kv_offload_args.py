@@ -530,6 +530,36 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "--enable-mixed-chunk is not supported", enable_mixed_chunk=True
         )
 
+    def test_reject_what_bypasses_the_offloads_pools(self):
+        # Pools and transfers the offload does not see (those of this release).
+        cases = [
+            (
+                "--enable-hierarchical-cache is not supported",
+                "enable_hierarchical_cache",
+                True,
+            ),
+            ("--enable-pdmux is not supported", "enable_pdmux", True),
+            ("--enable-unified-memory is not supported", "enable_unified_memory", True),
+            (
+                "--enable-kv-cache-sharding is not supported",
+                "enable_kv_cache_sharding",
+                True,
+            ),
+            ("decode context parallelism (--dcp-size 2)", "dcp_size", 2),
+            (
+                "--disaggregation-decode-retraction-backup host_pool",
+                "disaggregation_decode_retraction_backup",
+                "host_pool",
+            ),
+        ]
+        fields = set(vars(ServerArgs(model_path="dummy")))
+        fields |= set(getattr(ServerArgs, "__struct_fields__", ()))
+        for message, field, value in cases:
+            if field not in fields:
+                continue
+            with self.subTest(field=field):
+                self._assert_rejected(message, **{field: value})
+
     def test_reject_two_batch_overlap(self):
         self._assert_rejected(
             "--enable-two-batch-overlap is not supported",

@@ -35,6 +35,14 @@ _HOST_RESERVE_FRACTION = 0.1
 _SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
 _MAX_SPECULATIVE_STEPS = 3
 VERIFY_MODES = ("fail", "count")
+_REFUSED_FLAGS = (
+    "enable_mixed_chunk",
+    "enable_two_batch_overlap",
+    "enable_hierarchical_cache",
+    "enable_pdmux",
+    "enable_unified_memory",
+    "enable_kv_cache_sharding",  # (0.5.23)
+)
 
 
 def _fail(message: str) -> None:
@@ -246,9 +254,16 @@ def _check_server_mode(sa) -> None:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
     if not sa.disable_radix_cache:
         _fail("it requires --disable-radix-cache.")
-    for field in ("enable_mixed_chunk", "enable_two_batch_overlap"):
-        if getattr(sa, field):
+    # Also what keeps KV in pools or transfers the offload does not see.
+    for field in _REFUSED_FLAGS:
+        if getattr(sa, field, False):
             _fail(f"{_flag(field)} is not supported.")
+    if (getattr(sa, "dcp_size", 1) or 1) > 1:
+        _fail(
+            f"decode context parallelism (--dcp-size {sa.dcp_size}) is not supported."
+        )
+    if getattr(sa, "disaggregation_decode_retraction_backup", None) == "host_pool":
+        _fail("--disaggregation-decode-retraction-backup host_pool is not supported.")
     if sa.page_size != NSA_KV_OFFLOAD_PAGE_SIZE:
         _fail(
             f"it requires --page-size {NSA_KV_OFFLOAD_PAGE_SIZE} (the NSA indexer "
