@@ -80,6 +80,14 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         with open(os.path.join(cls.dense_dir, "config.json"), "w") as f:
             json.dump(config, f)
 
+        # Pooled indexer keys (index_kpool > 1, what 0.5.23 reads).
+        cls.kpool_dir = os.path.join(cls.tmp_dir, "tiny_kpool")
+        os.makedirs(cls.kpool_dir)
+        with open(TINY_DSV32_CONFIG) as f:
+            config = json.load(f)
+        with open(os.path.join(cls.kpool_dir, "config.json"), "w") as f:
+            json.dump({**config, "index_kpool": 4}, f)
+
     @classmethod
     def tearDownClass(cls):
         shutil.rmtree(cls.tmp_dir)
@@ -275,6 +283,11 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
 
     def test_reject_non_nsa_model(self):
         self._assert_rejected("only DSA/NSA models", model_path=self.dense_dir)
+
+    def test_reject_pooled_indexer_keys(self):
+        self._assert_rejected(
+            "(index_kpool > 1) are not supported", model_path=self.kpool_dir
+        )
 
     def test_reject_page_size(self):
         self._assert_rejected("requires --page-size 64", page_size=1)

@@ -176,6 +176,8 @@ def handle_decode_nsa_kv_offload(server_args) -> None:
             f"but --model-path {cfg.model_path} is {archs}."
         )
     index_topk = compat.get_index_topk(model_config.hf_config)
+    if getattr(model_config.hf_config, "index_kpool", 1) != 1:  # (0.5.23)
+        _fail("models whose indexer pools keys (index_kpool > 1) are not supported.")
     _check_server_mode(cfg)
     layout = NSAKVOffloadRankLayout.from_server_args(cfg)
     _check_parallelism(cfg, layout)
