@@ -65,7 +65,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 # The sglang releases with a patch series (patches/<version>/series), oldest
 # first. Any other version is refused: add its series first.
-SUPPORTED_VERSIONS = ("0.5.12.post1", "0.5.17")
+SUPPORTED_VERSIONS = ("0.5.17", "0.5.23")
+# Releases supported once, refused now with the reason.
+DROPPED_VERSIONS = {
+    "0.5.12.post1": "support for sglang 0.5.12.post1 was dropped (the GPU base "
+    "is 0.5.17); install sglang 0.5.17",
+}
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PATCHES_ROOT = REPO_ROOT / "patches"
 DEFAULT_MODULES_DIR = REPO_ROOT / "python" / "sglang"
@@ -720,6 +725,11 @@ def check_version(target: Target, ignore: bool) -> str:
             f"one of {_supported()}; continuing because of --ignore-version"
         )
         return version or "unknown"
+    if version in DROPPED_VERSIONS:
+        raise RefusedError(
+            f"refusing to touch {target.package_dir}: it is sglang {version} "
+            f"(read from {source}): {DROPPED_VERSIONS[version]}"
+        )
     if version is None:
         raise RefusedError(
             f"cannot tell which sglang version {target.package_dir} is: {source}; "

@@ -6,9 +6,9 @@
 # sglang (scripts/apply_patch.py picks patches/<version>/).
 #
 #   VENV=/path/to/venv bash scripts/setup_cpu_env.sh    # default: .venv
-#   SGLANG_VERSION=0.5.17 bash scripts/setup_cpu_env.sh # default: .venv-0.5.17
+#   SGLANG_VERSION=0.5.23 bash scripts/setup_cpu_env.sh # default: .venv-0.5.23
 #
-# SGLANG_VERSION (default 0.5.12.post1) picks the release:
+# SGLANG_VERSION (default 0.5.17) picks the release:
 # requirements/sglang-<version>.txt holds its pin and what only it needs.
 #
 # Idempotent and fast when nothing changed: a stamp in the venv records a hash
@@ -26,12 +26,12 @@ log() { echo "[setup_cpu_env] $*"; }
 
 # The releases with a patch series (scripts/apply_patch.py SUPPORTED_VERSIONS);
 # the default's venv is .venv, another's .venv-<version> (scripts/test.sh too).
-SGLANG_VERSION="${SGLANG_VERSION:-0.5.12.post1}"
+SGLANG_VERSION="${SGLANG_VERSION:-0.5.17}"
 case "$SGLANG_VERSION" in
-0.5.12.post1) default_venv="$ROOT/.venv" ;;
-0.5.17) default_venv="$ROOT/.venv-$SGLANG_VERSION" ;;
+0.5.17) default_venv="$ROOT/.venv" ;;
+0.5.23) default_venv="$ROOT/.venv-$SGLANG_VERSION" ;;
 *)
-    log "ERROR: SGLANG_VERSION=$SGLANG_VERSION is not supported (0.5.12.post1, 0.5.17)"
+    log "ERROR: SGLANG_VERSION=$SGLANG_VERSION is not supported (0.5.17, 0.5.23)"
     exit 2
     ;;
 esac
@@ -125,8 +125,8 @@ start=$SECONDS
 # extras (requirements/sglang-<version>.txt) shadow the default's sglang, the
 # rest (torch, triton, test tools) is read from .venv through a .pth file.
 # CPU_ENV_OVERLAY=0 builds it whole instead.
-if [[ "$SGLANG_VERSION" != 0.5.12.post1 && "${CPU_ENV_OVERLAY:-1}" == 1 && "$mode" == full ]]; then
-    SGLANG_VERSION=0.5.12.post1 VENV="$ROOT/.venv" bash "${BASH_SOURCE[0]}" >/dev/null
+if [[ "$SGLANG_VERSION" != 0.5.17 && "${CPU_ENV_OVERLAY:-1}" == 1 && "$mode" == full ]]; then
+    SGLANG_VERSION=0.5.17 VENV="$ROOT/.venv" bash "${BASH_SOURCE[0]}" >/dev/null
     base_site="$("$ROOT/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     echo "$base_site" >"$site/zz_nsa_offload_base_venv.pth"

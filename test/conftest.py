@@ -9,6 +9,8 @@ Runs before any test module is imported:
   before triton is imported), so Triton kernels run on the CPU;
 * installs the test-only shims of ``cpu_shims`` (torchvision op schemas,
   ``sgl_kernel`` stubs) before sglang is imported;
+* stamps a one-GPU parallel layout where sglang reads it from its runtime
+  context (0.5.23);
 * registers the ``full`` marker: the slow tier, skipped unless pytest runs
   with ``--full`` (``bash scripts/test.sh --full``);
 * registers the ``requires_cuda`` marker: ``@pytest.mark.requires_cuda``
@@ -75,6 +77,9 @@ def _check_sglang_location() -> None:
 
 
 _check_sglang_location()
+
+
+cpu_shims.stamp_one_gpu_layout()
 
 try:
     from hypothesis import settings

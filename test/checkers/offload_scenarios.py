@@ -167,10 +167,9 @@ def pd_decode_lifecycle(test: unittest.TestCase, layers: int = 2) -> OffloadHarn
 
 
 class _MTPHarness(OffloadHarness):
-    """Spec v1 target verify with ``q = query_tokens`` (the bonus token and
-    ``q - 1`` drafts), every draft accepted: ``EagleVerifyInput``'s
-    ``prepare_for_verify`` + the coordinator's hook, then the verify
-    forward's layers through the early swap."""
+    """Target verify with ``q = query_tokens`` (the bonus token and ``q - 1``
+    drafts), every draft accepted: the verify's locs + the coordinator's
+    hooks, then the verify forward's layers through the early swap."""
 
     def verify_step(self, reqs):
         q, alloc = self.options.query_tokens, self.allocator
@@ -194,7 +193,8 @@ class _MTPHarness(OffloadHarness):
             req_pool_indices=idx,
             out_cache_loc=out,
         )
-        self.co.prepare_verify(batch, q)
+        self.co.prepare_speculative_decode(batch)
+        self.co.prepare_v2_verify(batch, q)
         fb = SimpleNamespace(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,

@@ -22,8 +22,8 @@ Product code must never rely on these shims: they are installed by
 from __future__ import annotations
 
 import importlib.abc
-import importlib.metadata
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -42,27 +42,7 @@ SGL_KERNEL = "sgl_kernel"
 # Found by importing the modules listed in STUBBED_FOR with the shim's
 # ``SGLANG_CPU_SHIM_TRACE=1`` tracing on (see ``trace`` below).
 # sglang 0.5.17 imports none of them unguarded (memory_pool_host only on CUDA).
-_SGLANG_VERSION = importlib.metadata.version("sglang")
-SGL_KERNEL_STUBS: Dict[str, Tuple[str, ...]] = {
-    # sglang/srt/mem_cache/memory_pool_host.py
-    "sgl_kernel.kvcacheio": (
-        "transfer_kv_all_layer",
-        "transfer_kv_all_layer_direct_lf_pf",
-        "transfer_kv_all_layer_lf_pf",
-        "transfer_kv_all_layer_lf_ph",
-        "transfer_kv_all_layer_mla",
-        "transfer_kv_all_layer_mla_lf_pf",
-        "transfer_kv_direct",
-        "transfer_kv_per_layer",
-        "transfer_kv_per_layer_direct_pf_lf",
-        "transfer_kv_per_layer_mla",
-        "transfer_kv_per_layer_mla_pf_lf",
-        "transfer_kv_per_layer_pf_lf",
-        "transfer_kv_per_layer_ph_lf",
-    ),
-}
-if _SGLANG_VERSION != "0.5.12.post1":
-    SGL_KERNEL_STUBS = {}
+SGL_KERNEL_STUBS: Dict[str, Tuple[str, ...]] = {}
 
 # The sglang modules whose imports the stub list above was derived from; the
 # smoke test imports each of them under the shim.
@@ -70,12 +50,7 @@ STUBBED_FOR: Tuple[str, ...] = (
     "sglang.srt.server_args",
     "sglang.srt.mem_cache.memory_pool",
     "sglang.srt.mem_cache.memory_pool_host",
-    # 0.5.17 renamed it dsa_backend (nsa_backend: a deprecation shim).
-    (
-        "sglang.srt.layers.attention.nsa_backend"
-        if _SGLANG_VERSION == "0.5.12.post1"
-        else "sglang.srt.layers.attention.dsa_backend"
-    ),
+    "sglang.srt.layers.attention.dsa_backend",
     "sglang.srt.model_executor.model_runner",
     "sglang.srt.managers.schedule_batch",
     "sglang.srt.configs.model_config",
@@ -220,6 +195,23 @@ def cuda_available() -> bool:
 
 # For unittest-style tests (pytest tests can use @pytest.mark.requires_cuda).
 requires_cuda = unittest.skipUnless(cuda_available(), "requires a CUDA device")
+
+
+def stamp_one_gpu_layout() -> None:
+    """sglang 0.5.23 reads the parallel layout from its runtime context, which
+    nothing publishes in a CPU test: every configured leaf at its default (one
+    GPU), the derived widths 1 and the ranks 0 (after sglang can be imported)."""
+    try:
+        from sglang.srt.arg_groups.fields.parallel import Parallel
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        return
+    defaults = Parallel()
+    leaves = {name: getattr(defaults, name) for name in Parallel.__struct_fields__}
+    groups = ("tp", "pp", "dp", "attn_tp", "attn_dp", "attn_cp", "attn_dcp")
+    leaves.update({f"{name}_size": 1 for name in groups})
+    leaves.update({f"{name}_rank": 0 for name in groups})
+    get_parallel().override_permanently(**leaves)
 
 
 def install_all() -> Dict[str, bool]:

@@ -228,6 +228,7 @@ def _rank_main(rank, world, init_file, names, queue):
     import offload_harness
     from mtp_verify_sim import cpu_torch_paths
 
+    cpu_shims.stamp_one_gpu_layout()
     dist.init_process_group(
         "gloo",
         init_method=f"file://{init_file}",

@@ -1,8 +1,9 @@
 """A real-pools harness of the decode NSA KV offload for CPU tests.
 
 ``OffloadHarness`` builds the real ``NSAKVOffloadTokenToKVPool`` (an sglang
-``NSATokenToKVPool``, ``DSATokenToKVPool`` on 0.5.17), ``ReqToTokenPool``, ``NSAKVOffloadTokenToKVPoolAllocator``
-(an sglang ``PagedTokenToKVPoolAllocator``), a ``ChunkCache`` and the
+``DSATokenToKVPool``), ``ReqToTokenPool``, ``NSAKVOffloadTokenToKVPoolAllocator``
+(an sglang ``PagedTokenToKVPoolAllocator``), a disabled tree cache
+(``ChunkCache``; 0.5.23: a ``UnifiedRadixCache`` with the radix cache off) and the
 ``NSAKVOffloadCoordinator``, then plays the scheduler and the model with small
 fake ``Req`` / ``ScheduleBatch`` / ``ForwardBatch`` objects: chunked prefill,
 admission, decode steps whose every layer's page table must hold exactly the
@@ -27,6 +28,7 @@ offload's logic, not of its kernels; the default is the product's choice).
 """
 
 import contextlib
+import dataclasses
 import sys
 from types import SimpleNamespace
 from unittest import mock
@@ -35,12 +37,12 @@ import torch
 from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.managers.nsa_kv_offload_coordinator import NSAKVOffloadCoordinator
+from sglang.srt.managers.schedule_batch import ReqKvInfo
 from sglang.srt.mem_cache import common as common_module
 from sglang.srt.mem_cache import lru_cache_state as lru_cache_state_module
 from sglang.srt.mem_cache import memory_pool as memory_pool_module
 from sglang.srt.mem_cache import sparse_cache_controller as controller_module
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.chunk_cache import ChunkCache
 from sglang.srt.mem_cache.common import release_kv_cache
 from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -52,14 +54,39 @@ from sglang.srt.mem_cache.nsa_kv_offload_sizing import NSAKVOffloadPoolSizes
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sparse_backend import forward_backend
 
-# What moved between the sglang versions the harness runs on (0.5.12.post1,
-# 0.5.17): get_last_loc_torch, the module of the paged allocator's kernels
+# What moved between the sglang versions the harness runs on (0.5.17 and
+# later): get_last_loc_torch, the module of the paged allocator's kernels
 # (a package on 0.5.17) and the server args release_kv_cache reads.
 try:
     from sglang.srt.mem_cache.common import get_last_loc_torch
 except ImportError:
     from sglang.srt.mem_cache.allocation import get_last_loc_torch
 allocator_module = sys.modules[NSAKVOffloadTokenToKVPoolAllocator.__mro__[1].__module__]
+# 0.5.23: the request's KV record holds its row and lengths, the radix cache
+# off is a disabled UnifiedRadixCache, release_kv_cache takes ``checkpoint``.
+REQ_KV_RECORD = "req_pool_idx" in {f.name for f in dataclasses.fields(ReqKvInfo)}
+RELEASE_ARGS = {"checkpoint": False} if REQ_KV_RECORD else {}
+
+
+def disabled_tree_cache(req_to_token_pool, allocator):
+    """The tree cache of ``--disable-radix-cache``."""
+    params = CacheInitParams(
+        disable=True,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=PAGE,
+    )
+    if not REQ_KV_RECORD:
+        from sglang.srt.mem_cache.chunk_cache import ChunkCache
+
+        return ChunkCache(params)
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+    params.tree_components = (ComponentType.FULL,)
+    return UnifiedRadixCache(params)
+
+
 RELEASE_KV_CACHE_ARGS = [
     name
     for name in ("get_global_server_args", "get_spec", "get_serving")
@@ -281,6 +308,48 @@ class FakeReq:
         return self.kv_committed_len, self.kv_committed_len
 
 
+class FakeReq23(FakeReq):
+    """0.5.23: the row and the KV lengths on a real ``ReqKvInfo``."""
+
+    kv = None  # the record (an attribute, not FakeReq's view)
+
+    def __init__(self, rid):
+        self.kv = ReqKvInfo()
+        super().__init__(rid)
+        self.lock, self.session, self.skip_radix_cache_insert = None, None, True
+
+    def _on_kv(name):
+        return property(
+            lambda req: getattr(req.kv, name),
+            lambda req, value: setattr(req.kv, name, value),
+        )
+
+    req_pool_idx = _on_kv("req_pool_idx")
+    kv_allocated_len = _on_kv("kv_allocated_len")
+
+    @property
+    def kv_committed_len(self):
+        return self.kv.kv_committed_len
+
+    @kv_committed_len.setter
+    def kv_committed_len(self, value):
+        # Committed KV is allocated KV (no over-allocation unless a test sets it).
+        self.kv.kv_committed_len = value
+        self.kv.kv_allocated_len = max(self.kv.kv_allocated_len, value)
+
+    cache_protected_len = _on_kv("cache_protected_len")
+
+    def owned_kv_len(self):
+        return self.kv.kv_committed_len
+
+    def finished(self):
+        return True
+
+
+if REQ_KV_RECORD:
+    FakeReq = FakeReq23  # noqa: F811
+
+
 # The fields of the global ServerArgs that release_kv_cache reads.
 GLOBAL_SERVER_ARGS = SimpleNamespace(
     page_size=PAGE, speculative_algorithm=None, strip_thinking_cache=False
@@ -396,14 +465,7 @@ class OffloadHarness:
         self.ref = torch.zeros(
             (layers, num_locs + PAGE, self.row_bytes), dtype=torch.uint8, device=DEVICE
         )
-        self.tree_cache = ChunkCache(
-            CacheInitParams(
-                disable=True,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator,
-                page_size=PAGE,
-            )
-        )
+        self.tree_cache = disabled_tree_cache(self.req_to_token_pool, self.allocator)
         # What the scheduler wires (get_nsa_kv_offload).
         self.tree_cache.nsa_kv_offload = self.co
         self.gen = torch.Generator().manual_seed(seed)
@@ -819,8 +881,8 @@ class OffloadHarness:
         self.check_no_leaks()
 
     def finish(self, req):
-        """Finish, abort or retract: sglang's ``release_kv_cache`` (ChunkCache:
-        radix cache off) drops the offload state of ``req``, then frees its
+        """Finish, abort or retract: sglang's ``release_kv_cache`` (radix cache
+        off) drops the offload state of ``req``, then frees its
         token locs (= host slots, staging pages) and its request slot."""
         r = req.req_pool_idx
         admitted = self.co.is_admitted(req)
@@ -831,9 +893,9 @@ class OffloadHarness:
         regions_before = self.controller.admission_room()
         locs_before = self.allocator.available_size()
         with release_kv_cache_args():
-            release_kv_cache(req, self.tree_cache)
+            release_kv_cache(req, self.tree_cache, **RELEASE_ARGS)
         self.t.assertIsNone(req.req_pool_idx)
-        self.t.assertFalse(self.co.is_admitted(SimpleNamespace(req_pool_idx=r)))
+        self.t.assertFalse(self.co.controller.is_admitted(r))
         self.t.assertEqual(
             self.controller.admission_room(), regions_before + int(admitted)
         )

@@ -139,7 +139,11 @@ def copy_pristine(dest: Path, full: bool) -> None:
 
 
 def insert_after(text: str, line_no: int, new_lines: str) -> str:
+    """``line_no`` of a 9,600-line file, scaled down in a shorter one (0.5.23's
+    server_args.py has 907 lines)."""
     lines = text.splitlines(keepends=True)
+    if len(lines) < 9600:
+        line_no = max(line_no * len(lines) // 9600, 1)
     return "".join(lines[:line_no] + [new_lines] + lines[line_no:])
 
 
@@ -500,9 +504,9 @@ class _ToolBehaviourTests(_LayoutTests):
             return
         trace_rel = "srt/layers/attention/nsa_topk_trace.py"
         backend = fx.package / "srt/layers/attention/nsa_backend.py"
-        if not backend.exists():  # 0.5.17: the DSA backend (no hook of its own)
+        if not backend.exists():  # the DSA backend (no hook of its own)
             backend = fx.package / "srt/layers/attention/dsa_backend.py"
-        # 0.5.12.post1's 0003: the unfused verify top-k mapped in one gather.
+        # An NSA backend's 0003: the unfused verify top-k mapped in one gather.
         one_gather = "all(n == 1 for n in metadata.nsa_extend_seq_lens_list)"
         hooks_backend = backend.name == "nsa_backend.py"
         mla = fx.package / (
@@ -642,9 +646,10 @@ class TestVersionSelection(unittest.TestCase):
         self.assertIn(VERSION, ap.SUPPORTED_VERSIONS)
         for version in ap.SUPPORTED_VERSIONS:
             with self.subTest(version=version):
-                for folder in (
-                    ap.patches_dir_for(version),
-                    ap.BENCH_HOOKS_ROOT / version,
+                hooks = ap.BENCH_HOOKS_ROOT / version
+                # A release without bench hooks yet has no folder (refused).
+                for folder in (ap.patches_dir_for(version),) + (
+                    (hooks,) if hooks.is_dir() else ()
                 ):
                     self.assertTrue((folder / "series").is_file(), folder)
                     ap.read_series(folder)  # every listed patch exists and parses
@@ -658,15 +663,28 @@ class TestVersionSelection(unittest.TestCase):
         tmp = Path(tempfile.mkdtemp(prefix="apply-patch-version-"))
         self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
         (tmp / "sglang").mkdir()
-        (tmp / "sglang" / "version.py").write_text("__version__ = '0.5.23'\n")
+        (tmp / "sglang" / "version.py").write_text("__version__ = '0.5.99'\n")
         before = snapshot(tmp)
         for args in ((), ("--check",), ("--revert",), ("--with-bench-hooks",)):
             proc = run_tool("--sglang-dir", tmp, *args, check_rc=2)
-            self.assertIn("it is sglang 0.5.23", proc.stdout)
+            self.assertIn("it is sglang 0.5.99", proc.stdout)
             self.assertIn(", ".join(ap.SUPPORTED_VERSIONS), proc.stdout)
         # --ignore-version goes ahead only with a series named.
         proc = run_tool("--sglang-dir", tmp, "--ignore-version", "--check", check_rc=2)
         self.assertIn("name one with --patches-dir", proc.stdout)
+        self.assertEqual(snapshot(tmp), before)
+
+    def test_dropped_version_is_refused_by_name(self):
+        self.assertNotIn("0.5.12.post1", ap.SUPPORTED_VERSIONS)
+        tmp = Path(tempfile.mkdtemp(prefix="apply-patch-dropped-"))
+        self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+        (tmp / "sglang").mkdir()
+        (tmp / "sglang" / "version.py").write_text("__version__ = '0.5.12.post1'\n")
+        before = snapshot(tmp)
+        for args in ((), ("--check",), ("--revert",)):
+            proc = run_tool("--sglang-dir", tmp, *args, check_rc=2)
+            self.assertIn("it is sglang 0.5.12.post1", proc.stdout)
+            self.assertIn("support for sglang 0.5.12.post1 was dropped", proc.stdout)
         self.assertEqual(snapshot(tmp), before)
 
 

@@ -1,7 +1,7 @@
 """Server arguments of --enable-decode-nsa-kv-offload: CLI, defaults, validation.
 
-The checks run through the patched ServerArgs (its _handle_decode_nsa_kv_offload
-step) on the tiny DeepSeek-V3.2-shaped config shipped with the benchmarks. The
+The checks run through the patched ServerArgs (its offload resolution step,
+``resolution.handle_offload_args``) on the tiny DeepSeek-V3.2-shaped config shipped with the benchmarks. The
 upstream names that differ between the supported sglang releases (the DSA/NSA
 backend flags, the prefill-CP flag) come from nsa_kv_offload_compat.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
+from resolution import handle_offload_args, resolve_dsa_backends
 from sglang.srt.arg_groups import nsa_kv_offload_args
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     GB,
@@ -26,9 +27,10 @@ from sglang.srt.arg_groups.nsa_kv_offload_args import (
 from sglang.srt.mem_cache import nsa_kv_offload_sizing as sizing
 from sglang.srt.mem_cache.nsa_kv_offload_compat import (
     DECODE_BACKEND_FIELD,
-    IS_DSA_NAMING,
     PREFILL_BACKEND_FIELD,
     PREFILL_CP_FIELD,
+    RESOLUTION_PIPELINE,
+    model_config_of,
     resolved_view,
 )
 from sglang.srt.server_args import ServerArgs
@@ -51,13 +53,9 @@ def backends(**by_phase) -> dict:
 
 
 def resolve_default_backends(args, kv_cache_dtype: str):
-    """Run sglang's DSA/NSA backend defaults (on Hopper: SM90) and return the
+    """Run sglang's DSA backend defaults (on Hopper: SM90) and return the
     resolved (prefill, decode) backends."""
-    if IS_DSA_NAMING:  # a declaration pass that asks torch for the device
-        with mock.patch("torch.cuda.get_device_capability", return_value=(9, 0)):
-            args._set_default_dsa_backends(9)
-    else:
-        args._set_default_nsa_backends(kv_cache_dtype, 9)
+    resolve_dsa_backends(args, 90)
     view = resolved_view(args)
     return getattr(view, PREFILL), getattr(view, DECODE)
 
@@ -81,6 +79,14 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             config.pop(key)
         with open(os.path.join(cls.dense_dir, "config.json"), "w") as f:
             json.dump(config, f)
+
+        # Pooled indexer keys (index_kpool > 1, what 0.5.23 reads).
+        cls.kpool_dir = os.path.join(cls.tmp_dir, "tiny_kpool")
+        os.makedirs(cls.kpool_dir)
+        with open(TINY_DSV32_CONFIG) as f:
+            config = json.load(f)
+        with open(os.path.join(cls.kpool_dir, "config.json"), "w") as f:
+            json.dump({**config, "index_kpool": 4}, f)
 
     @classmethod
     def tearDownClass(cls):
@@ -108,7 +114,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
     def _assert_rejected(self, message: str, **overrides):
         args = self._server_args(**overrides)
         with self.assertRaises(ValueError) as ctx:
-            args._handle_decode_nsa_kv_offload()
+            handle_offload_args(args)
         self.assertIn("--enable-decode-nsa-kv-offload", str(ctx.exception))
         self.assertIn(message, str(ctx.exception))
 
@@ -123,12 +129,18 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 stack.enter_context(
                     mock.patch(f"torch.cuda.{name}", return_value=value)
                 )
-            stack.enter_context(
-                mock.patch(
-                    "sglang.srt.server_args.get_device_memory_capacity",
-                    return_value=80 * 1024,
+            # 0.5.23: asked by the pipeline's memory and KV-sharding steps.
+            for module in (
+                ("arg_groups.memory_hook", "arg_groups.kv_shard_hook")
+                if RESOLUTION_PIPELINE
+                else ("server_args",)
+            ):
+                stack.enter_context(
+                    mock.patch(
+                        f"sglang.srt.{module}.get_device_memory_capacity",
+                        return_value=80 * 1024,
+                    )
                 )
-            )
             for dtype, decode in (
                 ("fp8_e4m3", "flashmla_kv"),
                 ("auto", "flashmla_sparse"),
@@ -144,12 +156,15 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                         enable_decode_nsa_kv_offload=True,
                         nsa_kv_offload_host_pool_gb=0.5,
                     )
+                    if RESOLUTION_PIPELINE:
+                        args.resolve_once()
+                    view = resolved_view(args)
                     self.assertEqual(
-                        (getattr(args, PREFILL), getattr(args, DECODE)),
+                        (getattr(view, PREFILL), getattr(view, DECODE)),
                         ("flashmla_sparse", decode),
                     )
-                    self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
-                    self.assertEqual(args.nsa_kv_offload_max_units, 40)
+                    self.assertEqual(view.nsa_kv_offload_gpu_buffer_size, 4096)
+                    self.assertEqual(view.nsa_kv_offload_max_units, 40)
 
     def test_cli_flags_parse(self):
         parser = argparse.ArgumentParser()
@@ -194,28 +209,28 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
 
     def test_defaults_resolved(self):
         args = self._server_args(nsa_kv_offload_host_pool_gb=None)
-        args._handle_decode_nsa_kv_offload()
+        handle_offload_args(args)
         # 2 x index_topk of the tiny config (2048).
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
         self.assertEqual(args.nsa_kv_offload_recent_window, 64)
         self.assertGreater(args.nsa_kv_offload_host_pool_gb, 0)
         # Units holding the model's whole context (163,840 positions) below
         # the window: 163,776 / 4,096 -> 40.
-        self.assertEqual(args.get_model_config().context_len, 163840)
+        self.assertEqual(model_config_of(args).context_len, 163840)
         self.assertEqual(args.nsa_kv_offload_max_units, 40)
 
     def test_disabled_is_untouched(self):
         args = self._server_args(
             enable_decode_nsa_kv_offload=False, page_size=1, enable_hisparse=True
         )
-        args._handle_decode_nsa_kv_offload()
+        handle_offload_args(args)
         self.assertIsNone(args.nsa_kv_offload_gpu_buffer_size)
 
     def test_explicit_sizes_kept(self):
         args = self._server_args(
             nsa_kv_offload_gpu_buffer_size=2048, nsa_kv_offload_recent_window=32
         )
-        args._handle_decode_nsa_kv_offload()
+        handle_offload_args(args)
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 2048)
         self.assertEqual(args.nsa_kv_offload_recent_window, 32)
         self.assertEqual(args.nsa_kv_offload_host_pool_gb, 0.5)
@@ -234,7 +249,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             (dict(context_length=64), 1),
         ):
             args = self._server_args(**overrides)
-            args._handle_decode_nsa_kv_offload()
+            handle_offload_args(args)
             self.assertEqual(args.nsa_kv_offload_max_units, expect, overrides)
 
     def test_reject_max_units(self):
@@ -264,10 +279,15 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         args = self._server_args(
             kv_cache_dtype="bfloat16", **backends(decode="flashmla_sparse")
         )
-        args._handle_decode_nsa_kv_offload()
+        handle_offload_args(args)
 
     def test_reject_non_nsa_model(self):
         self._assert_rejected("only DSA/NSA models", model_path=self.dense_dir)
+
+    def test_reject_pooled_indexer_keys(self):
+        self._assert_rejected(
+            "(index_kpool > 1) are not supported", model_path=self.kpool_dir
+        )
 
     def test_reject_page_size(self):
         self._assert_rejected("requires --page-size 64", page_size=1)
@@ -281,7 +301,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         # The verify mode needs the offload; its options follow the flag.
         for mode in (None, "fail", "count"):
             args = self._server_args(nsa_kv_offload_verify=mode)
-            args._handle_decode_nsa_kv_offload()
+            handle_offload_args(args)
             options = NSAKVOffloadOptions.from_server_args(args)
             self.assertEqual(options.verify, mode)
         self._assert_rejected(
@@ -292,14 +312,14 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             enable_decode_nsa_kv_offload=False, nsa_kv_offload_verify="fail"
         )
         with self.assertRaisesRegex(ValueError, "needs --enable-decode-nsa-kv-offload"):
-            args._handle_decode_nsa_kv_offload()
+            handle_offload_args(args)
 
     def test_options_from_resolved_args(self):
         # What the offload is built with: the resolved args, and the won
         # features by what they need (warm units: units, one query token, a
         # host pool of its own; direct slots: one query token).
         args = self._server_args()
-        args._handle_decode_nsa_kv_offload()
+        handle_offload_args(args)
         o = NSAKVOffloadOptions.from_server_args(args)
         self.assertEqual(
             (o.top_k, o.buffer_size, o.recent_window, o.max_units), (2048, 4096, 64, 40)
@@ -308,16 +328,16 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         self.assertTrue(o.warm_units and o.direct_slots)
         self.assertEqual(o.region_rows, 4160)
         one = self._server_args(nsa_kv_offload_max_units=1)
-        one._handle_decode_nsa_kv_offload()
+        handle_offload_args(one)
         o = NSAKVOffloadOptions.from_server_args(one)
         self.assertFalse(o.warm_units)
         self.assertTrue(o.direct_slots)
         pd = self._server_args(disaggregation_mode="decode")
-        pd._handle_decode_nsa_kv_offload()
+        handle_offload_args(pd)
         self.assertTrue(NSAKVOffloadOptions.from_server_args(pd).kv_arrives_in_host)
         with self._with_unproven_parallel(True):
             tp = self._server_args(tp_size=2)
-            tp._handle_decode_nsa_kv_offload()
+            handle_offload_args(tp)
         o = NSAKVOffloadOptions.from_server_args(tp)
         self.assertTrue(o.shares_host_pool)
         self.assertFalse(o.warm_units)
@@ -375,7 +395,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             with self.subTest(**overrides), self._with_unproven_parallel(True):
                 args = self._server_args(**overrides)
                 with self.assertLogs(nsa_kv_offload_args.logger, "WARNING") as logs:
-                    args._handle_decode_nsa_kv_offload()
+                    handle_offload_args(args)
                 self.assertIn(ENV_UNPROVEN_PARALLEL, "".join(logs.output))
 
     def test_reject_what_the_design_cannot_run(self):
@@ -421,13 +441,13 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         with self._with_unproven_parallel(False):
             self._assert_rejected("DP attention (--enable-dp-attention", **overrides)
         with self._with_unproven_parallel(True):
-            self._server_args(**overrides)._handle_decode_nsa_kv_offload()
+            handle_offload_args(self._server_args(**overrides))
 
     def test_plain_data_parallelism_accepted(self):
         # --dp-size without DP attention: replicas of a one-GPU server, each
         # with its own host pool.
         args = self._server_args(dp_size=2)
-        args._handle_decode_nsa_kv_offload()
+        handle_offload_args(args)
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
 
     def test_rank_layout(self):
@@ -447,7 +467,9 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         for (tp, dp, dpa, nnodes, pp), expect in cases.items():
             sa = SimpleNamespace(
                 tp_size=tp,
-                dp_size=dp,
+                # 0.5.23: the DP-attention width is attn_dp_size, dp_size replicas.
+                dp_size=1 if dpa and RESOLUTION_PIPELINE else dp,
+                attn_dp_size=dp if dpa else 1,
                 enable_dp_attention=dpa,
                 nnodes=nnodes,
                 pp_size=pp,
@@ -482,7 +504,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 with mock.patch.object(
                     nsa_kv_offload_args.psutil, "virtual_memory", return_value=ram
                 ):
-                    args._handle_decode_nsa_kv_offload()
+                    handle_offload_args(args)
                 self.assertAlmostEqual(
                     args.nsa_kv_offload_host_pool_gb, round(expect_gb, 2), places=6
                 )
@@ -504,7 +526,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             )
             # The same 200 GB for 8 attention-TP ranks: one pool, accepted.
             args = self._server_args(tp_size=8, nsa_kv_offload_host_pool_gb=200.0)
-            args._handle_decode_nsa_kv_offload()
+            handle_offload_args(args)
 
     def test_reject_radix_cache(self):
         self._assert_rejected(
@@ -521,6 +543,36 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             "--enable-mixed-chunk is not supported", enable_mixed_chunk=True
         )
 
+    def test_reject_what_bypasses_the_offloads_pools(self):
+        # Pools and transfers the offload does not see (those of this release).
+        cases = [
+            (
+                "--enable-hierarchical-cache is not supported",
+                "enable_hierarchical_cache",
+                True,
+            ),
+            ("--enable-pdmux is not supported", "enable_pdmux", True),
+            ("--enable-unified-memory is not supported", "enable_unified_memory", True),
+            (
+                "--enable-kv-cache-sharding is not supported",
+                "enable_kv_cache_sharding",
+                True,
+            ),
+            ("decode context parallelism (--dcp-size 2)", "dcp_size", 2),
+            (
+                "--disaggregation-decode-retraction-backup host_pool",
+                "disaggregation_decode_retraction_backup",
+                "host_pool",
+            ),
+        ]
+        fields = set(vars(ServerArgs(model_path="dummy")))
+        fields |= set(getattr(ServerArgs, "__struct_fields__", ()))
+        for message, field, value in cases:
+            if field not in fields:
+                continue
+            with self.subTest(field=field):
+                self._assert_rejected(message, **{field: value})
+
     def test_reject_two_batch_overlap(self):
         self._assert_rejected(
             "--enable-two-batch-overlap is not supported",
@@ -530,7 +582,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
     def test_accept_pd_decode_server(self):
         # KV arrives in the host pool through the PD transfer.
         args = self._server_args(disaggregation_mode="decode")
-        args._handle_decode_nsa_kv_offload()
+        handle_offload_args(args)
         self.assertEqual(args.nsa_kv_offload_gpu_buffer_size, 4096)
 
     def test_reject_pd_decode_radix_cache(self):
@@ -642,7 +694,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
                 self.assertEqual(
                     resolve_default_backends(args, dtype), ("flashmla_sparse", decode)
                 )
-                args._handle_decode_nsa_kv_offload()
+                handle_offload_args(args)
         args = self._server_args(**backends(prefill="flashmla_kv", decode=None))
         self.assertEqual(
             resolve_default_backends(args, "fp8_e4m3"), ("flashmla_kv", "flashmla_kv")

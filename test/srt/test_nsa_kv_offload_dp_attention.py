@@ -277,8 +277,8 @@ class TestDPAttentionRequestShare(unittest.TestCase):
         )
         mr = self._model_runner(args, 256 << 20)
         mr.dp_size = 8  # ModelRunner: dp_size with DP attention, else 1
-        if hasattr(mr, "ps"):  # 0.5.17's KVCacheConfigurator: ps.attn_dp_size
-            mr.ps.attn_dp_size = 8
+        # The KVCacheConfigurator's attention-DP width (0.5.17: ps.attn_dp_size).
+        mr.ps.attn_dp_size = mr.attn_dp_size = 8
         configurator = NSAKVOffloadPoolConfigurator(mr)
         self.assertEqual(configurator.user_max_running_requests, 2)
         config = mr._resolve_memory_pool_config(0)

@@ -10,8 +10,7 @@ decode: indexer keys written into every transferred
 page): the arena's views and geometry; the sizing; the lender's runs; decode
 steps reading exact KV from lent units while transfers write keys into other
 pages; allocations that take units back; lent units moved from a request
-to a poorer one; ``backup_state`` /
-``restore_state``; a negative control: lent runs put back on the free list
+to a poorer one; a negative control: lent runs put back on the free list
 let a transfer's keys overwrite a lent unit, and the checks fail; and the
 integration tests' lifecycles (colocated with staging, PD decode with
 retraction) with the idle-loc units on.
@@ -30,7 +29,6 @@ from offload_harness import (  # noqa: F401 (module fixtures)
     setUpModule,
     tearDownModule,
 )
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolSizes,
     compute_offload_pool_sizes,
@@ -298,35 +296,6 @@ class TestIdleLocUnits(unittest.TestCase):
         self.assertIsNone(h.allocator.alloc(locs_left + PAGE))
         self.assertEqual(h.allocator.available_size(), locs_left)
         h.decode_step([a])
-        self._finish_all(h, a)
-
-    @unittest.skipUnless(
-        hasattr(PagedTokenToKVPoolAllocator, "backup_state"),
-        "0.5.17's allocator has no backup_state / restore_state (spec v1 gone)",
-    )
-    def test_backup_and_restore_keep_lent_runs_out(self):
-        h = _harness(self, seed=4)
-        a = h.new_req()
-        h.transfer(a, 300)
-        state = h.allocator.backup_state()
-        h.decode_step([a], first_step_of=(a,))  # lends runs after the backup
-        lent = h.allocator.idle_loc_lender.lent_page_runs()
-        self.assertTrue(lent)
-        h.allocator.restore_state(state)
-        free = set(h.allocator.free_pages.tolist())
-        for first in lent:
-            run = set(h.allocator.idle_loc_lender.run_pages(first).tolist())
-            self.assertFalse(run & free)
-        # And the other way: a backup while lent, restored after a take-back.
-        state = h.allocator.backup_state()
-        h.co.reclaim_idle_locs(h.allocator.free_page_count() + 1)
-        self.assertLess(len(h.allocator.idle_loc_lender.lent_page_runs()), len(lent))
-        h.allocator.restore_state(state)
-        pages = h.allocator.free_pages.tolist()
-        self.assertEqual(len(pages), len(set(pages)))
-        self.assertEqual(h.allocator.available_size(), h.allocator.size - 5 * PAGE)
-        for _ in range(3):
-            h.decode_step([a])
         self._finish_all(h, a)
 
     def _fill_then_decode(self, h, leak):

@@ -1,7 +1,6 @@
 """Decode NSA KV offload driven through the real sglang pools (CPU integration).
 
-Builds the real ``NSAKVOffloadTokenToKVPool`` (an sglang ``NSATokenToKVPool``,
-``DSATokenToKVPool`` on 0.5.17),
+Builds the real ``NSAKVOffloadTokenToKVPool`` (an sglang ``DSATokenToKVPool``),
 ``ReqToTokenPool``, ``NSAKVOffloadTokenToKVPoolAllocator`` (an sglang
 ``PagedTokenToKVPoolAllocator``) and ``NSAKVOffloadCoordinator`` (host pool +
 ``SparseCacheController``), then plays the scheduler's part with small fake
@@ -65,6 +64,7 @@ from offload_harness import (  # noqa: F401 (module fixtures)
     PAGE,
     ROPE_DIM,
     UPSTREAM_ALLOC_EXTEND,
+    FakeReq,
     OffloadHarness,
     TorchAllocExtendKernel,
     get_last_loc_torch,
@@ -82,7 +82,6 @@ from sglang.srt.managers.nsa_kv_offload_coordinator import NSAKVOffloadCoordinat
 from sglang.srt.mem_cache import lru_cache_state as lru_cache_state_module
 from sglang.srt.mem_cache import nsa_kv_offload_lru_triton as triton_swap_module
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.mem_cache.nsa_kv_offload_compat import IS_DSA_NAMING
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadTokenToKVPoolAllocator,
     StagingRowAllocator,
@@ -182,8 +181,7 @@ class TestHooksAndLookup(unittest.TestCase):
         self.assertTrue(use_positional(coordinator, idle))
         self.assertFalse(use_positional(coordinator, extend))
         self.assertFalse(use_positional(None, decode))
-        backend = "dsa_backend" if IS_DSA_NAMING else "nsa_backend"
-        backend = importlib.util.find_spec(f"sglang.srt.layers.attention.{backend}")
+        backend = importlib.util.find_spec("sglang.srt.layers.attention.dsa_backend")
         backend_src = Path(backend.origin).read_text()
         self.assertRegex(  # 0.5.17's patch reads it with getattr
             backend_src,
@@ -193,14 +191,11 @@ class TestHooksAndLookup(unittest.TestCase):
         runner = importlib.util.find_spec("sglang.srt.model_executor.model_runner")
         runner_src = Path(runner.origin).read_text()
         built = runner_src.index("create_nsa_kv_offload_coordinator(self)")
-        if IS_DSA_NAMING:
-            # 0.5.17: with the pools, which the scheduler builds before the
-            # attention backends (init_memory_pools, init_all_attention_backends).
-            start = runner_src.index("def _init_post_memory_pool_components(")
-            self.assertLess(start, built)
-            self.assertLess(built, runner_src.index("\n    def ", start + 1))
-        else:
-            self.assertLess(built, runner_src.index("self.init_attention_backend()"))
+        # With the pools, which the scheduler builds before the attention
+        # backends (init_memory_pools, init_all_attention_backends).
+        start = runner_src.index("def _init_post_memory_pool_components(")
+        self.assertLess(start, built)
+        self.assertLess(built, runner_src.index("\n    def ", start + 1))
         # The decode top-k reaches the offload untouched: a production install
         # has no top-k trace hook (apply_patch.py --with-bench-hooks adds it;
         # unset, it returns its input itself: test_nsa_topk_trace.py).
@@ -212,7 +207,7 @@ class TestHooksAndLookup(unittest.TestCase):
     def test_translate_locs_to_rows(self):
         coordinator = self._coordinator()
         # Locs of a 70-token prompt: two pages, each with its staging page.
-        req = SimpleNamespace(req_pool_idx=None, is_chunked=0, kv_committed_len=0)
+        req = FakeReq("r0")
         self.req_to_token_pool.alloc([req])
         zero = torch.zeros(1, dtype=torch.int64, device=DEVICE)
         seq = torch.full((1,), 70, dtype=torch.int64, device=DEVICE)
@@ -329,7 +324,8 @@ class TestKVWriteEquivalents(unittest.TestCase):
         return nope, rope.to(DEVICE, torch.bfloat16)
 
     def test_fp8_quantization(self):
-        from sglang.srt.layers.attention.nsa import quant_k_cache
+        # The quantization sglang's pool writes with (memory_pool's import).
+        from sglang.srt.mem_cache import memory_pool as quant_k_cache
 
         n = 4
         nope, rope = self._inputs(n, 0)
@@ -361,7 +357,8 @@ class TestKVWriteEquivalents(unittest.TestCase):
         self.assertGreater(same, 0.95)
 
     def test_pool_reads_and_writes_through_the_patched_kernels(self):
-        from sglang.srt.layers.attention.nsa import quant_k_cache
+        # The quantization sglang's pool writes with (memory_pool's import).
+        from sglang.srt.mem_cache import memory_pool as quant_k_cache
 
         sizes = NSAKVOffloadPoolSizes(
             num_locs=2 * PAGE,
@@ -530,15 +527,13 @@ class TestStagingAllocator(unittest.TestCase):
         self.assertTrue(bool((self.allocator.page_to_staging_row == -1).all()))
 
     def test_every_free_path_releases_staging(self):
-        # 0.5.17 also frees by page ids (free_segment: the tail release_kv_cache
+        # Also freed by page ids (free_segment: the tail release_kv_cache
         # frees, free groups of page representatives), never through free().
-        if not hasattr(self.allocator, "free_segment"):
-            self.skipTest("0.5.12 frees only through free()")
         avail = self.allocator.available_size()
         locs = self._extend([(0, 0, 3 * PAGE + 5)])  # 4 pages
         self.assertEqual(self.allocator.staging.available_pages(), 6 - 4)
-        # From mid page 1 on: pages 1, 2 and 3.
-        self.allocator.free_segment(locs[PAGE + 3 :], start_pos=PAGE + 3)
+        # From page 1 on: pages 1, 2 and 3.
+        self.allocator.free_segment(locs[PAGE:], start_pos=PAGE)
         self.assertEqual(self.allocator.staging.available_pages(), 6 - 1)
         self.allocator.free_group_begin()
         self.allocator.free_segment(locs[:PAGE], start_pos=0)
@@ -1400,19 +1395,28 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
         queue.metadata_buffers = SimpleNamespace(get_buf_infos=lambda: ([], [], []))
         queue.is_mla_backend = True
         queue.enable_staging = False
-        # 0.5.17 reads the attention-TP size from its runtime context.
-        one_rank = (
-            mock.patch.object(
-                decode_module,
-                "get_parallel",
-                return_value=SimpleNamespace(attn_tp_size=1),
+
+        # The attention-TP size comes from the runtime context.
+        def one_rank():
+            stack = contextlib.ExitStack()
+            parallel = SimpleNamespace(attn_tp_size=1, dp_rank=0)
+            stack.enter_context(
+                mock.patch.object(decode_module, "get_parallel", return_value=parallel)
             )
-            if IS_DSA_NAMING
-            else mock.patch.object(
-                decode_module, "get_attention_tp_size", return_value=1
-            )
-        )
-        with one_rank:
+            if hasattr(decode_module, "get_disagg"):  # 0.5.23: no host receive
+                disagg = SimpleNamespace(
+                    disaggregation_decode_host_receive_threshold=1,
+                    disaggregation_ib_device=None,
+                )
+                device = SimpleNamespace(gpu_id=0)
+                for name, value in (("get_disagg", disagg), ("get_device", device)):
+                    if hasattr(decode_module, name):
+                        stack.enter_context(
+                            mock.patch.object(decode_module, name, return_value=value)
+                        )
+            return stack
+
+        with one_rank():
             kv_args = queue._init_kv_manager().kv_args
         host = h.controller.host_pool
         self.assertEqual(
@@ -1426,7 +1430,7 @@ class TestPDDecodeTransferTarget(unittest.TestCase):
         )
         # Without the offload the device pool stays the target.
         queue.scheduler.nsa_kv_offload = None
-        with one_rank:
+        with one_rank():
             kv_args = queue._init_kv_manager().kv_args
         self.assertEqual(
             kv_args.kv_data_ptrs, [buf.data_ptr() for buf in h.pool.kv_buffer]
@@ -1439,33 +1443,7 @@ class TestIdleLeakCheck(unittest.TestCase):
     ``on_idle`` and as loudly as its pool check (it raises by default)."""
 
     def _on_idle(self, coordinator):
-        if IS_DSA_NAMING:
-            return self._on_idle_0517(coordinator)
-        from sglang.srt.managers.scheduler_runtime_checker_mixin import (
-            SchedulerRuntimeCheckerMixin,
-        )
-
-        sched = types.SimpleNamespace(
-            is_fully_idle=lambda: True,
-            enable_hisparse=False,
-            get_pool_stats=lambda: None,
-            _check_all_pools=lambda ps: (False, []),
-            _check_req_pool=lambda: None,
-            nsa_kv_offload=coordinator,
-            _check_tree_cache=lambda: None,
-            _maybe_log_idle_metrics=lambda: None,
-            _publish_kv_events=lambda: None,
-            init_new_token_ratio=0.5,
-            reset_device_timer_window=lambda: None,
-            maybe_sleep_on_idle=lambda: None,
-        )
-        sched._report_leak = lambda *a: SchedulerRuntimeCheckerMixin._report_leak(
-            sched, *a
-        )
-        SchedulerRuntimeCheckerMixin.on_idle(sched)
-
-    def _on_idle_0517(self, coordinator):
-        # 0.5.17: Scheduler.on_idle reports through its InvariantChecker.
+        # Scheduler.on_idle reports through its InvariantChecker.
         from sglang.srt.managers.scheduler import Scheduler
         from sglang.srt.managers.scheduler_components.invariant_checker import (
             SchedulerInvariantChecker,
@@ -1484,8 +1462,24 @@ class TestIdleLeakCheck(unittest.TestCase):
             _maybe_log_idle_metrics=lambda: None,
             publish_kv_events=lambda: None,
             reset=lambda: None,
+            # 0.5.23's on_idle reads these too.
+            drop_sync_wait_carry=lambda: None,
+            record_scheduler_idle=lambda: None,
+            record=lambda stage: contextlib.nullcontext(),
+            enter=lambda stage: None,
+            exit=lambda previous: None,
+            _trace_stage=None,
+            verify_byte_accounting=lambda: [],
+            publish_load_stat=lambda *args, **kwargs: None,
+            get_loads=None,
         )
         sched = types.SimpleNamespace(
+            dp_attn_adapter=noop,
+            scheduler_stage_metrics=noop,
+            disaggregation_mode=None,
+            token_to_kv_pool_allocator=noop,
+            load_publisher=noop,
+            load_inquirer=noop,
             maybe_send_health_check_signal=lambda: None,
             is_fully_idle=lambda: True,
             enable_unified_memory=False,

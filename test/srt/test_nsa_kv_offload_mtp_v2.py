@@ -1,10 +1,9 @@
 """MTP target verify with the decode NSA KV offload under spec v2 (the overlap
 scheduler), driven through the real sglang code (CPU integration,
-docs/MTP.md "Spec v2"). Written for 0.5.12.post1; on 0.5.17 (spec v2 only) the
-same steps go through ``spec_prepare_for_decode`` / ``eagle_prepare_for_decode``
+docs/MTP.md "Spec v2"): ``spec_prepare_for_decode`` / ``eagle_prepare_for_decode``
 (allocation ahead page-aligned, the bonus slot committed when the result is
 processed) and ``eagle_utils.eagle_prepare_for_verify`` on the ScheduleBatch,
-with ``seq_lens_cpu`` None (no verify sync): see ``_V17``.
+with ``seq_lens_cpu`` None (no verify sync).
 
 The real pools, allocator and coordinator of ``test_nsa_kv_offload_mtp_verify``
 (on CPU with its torch paths for the swap, the copies and the KV rows);
@@ -12,11 +11,11 @@ the test plays the scheduler and the model around sglang's own spec v2 code:
 
 * ``ScheduleBatch.prepare_for_decode`` (the patched method, on a stand-in
   batch): the offload's ``prepare_speculative_decode`` admits requests the
-  prefill hook missed, then ``EagleDraftInputV2Mixin.prepare_for_decode``
+  prefill hook missed, then ``eagle_prepare_for_decode``
   allocates ahead up to ``kv_committed_len + 2 * alloc_len_per_decode`` with
   ``alloc_paged_token_slots_extend`` and writes ``req_to_token`` (Triton
   kernel, interpreted): no staging page;
-* ``EagleVerifyInputV2Mixin.prepare_for_v2_verify`` (the patched method):
+* ``eagle_prepare_for_verify`` (the patched function):
   ``assign_extend_cache_locs`` (Triton, interpreted) reads the ``q`` locs at
   ``seq_lens``, the offload's hook maps them to their ring rows;
 * the ``TARGET_VERIFY`` forward, padded like a CUDA-graph replay, through the
@@ -34,28 +33,17 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
-from offload_harness import DEVICE, PAGE, FakeReq
+from offload_harness import DEVICE, PAGE, RELEASE_ARGS, REQ_KV_RECORD, FakeReq
+from sglang.kernels.ops.speculative import cache_locs
 from sglang.srt.managers import schedule_batch as schedule_batch_module
 from sglang.srt.managers import utils as managers_utils
+from sglang.srt.mem_cache import allocation
 from sglang.srt.mem_cache import common as common_module
+from sglang.srt.mem_cache.allocation import get_last_loc_torch
 from sglang.srt.mem_cache.common import release_kv_cache
-from sglang.srt.mem_cache.nsa_kv_offload_compat import IS_DSA_NAMING
 from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.speculative import spec_utils
-
-if IS_DSA_NAMING:
-    from sglang.kernels.ops.speculative import cache_locs
-    from sglang.srt.mem_cache import allocation
-    from sglang.srt.mem_cache.allocation import get_last_loc_torch
-    from sglang.srt.speculative import eagle_utils
-else:
-    from sglang.srt.mem_cache.common import get_last_loc_torch
-    from sglang.srt.speculative import eagle_info_v2
-    from sglang.srt.speculative.eagle_info_v2 import (
-        EagleDraftInputV2Mixin,
-        EagleVerifyInputV2Mixin,
-    )
+from sglang.srt.speculative import eagle_utils, spec_utils
 from test_nsa_kv_offload_mtp_verify import (  # noqa: F401 (module fixtures)
     _MTPHarness,
     setUpModule,
@@ -141,6 +129,14 @@ class _V2Req(FakeReq):
         return self.kv_committed_len, self.kv_allocated_len
 
 
+if REQ_KV_RECORD:  # 0.5.23: the request's KV record holds both lengths
+
+    class _V2Req(FakeReq):  # noqa: F811
+        def __init__(self, rid):
+            super().__init__(rid)
+            self.decode_batch_idx = 0
+
+
 class _V2Harness(_MTPHarness):
     def __init__(self, test, steps, **kw):
         super().__init__(test, steps, **kw)
@@ -172,32 +168,6 @@ class _V2Harness(_MTPHarness):
 
     def _patches(self):
         sa = self.server_args
-        if IS_DSA_NAMING:
-            return self._patches_v17(sa)
-        return [
-            mock.patch.object(
-                eagle_info_v2,
-                "get_alloc_len_per_decode",
-                lambda: managers_utils.get_alloc_len_per_decode(sa),
-            ),
-            mock.patch.object(eagle_info_v2, "get_global_server_args", lambda: sa),
-            mock.patch.object(eagle_info_v2, "get_last_loc", get_last_loc_torch),
-            # assign_extend_cache_locs_func's Triton branch (CUDA / HIP / MUSA).
-            mock.patch.object(eagle_info_v2, "_is_cuda", True),
-            mock.patch.object(
-                spec_utils, "assign_req_to_token_pool", _TorchAssignKernel(True)
-            ),
-            mock.patch.object(
-                eagle_info_v2, "assign_extend_cache_locs", _TorchAssignKernel(False)
-            ),
-            mock.patch.object(
-                eagle_info_v2,
-                "ForwardBatch",
-                SimpleNamespace(init_new=lambda batch, runner: batch),
-            ),
-        ]
-
-    def _patches_v17(self, sa):
         from sglang.srt.mem_cache import allocation_sizing
 
         no_mamba = SimpleNamespace(
@@ -205,14 +175,35 @@ class _V2Harness(_MTPHarness):
             enable_mamba_extra_buffer_lazy=lambda: False,
         )
         init_new = SimpleNamespace(init_new=lambda batch, runner, **kw: batch)
-        return [
-            mock.patch.object(schedule_batch_module, "get_server_args", lambda: sa),
-            mock.patch.object(spec_utils, "get_server_args", lambda: no_mamba),
-            mock.patch.object(
-                eagle_utils,
-                "get_alloc_reserve_per_decode",
-                lambda: allocation_sizing.get_alloc_reserve_per_decode(sa),
-            ),
+        if REQ_KV_RECORD:  # 0.5.23 reads the config bags
+            from sglang.srt import runtime_context
+
+            bags = [
+                (allocation_sizing, "get_spec", lambda: sa),
+                (runtime_context, "get_spec", lambda: sa),
+                (allocation_sizing, "get_schedule", lambda: sa),
+                (
+                    spec_utils,
+                    "get_exec",
+                    lambda: SimpleNamespace(
+                        mamba=SimpleNamespace(
+                            enable_mamba_extra_buffer=False,
+                            enable_mamba_extra_buffer_lazy=False,
+                        )
+                    ),
+                ),
+            ]
+        else:
+            bags = [
+                (schedule_batch_module, "get_server_args", lambda: sa),
+                (spec_utils, "get_server_args", lambda: no_mamba),
+                (
+                    eagle_utils,
+                    "get_alloc_reserve_per_decode",
+                    lambda: allocation_sizing.get_alloc_reserve_per_decode(sa),
+                ),
+            ]
+        return [mock.patch.object(*bag) for bag in bags] + [
             mock.patch.object(eagle_utils, "get_spec", lambda: sa),
             mock.patch.object(allocation, "get_last_loc", get_last_loc_torch),
             mock.patch.object(
@@ -235,7 +226,9 @@ class _V2Harness(_MTPHarness):
             input_embeds=None,
             is_spec_v2=True,
             spec_algorithm=SimpleNamespace(
-                is_none=lambda: False, is_dflash_family=lambda: False
+                is_none=lambda: False,
+                is_dflash_family=lambda: False,
+                is_uno=lambda: False,
             ),
             token_to_kv_pool_allocator=self.allocator,
             tree_cache=self.tree_cache,
@@ -253,13 +246,9 @@ class _V2Harness(_MTPHarness):
                 penalizer_orchestrator=SimpleNamespace(is_required=False)
             ),
             maybe_evict_swa=lambda: None,
+            hisparse_coordinator=None,
             maybe_wait_verify_done=lambda: None,
             batch_size=lambda: len(reqs),
-        )
-        batch.spec_info = SimpleNamespace(
-            prepare_for_decode=lambda b: EagleDraftInputV2Mixin.prepare_for_decode(
-                None, b
-            )
         )
         alloc = self.allocator
         # Stragglers give their prompt's staging pages back at admission.
@@ -279,12 +268,9 @@ class _V2Harness(_MTPHarness):
         taken = 0
         for r, (allocated, committed) in zip(reqs, before):
             ahead = committed + 2 * self.alloc_len
-            if IS_DSA_NAMING:
-                # The bonus slot is committed with the result; whole pages.
-                self.t.assertEqual(r.kv_committed_len, committed)
-                ahead = -(-ahead // PAGE) * PAGE
-            else:
-                self.t.assertEqual(r.kv_committed_len, committed + 1)  # bonus slot
+            # The bonus slot is committed with the result; whole pages.
+            self.t.assertEqual(r.kv_committed_len, committed)
+            ahead = -(-ahead // PAGE) * PAGE
             self.t.assertEqual(r.kv_allocated_len, max(allocated, ahead))
             new_pages = -(-r.kv_allocated_len // PAGE) - (-(-allocated // PAGE))
             taken += new_pages * PAGE
@@ -300,45 +286,8 @@ class _V2Harness(_MTPHarness):
         return batch
 
     def prepare_for_v2_verify(self, reqs, seq_lens):
-        """The patched ``EagleVerifyInputV2Mixin.prepare_for_v2_verify`` on
-        the worker's ``ModelWorkerBatch`` (``seq_lens`` on the device only;
-        0.5.17: ``eagle_utils.eagle_prepare_for_verify`` on the ScheduleBatch)."""
-        q, bs = self.q, len(reqs)
-        if IS_DSA_NAMING:
-            return self._prepare_for_verify_v17(reqs, seq_lens)
-        mwb = SimpleNamespace(
-            forward_mode=ForwardMode.DECODE,
-            req_pool_indices=torch.tensor(
-                [r.req_pool_idx for r in reqs], device=DEVICE
-            ),
-            seq_lens=seq_lens,
-            seq_lens_cpu=None,
-            seq_lens_sum=None,
-            reqs=reqs,
-        )
-        verify_input = SimpleNamespace(
-            draft_token=torch.zeros(bs * q, dtype=torch.int64, device=DEVICE),
-            draft_token_num=q,
-        )
-        runner = SimpleNamespace(
-            # What ModelRunner keeps (create_nsa_kv_offload_coordinator).
-            nsa_kv_offload=self.co,
-            token_to_kv_pool_allocator=self.allocator,
-            spec_algorithm=SimpleNamespace(is_standalone=lambda: False),
-            graph_runner=None,
-            attn_backend=SimpleNamespace(init_forward_metadata=lambda fb: None),
-        )
-        fb, can_graph = EagleVerifyInputV2Mixin.prepare_for_v2_verify(
-            verify_input,
-            self.req_to_token_pool,
-            mwb,
-            SimpleNamespace(model_runner=runner),
-        )
-        return self._checked_verify_locs(
-            fb, can_graph, reqs, seq_lens, mwb.req_pool_indices
-        )
-
-    def _prepare_for_verify_v17(self, reqs, seq_lens):
+        """The patched ``eagle_utils.eagle_prepare_for_verify`` on the
+        ScheduleBatch (``seq_lens`` on the device only, no verify sync)."""
         q, bs = self.q, len(reqs)
         idx = torch.tensor([r.req_pool_idx for r in reqs], device=DEVICE)
         batch = SimpleNamespace(
@@ -350,10 +299,14 @@ class _V2Harness(_MTPHarness):
             device=DEVICE,
             model_config=SimpleNamespace(vocab_size=1 << 16),
             req_to_token_pool=self.req_to_token_pool,
+            hisparse_coordinator=None,
         )
         verify_input = SimpleNamespace(
             draft_token=torch.zeros(bs * q, dtype=torch.int64, device=DEVICE),
             draft_token_num=q,
+            prepared_out_cache_loc=None,
+            prepared_mrope_positions=None,
+            kv_loc_plan=None,
         )
         runner = SimpleNamespace(
             nsa_kv_offload=self.co,  # create_nsa_kv_offload_coordinator's
@@ -404,8 +357,8 @@ class _V2Harness(_MTPHarness):
         # The result, as spec v2 processes it: nothing freed.
         free_before = self.allocator.available_size()
         for r, a in zip(reqs, accepts):
-            # a drafts and the bonus token (0.5.12: its slot claimed ahead).
-            r.kv_committed_len += a + (1 if IS_DSA_NAMING else 0)
+            # a drafts and the bonus token.
+            r.kv_committed_len += a + 1
             r.seq_len += a + 1
             self.t.assertEqual(r.kv_committed_len, r.seq_len)
             self.t.assertLessEqual(r.seq_len, r.kv_allocated_len)
@@ -427,9 +380,9 @@ class _V2Harness(_MTPHarness):
             if hasattr(common_module, name)  # 0.5.17: get_spec, get_serving
         ]
         with contextlib_exit_stack(args):
-            release_kv_cache(req, self.tree_cache)
+            release_kv_cache(req, self.tree_cache, **RELEASE_ARGS)
         self.t.assertIsNone(req.req_pool_idx)
-        self.t.assertFalse(self.co.is_admitted(SimpleNamespace(req_pool_idx=r)))
+        self.t.assertFalse(self.co.controller.is_admitted(r))
         pages = -(-allocated // PAGE)
         self.t.assertEqual(self.allocator.available_size(), free_before + pages * PAGE)
 

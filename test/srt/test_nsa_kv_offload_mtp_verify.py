@@ -3,21 +3,18 @@ sglang pools (CPU integration, docs/MTP.md).
 
 The real ``NSAKVOffloadTokenToKVPool``, ``NSAKVOffloadTokenToKVPoolAllocator``
 and ``NSAKVOffloadCoordinator`` (built for ``q`` query tokens) of
-``offload_harness.OffloadHarness``; the test plays EAGLE v1's part
-of a decode step with ``s`` draft steps (``q = s + 1``):
+``offload_harness.OffloadHarness``; the test plays EAGLE's part of a
+decode step with ``s`` draft steps (``q = s + 1``):
 
 * ``prepare_for_decode`` (speculative): requests the prefill hook missed
-  admitted before the draft pass;
-* the draft pass's ``alloc_extend`` of ``s`` locs per request, undone with
-  the allocator's ``backup_state`` / ``restore_state``: no staging page taken;
-* ``prepare_for_verify``: ``alloc_extend`` of ``q`` locs per request, written
-  to ``req_to_token``, then ``prepare_verify``: every loc mapped to its window
-  ring row, staging untouched, requests the prefill hook missed admitted;
+  admitted before the step's locs exist;
+* ``alloc_extend`` of ``q`` locs per request, written to ``req_to_token``,
+  then ``prepare_speculative_decode`` and ``prepare_v2_verify``: every loc
+  mapped to its window ring row, staging untouched;
 * the ``TARGET_VERIFY`` forward, padded like a CUDA-graph replay: every layer
   hands its top-k over (the early swap starts), writes the ``q`` tokens' KV,
   then its page table comes from the sparse backend's ``forward_extend``
-  (``NativeSparseAttnBackend`` / 0.5.17's ``DeepseekSparseAttnBackend``: the
-  patched method, with the FlashMLA call captured) or the hook directly;
+  (``DeepseekSparseAttnBackend``: the patched method, with the FlashMLA call captured) or the hook directly;
   each query token's row must hold exactly the KV of its top-k positions
   (full-KV reference), and the last layer writes all ``q`` tokens back to
   host memory;
@@ -48,7 +45,6 @@ from offload_harness import (
     OffloadHarness,
 )
 from sglang.srt.layers.attention import nsa_offload_hooks
-from sglang.srt.mem_cache.nsa_kv_offload_compat import IS_DSA_NAMING
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSA_KV_OFFLOAD_DRAFT_LAYERS,
     compute_offload_pool_sizes,
@@ -100,6 +96,9 @@ def _backend(coordinator, captured, kv_pool=None):
         get_topk_transform_method=lambda mode=None: TopkTransformMethod.PAGED,
         _pad_topk_indices=lambda topk, rows: topk,
         _forward_flashmla_kv=flashmla_kv,
+        # 0.5.23: the kpool tail (index_kpool 1: none).
+        _resolve_kpool_tail_backend=lambda topk, impl: impl,
+        _check_kpool_tail_backend=lambda topk, impl, phase: None,
     )
 
 
@@ -110,29 +109,8 @@ class _MTPHarness(OffloadHarness):
         # As create_nsa_kv_offload_allocator builds it with MTP on.
         test.assertTrue(self.allocator.speculative)
 
-    def draft_pass(self, reqs):
-        """EAGLE v1 ``_draft_preprocess_decode`` (page size > 1, topk 1): ``s``
-        locs per request for the NextN layer's own pool, given back at once
-        (spec v1: 0.5.12 only; spec v2 allocates ahead, test_..._mtp_v2)."""
-        if IS_DSA_NAMING:
-            return
-        alloc = self.allocator
-        idx = torch.tensor([r.req_pool_idx for r in reqs], device=DEVICE)
-        pre = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
-        seq = pre + self.s
-        last = self.req_to_token[idx, pre.to(DEVICE) - 1].long()
-        staging = (alloc.staging.available_pages(), alloc.page_to_staging_row.clone())
-        state = alloc.backup_state()
-        out = alloc.alloc_extend(
-            pre.to(DEVICE), pre, seq.to(DEVICE), seq, last, len(reqs) * self.s
-        )
-        self.t.assertIsNotNone(out)
-        alloc.restore_state(state)
-        self.t.assertEqual(alloc.staging.available_pages(), staging[0])
-        self.t.assertTrue(torch.equal(alloc.page_to_staging_row, staging[1]))
-
     def prepare_verify(self, reqs):
-        """``EagleVerifyInput.prepare_for_verify`` + the patched hook."""
+        """The verify's ``q`` locs per request + the patched hooks."""
         q, alloc = self.q, self.allocator
         idx = torch.tensor([r.req_pool_idx for r in reqs], device=DEVICE)
         pre = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
@@ -156,7 +134,8 @@ class _MTPHarness(OffloadHarness):
             req_pool_indices=idx,
             out_cache_loc=out,
         )
-        self.co.prepare_verify(batch, q)
+        self.co.prepare_speculative_decode(batch)
+        self.co.prepare_v2_verify(batch, q)
         # Locs only: staging untouched (a prompt being chunked keeps its own).
         self.t.assertEqual(alloc.staging.available_pages(), staging_before)
         self.t.assertTrue(torch.equal(alloc.page_to_staging_row, staging_rows))
@@ -292,10 +271,9 @@ class _MTPHarness(OffloadHarness):
 
     def spec_step(self, reqs, accepts, pad_reqs=0, backend_layers=()):
         # ScheduleBatch.prepare_for_decode (speculative: the patched hook
-        # admits requests the prefill hook missed, before the draft pass).
+        # admits requests the prefill hook missed, before the step's locs).
         seq = torch.tensor([r.seq_len for r in reqs], dtype=torch.int64)
         self.co.admit_running(SimpleNamespace(reqs=reqs, seq_lens_cpu=seq))
-        self.draft_pass(reqs)
         out, pre = self.prepare_verify(reqs)
         self.verify_forward(reqs, out, pre, pad_reqs, backend_layers)
         self.accept(reqs, out, pre, accepts)
@@ -408,7 +386,7 @@ class TestMTPVerify(unittest.TestCase):
         h = self._harness(2)
         batch = SimpleNamespace(reqs=[])
         with self.assertRaises(ValueError) as ctx:
-            h.co.prepare_verify(batch, 2)
+            h.co.prepare_v2_verify(batch, 2)
         self.assertIn("built for 3", str(ctx.exception))
 
 
@@ -481,36 +459,17 @@ class TestDraftWorkerPool(sizing_tests.TinyConfigDirCase):
         runner = source("sglang.srt.model_executor.model_runner")
         at = runner.index("create_nsa_kv_offload_coordinator(self)")
         self.assertIn("and not self.is_draft_worker", runner[at - 400 : at])
-        pools = "model_executor.model_runner_kv_cache_mixin"
-        if IS_DSA_NAMING:
-            pools = "mem_cache.kv_cache_configurator"
-        mixin = source(f"sglang.srt.{pools}")
+        mixin = source("sglang.srt.mem_cache.kv_cache_configurator")
         at = mixin.index("nsa_kv_offload_pool_kwargs,")
         self.assertIn("and not self.is_draft_worker", mixin[at - 300 : at])
-        if IS_DSA_NAMING:
-            self._check_spec_v2_hooks(source)
-            return
-        verify = source("sglang.srt.speculative.eagle_info")
-        self.assertIn("offload.prepare_verify(batch, self.draft_token_num)", verify)
-        batch = source("sglang.srt.managers.schedule_batch")
-        # Admitted before any loc of the step is allocated (spec v2 allocates
-        # ahead in its own prepare_for_decode).
-        admit = batch.index("offload.prepare_speculative_decode(self")
-        self.assertLess(admit, batch.index("draft_input.prepare_for_decode(self)"))
-        self.assertLess(admit, batch.index("after running draft models."))
-        verify_v2 = source("sglang.srt.speculative.eagle_info_v2")
-        hook = verify_v2.index("offload.prepare_v2_verify(batch, self.draft_token_num)")
-        self.assertLess(verify_v2.index("assign_extend_cache_locs_func(\n"), hook)
-        self.assertLess(
-            hook, verify_v2.index("verify_forward_batch = ForwardBatch.init_new")
-        )
+        self._check_spec_v2_hooks(source)
 
     def _check_spec_v2_hooks(self, source):
-        # 0.5.17: spec v2 only. Admitted before spec_prepare_for_decode
+        # Spec v2 only. Admitted before spec_prepare_for_decode
         # allocates ahead; the verify's q locs mapped once they are read
         # from req_to_token, before its ForwardBatch exists.
         batch = source("sglang.srt.managers.schedule_batch")
-        admit = batch.index("offload.prepare_speculative_decode(self, spec_v2=True)")
+        admit = batch.index("offload.prepare_speculative_decode(self)")
         self.assertLess(admit, batch.index("spec_prepare_for_decode(self)\n"))
         verify = source("sglang.srt.speculative.eagle_utils")
         hook = verify.index(

@@ -13,6 +13,7 @@ from unittest import mock
 
 import torch
 from offload_harness import DEVICE, PAGE
+from resolution import handle_offload_args
 from sglang.srt.managers.nsa_kv_offload_coordinator import (
     create_nsa_kv_offload_coordinator,
 )
@@ -20,15 +21,13 @@ from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 from sglang.srt.mem_cache.nsa_kv_offload_compat import (
     CUDA_GRAPH_MAX_BS_FIELD,
     DECODE_BACKEND_FIELD,
-    IS_DSA_NAMING,
-    POOL_SIZING_COUNTS_REAL_ROW,
     PREFILL_BACKEND_FIELD,
-    pool_builder_layout,
+    RESOLUTION_PIPELINE,
+    model_config_of,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_pool import (
     NSAKVOffloadTokenToKVPool,
-    create_nsa_kv_offload_allocator,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolConfigurator,
@@ -42,7 +41,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The server-args fields the tests set by their 0.5.12 names (see _server_args).
+# The server-args fields the tests set by their NSA-era names (see _server_args).
 ARG_NAMES = {
     "nsa_prefill_backend": PREFILL_BACKEND_FIELD,
     "nsa_decode_backend": DECODE_BACKEND_FIELD,
@@ -224,6 +223,45 @@ class TinyConfigDirCase(unittest.TestCase):
         shutil.rmtree(cls.tmp_dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def config_bags(server_args):
+    """The resolved config bags the configurators read: the record itself
+    (its fields resolved), the exec bag's memory saver off."""
+    from sglang import srt
+    from sglang.srt.mem_cache import kv_cache_configurator
+    from sglang.srt.model_executor import pool_configurator
+
+    exec_bag = SimpleNamespace(
+        features=SimpleNamespace(enable_memory_saver=False),
+        kernel=server_args,
+        graph=server_args,
+    )
+    bags = dict(
+        get_memory=server_args,
+        get_schedule=server_args,
+        get_disagg=server_args,
+        get_spec=server_args,
+        get_exec=exec_bag,
+    )
+    with contextlib.ExitStack() as stack:
+        if hasattr(kv_cache_configurator, "max_speculative_num_draft_tokens"):
+            stack.enter_context(  # 0.5.23: the pool's MTP tail (no MTP here)
+                mock.patch.object(
+                    kv_cache_configurator,
+                    "max_speculative_num_draft_tokens",
+                    return_value=None,
+                )
+            )
+        runtime_context = getattr(srt, "runtime_context", None)
+        for module in (kv_cache_configurator, pool_configurator, runtime_context):
+            for name, bag in bags.items():
+                if hasattr(module, name):
+                    stack.enter_context(
+                        mock.patch.object(module, name, return_value=bag)
+                    )
+        yield
+
+
 class TestServerArgsToPools(TinyConfigDirCase):
     """ServerArgs (tiny DeepSeek-V3.2 config) -> patched pool configurator ->
     ModelRunner's pool resolution -> pool kwargs, allocator, coordinator."""
@@ -232,12 +270,6 @@ class TestServerArgsToPools(TinyConfigDirCase):
         # model_path="dummy" stops __post_init__ before the GPU-only steps; the
         # fields it would resolve for DSA on Hopper are set explicitly.
         args = self.ServerArgs(model_path="dummy")
-        handler = getattr(args, "_handle_decode_nsa_kv_offload", None)
-        if handler is None:
-            # Without patch 0001 (0.5.17 port pending): its fields, resolved
-            # below as its handler does for these tests.
-            for name, value in OFFLOAD_ARG_DEFAULTS.items():
-                setattr(args, name, value)
         fields = dict(
             model_path=self.tmp_dir,
             skip_tokenizer_init=True,
@@ -258,28 +290,24 @@ class TestServerArgsToPools(TinyConfigDirCase):
         fields.update(overrides)
         for name, value in fields.items():
             setattr(args, ARG_NAMES.get(name, name), value)
-        if handler is None:
-            if args.nsa_kv_offload_max_units is None:
-                self.skipTest("the --nsa-kv-offload-* defaults need patch 0001")
-            if args.nsa_kv_offload_gpu_buffer_size is None:
-                args.nsa_kv_offload_gpu_buffer_size = 2 * 2048  # 2 x top-k
-            return args
         # Independent of this machine's free RAM (the handler checks it).
         from sglang.srt.arg_groups import nsa_kv_offload_args
 
         with mock.patch.object(
             nsa_kv_offload_args, "pinnable_host_memory_gb", return_value=64.0
         ):
-            handler()
+            handle_offload_args(args)
+        # Until the test ends: the config bags sglang's configurators read.
+        self.enterContext(config_bags(args))
         return args
 
     def _model_runner(self, server_args, available_bytes):
         """What the patched sglang builds the pools with and hands our
-        configurator: the ModelRunner and its pool mixin (0.5.12) or a
-        KVCacheConfigurator (0.5.17); one namespace is also the ModelRunner."""
+        configurator, a KVCacheConfigurator; one namespace is also the
+        ModelRunner."""
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-        model_config = server_args.get_model_config()
+        model_config = model_config_of(server_args)
         layers = model_config.num_hidden_layers
         mr = SimpleNamespace(
             server_args=server_args,
@@ -296,26 +324,13 @@ class TestServerArgsToPools(TinyConfigDirCase):
             memory_pool_config=None,
         )
         mr._profile_available_bytes = lambda pre_model_load_memory: available_bytes
-        if not IS_DSA_NAMING:
-            from sglang.srt.model_executor.model_runner_kv_cache_mixin import (
-                ModelRunnerKVCacheMixin as Mixin,
-            )
-
-            mr.num_effective_layers, mr.pp_size, mr.dp_size = layers, 1, 1
-            for name in (
-                "calculate_mla_kv_cache_dim",
-                "_apply_token_constraints",
-                "_resolve_max_num_reqs",
-                "_resolve_memory_pool_config",
-            ):
-                setattr(mr, name, getattr(Mixin, name).__get__(mr))
-            return mr
         from sglang.srt.mem_cache import kv_cache_configurator
 
         mr.layer_info = SimpleNamespace(
             num_effective_layers=layers, start_layer=0, end_layer=layers
         )
         mr.ps = SimpleNamespace(attn_dp_size=1, pp_size=1)
+        mr.attn_dp_size, mr.pp_size = 1, 1  # 0.5.23: fields of the configurator
         kvc = kv_cache_configurator.KVCacheConfigurator
         for name in (
             "_apply_token_constraints",
@@ -325,10 +340,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
             setattr(mr, name, getattr(kvc, name).__get__(mr))
 
         def resolve(pre_model_load_memory):
-            # The schedule config bag holds the resolved server args.
-            with mock.patch.object(
-                kv_cache_configurator, "get_schedule", return_value=server_args
-            ):
+            # The config bags hold the resolved server args.
+            with config_bags(server_args):
                 return kvc._resolve_memory_pool_config(mr, pre_model_load_memory)
 
         mr._resolve_memory_pool_config = resolve
@@ -392,10 +405,9 @@ class TestServerArgsToPools(TinyConfigDirCase):
         self.assertEqual(NSAKVOffloadPoolConfigurator(bf16).row_bytes, 1152)
 
     def test_pools_take_what_sglangs_pool_takes(self):
-        # sglang 0.5.12's own pool counts tokens by a nominal 576 B fp8 row and
-        # allocates 656 B ones: with the offload on, the same
-        # --mem-fraction-static must give the pools that footprint, not 11% less
-        # (0.5.17 counts the real row: the budget as given).
+        # sglang's own pool counts tokens by the real (656 B fp8) row: with the
+        # offload on, the same --mem-fraction-static gives the pools that
+        # footprint (the budget as given, whole cells).
         from sglang.srt.model_executor import pool_configurator
 
         if hasattr(pool_configurator, "get_attention_tp_size"):
@@ -406,7 +418,7 @@ class TestServerArgsToPools(TinyConfigDirCase):
             tp_size = mock.patch.object(
                 pool_configurator,
                 "get_parallel",
-                return_value=SimpleNamespace(attn_tp_size=1),
+                return_value=SimpleNamespace(attn_tp_size=1, attn_dcp_size=1),
             )
 
         available = 1 << 30
@@ -428,15 +440,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
                 tokens = available // upstream._cell_size
                 real_cell = 3 * (ours.row_bytes + ours.indexer_bytes)
                 self.assertEqual(ours.budget_bytes(available), tokens * real_cell)
-                if dtype == "bfloat16":
-                    # Its row is what sglang counts: the budget as given.
-                    self.assertEqual(ours.row_bytes, 1152)
-                    self.assertLessEqual(available - tokens * real_cell, real_cell)
-                else:
-                    self.assertEqual(ours.row_bytes, 656)
-                    ratio = ours.budget_bytes(available) / available
-                    nominal = 656 if POOL_SIZING_COUNTS_REAL_ROW else 576
-                    self.assertAlmostEqual(ratio, (656 + 132) / (nominal + 132), 4)
+                self.assertEqual(ours.row_bytes, 1152 if dtype == "bfloat16" else 656)
+                self.assertLessEqual(available - tokens * real_cell, real_cell)
                 # The pools are sized from that footprint.
                 with mock.patch.object(
                     NSAKVOffloadPoolConfigurator,
@@ -538,59 +543,35 @@ class TestServerArgsToPools(TinyConfigDirCase):
             device=DEVICE,
             enable_memory_saver=False,
         )
-        if IS_DSA_NAMING:
-            self._build_pools_0517(mr)
-            self.assertEqual(mr.token_to_kv_pool.sizes, sizes)
-            sizes = mr.token_to_kv_pool.sizes
-        else:
-            layers, kv_cache_dim, _ = pool_builder_layout(mr)
-            mr.token_to_kv_pool = NSAKVOffloadTokenToKVPool(
-                mr.max_total_num_tokens,
-                page_size=mr.page_size,
-                dtype=mr.kv_cache_dtype,
-                kv_lora_rank=mr.model_config.kv_lora_rank,
-                qk_rope_head_dim=mr.model_config.qk_rope_head_dim,
-                layer_num=layers,
-                device=DEVICE,
-                kv_cache_dim=kv_cache_dim,
-                enable_memory_saver=False,
-                start_layer=0,
-                end_layer=None,
-                index_head_dim=128,
-                **kwargs,
-            )
-            mr.token_to_kv_pool_allocator = create_nsa_kv_offload_allocator(
-                mr, need_sort=False
-            )
+        self._build_pools(mr)
+        self.assertEqual(mr.token_to_kv_pool.sizes, sizes)
+        sizes = mr.token_to_kv_pool.sizes
         with self.assertLogs(
             "sglang.srt.managers.nsa_kv_offload_coordinator", "INFO"
         ) as logs:
             coordinator = create_nsa_kv_offload_coordinator(mr)
         return mr, sizes, coordinator, logs.output
 
-    def _build_pools_0517(self, mr):
-        """0.5.17: the patched KVCacheConfigurator builds the pool (from the
+    def _build_pools(self, mr):
+        """The patched KVCacheConfigurator builds the pool (from the
         configurator in ``memory_pool_config``, no second one) and allocator."""
         from sglang.srt.mem_cache import kv_cache_configurator as module
 
         kvc, sa = module.KVCacheConfigurator, mr.server_args
-        features = SimpleNamespace(enable_memory_saver=False)
-        bags = dict(
-            get_memory=sa,
-            get_schedule=sa,
-            get_disagg=sa,
-            get_exec=SimpleNamespace(features=features),
-        )
         mr.pool_page_size = mr.page_size
-        with contextlib.ExitStack() as stack:
-            for name, bag in bags.items():
-                stack.enter_context(mock.patch.object(module, name, return_value=bag))
+        # 0.5.23: what _build_dsa_kv_pool reads beside the pool's sizes.
+        mr.kv_shard_rank, mr.kv_shard_size, mr.loc_space_scale = None, 1, 1
+        build_kw = dict(max_total_num_tokens=mr.max_total_num_tokens)
+        if RESOLUTION_PIPELINE:
+            build_kw.update(
+                max_running_requests=mr.max_running_requests,
+                dsa_pool_class=module.DSATokenToKVPool,
+            )
+        with config_bags(sa):
             with mock.patch.object(
                 NSAKVOffloadPoolConfigurator, "__init__", side_effect=AssertionError
             ):
-                mr.token_to_kv_pool = kvc._build_dsa_kv_pool(
-                    mr, max_total_num_tokens=mr.max_total_num_tokens
-                )
+                mr.token_to_kv_pool = kvc._build_dsa_kv_pool(mr, **build_kw)
             self.assertIsInstance(mr.token_to_kv_pool, NSAKVOffloadTokenToKVPool)
             mr.token_to_kv_pool_allocator = kvc._build_token_to_kv_pool_allocator(
                 mr,
@@ -602,12 +583,8 @@ class TestServerArgsToPools(TinyConfigDirCase):
             )
         # A draft worker builds upstream's pool from the same config.
         mr.is_draft_worker = True
-        with contextlib.ExitStack() as stack:
-            for name, bag in bags.items():
-                stack.enter_context(mock.patch.object(module, name, return_value=bag))
-            draft = kvc._build_dsa_kv_pool(
-                mr, max_total_num_tokens=mr.max_total_num_tokens
-            )
+        with config_bags(sa):
+            draft = kvc._build_dsa_kv_pool(mr, **build_kw)
         mr.is_draft_worker = False
         self.assertIs(type(draft), module.DSATokenToKVPool)
 

@@ -17,6 +17,7 @@ import unittest
 from pathlib import Path
 from unittest import mock
 
+from resolution import handle_offload_args
 from sglang.srt.arg_groups.nsa_kv_offload_args import (
     check_nsa_kv_offload_speculative,
 )
@@ -215,12 +216,12 @@ class TestStartup(unittest.TestCase):
 
     def _start(self, args) -> ServerArgs:
         with self.assertNoLogs("sglang.srt.arg_groups.nsa_kv_offload_args", "WARNING"):
-            args._handle_decode_nsa_kv_offload()
+            handle_offload_args(args)
         return args
 
     def _refused(self, args) -> str:
         with self.assertRaises(ValueError) as ctx:
-            args._handle_decode_nsa_kv_offload()
+            handle_offload_args(args)
         message = str(ctx.exception)
         self.assertIn("--enable-decode-nsa-kv-offload", message)
         return message

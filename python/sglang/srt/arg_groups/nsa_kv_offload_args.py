@@ -1,11 +1,13 @@
 """Server arguments of --enable-decode-nsa-kv-offload: defaults, validation and
 the frozen options the offload is built from.
 
-:func:`handle_decode_nsa_kv_offload` (once, in ``ServerArgs.__post_init__``)
+:func:`handle_decode_nsa_kv_offload` (once, in ``ServerArgs.__post_init__``;
+0.5.23: a step of the resolution pipeline)
 resolves the ``--nsa-kv-offload-*`` defaults and refuses, naming the flag at
 fault, what the offload does not handle (docs/MTP.md; docs/MULTI_GPU.md);
 ``NSAKVOffloadOptions`` reads the resolved args (docs/ENGINE.md, "Options").
-Mid-resolution reads go through ``resolved_view``; backends are declarations.
+Mid-resolution reads go through ``resolved_view``; backends are declarations,
+and so are the defaults on 0.5.23 (``compat.declare``).
 """
 
 import logging
@@ -33,6 +35,14 @@ _HOST_RESERVE_FRACTION = 0.1
 _SPECULATIVE_ALGORITHMS = ("EAGLE", "NEXTN")
 _MAX_SPECULATIVE_STEPS = 3
 VERIFY_MODES = ("fail", "count")
+_REFUSED_FLAGS = (
+    "enable_mixed_chunk",
+    "enable_two_batch_overlap",
+    "enable_hierarchical_cache",
+    "enable_pdmux",
+    "enable_unified_memory",
+    "enable_kv_cache_sharding",  # (0.5.23)
+)
 
 
 def _fail(message: str) -> None:
@@ -74,10 +84,12 @@ class NSAKVOffloadRankLayout:
 
     @classmethod
     def from_server_args(cls, sa) -> "NSAKVOffloadRankLayout":
-        tp, dp, dpa = sa.tp_size, max(sa.dp_size, 1), sa.enable_dp_attention
-        # DP attention: dp groups of tp // dp ranks; plain DP: dp replicas of tp.
-        replicas, attn_tp = (1, max(tp // dp, 1)) if dpa else (dp, tp)
-        world = tp * sa.pp_size * replicas
+        sa = compat.resolved_args(sa)
+        # DP attention: groups of tp // attn_dp ranks; plain DP: replicas of tp.
+        replicas, attn_tp = compat.dp_replicas(sa), sa.tp_size // compat.attn_dp_size(
+            sa
+        )
+        world = sa.tp_size * sa.pp_size * replicas
         local = max(world // max(sa.nnodes, 1), 1)
         return cls(local, attn_tp, min(attn_tp, local))
 
@@ -116,8 +128,10 @@ class NSAKVOffloadOptions:
     @classmethod
     def from_server_args(cls, sa, hf_config=None) -> "NSAKVOffloadOptions":
         layout = NSAKVOffloadRankLayout.from_server_args(sa)
+        hf_config = hf_config or compat.model_config_of(sa).hf_config
+        sa = compat.resolved_args(sa)
         return cls(
-            top_k=compat.get_index_topk(hf_config or sa.get_model_config().hf_config),
+            top_k=compat.get_index_topk(hf_config),
             buffer_size=sa.nsa_kv_offload_gpu_buffer_size,
             recent_window=sa.nsa_kv_offload_recent_window,
             max_units=sa.nsa_kv_offload_max_units,
@@ -150,34 +164,36 @@ def nsa_kv_offload_backend_declarations(
 def handle_decode_nsa_kv_offload(server_args) -> None:
     """Resolve the --nsa-kv-offload-* defaults and validate the combination."""
     sa, cfg = server_args, compat.resolved_view(server_args)
-    if not sa.enable_decode_nsa_kv_offload:
-        if sa.nsa_kv_offload_verify is not None:
+    if not cfg.enable_decode_nsa_kv_offload:
+        if cfg.nsa_kv_offload_verify is not None:
             _fail("--nsa-kv-offload-verify needs --enable-decode-nsa-kv-offload.")
         return
-    model_config = sa.get_model_config()
+    model_config = compat.model_config_of(sa)
     if not compat.is_deepseek_sparse(model_config.hf_config):
         archs = getattr(model_config.hf_config, "architectures", None)
         _fail(
             "only DSA/NSA models (e.g. DeepSeek-V3.2, GLM-5) are supported, "
-            f"but --model-path {sa.model_path} is {archs}."
+            f"but --model-path {cfg.model_path} is {archs}."
         )
     index_topk = compat.get_index_topk(model_config.hf_config)
+    if getattr(model_config.hf_config, "index_kpool", 1) != 1:  # (0.5.23)
+        _fail("models whose indexer pools keys (index_kpool > 1) are not supported.")
     _check_server_mode(cfg)
     layout = NSAKVOffloadRankLayout.from_server_args(cfg)
     _check_parallelism(cfg, layout)
     _check_backends(cfg)
-    if sa.nsa_kv_offload_verify not in (None,) + VERIFY_MODES:
+    if cfg.nsa_kv_offload_verify not in (None,) + VERIFY_MODES:
         _fail(
-            f"--nsa-kv-offload-verify {sa.nsa_kv_offload_verify!r}: expected one of "
+            f"--nsa-kv-offload-verify {cfg.nsa_kv_offload_verify!r}: expected one of "
             f"{', '.join(VERIFY_MODES)}."
         )
 
-    if sa.nsa_kv_offload_gpu_buffer_size is None:
+    if cfg.nsa_kv_offload_gpu_buffer_size is None:
         # One top-k more than the union of a step's query tokens can need.
         q = _query_tokens(cfg) or 1
-        sa.nsa_kv_offload_gpu_buffer_size = (q + 1) * index_topk
-    buffer_size = sa.nsa_kv_offload_gpu_buffer_size
-    window = sa.nsa_kv_offload_recent_window
+        compat.declare(sa, nsa_kv_offload_gpu_buffer_size=(q + 1) * index_topk)
+    buffer_size = cfg.nsa_kv_offload_gpu_buffer_size
+    window = cfg.nsa_kv_offload_recent_window
     if buffer_size < index_topk:
         _fail(
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size}) must be at least the "
@@ -196,23 +212,22 @@ def handle_decode_nsa_kv_offload(server_args) -> None:
             f"--nsa-kv-offload-gpu-buffer-size ({buffer_size})."
         )
     check_nsa_kv_offload_speculative(cfg, index_topk)
-    units = sa.nsa_kv_offload_max_units
+    units = cfg.nsa_kv_offload_max_units
     if units is None:
-        sa.nsa_kv_offload_max_units = units_for_context(
-            model_config.context_len, buffer_size, window
-        )
+        units = units_for_context(model_config.context_len, buffer_size, window)
+        compat.declare(sa, nsa_kv_offload_max_units=units)
     elif units < 1:
         _fail(f"--nsa-kv-offload-max-units ({units}) must be at least 1.")
 
     pinnable_gb = pinnable_host_memory_gb(layout.host_pools_per_node)
-    host_pool_gb = sa.nsa_kv_offload_host_pool_gb
+    host_pool_gb = cfg.nsa_kv_offload_host_pool_gb
     if host_pool_gb is None:
         if pinnable_gb <= 0:
             _fail(
                 "no host memory is left to pin after the reserve; set "
                 "--nsa-kv-offload-host-pool-gb explicitly."
             )
-        sa.nsa_kv_offload_host_pool_gb = round(pinnable_gb, 2)
+        compat.declare(sa, nsa_kv_offload_host_pool_gb=round(pinnable_gb, 2))
     elif host_pool_gb <= 0:
         _fail(f"--nsa-kv-offload-host-pool-gb ({host_pool_gb}) must be positive.")
     elif host_pool_gb > pinnable_gb:
@@ -241,9 +256,16 @@ def _check_server_mode(sa) -> None:
         _fail("it cannot be combined with --enable-hisparse; pick one of the two.")
     if not sa.disable_radix_cache:
         _fail("it requires --disable-radix-cache.")
-    for field in ("enable_mixed_chunk", "enable_two_batch_overlap"):
-        if getattr(sa, field):
+    # Also what keeps KV in pools or transfers the offload does not see.
+    for field in _REFUSED_FLAGS:
+        if getattr(sa, field, False):
             _fail(f"{_flag(field)} is not supported.")
+    if (getattr(sa, "dcp_size", 1) or 1) > 1:
+        _fail(
+            f"decode context parallelism (--dcp-size {sa.dcp_size}) is not supported."
+        )
+    if getattr(sa, "disaggregation_decode_retraction_backup", None) == "host_pool":
+        _fail("--disaggregation-decode-retraction-backup host_pool is not supported.")
     if sa.page_size != NSA_KV_OFFLOAD_PAGE_SIZE:
         _fail(
             f"it requires --page-size {NSA_KV_OFFLOAD_PAGE_SIZE} (the NSA indexer "
@@ -282,7 +304,7 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
         _fail(
             f"--speculative-algorithm {algorithm} is not supported; only EAGLE / NEXTN MTP is."
         )
-    if sa.tp_size > 1 or sa.enable_dp_attention:
+    if sa.tp_size > 1 or compat.attn_dp_size(sa) > 1:
         # DP attention would also pad verify's top-k rows.
         _fail(
             f"--speculative-algorithm {algorithm} is not supported with --tp-size > 1 "
@@ -341,7 +363,8 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
 
 def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
     """Refuse the parallel layouts the offload cannot run or has not run on GPUs."""
-    tp, dp = sa.tp_size, sa.dp_size
+    dpa = compat.attn_dp_size(sa) > 1
+    tp, dp = sa.tp_size, compat.attn_dp_size(sa) if dpa else sa.dp_size
     if sa.pp_size > 1:
         _fail(f"pipeline parallelism (--pp-size {sa.pp_size}) is not supported.")
     if sa.attn_cp_size > 1 or getattr(sa, compat.PREFILL_CP_FIELD):
@@ -349,7 +372,7 @@ def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
             f"attention context parallelism (--attn-cp-size {sa.attn_cp_size}, "
             f"{_flag(compat.PREFILL_CP_FIELD)}) is not supported."
         )
-    if sa.enable_dp_attention and dp != tp:
+    if dpa and dp != tp:
         _fail(
             f"--enable-dp-attention with --dp-size {dp} smaller than --tp-size {tp} "
             f"(attention TP of {tp // max(dp, 1)} GPUs inside each DP group) is not "
@@ -368,17 +391,17 @@ def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
                 "supported: the KV transfer writes every rank's copy, while an "
                 "attention-TP group shares one host pool with one writer."
             )
-    if not (sa.enable_dp_attention or layout.attn_tp_size > 1):
+    if not (dpa or layout.attn_tp_size > 1):
         return
     if envs.SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL.get():
         logger.warning(
             "Decode NSA KV offload: SGLANG_NSA_KV_OFFLOAD_UNPROVEN_PARALLEL=1, starting "
             f"a layout not yet run on GPUs (--tp-size {tp}, --dp-size {dp}, "
-            f"--enable-dp-attention {sa.enable_dp_attention})."
+            f"--enable-dp-attention {dpa})."
         )
         return
     what = f"tensor parallelism (--tp-size {tp})"
-    if sa.enable_dp_attention:
+    if dpa:
         what = f"DP attention (--enable-dp-attention --dp-size {dp})"
     _fail(
         f"{what} has not run on GPUs yet (tested on CPU only); "

@@ -26,6 +26,8 @@ from sglang.srt.mem_cache.nsa_kv_offload_compat import (
     CUDA_GRAPH_MAX_BS_FIELD,
     decode_cuda_graph_max_bs,
     get_attention_tp_group,
+    kv_committed_len,
+    req_pool_idx,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_shared_host import (
     SharedHostLayout,
@@ -216,14 +218,14 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
             torch.cuda.current_stream().wait_stream(self.producer_stream)
 
     def is_admitted(self, req) -> bool:
-        return self.controller.is_admitted(req.req_pool_idx)
+        return self.controller.is_admitted(req_pool_idx(req))
 
     def admit(self, req, num_tokens: int, defer_warm=False, keep_staging=False):
         """Back the prompt up (unless the transfer put it in host memory), give
         ``req`` a region and free its staging rows (``keep_staging``: the
         caller does). ``defer_warm``: nothing is warmed yet; returns the
         prompt's locs for ``controller.warm_admitted`` after the rebalance."""
-        r = req.req_pool_idx
+        r = req_pool_idx(req)
         if self.controller.is_admitted(r):
             return None
         self._wait_producer()
@@ -260,11 +262,11 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
         ]
         if not self.options.warm_units:
             for req in reqs:
-                self._admit_for_decode(req, req.kv_committed_len)
+                self._admit_for_decode(req, kv_committed_len(req))
             return
         # Warm units: grant units now, fill them from the staging rows.
         staged = [
-            (req.req_pool_idx, self.admit(req, req.kv_committed_len, True, True))
+            (req_pool_idx(req), self.admit(req, kv_committed_len(req), True, True))
             for req in reqs
         ]
         self._rebalance_if_wanted()
@@ -276,7 +278,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
     def _admit_for_decode(self, req, num_tokens: int) -> None:
         locs = self.admit(req, num_tokens, defer_warm=self.options.warm_units)
         if locs is not None:
-            self._deferred_warm[req.req_pool_idx] = locs
+            self._deferred_warm[req_pool_idx(req)] = locs
 
     def _rebalance_if_wanted(self) -> None:
         if self.controller.wants_rebalance():
@@ -322,7 +324,7 @@ class NSAKVOffloadCoordinator(NSAKVOffloadMTPMixin):
 
     def release(self, req) -> None:
         """Finish, abort or retract: free the region and LRU state of ``req``."""
-        r = req.req_pool_idx
+        r = req_pool_idx(req)
         if r is None or not self.controller.is_admitted(r):
             return
         self._deferred_warm.pop(r, None)  # finished at its prefill

@@ -11,6 +11,7 @@ host holds").
 from __future__ import annotations
 
 import torch
+from sglang.srt.mem_cache.nsa_kv_offload_compat import kv_committed_len
 
 
 class NSAKVOffloadMTPMixin:
@@ -20,26 +21,17 @@ class NSAKVOffloadMTPMixin:
         """Admit what the prefill hook missed, with its committed KV."""
         for req in batch.reqs:
             if not self.is_admitted(req):
-                self.admit(req, req.kv_committed_len)
+                self.admit(req, kv_committed_len(req))
 
-    def prepare_speculative_decode(self, batch, spec_v2: bool) -> None:
-        """Speculative ``prepare_for_decode``, before the step's locs (spec v2) or
-        the draft pass (spec v1); spec v2 rebalances here."""
+    def prepare_speculative_decode(self, batch) -> None:
+        """Speculative ``prepare_for_decode``, before the step's locs exist:
+        admit what the prefill hook missed, then rebalance."""
         self._check_verify()
         self.admit_running(batch)
-        if spec_v2:
-            self._rebalance_if_wanted()
-
-    def prepare_verify(self, batch, num_draft_tokens: int) -> None:
-        """Spec v1: after ``prepare_for_verify`` allocated ``q`` locs per request
-        (request-major) into ``out_cache_loc``; ``seq_lens`` is still ``n``."""
-        self._check_query_tokens(num_draft_tokens)
-        self.admit_running(batch)
         self._rebalance_if_wanted()
-        self._map_verify_tokens(batch)
 
     def prepare_v2_verify(self, batch, num_draft_tokens: int) -> None:
-        """Spec v2 (worker side): map the ``q`` locs per request in
+        """Worker side: map the ``q`` locs per request (request-major) in
         ``batch.out_cache_loc`` to ring rows on the current stream (no host sync)."""
         self._check_query_tokens(num_draft_tokens)
         self._map_verify_tokens(batch)

@@ -20,11 +20,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.nsa_kv_offload_compat import (
-    FREES_THROUGH_PAGE_IDS,
-    SparseTokenToKVPool,
-    write_locs,
-)
+from sglang.srt.mem_cache.nsa_kv_offload_compat import SparseTokenToKVPool, write_locs
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     NSAKVOffloadPoolSizes,
     _round_up,
@@ -53,11 +49,8 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
         self.uses_arena = sizes.idle_loc_units > 0
         self.verify = verify
         self.host_pool = None  # set by the coordinator
-        super().__init__(
-            size=sizes.kv_pool_size, index_buf_size=0 if self.uses_arena else size, **kw
-        )
-        if self.uses_arena:  # (0.5.12 has no _create_index_buffers hook)
-            self._create_index_buffers()
+        index_buf_size = 0 if self.uses_arena else size  # arena: a placeholder
+        super().__init__(size=sizes.kv_pool_size, index_buf_size=index_buf_size, **kw)
         # Unmapped locs map to the padding rows; the last entry keeps -1 at -1.
         self.loc_to_row = torch.zeros(
             size + page_size + 1, dtype=torch.int64, device=self.device
@@ -101,13 +94,23 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
             for arena in self._arenas
         ]
 
+    def _arena_index_pages(self):
+        keys = slice(self.index_offset, self.index_end)
+        shape = (self.num_index_pages, self.index_page_bytes)
+        return [a[keys].view(shape) for a in self._arenas]
+
     def _create_index_buffers(self):
         """Upstream's indexer-key pages, or the arena's (no placeholder page)."""
         if not self.uses_arena:
             return super()._create_index_buffers()
-        keys = slice(self.index_offset, self.index_end)
-        shape = (self.num_index_pages, self.index_page_bytes)
-        self.index_k_with_scale_buffer = [a[keys].view(shape) for a in self._arenas]
+        self.index_k_with_scale_buffer = self._arena_index_pages()
+
+    def _create_index_key_cache(self):
+        """0.5.23: upstream's key cache, its pages the arena's with the arena."""
+        cache = super()._create_index_key_cache()
+        if self.uses_arena:
+            cache.buffer = self._arena_index_pages()
+        return cache
 
     def _clear_buffers(self):
         super()._clear_buffers()
@@ -140,12 +143,13 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
             with self._into_verify_pool():
                 super().set_kv_buffer(layer, loc, cache_k, cache_v, **kw)
 
-    def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
+    def set_mla_kv_buffer(self, layer, loc_info, cache_k_nope, cache_k_rope, **kw):
+        loc = write_locs(loc_info)
         rows = self.loc_to_row[loc]
-        super().set_mla_kv_buffer(layer, rows, cache_k_nope, cache_k_rope)
+        super().set_mla_kv_buffer(layer, rows, cache_k_nope, cache_k_rope, **kw)
         if self.verify_kv_buffer is not None:
             with self._into_verify_pool():
-                super().set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope)
+                super().set_mla_kv_buffer(layer, loc, cache_k_nope, cache_k_rope, **kw)
 
     def get_mla_kv_buffer(self, layer, loc, dst_dtype=None):
         return super().get_mla_kv_buffer(layer, self.loc_to_row[loc], dst_dtype)
@@ -159,7 +163,7 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
         pages = indices[:: self.page_size].to(self.device, torch.int64)
         return indices.to("cpu", torch.int64), layers, pages // self.page_size
 
-    def get_cpu_copy(self, indices, mamba_indices=None):
+    def get_cpu_copy(self, indices, mamba_indices=None, req_pool_index=None):
         """PD retraction: a request's host KV rows and indexer-key pages."""
         locs, layers, pages = self._retraction_targets(indices)
         return {
@@ -167,7 +171,7 @@ class NSAKVOffloadTokenToKVPool(SparseTokenToKVPool):
             "index_k": [buf[pages].cpu() for buf in self.index_k_with_scale_buffer],
         }
 
-    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None):
+    def load_cpu_copy(self, kv_cache_cpu, indices, mamba_indices=None, **kw):
         """Resume a retracted request into its new locs (``get_cpu_copy``)."""
         locs, layers, pages = self._retraction_targets(indices)
         for layer, rows in zip(layers, kv_cache_cpu["kv_rows"]):
@@ -248,7 +252,7 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def free_page_count(self) -> int:
         """Pages on the free lists (lent runs excluded)."""
-        return len(self.free_pages) + len(self.release_pages)
+        return super().available_size() // self.page_size
 
     def available_size(self):
         # Lent runs count as free (_alloc_or_reclaim takes them back).
@@ -257,8 +261,8 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
 
     def return_pages(self, pages: torch.Tensor) -> None:
         """A lent run back on the free list (``IdleLocUnitLender.give``)."""
-        if self.need_sort:
-            self.release_pages = torch.cat((self.release_pages, pages))
+        if self.need_sort:  # sorted in at the next merge
+            super()._release_page_ids(pages)
         else:
             self.free_pages = torch.cat((self.free_pages, pages))
 
@@ -269,23 +273,6 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
         lender = self.idle_loc_lender
         runs = torch.cat([lender.run_pages(p) for p in sorted(first_pages)])
         self.free_pages = self.free_pages[~torch.isin(self.free_pages, runs)]
-
-    def backup_state(self):
-        lender = self.idle_loc_lender
-        runs = lender.lent_page_runs() if lender is not None else frozenset()
-        return super().backup_state(), runs
-
-    def restore_state(self, state):
-        """The free lists of :meth:`backup_state`, adjusted for runs lent since."""
-        upstream_state, lent_then = state
-        super().restore_state(upstream_state)
-        lender = self.idle_loc_lender
-        if lender is None:
-            return
-        lent_now = lender.lent_page_runs()
-        self._drop_from_free(lent_now - lent_then)
-        for first in sorted(lent_then - lent_now):
-            self.return_pages(lender.run_pages(first))
 
     def _alloc_or_reclaim(self, alloc, num_pages):
         """``alloc()``, after taking lent units back if fewer than ``num_pages()``
@@ -391,19 +378,13 @@ class NSAKVOffloadTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
             self.page_to_staging_row[pages[staged]] = -1
 
     def _release_page_ids(self, *page_ids: torch.Tensor):
-        # 0.5.17: the sink of every free path (free, free_segment, groups).
+        # The sink of every free path (free, free_segment, groups).
         self._release_staging_pages(torch.cat(page_ids))
         super()._release_page_ids(*page_ids)
 
-    def free(self, free_index: torch.Tensor):
-        # 0.5.12 frees only here.
-        if not FREES_THROUGH_PAGE_IDS and self.is_not_in_free_group:
-            self.release_staging(free_index)
-        super().free(free_index)
-
 
 def create_nsa_kv_offload_allocator(builder, need_sort: bool, kvcache=None):
-    """The allocator of ``kvcache`` (default: the 0.5.12 ModelRunner's pool)."""
+    """The allocator of ``kvcache`` (default: the builder's pool)."""
     kvcache = builder.token_to_kv_pool if kvcache is None else kvcache
     return NSAKVOffloadTokenToKVPoolAllocator(
         kvcache.num_locs,

@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 from sglang.srt.mem_cache.lru_cache_state import lru_slot_dtype
 from sglang.srt.mem_cache.nsa_kv_offload_compat import (
-    POOL_SIZING_COUNTS_REAL_ROW,
     SparseTokenToKVPool,
     get_index_head_dim,
     pool_builder_layout,
+    resolved_args,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_units import staging_unit_capacity
@@ -258,16 +258,12 @@ class NSAKVOffloadPoolConfigurator:
     def __init__(self, builder):
         from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
 
-        sa, mc = builder.server_args, builder.model_config
+        sa, mc = resolved_args(builder.server_args), builder.model_config
         self.options = NSAKVOffloadOptions.from_server_args(sa, mc.hf_config)
         self.num_layers, kv_dim, attn_dp_size = pool_builder_layout(builder)
         elem = torch._utils._element_size(builder.kv_cache_dtype)
         self.row_bytes = kv_dim * elem
         self.indexer_bytes = nsa_indexer_bytes(get_index_head_dim(mc.hf_config))
-        # The KV row sglang's pool sizing counts (budget_bytes).
-        if not POOL_SIZING_COUNTS_REAL_ROW:
-            kv_dim = mc.kv_lora_rank + mc.qk_rope_head_dim
-        self.nominal_row_bytes = kv_dim * elem
         self.host_pool_bytes = int(self.options.host_pool_gb * (1 << 30))
         # Per rank: with DP attention --max-running-requests counts all ranks.
         mrr = sa.max_running_requests
@@ -340,10 +336,9 @@ class NSAKVOffloadPoolConfigurator:
 
     def budget_bytes(self, available_bytes: int) -> int:
         """What sglang's pool takes for the same ``--mem-fraction-static``: the
-        tokens its cell counts, each allocated a real cell."""
-        nominal = self.num_layers * (self.nominal_row_bytes + self.indexer_bytes)
-        real = self.num_layers * (self.row_bytes + self.indexer_bytes)
-        return available_bytes // nominal * real
+        whole cells (a real KV row and indexer key per layer) that fit."""
+        cell = self.num_layers * (self.row_bytes + self.indexer_bytes)
+        return available_bytes // cell * cell
 
     def calculate_pool_sizes(
         self, available_bytes: int, page_size: int

@@ -183,7 +183,7 @@ class IdleLocUnitLender(_PageRunLender):
         return len(self._lent) * self.pages_per_unit
 
     def lent_page_runs(self) -> frozenset:
-        """First pages of the runs lent now (``backup_state`` keeps them)."""
+        """First pages of the runs lent now."""
         return frozenset(self._lent.values())
 
     def _free_page_count(self) -> int:

@@ -3,7 +3,7 @@
 KV only (the indexer keys stay on the GPU), layer-first, one ``row_bytes`` row
 per token per layer, indexed by token loc (host slot == token loc).
 ``kv_buffer`` is ``(layer_num, size + page_size, row_bytes)`` uint8, the rows
-of the device ``NSATokenToKVPool.kv_buffer``, so a PD transfer can land pages
+of the device ``DSATokenToKVPool.kv_buffer``, so a PD transfer can land pages
 here (:meth:`get_contiguous_buf_infos`). Page-locked (``cudaHostRegister`` or
 torch's pinned allocator) for GPU reads through UVA; ordinary memory without
 CUDA. Attention-TP ranks share one segment (``nsa_kv_offload_shared_host``).
