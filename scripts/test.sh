@@ -54,10 +54,6 @@ if [[ "$SGLANG_VERSION" == 0.5.23 ]]; then
     # the integration tests run them through 0.5.23's pools).
     targets+=(--ignore=test/srt/test_sparse_cache_controller.py
         --ignore=test/srt/test_nsa_kv_offload_multi_token.py)
-    # The benchmark harness launches servers with 0.5.17's --nsa-*-backend
-    # spellings, which 0.5.23 no longer accepts (--dsa-*-backend): not yet.
-    targets+=(--deselect test/tools/test_capacity_report.py::TestServerCommand::test_kv_cache_dtype
-        --deselect test/tools/test_capacity_report.py::TestServerCommand::test_pd_decode_reserves_the_output)
 fi
 for arg in "$@"; do
     if [[ "$arg" == test/* || ("$arg" != -* && -e "$arg") ]]; then

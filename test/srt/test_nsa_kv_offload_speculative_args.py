@@ -2,11 +2,11 @@
 
 MTP has run end to end on the H200 (benchmark/nsa_offload/results/mtp/), so
 the supported settings start with no env var: EAGLE / NEXTN MTP with one draft
-chain, 1-3 steps, draft tokens = steps + 1, spec v1 (--disable-overlap-schedule)
-or spec v2 (the overlap scheduler, sglang's default; CPU-tested, docs/MTP.md).
+chain, 1-3 steps, draft tokens = steps + 1, sglang's spec v2 worker with the
+overlap scheduler (the default) or without it (--disable-overlap-schedule).
 ``check_nsa_kv_offload_speculative`` refuses everything else, naming the
 flag: other algorithms, draft trees, more steps, adaptive steps, multi-layer
-EAGLE, spec v2 on a PD decode server or with sglang's plan stream, and a
+EAGLE, the overlap scheduler on a PD decode server or with its plan stream, and a
 buffer or window too small for the verify step's query tokens. Attention TP / DP attention keep their own gate, MTP or not.
 """
 
@@ -51,7 +51,7 @@ class TestSpeculativeChecks(unittest.TestCase):
             speculative_num_draft_tokens=4,
             nsa_kv_offload_gpu_buffer_size=5 * INDEX_TOPK,
             nsa_kv_offload_recent_window=64,
-            disable_overlap_schedule=True,  # spec v1
+            disable_overlap_schedule=True,
         )
         fields.update(overrides)
         for name, value in fields.items():
@@ -139,19 +139,20 @@ class TestSpeculativeChecks(unittest.TestCase):
                     check_nsa_kv_offload_speculative(args, INDEX_TOPK), steps + 1
                 )
 
-    def test_spec_v2_refused_where_not_run(self):
+    def test_overlap_scheduler_refused_where_not_run(self):
         self._assert_refused(
-            "(spec v2) on a PD decode server (--disaggregation-mode decode) is not "
-            "supported; pass --disable-overlap-schedule",
+            "with the overlap scheduler on a PD decode server (--disaggregation-mode "
+            "decode) is not supported; pass --disable-overlap-schedule",
             disable_overlap_schedule=False,
             disaggregation_mode="decode",
         )
         with mock.patch.dict(os.environ, {ENV_OVERLAP_PLAN_STREAM: "1"}):
             self._assert_refused(
-                f"{ENV_OVERLAP_PLAN_STREAM}=1 (spec v2's plan stream) is not supported",
+                f"{ENV_OVERLAP_PLAN_STREAM}=1 (the overlap scheduler's plan stream) "
+                "is not supported",
                 disable_overlap_schedule=False,
             )
-            # Spec v1 never reads it.
+            # Without the overlap scheduler it is never read.
             self.assertEqual(
                 check_nsa_kv_offload_speculative(self._args(), INDEX_TOPK), 4
             )
@@ -299,7 +300,7 @@ class TestStartup(unittest.TestCase):
                 dict(speculative_num_draft_tokens=3),
             ),
             (
-                "(spec v2) on a PD decode server (--disaggregation-mode decode)",
+                "overlap scheduler on a PD decode server (--disaggregation-mode decode)",
                 dict(disable_overlap_schedule=False, disaggregation_mode="decode"),
             ),
             (

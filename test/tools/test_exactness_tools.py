@@ -476,7 +476,7 @@ class TestMtpServers(unittest.TestCase):
             self.assertEqual(flag(cmd, "--speculative-num-steps"), "3")
             self.assertEqual(flag(cmd, "--speculative-eagle-topk"), "1")
             self.assertEqual(flag(cmd, "--speculative-num-draft-tokens"), "4")
-            self.assertIn("--disable-overlap-schedule", cmd)  # spec v1
+            self.assertIn("--disable-overlap-schedule", cmd)
         self.assertEqual(flag(one, "--speculative-num-draft-tokens"), "2")
         # MTP starts with no gate: no offload env var on either server; the
         # offload one's env is that of the offload server without MTP.
@@ -695,7 +695,7 @@ class TestMtpServers(unittest.TestCase):
         self.assertIn("32768x1", str(cm.exception))
         with self.assertRaises(SystemExit):  # an exactness run without MTP
             mtp_summary.merge([exact, {"identical": 2}], [speed])
-        # Two runs (spec v1 and spec v2) add up; one unequal accept count
+        # Two runs (with and without the overlap scheduler) add up; one unequal accept count
         # anywhere makes the whole key false.
         other = json.loads(json.dumps(exact))
         other["mtp"]["accept_length_equal"] = False
@@ -950,12 +950,8 @@ class TestSortedTopk(unittest.TestCase):
                 return TestSortedTopk.tie_blind_topk(logits, topk, lengths, starts, gen)
 
         fused = [True]
-        module = types.SimpleNamespace(DSAIndexerMetadata=Metadata, __name__="m")
-        Metadata.__module__ = "m"
-        sorted_topk._patch(module, "DSAIndexerMetadata", lambda: fused[0])
-        # A module re-exporting the class (0.5.17's nsa_backend): not again.
-        alias = types.SimpleNamespace(NSAIndexerMetadata=Metadata, __name__="shim")
-        sorted_topk._patch(alias, "NSAIndexerMetadata", lambda: fused[0])
+        module = types.SimpleNamespace(DSAIndexerMetadata=Metadata)
+        sorted_topk._patch(module, lambda: fused[0])
         logits = torch.tensor([[0.5, 2.0, 2.0, -1.0]])
         Metadata().topk_transform(logits.clone(), 2)  # fused: as is, once
         self.assertEqual(len(seen), 1)

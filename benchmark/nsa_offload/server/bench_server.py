@@ -37,7 +37,7 @@ stall, fall inside the measured window; P4 then compares the clients' mean
 ITL (a burst's steady server-log figures leave the admissions out).
 
 With MTP (``--servers baseline_mtp,ours_mtp,ours``, ``--mtp-steps``: NextN,
-eagle topk 1, spec v1) the target's verify forwards get the same top-k
+eagle topk 1, without the overlap scheduler) the target's verify forwards get the same top-k
 (the override maps each query row as the decode step at its length); P4's
 MTP line is ours + MTP vs no offload + MTP (ITL per output token, from the
 decode log's throughput), another line ours + MTP vs ours.
@@ -2638,7 +2638,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=3,
         choices=(1, 2, 3),
         help="draft steps of the *_mtp servers (NextN, eagle topk 1, draft "
-        "tokens = steps + 1, spec v1 unless --mtp-spec-v2)",
+        "tokens = steps + 1, without the overlap scheduler unless --mtp-spec-v2)",
     )
     p.add_argument(
         "--mtp-spec-v2",

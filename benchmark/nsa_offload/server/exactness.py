@@ -31,7 +31,7 @@ no-offload one; ``*_retract`` servers force retraction
 (``SGLANG_TEST_RETRACT``: sglang retracts decode requests every
 ``SGLANG_TEST_RETRACT_INTERVAL`` forwards) and are compared with each other.
 The ``*_mtp*`` servers (``--servers mtp``) run MTP (NextN, eagle topk 1,
-1 to 3 steps, spec v1; one pair with forced retraction) with and without
+1 to 3 steps, without the overlap scheduler; one pair with forced retraction) with and without
 the offload, the ``*_mtp*_v2*`` ones (``--servers mtp_v2``) the same with
 spec v2 (the overlap scheduler); besides the outputs,
 each request's accept counts (verify forwards, accepted drafts, histogram)
@@ -213,7 +213,9 @@ SERVERS = {
     ),
     "stock_fp8": dict(stock=True, repeat=True, base="base_fp8"),
     "dummy_fp8": dict(dummy=True, nc=True),
-    # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, spec v1):
+    # MTP (EAGLE / NextN, eagle topk 1, draft tokens = steps + 1, without the
+    # overlap scheduler: spec v1 on sglang 0.5.12, the v2 worker run
+    # synchronously since 0.5.17):
     # each offload server against the no-offload server with the same MTP
     # settings, outputs and accept counts (docs/MTP.md).
     # Its negative control corrupts verify rows (traces/bench_hooks/0001).

@@ -19,7 +19,7 @@ def merge(
     exactness: List[dict], speeds: List[dict], speed_caveat: Optional[str] = None
 ) -> dict:
     """The committed keys; a key one half lacks stays None (not measured).
-    Several exactness runs (spec v1 and spec v2, say) add up."""
+    Several exactness runs (with and without the overlap scheduler, say) add up."""
     parts = [run.get("mtp") for run in exactness]
     if not parts or None in parts:
         raise SystemExit("--exactness: no 'mtp' part (run exactness.py --servers mtp)")

@@ -106,9 +106,9 @@ def sglang_version() -> str:
 
 
 def mtp_args(steps: int, spec_v2: bool = False) -> List[str]:
-    """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps: spec
-    v1 (``--disable-overlap-schedule``), or with ``spec_v2`` the overlap
-    scheduler left on (sglang's default for eagle topk 1: spec v2)."""
+    """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps,
+    without the overlap scheduler (``--disable-overlap-schedule``), or with
+    ``spec_v2`` with it (sglang's default)."""
     args = [
         "--speculative-algorithm",
         "NEXTN",

@@ -13,8 +13,7 @@ and it would hide what an exactness check is for.
 
 With ``SGLANG_NSA_TOPK_SORTED=1`` and this directory first on ``PYTHONPATH``
 (Python imports ``sitecustomize`` at every interpreter start, sglang's
-spawned scheduler included), the indexer metadata's ``topk_transform``
-(``DSAIndexerMetadata`` from sglang 0.5.17, ``NSAIndexerMetadata`` before) runs
+spawned scheduler included), ``DSAIndexerMetadata.topk_transform`` runs
 sglang's kernel, takes the smallest score it picked as the row's k-th
 largest (checked by counting; where the kernel was wrong, which it is on
 some long rows, from a full selection: ``_pick_topk_inplace``), keeps every
@@ -33,19 +32,8 @@ import importlib.machinery
 import os
 import sys
 
-# The module defining the indexer metadata class, that class and the env flag
-# of the fused top-k, per release (sglang 0.5.17 renamed NSA to DSA; its
-# nsa_backend module re-exports the DSA class: patched where it is defined).
-TARGETS = {
-    "sglang.srt.layers.attention.nsa_backend": (
-        "NSAIndexerMetadata",
-        "SGLANG_NSA_FUSE_TOPK",
-    ),
-    "sglang.srt.layers.attention.dsa.dsa_indexer_metadata": (
-        "DSAIndexerMetadata",
-        "SGLANG_DSA_FUSE_TOPK",
-    ),
-}
+# The module defining the indexer metadata class (sglang 0.5.17 and 0.5.23).
+TARGET = "sglang.srt.layers.attention.dsa.dsa_indexer_metadata"
 
 
 def _sorted_rows(out):
@@ -145,16 +133,14 @@ def _count_refined(n: int) -> None:
         )
 
 
-def _patch(module, cls_name: str, fuse_flag) -> None:
-    """Wrap ``module.<cls_name>.topk_transform`` (once, where the class is
-    defined); ``fuse_flag()`` tells whether sglang's fused top-k is on."""
+def _patch(module, fuse_flag) -> None:
+    """Wrap ``module.DSAIndexerMetadata.topk_transform``; ``fuse_flag()``
+    tells whether sglang's fused top-k is on."""
     import inspect
 
     import torch
 
-    cls = getattr(module, cls_name, None)
-    if cls is None or cls.__module__ != module.__name__:
-        return
+    cls = module.DSAIndexerMetadata
     original = cls.topk_transform
     signature = inspect.signature(original)
 
@@ -182,7 +168,7 @@ def _patch(module, cls_name: str, fuse_flag) -> None:
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name not in TARGETS:
+        if name != TARGET:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -193,8 +179,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             from sglang.srt.environ import envs
 
-            cls_name, flag = TARGETS[name]
-            _patch(module, cls_name, getattr(envs, flag).get)
+            _patch(module, envs.SGLANG_DSA_FUSE_TOPK.get)
 
         spec.loader.exec_module = exec_and_patch
         return spec

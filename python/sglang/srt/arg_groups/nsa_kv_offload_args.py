@@ -332,18 +332,18 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
             _fail(
                 f"{_flag(field)} is not supported with --speculative-algorithm {algorithm}."
             )
-    if not sa.disable_overlap_schedule:  # spec v2
+    if not sa.disable_overlap_schedule:
         if sa.disaggregation_mode == "decode":
             # The transfer may write host slots a forward still writes back.
             _fail(
-                "speculative decoding with the overlap scheduler (spec v2) on a PD "
-                "decode server (--disaggregation-mode decode) is not supported; pass "
-                "--disable-overlap-schedule (spec v1)."
+                "speculative decoding with the overlap scheduler on a PD decode "
+                "server (--disaggregation-mode decode) is not supported; pass "
+                "--disable-overlap-schedule."
             )
         if envs.SGLANG_ENABLE_OVERLAP_PLAN_STREAM.get():
             _fail(
-                "SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 (spec v2's plan stream) is not "
-                "supported; unset it or pass --disable-overlap-schedule (spec v1)."
+                "SGLANG_ENABLE_OVERLAP_PLAN_STREAM=1 (the overlap scheduler's plan "
+                "stream) is not supported; unset it or pass --disable-overlap-schedule."
             )
     if sa.nsa_kv_offload_gpu_buffer_size < q * index_topk:
         # A verify step keeps the union of its query tokens' top-k resident.
