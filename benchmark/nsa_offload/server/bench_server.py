@@ -2466,7 +2466,7 @@ def mtp_speed_summary(results: List[dict]) -> Optional[dict]:
     """results/mtp/summary.json's speed key from the runs with MTP servers:
     ours + MTP's ITL / no offload + MTP's, "<model>:<trace>:<context>x<batch>"
     -> ratio (the exactness keys come from exactness.py's ``mtp``)."""
-    ratios, steps, commits = {}, set(), set()
+    ratios, steps, commits, versions = {}, set(), set(), set()
     for run in results:
         cfg = run["config"]
         t = evaluate_targets(run)
@@ -2477,12 +2477,16 @@ def mtp_speed_summary(results: List[dict]) -> Optional[dict]:
             ratios[key] = round(1 + v, 4)
         steps.add(cfg.get("mtp_steps"))
         commits.add(cfg.get("code_commit", "unknown"))
+        versions.add(cfg.get("sglang_version", "0.5.12.post1"))
     if not ratios:
         return None
     return {
         "itl_ratio_vs_no_offload_mtp": ratios,
         "num_steps": sorted(s for s in steps if s is not None),
         "code_commit": sorted(commits)[0] if len(commits) == 1 else sorted(commits),
+        "sglang_version": (
+            sorted(versions)[0] if len(versions) == 1 else sorted(versions)
+        ),
     }
 
 

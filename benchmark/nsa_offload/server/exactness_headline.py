@@ -154,6 +154,10 @@ def headline(runs: List[dict], folders: List[str]) -> dict:
         "cases": [c for run in runs for c in run["cases"]],
         "code_commit": runs[-1]["code_commit"],
         "code_commits": commits,
+        # Runs before the key ran on sglang 0.5.12.post1 (the only release then).
+        "sglang_version": sorted(
+            {run.get("sglang_version") or "0.5.12.post1" for run in runs}
+        ),
         "negative_control_flip_fraction_by_model": {
             m: p["negative_control_flip_fraction"] for m, p in by_model.items()
         },

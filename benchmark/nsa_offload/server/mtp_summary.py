@@ -23,7 +23,11 @@ def merge(
     parts = [run.get("mtp") for run in exactness]
     if not parts or None in parts:
         raise SystemExit("--exactness: no 'mtp' part (run exactness.py --servers mtp)")
-    ratios, steps, commits = {}, set(), set()
+    ratios, steps, commits, versions = {}, set(), set(), set()
+    for half in parts + speeds:
+        # Runs before the key ran on sglang 0.5.12.post1 (the only release then).
+        v = half.get("sglang_version") or "0.5.12.post1"
+        versions.update(v if isinstance(v, list) else [v])
     for mtp in parts:
         steps.update(mtp["num_steps"])
         commits.add(mtp["code_commit"])
@@ -45,6 +49,7 @@ def merge(
         "itl_ratio_caveat": speed_caveat,
         "num_steps": sorted(steps),
         "code_commit": commits.pop() if len(commits) == 1 else sorted(commits),
+        "sglang_version": versions.pop() if len(versions) == 1 else sorted(versions),
         # Where the figures came from, for a reader of this file alone.
         "negative_control": {
             k: v
