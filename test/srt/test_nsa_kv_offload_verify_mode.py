@@ -9,12 +9,12 @@ import unittest
 from types import SimpleNamespace
 
 import torch
-from offload_harness import (
+from offload_harness import (  # noqa: F401
     DEVICE,
     OffloadHarness,
     setUpModule,
     tearDownModule,
-)  # noqa: F401
+)
 from sglang.srt.mem_cache.nsa_kv_offload_verify import NSAKVOffloadVerifier
 
 

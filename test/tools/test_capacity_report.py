@@ -312,6 +312,8 @@ class TestServerCommand(unittest.TestCase):
         # 0.5.17 stores the --nsa-*-backend flags into its dsa_*_backend fields.
         from sglang.srt.mem_cache.nsa_kv_offload_compat import (
             DECODE_BACKEND_FIELD as DECODE,
+        )
+        from sglang.srt.mem_cache.nsa_kv_offload_compat import (
             PREFILL_BACKEND_FIELD as PREFILL,
         )
 

@@ -9,11 +9,14 @@ how server args are read and decided.
 
 from importlib.util import find_spec
 
-from sglang.srt.configs.model_config import get_dsa_index_head_dim as get_index_head_dim  # noqa: F401
-from sglang.srt.configs.model_config import get_dsa_index_topk as get_index_topk
-from sglang.srt.configs.model_config import is_deepseek_dsa as is_deepseek_sparse
-from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool as SparseTokenToKVPool  # noqa: F401
+from sglang.srt.configs import model_config as _model_config
+from sglang.srt.mem_cache import memory_pool as _memory_pool
 from sglang.srt.model_executor.forward_context import get_attn_backend
+
+SparseTokenToKVPool = _memory_pool.DSATokenToKVPool
+get_index_topk = _model_config.get_dsa_index_topk
+get_index_head_dim = _model_config.get_dsa_index_head_dim
+is_deepseek_sparse = _model_config.is_deepseek_dsa
 
 DECODE_BACKEND_FIELD = "dsa_decode_backend"
 PREFILL_BACKEND_FIELD = "dsa_prefill_backend"
