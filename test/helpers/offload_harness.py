@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from unittest import mock
 
 import torch
-from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
+from sglang.srt.arg_groups.nsa_kv_offload_hook import NSAKVOffloadOptions
 from sglang.srt.layers.attention import nsa_offload_hooks
 from sglang.srt.managers.nsa_kv_offload_coordinator import NSAKVOffloadCoordinator
 from sglang.srt.managers.schedule_batch import ReqKvInfo

@@ -9,7 +9,7 @@ a test reads resolved values as it does on 0.5.17.
 
 from unittest import mock
 
-from sglang.srt.arg_groups import nsa_kv_offload_args, overrides
+from sglang.srt.arg_groups import nsa_kv_offload_hook, overrides
 from sglang.srt.mem_cache.nsa_kv_offload_compat import RESOLUTION_PIPELINE
 
 
@@ -30,7 +30,7 @@ def handle_offload_args(args) -> None:
     try:
         # The pipeline's first step: --enable-dp-attention -> --attn-dp-size.
         handle_deprecated_dp_attention(args)
-        nsa_kv_offload_args.handle_decode_nsa_kv_offload(args)
+        nsa_kv_offload_hook.handle_decode_nsa_kv_offload(args)
     finally:
         _take_declarations(args)
 

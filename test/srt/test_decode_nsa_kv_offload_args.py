@@ -18,8 +18,8 @@ from types import SimpleNamespace
 from unittest import mock
 
 from resolution import handle_offload_args, resolve_dsa_backends
-from sglang.srt.arg_groups import nsa_kv_offload_args
-from sglang.srt.arg_groups.nsa_kv_offload_args import (
+from sglang.srt.arg_groups import nsa_kv_offload_hook
+from sglang.srt.arg_groups.nsa_kv_offload_hook import (
     GB,
     NSAKVOffloadOptions,
     NSAKVOffloadRankLayout,
@@ -394,7 +394,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
         ):
             with self.subTest(**overrides), self._with_unproven_parallel(True):
                 args = self._server_args(**overrides)
-                with self.assertLogs(nsa_kv_offload_args.logger, "WARNING") as logs:
+                with self.assertLogs(nsa_kv_offload_hook.logger, "WARNING") as logs:
                     handle_offload_args(args)
                 self.assertIn(ENV_UNPROVEN_PARALLEL, "".join(logs.output))
 
@@ -502,7 +502,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
             with self.subTest(**overrides), self._with_unproven_parallel(True):
                 args = self._server_args(nsa_kv_offload_host_pool_gb=None, **overrides)
                 with mock.patch.object(
-                    nsa_kv_offload_args.psutil, "virtual_memory", return_value=ram
+                    nsa_kv_offload_hook.psutil, "virtual_memory", return_value=ram
                 ):
                     handle_offload_args(args)
                 self.assertAlmostEqual(
@@ -512,7 +512,7 @@ class TestDecodeNSAKVOffloadArgs(unittest.TestCase):
     def test_reject_host_pool_larger_than_the_node_share(self):
         ram = SimpleNamespace(total=1024 * GB, available=900 * GB)
         with self._with_unproven_parallel(True), mock.patch.object(
-            nsa_kv_offload_args.psutil, "virtual_memory", return_value=ram
+            nsa_kv_offload_hook.psutil, "virtual_memory", return_value=ram
         ):
             # 8 DP-attention ranks: 99.7 GB each.
             self._assert_rejected(

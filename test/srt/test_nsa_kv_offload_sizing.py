@@ -291,10 +291,10 @@ class TestServerArgsToPools(TinyConfigDirCase):
         for name, value in fields.items():
             setattr(args, ARG_NAMES.get(name, name), value)
         # Independent of this machine's free RAM (the handler checks it).
-        from sglang.srt.arg_groups import nsa_kv_offload_args
+        from sglang.srt.arg_groups import nsa_kv_offload_hook
 
         with mock.patch.object(
-            nsa_kv_offload_args, "pinnable_host_memory_gb", return_value=64.0
+            nsa_kv_offload_hook, "pinnable_host_memory_gb", return_value=64.0
         ):
             handle_offload_args(args)
         # Until the test ends: the config bags sglang's configurators read.

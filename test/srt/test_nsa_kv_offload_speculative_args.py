@@ -18,7 +18,7 @@ from pathlib import Path
 from unittest import mock
 
 from resolution import handle_offload_args
-from sglang.srt.arg_groups.nsa_kv_offload_args import (
+from sglang.srt.arg_groups.nsa_kv_offload_hook import (
     check_nsa_kv_offload_speculative,
 )
 from sglang.srt.mem_cache.nsa_kv_offload_compat import (
@@ -216,7 +216,7 @@ class TestStartup(unittest.TestCase):
         return mock.patch.dict(os.environ, {**env, **extra}, clear=True)
 
     def _start(self, args) -> ServerArgs:
-        with self.assertNoLogs("sglang.srt.arg_groups.nsa_kv_offload_args", "WARNING"):
+        with self.assertNoLogs("sglang.srt.arg_groups.nsa_kv_offload_hook", "WARNING"):
             handle_offload_args(args)
         return args
 

@@ -497,7 +497,7 @@ def scrape_offload_metrics(url: str) -> Dict[str, float]:
 
 
 # The offload's startup lines: each host pool a process maps, and the pool's
-# scope (nsa_kv_only_host_pool.py, arg_groups/nsa_kv_offload_args.py).
+# scope (nsa_kv_only_host_pool.py, arg_groups/nsa_kv_offload_hook.py).
 HOST_POOL_LINE = re.compile(
     r"NSA KV-only host pool: (\d+) tokens x (\d+) layers x (\d+) B = [0-9.]+ GB"
 )

@@ -16,7 +16,7 @@ from contextlib import nullcontext
 from typing import Dict, Optional
 
 import torch
-from sglang.srt.arg_groups.nsa_kv_offload_args import (
+from sglang.srt.arg_groups.nsa_kv_offload_hook import (
     NSAKVOffloadOptions,
     NSAKVOffloadRankLayout,
 )

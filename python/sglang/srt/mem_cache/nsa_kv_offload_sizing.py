@@ -256,7 +256,7 @@ class NSAKVOffloadPoolConfigurator:
     """The pools' sizing with the offload on (module doc; ``pool_builder_layout``)."""
 
     def __init__(self, builder):
-        from sglang.srt.arg_groups.nsa_kv_offload_args import NSAKVOffloadOptions
+        from sglang.srt.arg_groups.nsa_kv_offload_hook import NSAKVOffloadOptions
 
         sa, mc = resolved_args(builder.server_args), builder.model_config
         self.options = NSAKVOffloadOptions.from_server_args(sa, mc.hf_config)
