@@ -75,6 +75,9 @@ python3 scripts/apply_patch.py --sglang-dir /tmp/site --with-bench-hooks || exit
 # Jobs started beside this one in the same call wait for this mark.
 touch /tmp/site/.ready
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+# The tiny gates' reference (resumed, relative to server/): sglang 0.5.17's
+# no-offload outputs and negative control on the tiny checkpoint.
+TINY_REF=../results/exactness/tiny_0517_32751af/exactness.json
 # Jobs side by side (device_pair.sh) need their own server ports.
 GPU0=${CUDA_VISIBLE_DEVICES:-0}; GPU0=${GPU0%%,*}
 rc=0
@@ -230,11 +233,11 @@ run_step() {
       ;;
     verify-gate)
       # The default in verify mode on the tiny checkpoint at batch 1 against
-      # tiny_run6's no-offload outputs and negative control, beside the
+      # the no-offload outputs of $TINY_REF and negative control, beside the
       # default without verify (the gate of the lean default path); then the
       # verify mode's CUDA tests (a planted wrong row counted, the check in
       # a CUDA graph, mode fail's poll) and the suite's --full tier.
-      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      local resume="--resume-from $TINY_REF --parallel 1"
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_verify $resume" \
         EXACT_ARGS_2="--servers ours_fp8 $resume" run_step exact
       timeout 150 python3 -m pytest -q -p no:cacheprovider test/srt/test_nsa_kv_offload_verify_mode.py \
@@ -256,9 +259,9 @@ run_step() {
       # state's CUDA tests, then the tiny checkpoint end to end (the default;
       # one unit, the fixed buffer; 2 units, walks beside direct requests,
       # whose flat-copy twin read wrong KV at e20c81a, 44/64; resumed from
-      # tiny_run6's no-offload outputs). The CPU interpreter and the kernel tests passed a
+      # the no-offload outputs of $TINY_REF). The CPU interpreter and the kernel tests passed a
       # rewrite that the end-to-end run caught (results/exactness/tiny_reorder_regression/).
-      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      local resume="--resume-from $TINY_REF --parallel 1"
       (timeout 240 python3 benchmark/nsa_offload/engine/bench_swap_units.py --out $OUT/gate_swap_units \
         --batch-sizes 1,8,32 --units 2,4 --repeats 3 > $OUT/gate_swap_units.log 2>&1) &
       local swap_units=$!
@@ -300,9 +303,9 @@ run_step() {
       # (walks beside direct requests; its flat-copy twin read wrong KV,
       # 44/64 at e20c81a, results/units/per_unit_gpu_gate/), on the tiny
       # checkpoint side by side (servers, not pytest processes: those
-      # time-slice the GPU), resumed from tiny_run6's no-offload outputs. A
+      # time-slice the GPU), resumed from the no-offload outputs of $TINY_REF. A
       # fault seen in two of three runs needs repeats: call it again.
-      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
+      local resume="--resume-from $TINY_REF --parallel 1"
       EXACT_MODEL=tiny EXACT_ARGS="--servers ours_fp8_idle_locs $resume" \
         EXACT_ARGS_2="--servers ours_fp8_2units $resume" run_step exact
       ;;
@@ -310,12 +313,15 @@ run_step() {
       # The default (the elastic defaults since 834aede: warm units, direct
       # slots, spare regions, idle-loc units) on the tiny checkpoint with bf16, fp8 and
       # bf16 retraction, unit leveling, and the bench's 7 units of 4,416 rows;
-      # three runs side by side, resumed from tiny_run6's no-offload outputs
+      # three runs side by side, resumed from the no-offload outputs of $TINY_REF
       # (kernel-gate runs the fp8 default).
-      local resume="--resume-from ../results/exactness/tiny_run6/exactness.json --parallel 1"
-      EXACT_MODEL=tiny EXACT_ARGS="--servers ours_bf16,ours_fp8_retract $resume" \
-        EXACT_ARGS_2="--servers ours_bf16_retract,ours_fp8_tuned_4416 $resume" \
-        EXACT_ARGS_3="--servers ours_bf16_level $resume" run_step exact
+      local resume="--resume-from $TINY_REF --parallel 1"
+      # $TINY_REF has the fp8 no-offload server only: each run starts the
+      # bf16 and retracting no-offload servers it compares with.
+      EXACT_MODEL=tiny EXACT_ARGS="--servers base_bf16,ours_bf16,ours_bf16_level $resume" \
+        EXACT_ARGS_2="--servers base_bf16,base_bf16_retract,ours_bf16_retract $resume" \
+        EXACT_ARGS_3="--servers base_fp8_retract,ours_fp8_retract,ours_fp8_tuned_4416 $resume" \
+        run_step exact
       ;;
     soak)
       # The GPU soak (issue 21): soak.py, more flags in $SOAK_ARGS.
