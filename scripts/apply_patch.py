@@ -29,7 +29,7 @@ server): the top-k trace override / recorder
 (``benchmark/nsa_offload/traces/nsa_topk_trace.py``, installed as
 ``sglang/srt/layers/attention/nsa_topk_trace.py``) and the patches listed in
 ``benchmark/nsa_offload/traces/bench_hooks/<version>/series`` (its calls in
-the MLA forward and the NSA backend), applied after the patch series; a
+the MLA forward), applied after the patch series; a
 version whose hooks series is empty refuses the option. Applying without the
 option takes them back out.
 

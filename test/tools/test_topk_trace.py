@@ -371,11 +371,11 @@ class TestRecorder(HookEnvCase):
     def test_model_layers_from_forward_context(self):
         # sglang 0.5.17's batch has no pool: its forward context's backend has.
         pool = SimpleNamespace(layer_num=3, start_layer=1, end_layer=4)
-        compat = SimpleNamespace(
-            forward_attn_backend=lambda fb: SimpleNamespace(token_to_kv_pool=pool)
+        context = SimpleNamespace(
+            get_attn_backend=lambda: SimpleNamespace(token_to_kv_pool=pool)
         )
-        name = "sglang.srt.mem_cache.nsa_kv_offload_compat"
-        with mock.patch.dict(sys.modules, {name: compat}):
+        name = "sglang.srt.model_executor.forward_context"
+        with mock.patch.dict(sys.modules, {name: context}):
             fb = SimpleNamespace(seq_lens=torch.tensor([5]))
             self.assertEqual(nsa_topk_trace._model_layers(fb), ([1, 2, 3], 4))
 

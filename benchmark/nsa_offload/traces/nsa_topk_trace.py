@@ -1135,9 +1135,9 @@ def _model_layers(forward_batch) -> tuple:
     batch has no pool: it is its forward context's attention backend's."""
     pool = getattr(forward_batch, "token_to_kv_pool", None)
     if pool is None:
-        from sglang.srt.mem_cache.nsa_kv_offload_compat import forward_attn_backend
+        from sglang.srt.model_executor.forward_context import get_attn_backend
 
-        pool = getattr(forward_attn_backend(forward_batch), "token_to_kv_pool", None)
+        pool = getattr(get_attn_backend(), "token_to_kv_pool", None)
     layer_num = getattr(pool, "layer_num", None)
     if layer_num is None:
         raise RuntimeError("NSA top-k trace: the KV pool has no layer_num")

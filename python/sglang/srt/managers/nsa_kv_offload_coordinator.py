@@ -25,7 +25,6 @@ from sglang.srt.mem_cache.lru_cache_state import LayerSwapPlan
 from sglang.srt.mem_cache.nsa_kv_offload_compat import (
     CUDA_GRAPH_MAX_BS_FIELD,
     decode_cuda_graph_max_bs,
-    get_attention_tp_group,
     kv_committed_len,
     req_pool_idx,
 )
@@ -496,7 +495,9 @@ def create_nsa_kv_offload_coordinator(model_runner) -> NSAKVOffloadCoordinator:
     host_pool_group = None
     if NSAKVOffloadRankLayout.from_server_args(sa).attn_tp_size > 1:
         # Same KV on every rank of the group: one host pool per node.
-        host_pool_group = get_attention_tp_group()
+        from sglang.srt.distributed.parallel_state import get_attn_tp_group
+
+        host_pool_group = get_attn_tp_group()
     sizes = model_runner.token_to_kv_pool.sizes
     logger.info(
         "NSA KV offload: requests held at once by length (prompt + output): %s; "

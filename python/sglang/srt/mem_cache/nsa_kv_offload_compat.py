@@ -2,16 +2,14 @@
 differ between the sglang releases it supports (0.5.17, 0.5.23).
 
 Every other offload module imports these names from here: the sparse pool,
-the model-config helpers, the backend and prefill-CP flags, the
-attention-TP group, the forward's attention backend, the pool builder, and
-how server args are read and decided.
+the model-config helpers, the backend and prefill-CP flags, the pool
+builder, and how server args are read and decided.
 """
 
 from importlib.util import find_spec
 
 from sglang.srt.configs import model_config as _model_config
 from sglang.srt.mem_cache import memory_pool as _memory_pool
-from sglang.srt.model_executor.forward_context import get_attn_backend
 
 SparseTokenToKVPool = _memory_pool.DSATokenToKVPool
 get_index_topk = _model_config.get_dsa_index_topk
@@ -77,18 +75,6 @@ else:
 
     def dp_replicas(cfg) -> int:
         return 1 if cfg.enable_dp_attention else max(cfg.dp_size, 1)
-
-
-def get_attention_tp_group():
-    """The attention tensor-parallel group of this rank."""
-    from sglang.srt.distributed.parallel_state import get_attn_tp_group
-
-    return get_attn_tp_group()
-
-
-def forward_attn_backend(forward_batch):
-    """The attention backend of the forward: its forward context's."""
-    return get_attn_backend()
 
 
 def pool_builder_layout(builder):

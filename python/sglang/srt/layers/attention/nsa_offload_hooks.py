@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from sglang.srt.mem_cache.nsa_kv_offload_compat import forward_attn_backend
+from sglang.srt.model_executor.forward_context import get_attn_backend
 
 
 def use_positional_topk(offload, forward_batch) -> bool:
@@ -22,7 +22,7 @@ def begin_layer_swap(forward_batch, layer_id: int, topk_positions: torch.Tensor)
     """The model, right after a layer's indexer: start the layer's decode or
     verify swap beside the query projection and rope (reached through the
     forward's attention backend: a draft model's has no offload)."""
-    offload = getattr(forward_attn_backend(forward_batch), "nsa_kv_offload", None)
+    offload = getattr(get_attn_backend(), "nsa_kv_offload", None)
     if offload is not None:
         offload.begin_layer_swap(layer_id, topk_positions, forward_batch)
 
