@@ -429,6 +429,19 @@ class TestServerSpecs(unittest.TestCase):
                 self.assertEqual(spec.count(units), 1)
                 self.assertEqual(spec[spec.index(units) + 1], want)
 
+    def test_extra_server_args_reach_every_server(self):
+        args = self._sized_args(
+            "--servers",
+            "baseline,ours,hisparse",
+            "--extra-server-args",
+            "--disable-prefill-cuda-graph --chunked-prefill-size 4096",
+        )
+        for kind, spec in bench_server.server_specs(args).items():
+            with self.subTest(kind=kind):
+                self.assertEqual(spec.count("--disable-prefill-cuda-graph"), 1)
+                i = spec.index("--chunked-prefill-size")
+                self.assertEqual(spec[i + 1], "4096")
+
     def test_hisparse_budget_of_its_own(self):
         args = self._sized_args(
             "--servers", "baseline,ours,hisparse", "--kv-budget-gib", "60"

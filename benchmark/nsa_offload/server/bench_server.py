@@ -939,6 +939,9 @@ def server_specs(args, mem_fraction: Optional[float] = None) -> Dict[str, List[s
         rest.append("--sleep-on-idle")
     if args.shape:
         rest += SHAPES[args.shape]
+    # Every server alike, e.g. --disable-prefill-cuda-graph: its capture is
+    # a third of a rank server's start and times no decode step.
+    rest += shlex.split(args.extra_server_args)
     if args.pd_decode:
         # Every output reserved at admission: sglang's default (512) would
         # over-admit and retract, which a no-offload NSA decode server cannot.
@@ -2758,6 +2761,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "host has at a large budget (its ITL at an equal batch does not need it)",
     )
     p.add_argument("--mem-fraction-static", type=float, help="overrides the budget")
+    p.add_argument(
+        "--extra-server-args", default="", help="more flags for every server, one string"
+    )
     p.add_argument(
         "--max-running-requests",
         type=int,
