@@ -779,6 +779,7 @@ class TestSummary(unittest.TestCase):
     def test_mtp_run_beside(self):
         # --report --mtp-from: the MTP run's issue keys under "mtp", before
         # code_commit; passed only when both runs passed.
+        side = soak.SUMMARY_KEYS + ("passed", "model", "sglang_version")
         with tempfile.TemporaryDirectory() as d:
             mtp_dir = os.path.join(d, "mtp")
             os.makedirs(mtp_dir)
@@ -786,17 +787,18 @@ class TestSummary(unittest.TestCase):
                 clean_result(config={"mtp": 3}, code_commit="abc1234"), mtp_dir
             )
             self.assertEqual(mtp["mtp_draft_tokens"], 4)
-            s = soak.write_summary(clean_result(), d, mtp_dir)
+            s = soak.write_summary(clean_result(), d, {"mtp": mtp_dir})
             keys = list(s)
             self.assertEqual(keys.index("mtp"), keys.index("code_commit") - 1)
-            self.assertEqual(set(s["mtp"]), set(soak.SUMMARY_KEYS) | {"passed"})
+            self.assertLessEqual(set(soak.SUMMARY_KEYS) | {"passed"}, set(s["mtp"]))
+            self.assertLessEqual(set(s["mtp"]), set(side))
             self.assertTrue(s["passed"])
             with open(os.path.join(d, "summary.md")) as f:
                 self.assertIn("| `units_moved` | 5 | 5 |", f.read())
             recs = clean_result()["records"]
             recs[5] = dict(recs[5], status="error", server_error=True, error="HTTP 500")
             soak.write_summary(clean_result(records=recs), mtp_dir)
-            s = soak.write_summary(clean_result(), d, mtp_dir)
+            s = soak.write_summary(clean_result(), d, {"mtp": mtp_dir})
             self.assertEqual(s["mtp"]["failed"], 1)
             self.assertFalse(s["passed"])
             # A run whose files did not come back: its printed summary.
@@ -804,11 +806,36 @@ class TestSummary(unittest.TestCase):
             os.remove(os.path.join(mtp_dir, "summary.json"))
             with open(os.path.join(mtp_dir, "stdout.txt"), "w") as f:
                 f.write("[soak] log lines\n" + printed)
-            s = soak.write_summary(clean_result(), d, mtp_dir)
+            s = soak.write_summary(clean_result(), d, {"mtp": mtp_dir})
             expected = {k: v for k, v in build().items() if k in soak.SUMMARY_KEYS}
             self.assertEqual({k: s["mtp"][k] for k in soak.SUMMARY_KEYS}, expected)
             self.assertIsNone(s["mtp"]["passed"])
             self.assertFalse(s["passed"])  # not known to have passed
+
+    def test_mtp_and_rank_runs_beside(self):
+        # --rank-from beside --mtp-from: both under their names, in that
+        # order, a column each; passed only when all three passed.
+        with tempfile.TemporaryDirectory() as d:
+            dirs = {n: os.path.join(d, n) for n in ("mtp", "rank")}
+            for n, sub in dirs.items():
+                os.makedirs(sub)
+                soak.write_summary(clean_result(), sub)
+            s = soak.write_summary(clean_result(), d, dirs)
+            keys = list(s)
+            self.assertEqual(keys.index("rank"), keys.index("code_commit") - 1)
+            self.assertEqual(keys.index("mtp"), keys.index("rank") - 1)
+            self.assertTrue(s["passed"] and s["passed_alone"])
+            with open(os.path.join(d, "summary.md")) as f:
+                text = f.read()
+            self.assertIn("| key | value | MTP run | rank model run |", text)
+            self.assertIn("| `units_moved` | 5 | 5 | 5 |", text)
+            recs = clean_result()["records"]
+            recs[5] = dict(recs[5], status="error", server_error=True, error="HTTP 500")
+            soak.write_summary(clean_result(records=recs), dirs["rank"])
+            s = soak.write_summary(clean_result(), d, dirs)
+            self.assertEqual(s["rank"]["failed"], 1)
+            self.assertFalse(s["passed"])
+            self.assertTrue(s["passed_alone"])
 
     def test_default_host_pool(self):
         self.assertEqual(soak.default_host_pool_gb(98304, 3), 0.19)

@@ -69,14 +69,16 @@ answer at the end.
 Writes ``soak.json`` (config, per-request records, load samples, probes),
 ``summary.json`` (the churn soak's keys first, ``SUMMARY_KEYS``: units
 moved / reclaimed / kept, rows verified, mismatches, leaks, failures; then
-extras; ``--report --mtp-from`` adds an MTP run's keys under ``mtp``),
+extras; ``--report --mtp-from`` / ``--rank-from`` add the MTP run's and
+the rank model's run's keys under ``mtp`` / ``rank``),
 ``summary.md`` and the server log (gzipped). Exit status 0 only if every
 criterion holds (``build_summary``).
 
     python benchmark/nsa_offload/server/soak.py --out /tmp/soak
     python benchmark/nsa_offload/server/soak.py --quick --out /tmp/soak_quick
     python benchmark/nsa_offload/server/soak.py --report --out /tmp/soak
-    python benchmark/nsa_offload/server/soak.py --report --out /tmp/soak --mtp-from /tmp/soak_mtp
+    python benchmark/nsa_offload/server/soak.py --report --out /tmp/soak \
+        --mtp-from /tmp/soak_mtp --rank-from /tmp/soak_rank
 """
 
 import argparse
@@ -840,6 +842,10 @@ def build_summary(result: dict) -> dict:
     return summary
 
 
+# Runs whose keys a summary may hold beside its own, and their columns.
+SIDE_RUNS = {"mtp": "MTP run", "rank": "rank model run"}
+
+
 def summary_markdown(s: dict) -> str:
     hp = s["host_pool"]
     qt = s["queue_time_s"] or {}
@@ -851,14 +857,18 @@ def summary_markdown(s: dict) -> str:
         f"{'**passed**' if s['passed'] else '**not passed**'}.",
         "",
     ]
-    mtp = s.get("mtp")
-    if mtp:
-        lines += ["| key | value | MTP run |", "|---|---|---|"]
-        lines += [f"| `{k}` | {s[k]} | {mtp[k]} |" for k in SUMMARY_KEYS]
-        lines += [f"| passed | {s['passed_without_mtp']} | {mtp['passed']} |"]
-    else:
-        lines += ["| key | value |", "|---|---|"]
-        lines += [f"| `{k}` | {s[k]} |" for k in SUMMARY_KEYS]
+    sides = [(n, s[n]) for n in SIDE_RUNS if isinstance(s.get(n), dict)]
+    head = "| key | value |" + "".join(f" {SIDE_RUNS[n]} |" for n, _ in sides)
+    lines += [head, "|---" * (2 + len(sides)) + "|"]
+    lines += [
+        f"| `{k}` | {s[k]} |" + "".join(f" {r.get(k)} |" for _, r in sides)
+        for k in SUMMARY_KEYS
+    ]
+    if sides:
+        lines += [
+            f"| passed | {s['passed_alone']} |"
+            + "".join(f" {r['passed']} |" for _, r in sides)
+        ]
     lines += [
         "",
         f"- {s['completed']} completed ({s['closed_after_finishing']} streams "
@@ -907,33 +917,42 @@ def parse_printed_summary(text: str) -> dict:
     return out
 
 
-def with_mtp_run(summary: dict, mtp_dir: str) -> dict:
-    """``summary`` with the MTP run's issue keys under ``mtp`` (before
-    ``code_commit``, the issue's order), from its summary.json or else its
-    printed summary (stdout.txt); passed only if both passed."""
-    path = os.path.join(mtp_dir, "summary.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            mtp = json.load(f)
-        mtp_keys = {k: mtp.get(k) for k in SUMMARY_KEYS}
-        mtp_keys.update(passed=mtp["passed"])
-    else:
-        with open(os.path.join(mtp_dir, "stdout.txt")) as f:
-            mtp_keys = parse_printed_summary(f.read())
+def side_run_keys(run_dir: str) -> dict:
+    """A side run's issue keys and ``passed``, from its summary.json or else
+    its printed summary (stdout.txt, ``passed`` None)."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        with open(os.path.join(run_dir, "stdout.txt")) as f:
+            return parse_printed_summary(f.read())
+    with open(path) as f:
+        run = json.load(f)
+    keys = {k: run.get(k) for k in SUMMARY_KEYS}
+    keys.update(passed=run["passed"])
+    for k in ("model", "sglang_version"):
+        if k in run:
+            keys[k] = run[k]
+    return keys
+
+
+def with_side_runs(summary: dict, side_dirs: Dict[str, str]) -> dict:
+    """``summary`` with each side run's keys under its name (``mtp``,
+    ``rank``), before ``code_commit`` (the issue's order); ``passed`` only
+    if every run passed, ``passed_alone`` this run's own."""
+    sides = {name: side_run_keys(d) for name, d in side_dirs.items() if d}
     out = {}
     for k, v in summary.items():
         if k == "code_commit":
-            out["mtp"] = mtp_keys
+            out.update(sides)
         out[k] = v
-    out["passed_without_mtp"] = summary["passed"]
-    out["passed"] = summary["passed"] and bool(mtp_keys["passed"])
+    out["passed_alone"] = summary["passed"]
+    out["passed"] = summary["passed"] and all(bool(r["passed"]) for r in sides.values())
     return out
 
 
-def write_summary(result: dict, out: str, mtp_dir: Optional[str] = None) -> dict:
+def write_summary(result: dict, out: str, side_dirs: Dict[str, str] = None) -> dict:
     summary = build_summary(result)
-    if mtp_dir:
-        summary = with_mtp_run(summary, mtp_dir)
+    if side_dirs and any(side_dirs.values()):
+        summary = with_side_runs(summary, side_dirs)
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out, "summary.md"), "w") as f:
@@ -971,6 +990,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--mtp-from",
         help="with --report: the MTP run's --out, its keys go under 'mtp'",
+    )
+    p.add_argument(
+        "--rank-from",
+        help="with --report: the rank model's run's --out, its keys go under 'rank'",
     )
     p.add_argument(
         "--quick",
@@ -1325,7 +1348,9 @@ def main(argv=None) -> int:
             signal.signal(signal.SIGTERM, previous)
         with open(path, "w") as f:
             json.dump(result, f)
-    summary = write_summary(result, args.out, args.mtp_from)
+    summary = write_summary(
+        result, args.out, {"mtp": args.mtp_from, "rank": args.rank_from}
+    )
     print(summary_markdown(summary), flush=True)
     return 0 if summary["passed"] else 1
 
