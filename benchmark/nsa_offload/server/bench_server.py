@@ -2762,7 +2762,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--mem-fraction-static", type=float, help="overrides the budget")
     p.add_argument(
-        "--extra-server-args", default="", help="more flags for every server, one string"
+        "--extra-server-args",
+        default="",
+        help="more flags for every server, one string",
     )
     p.add_argument(
         "--max-running-requests",
