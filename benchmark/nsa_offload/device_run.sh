@@ -17,8 +17,9 @@
 # $GPUTEST_ARGS), kernel-gate (after a kernel change: the swap kernels = the
 # reference with units, the LRU CUDA tests and three tiny exactness servers),
 # elastic-gate (the tiny servers of idle-loc units and of 2 units side by
-# side), churn (the churn soaks in verify mode, plain and MTP), churn-rank
-# (the churn soak on the rank model), verify-gate
+# side), churn (the churn soaks in verify mode, plain and MTP), churn-mtp (the
+# MTP one alone), churn-rank (the churn soak on the rank model), wait:NAME
+# (until the soak writing $OUT/NAME has its pools), verify-gate
 # (the verify-mode tiny gate beside the default's), default-gate (the default's
 # tiny exactness servers: bf16, retraction, leveling, 7 x 4,416 rows), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
@@ -89,6 +90,13 @@ if [ "${1:-}" = pytest ]; then
   grep -E "^(E   |FAILED|ERROR)|[0-9]+ (passed|failed)" $OUT/pytest.txt | tail -80
   set --
 fi
+# --mem-fraction-static for a KV budget of $1 GiB of the memory free now:
+# sglang gives f * (GiB free at its start - 0.7) - 0.51 GiB (the tiny
+# model's weights; 0.08 more with its MTP layer).
+kv_fraction() {
+  nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i $GPU0 \
+    | awk -v kv=$1 '{printf "%.4f", (kv + 0.6) / ($1 / 1024 - 0.7)}'
+}
 # One step; "bg:STEP" runs it beside the following ones (its output in
 # $OUT/STEP.log, shown at the end), e.g. "bg:soak exact".
 run_step() {
@@ -181,55 +189,56 @@ run_step() {
     churn)
       # The churn soak on the defaults in verify mode (soak.py: random
       # arrivals, prompts 1-30K skewed short, client aborts, forced
-      # retraction), with a small GPU KV budget (1.25 GiB; 1.5 with MTP) that
-      # the locs mostly take (a large --max-total-tokens): few spare regions,
-      # units lent by idle locs and staging, taken back and moved; then MTP
-      # (spec v2, 3 steps) beside it, started once the first server's pools
-      # are allocated: sglang sizes its pools from the memory free between
-      # its start and its weights, two servers sizing at once take each
-      # other's. The batch-1 gate against no offload is the step "verify-gate".
-      # KV budget: sglang gives f * (GiB free at its start - 0.7) - 0.51 GiB
-      # (the tiny model's weights; 0.08 more with its MTP layer).
-      kv_fraction() {
-        nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits -i $GPU0 \
-          | awk -v kv=$1 '{printf "%.4f", (kv + 0.6) / ($1 / 1024 - 0.7)}'
-      }
-      local f
-      f=$(kv_fraction 1.25)
-      # 400,000 locs (results/soak/, 1.5 GiB) filled the host pool to 81%
-      # only; 300,000 at 1.5 GiB filled it (99% logged) but kept 52 spare
-      # regions: units barely scarce, no idle-loc unit lent. 300,000 at 1.25
-      # GiB: about 20 spare regions (not yet run).
+      # retraction), with a small GPU KV budget (1.25 GiB) that the locs
+      # mostly take (a large --max-total-tokens): few spare regions, units
+      # lent by idle locs and staging, taken back and moved; then the MTP
+      # run ("churn-mtp") beside it once this server's pools are allocated.
+      # The batch-1 gate against no offload is the step "verify-gate".
+      # 400,000 locs (soak/churn_400k_6dc68ef/, 1.5 GiB) filled the host
+      # pool to 81% only; 300,000 at 1.25 GiB filled it (99% logged, soak/).
       SOAK_ARGS="${SOAK_ARGS:---num-requests 4000 --concurrency 64 --max-len 30000 \
         --max-total-tokens 300000 --retract-interval 40 --probe-tokens 16 \
-        --time-budget-s 150} --mem-fraction-static $f" \
+        --time-budget-s 150} --mem-fraction-static $(kv_fraction 1.25)" \
         run_step soak > $OUT/soak_step.log 2>&1 &
-      local soak_pid=$! t=0
-      while [ ! -f $OUT/soak/soak_started ] && kill -0 $soak_pid 2>/dev/null && [ $t -lt 400 ]; do
+      local soak_pid=$!
+      run_step wait:soak
+      run_step churn-mtp || rc=1
+      wait $soak_pid || rc=1
+      echo "=== soak"; tail -32 $OUT/soak_step.log
+      ;;
+    churn-mtp)
+      # The churn soak with MTP (spec v2, 3 steps) at a 1.5 GiB KV budget
+      # of the memory free now. 400,000 locs for 32 clients filled the host
+      # pool to 62% only (soak/mtp/): 200,000.
+      (cd benchmark/nsa_offload/server && timeout ${MTP_SOAK_TIMEOUT:-400} python3 soak.py \
+        --out $OUT/soak_mtp --port $((34050 + 100 * GPU0)) --mtp 3 \
+        --mem-fraction-static $(kv_fraction 1.5) \
+        ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 32 --max-len 30000 \
+        --max-total-tokens 200000 --retract-interval 40 --probe-tokens 16 \
+        --time-budget-s 120}) > $OUT/soak_mtp_step.log 2>&1 || rc=1
+      echo "=== MTP soak"; tail -32 $OUT/soak_mtp_step.log
+      ;;
+    wait:*)
+      # Until the soak writing to $OUT/<name> has its pools (soak_started),
+      # at most 400 s: servers started beside it then size their pools
+      # from what it left (sglang sizes them from the memory free at its
+      # start; two sizing at once take each other's).
+      local t=0
+      while [ ! -f $OUT/${step#wait:}/soak_started ] && [ $t -lt 400 ]; do
         sleep 2; t=$((t + 2))
       done
-      echo "soak: --mem-fraction-static $f"
-      f=$(kv_fraction 1.5)
-      echo "MTP soak after ${t} s, --mem-fraction-static $f"
-      (cd benchmark/nsa_offload/server && timeout ${MTP_SOAK_TIMEOUT:-400} python3 soak.py \
-        --out $OUT/soak_mtp --port $((34050 + 100 * GPU0)) --mtp 3 --mem-fraction-static $f \
-        ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 32 --max-len 30000 \
-        --max-total-tokens 400000 --retract-interval 40 --probe-tokens 16 \
-        --time-budget-s 120}) > $OUT/soak_mtp_step.log 2>&1 &
-      local mtp_pid=$!
-      wait $soak_pid || rc=1
-      wait $mtp_pid || rc=1
-      echo "=== soak"; tail -32 $OUT/soak_step.log
-      echo "=== MTP soak"; tail -32 $OUT/soak_mtp_step.log
+      echo "${step#wait:} started after ${t} s"
       ;;
     churn-rank)
       # The churn soak of "churn" on the rank model (61 layers, dummy weights:
       # the verify mode is its oracle), one server: 32 clients, 300,000 locs
       # at a 12 GiB KV budget, about as scarce per client as the tiny run's
-      # 1.25 GiB (not yet run).
-      SOAK_ARGS="${SOAK_ARGS:---model rank --num-requests 3000 --concurrency 32 \
-        --max-len 30000 --max-total-tokens 300000 --kv-budget-gib 12 \
-        --retract-interval 40 --probe-tokens 8 --time-budget-s 240}" run_step soak
+      # 1.25 GiB. Its output in $OUT/soak_rank/ ("wait:soak_rank").
+      (cd benchmark/nsa_offload/server && timeout ${SOAK_TIMEOUT:-570} python3 soak.py \
+        --out $OUT/soak_rank --port $((34000 + 100 * GPU0)) ${SOAK_ARGS:---model rank \
+        --num-requests 3000 --concurrency 32 --max-len 30000 --max-total-tokens 300000 \
+        --kv-budget-gib 12 --retract-interval 40 --probe-tokens 8 --time-budget-s 240}) \
+        2>&1 | tail -40 || rc=1
       ;;
     verify-gate)
       # The default in verify mode on the tiny checkpoint at batch 1 against
