@@ -1675,6 +1675,9 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # 32751af on an H100, sglang 0.5.17: the model's top-k at 32K x 8, 14
         # GiB (replaces the 0.5.12.post1 point above).
         "rank_speed/run_h100_0517_model_32k_x8/bench_server_model.json",
+        # c227cb6 on an H100, sglang 0.5.17: 32K x 8 at 14 GiB again, beside
+        # 0.5.17's HiSparse (prefill CUDA graphs off on all three).
+        "rank_speed/run_h100_0517_hisparse_32k_x8/bench_server_model.json",
     )
 
     def test_every_committed_server_kind_renders(self):
