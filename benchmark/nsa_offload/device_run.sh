@@ -231,14 +231,19 @@ run_step() {
       ;;
     churn-rank)
       # The churn soak of "churn" on the rank model (61 layers, dummy weights:
-      # the verify mode is its oracle), one server: 32 clients, 300,000 locs
-      # at a 12 GiB KV budget, about as scarce per client as the tiny run's
-      # 1.25 GiB. Its output in $OUT/soak_rank/ ("wait:soak_rank").
+      # the verify mode is its oracle), one server, 32 clients. At c227cb6
+      # --max-total-tokens 300000 at 12 GiB left 69,440 locs: sglang's token
+      # budget counts the prefill staging rows (200,704 on this model) and
+      # the decode regions too. Here the host pool caps the locs (6 GB:
+      # ~150,000, full at times for 32 clients) and the token budget does
+      # not. That cold machine took 324 s to its first soak request (JIT
+      # compiles, 15 probes): run it after a rank server has warmed up.
+      # Output in $OUT/soak_rank/ ("wait:soak_rank").
       (cd benchmark/nsa_offload/server && timeout ${SOAK_TIMEOUT:-570} python3 soak.py \
         --out $OUT/soak_rank --port $((34000 + 100 * GPU0)) ${SOAK_ARGS:---model rank \
-        --num-requests 3000 --concurrency 32 --max-len 30000 --max-total-tokens 300000 \
-        --kv-budget-gib 12 --retract-interval 40 --probe-tokens 8 --time-budget-s 240}) \
-        2>&1 | tail -40 || rc=1
+        --num-requests 3000 --concurrency 32 --max-len 30000 --max-total-tokens 600000 \
+        --host-pool-gb 6 --kv-budget-gib 13 --retract-interval 40 --probe-tokens 8 \
+        --time-budget-s 240}) 2>&1 | tail -40 || rc=1
       ;;
     verify-gate)
       # The default in verify mode on the tiny checkpoint at batch 1 against

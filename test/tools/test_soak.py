@@ -400,6 +400,32 @@ class TestRunOrchestration(FakeServerCase):
         self.assertEqual(calls["config"]["num_hidden_layers"], 61)
         self.assertEqual(s["model"], "rank")
 
+    def test_interrupted_soak_keeps_its_records(self):
+        # A SIGTERM (the call's time limit) inside the soak: the requests
+        # that finished are counted, not lost with the runner's return.
+        calls = {}
+        self.addCleanup(server_utils.use_model, "tiny")
+        real_run = soak.SoakRunner.run
+
+        def cut_short(runner):
+            real_run(runner)
+            raise SystemExit(143)
+
+        with tempfile.TemporaryDirectory() as d, mock.patch.object(
+            soak, "ExactServer", self.fake_server(calls)
+        ), mock.patch.object(soak.SoakRunner, "run", cut_short):
+            argv = ["--quick", "--model", "rank", "--num-requests", "6"]
+            argv += ["--max-len", "100", "--out", d, "--idle-wait", "0"]
+            argv += ["--probe-tokens", "2", "--max-new-tokens", "2"]
+            with contextlib.redirect_stdout(io.StringIO()):
+                self.assertEqual(soak.main(argv), 1)
+            with open(os.path.join(d, "summary.json")) as f:
+                s = json.load(f)
+        self.assertEqual(s["requests"], 6)
+        self.assertEqual(s["stopped_by"], "interrupted")
+        self.assertIn("SystemExit", s["error"])
+        self.assertFalse(s["passed"])
+
     def test_quick_run(self):
         calls = {}
         FakeExactServer = self.fake_server(calls)

@@ -494,6 +494,7 @@ class SoakRunner:
         self.samples: List[dict] = []
         self.host_pool: Dict[str, float] = {}
         self.stopped_by: Optional[str] = None
+        self._t0 = time.time()
         self._stop = threading.Event()
         self._done = threading.Event()
         self._lock = threading.Lock()
@@ -570,7 +571,7 @@ class SoakRunner:
         return line
 
     def run(self) -> dict:
-        t0 = time.time()
+        t0 = self._t0 = time.time()
         watcher = threading.Thread(target=self._watch, args=(t0,), daemon=True)
         watcher.start()
         pool = ThreadPoolExecutor(self.concurrency)
@@ -583,14 +584,18 @@ class SoakRunner:
             pool.shutdown(wait=True, cancel_futures=True)
             self._done.set()
             watcher.join()
-        soak_s = time.time() - t0
-        self.log(self._progress_line(soak_s, None))
+        self.log(self._progress_line(time.time() - t0, None))
+        return self.outcome()
+
+    def outcome(self) -> dict:
+        """What ran so far: after ``run`` returns, and after a SIGTERM cut it
+        (the requests that finished keep their records)."""
         return {
             "records": self.records,
             "samples": self.samples,
             "host_pool_seen": self.host_pool,
             "stopped_by": self.stopped_by,
-            "soak_s": round(soak_s, 1),
+            "soak_s": round(time.time() - self._t0, 1),
         }
 
 
@@ -1272,6 +1277,7 @@ def run(args) -> dict:
         extra += ["--mem-fraction-static", str(fraction)]
     extra += shlex.split(args.extra_server_args)
     srv = ExactServer("soak", extra, args.port, args.out, env, args.timeout)
+    runner = None
     try:
         srv.start().wait_ready()
         result["probes_before"] = run_probes(srv, probes, args.probe_tokens)
@@ -1306,6 +1312,8 @@ def run(args) -> dict:
     except (Exception, SystemExit, KeyboardInterrupt) as e:
         result["error"] = f"{type(e).__name__}: {e}"[:2000]
         result["interrupted"] = not isinstance(e, Exception)
+        if runner is not None and "records" not in result:
+            result.update(runner.outcome(), stopped_by="interrupted")
         print(f"[soak] FAILED: {result['error']}", flush=True)
     finally:
         result["died"] = srv.proc is not None and srv.proc.poll() is not None
