@@ -231,18 +231,19 @@ run_step() {
       ;;
     churn-rank)
       # The churn soak of "churn" on the rank model (61 layers, dummy weights:
-      # the verify mode is its oracle), one server, 32 clients. At c227cb6
-      # --max-total-tokens 300000 at 12 GiB left 69,440 locs: sglang's token
-      # budget counts the prefill staging rows (200,704 on this model) and
-      # the decode regions too. Here the host pool caps the locs (6 GB:
-      # ~150,000, full at times for 32 clients) and the token budget does
-      # not. That cold machine took 324 s to its first soak request (JIT
-      # compiles, 15 probes): run it after a rank server has warmed up.
+      # the verify mode is its oracle), one server, 32 clients. In verify mode
+      # every loc also keeps sglang's full KV row per layer (40 KB a loc on
+      # 61 layers, beside the offload's 8 KB): at c227cb6 a 12 GiB budget
+      # held 69,440 locs. 24 GiB: ~150,000 locs, about what the 6 GB host
+      # pool caps them at (full at times for 32 clients), no spare regions
+      # by the offload's sizing. That cold machine took 324 s to its first
+      # soak request (JIT compiles, 15 probes): run it after a rank server
+      # has warmed up.
       # Output in $OUT/soak_rank/ ("wait:soak_rank").
       (cd benchmark/nsa_offload/server && timeout ${SOAK_TIMEOUT:-570} python3 soak.py \
         --out $OUT/soak_rank --port $((34000 + 100 * GPU0)) ${SOAK_ARGS:---model rank \
         --num-requests 3000 --concurrency 32 --max-len 30000 --max-total-tokens 600000 \
-        --host-pool-gb 6 --kv-budget-gib 13 --retract-interval 40 --probe-tokens 8 \
+        --host-pool-gb 6 --kv-budget-gib 24 --retract-interval 40 --probe-tokens 8 \
         --time-budget-s 240}) 2>&1 | tail -40 || rc=1
       ;;
     verify-gate)

@@ -27,10 +27,9 @@ deterministic top-k of ``exactness.py`` (``sorted_topk/``,
 Pressure. The host pool holds one row per token loc (host slot = token loc),
 so its size and sglang's token budget are one number: the server allocates
 ``min(--max-total-tokens, what --nsa-kv-offload-host-pool-gb holds)`` locs,
-and ``--host-pool-gb`` defaults to just what ``--max-total-tokens`` needs;
-sglang's token budget also counts the offload's prefill staging rows and
-decode regions (few on the tiny model; on the rank model 300,000 left 69,440
-locs): there, cap the locs with ``--host-pool-gb``.
+and ``--host-pool-gb`` defaults to just what ``--max-total-tokens`` needs,
+unless the GPU budget holds fewer: in verify mode each loc also keeps the
+full KV row of every layer (on the rank model 12 GiB held 69,440 locs).
 A tight budget (default 96K locs against ``--concurrency`` 64 clients whose
 requests average ~3.3K tokens) keeps the pool full: admission refuses new
 requests (they wait in sglang's queue) and decode runs out of pages, which
