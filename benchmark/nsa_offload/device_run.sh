@@ -23,7 +23,8 @@
 # (the verify-mode tiny gate beside the default's), default-gate (the default's
 # tiny exactness servers: bf16, retraction, leveling, 7 x 4,416 rows), demo (scripts/demo.sh; $DEMO_ARGS), savejit
 # (pack the JIT caches built here into $OUT/jitcache-extra/ for the next
-# machine), a path to a python script, or "pytest FILES..." (the rest of the
+# machine), pack (only the packing of $OUT that ends every call: after a
+# "timeout" stopped one), a path to a python script, or "pytest FILES..." (the rest of the
 # arguments; $PYTEST_TIMEOUT seconds, default 500).
 # The device's copy of .git can be stale: prefix the step with CODE_COMMIT=<hash of
 # the tree sent> so that the results name the code that ran (server_utils.git_commit).
@@ -41,6 +42,21 @@ W=.devwheels
 # and short prefills go to FA3, trimmed from the wheelhouse); DeepGEMM's
 # start-up precompile held stock 0.5.17's /health at 503 for minutes.
 export SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+# At most 8 files come back from $OUT: pack them (the JIT cache stays apart;
+# a returned file is at most 16 MiB: it comes back in parts). Also when a
+# "timeout" around this script stopped it: "timeout N device_run.sh STEP...;
+# device_run.sh pack" (c227cb6: eight files of a soak came back, its summary
+# did not); tar's 1 = a file changed while it read it.
+pack_out() {
+  # Packed already (the script's own end): nothing new to pack.
+  [ -n "$(ls -A $OUT | grep -vx -e results.tgz -e jitcache-extra)" ] || return 0
+  (cd $OUT && rm -rf /tmp/jit-keep && { [ ! -d jitcache-extra ] || mv jitcache-extra /tmp/jit-keep; } \
+    && { tar czf /tmp/results.tgz --exclude=./results.tgz . || [ $? -eq 1 ]; } \
+    && rm -rf ./* && mv /tmp/results.tgz . \
+    && { [ ! -d /tmp/jit-keep ] || mv /tmp/jit-keep jitcache-extra; })
+}
+if [ "${1:-}" = pack ]; then pack_out; ls -la $OUT; exit 0; fi
 PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site"
 if [ "${1:-}" = install-a ]; then
   # wheels-0517-a1 / wheels-0517-a2, one per call: the checkout plus both
@@ -75,7 +91,6 @@ export TORCHINDUCTOR_CACHE_DIR=$HOME/.cache/torchinductor
 python3 scripts/apply_patch.py --sglang-dir /tmp/site --with-bench-hooks || exit 1
 # Jobs started beside this one in the same call wait for this mark.
 touch /tmp/site/.ready
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 # The tiny gates' reference (resumed, relative to server/): sglang 0.5.17's
 # no-offload outputs and negative control on the tiny checkpoint.
 TINY_REF=../results/exactness/tiny_0517_32751af/exactness.json
@@ -400,11 +415,7 @@ for job in "${bg_steps[@]}"; do
   wait ${job%%:*} || rc=1
   echo "=== bg ${job#*:}"; tail -40 $OUT/${job#*:}.log
 done
-# At most 8 files come back from $OUT: pack them (the JIT cache stays apart).
-# A returned file is at most 16 MiB: the JIT cache comes back in parts.
-(cd $OUT && rm -rf /tmp/jit-keep && { [ ! -d jitcache-extra ] || mv jitcache-extra /tmp/jit-keep; } \
-  && tar czf /tmp/results.tgz . && rm -rf ./* && mv /tmp/results.tgz . \
-  && { [ ! -d /tmp/jit-keep ] || mv /tmp/jit-keep jitcache-extra; })
+pack_out
 # A returned file is at most 16 MiB: larger traces stay behind (summaries are kept).
 if [ -f /tmp/profiles.tgz ]; then
   if [ "$(stat -c %s /tmp/profiles.tgz)" -lt 15000000 ]; then mv /tmp/profiles.tgz $OUT/
