@@ -956,7 +956,9 @@ def with_side_runs(summary: dict, side_dirs: Dict[str, str]) -> dict:
     return out
 
 
-def write_summary(result: dict, out: str, side_dirs: Dict[str, str] = None) -> dict:
+def write_summary(
+    result: dict, out: str, side_dirs: Optional[Dict[str, str]] = None
+) -> dict:
     summary = build_summary(result)
     if side_dirs and any(side_dirs.values()):
         summary = with_side_runs(summary, side_dirs)
