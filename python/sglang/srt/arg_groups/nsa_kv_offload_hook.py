@@ -86,9 +86,8 @@ class NSAKVOffloadRankLayout:
     def from_server_args(cls, sa) -> "NSAKVOffloadRankLayout":
         sa = compat.resolved_args(sa)
         # DP attention: groups of tp // attn_dp ranks; plain DP: replicas of tp.
-        replicas, attn_tp = compat.dp_replicas(sa), sa.tp_size // compat.attn_dp_size(
-            sa
-        )
+        replicas = compat.dp_replicas(sa)
+        attn_tp = sa.tp_size // compat.attn_dp_size(sa)
         world = sa.tp_size * sa.pp_size * replicas
         local = max(world // max(sa.nnodes, 1), 1)
         return cls(local, attn_tp, min(attn_tp, local))
@@ -363,8 +362,9 @@ def check_nsa_kv_offload_speculative(sa, index_topk: int) -> int:
 
 def _check_parallelism(sa, layout: NSAKVOffloadRankLayout) -> None:
     """Refuse the parallel layouts the offload cannot run or has not run on GPUs."""
-    dpa = compat.attn_dp_size(sa) > 1
-    tp, dp = sa.tp_size, compat.attn_dp_size(sa) if dpa else sa.dp_size
+    attn_dp = compat.attn_dp_size(sa)
+    dpa = attn_dp > 1
+    tp, dp = sa.tp_size, attn_dp if dpa else sa.dp_size
     if sa.pp_size > 1:
         _fail(f"pipeline parallelism (--pp-size {sa.pp_size}) is not supported.")
     if sa.attn_cp_size > 1 or getattr(sa, compat.PREFILL_CP_FIELD):

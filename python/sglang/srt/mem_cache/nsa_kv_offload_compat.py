@@ -30,9 +30,8 @@ if RESOLUTION_PIPELINE:
     from sglang.srt.arg_groups.overrides import declare_resolution, model_config_of
     from sglang.srt.arg_groups.overrides import resolving_view as resolved_view
 
-    def resolved_args(server_args):
-        """Server args as resolved (0.5.23: the record holds the raw input)."""
-        return resolved_view(server_args)
+    # Server args as resolved: the record holds the raw input.
+    resolved_args = resolved_view
 
     def declare(server_args, **fields) -> None:
         """Decide fields during resolution (0.5.23: a declaration)."""
