@@ -28,6 +28,7 @@
 # arguments; $PYTEST_TIMEOUT seconds, default 500).
 # The device's copy of .git can be stale: prefix the step with CODE_COMMIT=<hash of
 # the tree sent> so that the results name the code that ran (server_utils.git_commit).
+# With soaks, also CALL_S=<the call's limit less ~20 s>: they finish within it.
 # Results go under $OUT. A cold machine compiles JIT kernels for ~180 s at
 # its first server start (sglang's prefill CUDA graph capture): end the
 # first warm call with "savejit" and carry the returned jitcache-extra/
@@ -43,6 +44,17 @@ W=.devwheels
 # start-up precompile held stock 0.5.17's /health at 503 for minutes.
 export SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 SGLANG_JIT_DEEPGEMM_PRECOMPILE=0
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+# $CALL_S: the seconds this call may run (the run's limit, less the packing).
+# The soak steps then end their soaks early enough to write their records
+# within it (soak.py --wall-budget-s): at b456b99 a rank soak's 310 s cold
+# start left its 220 s soak no time to finish, and a "timeout" around the
+# call cut both soaks' writes (0 records came back).
+CALL_END=$(( $(date +%s) + ${CALL_S:-100000} ))
+# "--wall-budget-s N" for a soak starting now: the rest of the call, 15 s
+# kept for packing $OUT.
+wall_budget() { echo "--wall-budget-s $(( CALL_END - $(date +%s) - 15 ))"; }
+# A step's "timeout" of $1 s, cut to the rest of the call less 5 s.
+call_timeout() { local left=$(( CALL_END - $(date +%s) - 5 )); echo $(( $1 < left ? $1 : left )); }
 # At most 8 files come back from $OUT: pack them (the JIT cache stays apart;
 # a returned file is at most 16 MiB: it comes back in parts). Also when a
 # "timeout" around this script stopped it: "timeout N device_run.sh STEP...;
@@ -225,14 +237,16 @@ run_step() {
       echo "=== soak"; tail -32 $OUT/soak_step.log
       ;;
     churn-mtp)
-      # The churn soak with MTP (spec v2, 3 steps) at a 1.5 GiB KV budget
-      # of the memory free now. 400,000 locs for 32 clients filled the host
-      # pool to 62% only (soak/mtp/): 200,000.
-      (cd benchmark/nsa_offload/server && timeout ${MTP_SOAK_TIMEOUT:-400} python3 soak.py \
+      # The churn soak with MTP (spec v2, 3 steps) at a 1.2 GiB KV budget
+      # of the memory free now, locs bound by it (~180,000 by the offload's
+      # sizing, 0 spare regions): 400,000 locs at 1.5 GiB (277,440 held)
+      # filled the host pool to 62% only (soak/mtp/), a 200,000 cap at 1.5
+      # GiB left bytes for spare regions and no unit was scarce (mtp_200k/).
+      (cd benchmark/nsa_offload/server && timeout $(call_timeout ${MTP_SOAK_TIMEOUT:-400}) python3 soak.py \
         --out $OUT/soak_mtp --port $((34050 + 100 * GPU0)) --mtp 3 \
-        --mem-fraction-static $(kv_fraction 1.5) \
+        --mem-fraction-static $(kv_fraction 1.2) $(wall_budget) \
         ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 32 --max-len 30000 \
-        --max-total-tokens 200000 --retract-interval 40 --probe-tokens 16 \
+        --max-total-tokens 400000 --retract-interval 40 --probe-tokens 16 \
         --time-budget-s 120}) > $OUT/soak_mtp_step.log 2>&1 || rc=1
       echo "=== MTP soak"; tail -32 $OUT/soak_mtp_step.log
       ;;
@@ -252,16 +266,19 @@ run_step() {
       # the verify mode is its oracle), one server, 32 clients. In verify mode
       # every loc also keeps sglang's full KV row per layer (40 KB a loc on
       # 61 layers, beside the offload's 8 KB): at c227cb6 a 12 GiB budget
-      # held 69,440 locs. 24 GiB: ~150,000 locs, about what the 6 GB host
-      # pool caps them at (full at times for 32 clients), no spare regions
-      # by the offload's sizing. That cold machine took 324 s to its first
-      # soak request (JIT compiles, 15 probes): run it after a rank server
-      # has warmed up; sglang's prefill CUDA graphs off (~35 s less per start).
+      # held 69,440 locs. At b456b99 24 GiB with a 6 GB host pool held
+      # 160,960 locs (the host cap) and left 50 spare regions: 32 clients
+      # filled 83% of it and no unit was moved or reclaimed
+      # (soak/rank_b456b99/). 14.5 GiB and an 8 GB pool: ~120,000 locs
+      # bound by the GPU bytes, 0 spare regions (the offload's sizing). The
+      # rank model admits ~1.2 requests/s: a floor of 200. A cold machine
+      # takes ~310 s to its first soak request (JIT compiles, 15 probes),
+      # a warm one ~160 s; sglang's prefill CUDA graphs off (~35 s less).
       # Output in $OUT/soak_rank/ ("wait:soak_rank").
-      (cd benchmark/nsa_offload/server && timeout ${SOAK_TIMEOUT:-570} python3 soak.py \
-        --out $OUT/soak_rank --port $((34000 + 100 * GPU0)) ${SOAK_ARGS:---model rank \
+      (cd benchmark/nsa_offload/server && timeout $(call_timeout ${SOAK_TIMEOUT:-570}) python3 soak.py \
+        --out $OUT/soak_rank --port $((34000 + 100 * GPU0)) $(wall_budget) ${SOAK_ARGS:---model rank \
         --num-requests 3000 --concurrency 32 --max-len 30000 --max-total-tokens 600000 \
-        --host-pool-gb 6 --kv-budget-gib 24 --retract-interval 40 --probe-tokens 8 \
+        --host-pool-gb 8 --kv-budget-gib 14.5 --min-requests 200 --retract-interval 40 --probe-tokens 8 \
         --time-budget-s 220 --extra-server-args=--disable-prefill-cuda-graph}) 2>&1 | tail -40 || rc=1
       ;;
     verify-gate)
@@ -358,8 +375,8 @@ run_step() {
       ;;
     soak)
       # The GPU soak (issue 21): soak.py, more flags in $SOAK_ARGS.
-      (cd benchmark/nsa_offload/server && timeout ${SOAK_TIMEOUT:-570} python3 soak.py \
-        --out $OUT/soak --port $((34000 + 100 * GPU0)) ${SOAK_ARGS:-}) 2>&1 | tail -40 || rc=1
+      (cd benchmark/nsa_offload/server && timeout $(call_timeout ${SOAK_TIMEOUT:-570}) python3 soak.py \
+        --out $OUT/soak --port $((34000 + 100 * GPU0)) $(wall_budget) ${SOAK_ARGS:-}) 2>&1 | tail -40 || rc=1
       ;;
     e2e)
       (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1

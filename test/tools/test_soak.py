@@ -238,6 +238,22 @@ class TestArgs(unittest.TestCase):
         self.assertEqual(q.max_total_tokens, 24576)
         self.assertEqual(soak.parse_args(["--host-pool-gb", "2"]).host_pool_gb, 2.0)
 
+    def test_soak_deadline(self):
+        # The earlier of --time-budget-s from now and the end that leaves the
+        # probes after (as long as those before) and the finish in the wall.
+        a = soak.parse_args(["--time-budget-s", "200", "--wall-budget-s", "500"])
+        t0 = time.time() - 300  # server start and probes took 300 s
+        end = soak.soak_deadline(a, t0, probes_s=60)
+        self.assertAlmostEqual(end, t0 + 500 - 60 - soak.FINISH_RESERVE_S, delta=1)
+        a = soak.parse_args(["--time-budget-s", "50", "--wall-budget-s", "500"])
+        self.assertAlmostEqual(soak.soak_deadline(a, t0, 60), time.time() + 50, delta=1)
+        a = soak.parse_args(["--wall-budget-s", "500"])
+        self.assertAlmostEqual(
+            soak.soak_deadline(a, t0, 0), t0 + 500 - soak.FINISH_RESERVE_S, delta=1
+        )
+        self.assertIsNone(soak.soak_deadline(soak.parse_args([]), t0, 60))
+        self.assertEqual(soak.parse_args([]).min_requests, soak.MIN_REQUESTS)
+
     def test_refused(self):
         for argv in (
             ["--context-length", "1000"],
@@ -763,6 +779,12 @@ class TestSummary(unittest.TestCase):
         )
         s = build(records=clean_result()["records"][:100])
         self.assertFalse(s["criteria"]["requests >= 1000"])
+        # --min-requests (the rank model's soak): its own floor, named.
+        s = build(records=clean_result()["records"][:100], config={"min_requests": 100})
+        self.assertTrue(s["criteria"]["requests >= 100"])
+        self.assertNotIn("requests >= 1000", s["criteria"])
+        s = build(records=clean_result()["records"][:99], config={"min_requests": 100})
+        self.assertFalse(s["criteria"]["requests >= 100"])
         self.assertEqual(build(samples=[])["waited_on_host_pool"], 0)
         # Forced retraction (--retract-interval): any retraction in the log.
         forced = build(config={"retract_interval": 40}, log={"retractions": 0})

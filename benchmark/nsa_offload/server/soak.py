@@ -143,8 +143,12 @@ COUNTER_KEYS = {
 }
 IDLE_LOC_GAUGE = "sglang:nsa_kv_offload_idle_loc_units_used"
 EXTRA_UNITS_GAUGE = "sglang:nsa_kv_offload_extra_units_used"
-# The churn soak's floor: a run that sent fewer shows too little churn.
+# The churn soak's floor: a run that sent fewer shows too little churn
+# (--min-requests; the rank model's 61 layers admit ~1.2 requests/s, 200).
 MIN_REQUESTS = 1000
+# The end of a run after its soak, beyond the probes' own time (--wall-budget-s):
+# in-flight requests, two idle waits, /metrics, the server's stop.
+FINISH_RESERVE_S = 45.0
 # The probe set: page, top-k (2048) and GPU buffer (4096 + 64) edges, long ones.
 PROBE_LENGTHS = (
     1,
@@ -811,8 +815,9 @@ def build_summary(result: dict) -> dict:
         "offload_log": {k: log.get(k) for k in ("misses", "min_hit_rate")},
         "config": result.get("config"),
     }
+    floor = config.get("min_requests") or MIN_REQUESTS
     criteria = {
-        f"requests >= {MIN_REQUESTS}": summary["requests"] >= MIN_REQUESTS,
+        f"requests >= {floor}": summary["requests"] >= floor,
         "client aborts": summary["aborted"] > 0,
         **(
             {"retractions in the log (forced)": summary["retraction_events"] > 0}
@@ -1154,6 +1159,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "summary counts what was sent",
     )
     p.add_argument(
+        "--wall-budget-s",
+        type=float,
+        help="the whole run (server start to summary) within this many "
+        "seconds: the soak ends early enough for the probes after it (as long "
+        f"as those before it took) and {FINISH_RESERVE_S:.0f} s more; beside "
+        "--time-budget-s, the earlier end wins",
+    )
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=MIN_REQUESTS,
+        help=f"the criterion's floor of requests sent (default {MIN_REQUESTS})",
+    )
+    p.add_argument(
         "--idle-wait",
         type=float,
         default=10.0,
@@ -1233,6 +1252,18 @@ def run_probes(srv: ExactServer, prompts: List[List[int]], n: int) -> list:
     return outs
 
 
+def soak_deadline(args, t0: float, probes_s: float) -> Optional[float]:
+    """When the soak stops sending: ``--time-budget-s`` after now, or early
+    enough that the probes after it (``probes_s``, as long as those before)
+    and the finish fit ``--wall-budget-s`` from ``t0``; None: no limit."""
+    ends = []
+    if args.time_budget_s:
+        ends.append(time.time() + args.time_budget_s)
+    if args.wall_budget_s:
+        ends.append(t0 + args.wall_budget_s - probes_s - FINISH_RESERVE_S)
+    return min(ends) if ends else None
+
+
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)
 
@@ -1284,7 +1315,9 @@ def run(args) -> dict:
     runner = None
     try:
         srv.start().wait_ready()
+        probes_t0 = time.time()
         result["probes_before"] = run_probes(srv, probes, args.probe_tokens)
+        deadline = soak_deadline(args, t0, time.time() - probes_t0)
         print(f"[soak] {len(probes)} probes done; soak starts", flush=True)
         # For a second server started beside this one once this one's
         # memory is allocated (device_run.sh churn).
@@ -1297,7 +1330,7 @@ def run(args) -> dict:
             alive=lambda: srv.proc.poll() is None,
             ignore_eos=args.ignore_eos,
             request_timeout=args.request_timeout,
-            deadline=time.time() + args.time_budget_s if args.time_budget_s else None,
+            deadline=deadline,
             sample_interval=args.sample_interval,
             progress_interval=args.progress_interval,
             metrics_interval=args.metrics_interval,
