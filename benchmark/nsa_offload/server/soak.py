@@ -147,8 +147,9 @@ EXTRA_UNITS_GAUGE = "sglang:nsa_kv_offload_extra_units_used"
 # (--min-requests; the rank model's 61 layers admit ~1.2 requests/s, 200).
 MIN_REQUESTS = 1000
 # The end of a run after its soak, beyond the probes' own time (--wall-budget-s):
-# in-flight requests, two idle waits, /metrics, the server's stop.
-FINISH_RESERVE_S = 45.0
+# in-flight requests (up to ~20 s of queued prefills on the rank model), two
+# 10 s idle waits, /metrics, the server's stop.
+FINISH_RESERVE_S = 60.0
 # The probe set: page, top-k (2048) and GPU buffer (4096 + 64) edges, long ones.
 PROBE_LENGTHS = (
     1,
