@@ -238,7 +238,7 @@ run_step() {
       ;;
     churn-mtp)
       # The churn soak with MTP (spec v2, 3 steps) at a 1.2 GiB KV budget
-      # of the memory free now, locs bound by it (~180,000 by the offload's
+      # of the memory free now, locs bound by it (~175,000 by the offload's
       # sizing, 0 spare regions): 400,000 locs at 1.5 GiB (277,440 held)
       # filled the host pool to 62% only (soak/mtp/), a 200,000 cap at 1.5
       # GiB left bytes for spare regions and no unit was scarce (mtp_200k/).
