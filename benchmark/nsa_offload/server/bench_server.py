@@ -107,6 +107,8 @@ from server_utils import (  # noqa: E402
     mtp_args,
     num_model_layers,
     offload_max_units,
+    one_or_sorted,
+    recorded_sglang_version,
     sglang_version,
     use_model,
     widest_units,
@@ -2346,9 +2348,6 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     runs = [r for r in results if r["config"].get("model") == "rank"]
     if not runs:
         return {}
-    commits = sorted({r["config"].get("code_commit", "unknown") for r in runs})
-    # Runs before the key ran on sglang 0.5.12.post1 (the only release then).
-    versions = sorted({r["config"].get("sglang_version", "0.5.12.post1") for r in runs})
     speed = {
         "p4_itl_overhead": {},
         "p4_itl_overhead_inline": {},
@@ -2363,8 +2362,12 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
         "swap_us_per_layer_classic": {},
         "hisparse_itl_overhead": {},
         "traces": {},
-        "code_commit": commits[0] if len(commits) == 1 else commits,
-        "sglang_version": versions[0] if len(versions) == 1 else versions,
+        "code_commit": one_or_sorted(
+            r["config"].get("code_commit", "unknown") for r in runs
+        ),
+        "sglang_version": one_or_sorted(
+            recorded_sglang_version(r["config"]) for r in runs
+        ),
     }
     model = {
         "code_commit": speed["code_commit"],
@@ -2480,16 +2483,14 @@ def mtp_speed_summary(results: List[dict]) -> Optional[dict]:
             ratios[key] = round(1 + v, 4)
         steps.add(cfg.get("mtp_steps"))
         commits.add(cfg.get("code_commit", "unknown"))
-        versions.add(cfg.get("sglang_version", "0.5.12.post1"))
+        versions.add(recorded_sglang_version(cfg))
     if not ratios:
         return None
     return {
         "itl_ratio_vs_no_offload_mtp": ratios,
         "num_steps": sorted(s for s in steps if s is not None),
-        "code_commit": sorted(commits)[0] if len(commits) == 1 else sorted(commits),
-        "sglang_version": (
-            sorted(versions)[0] if len(versions) == 1 else sorted(versions)
-        ),
+        "code_commit": one_or_sorted(commits),
+        "sglang_version": one_or_sorted(versions),
     }
 
 

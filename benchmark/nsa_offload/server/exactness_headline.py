@@ -14,6 +14,8 @@ import json
 import os
 from typing import List, Optional, Sequence
 
+from server_utils import recorded_sglang_version
+
 # Issue 18's cases, each against the no-offload server of its KV dtype: the
 # default units, one unit, heavy eviction, bf16 KV (the cross-layer prefetch
 # it also named was removed from the offload); one request at a time (seq) and aborted streams. Forced retraction: sglang
@@ -154,10 +156,7 @@ def headline(runs: List[dict], folders: List[str]) -> dict:
         "cases": [c for run in runs for c in run["cases"]],
         "code_commit": runs[-1]["code_commit"],
         "code_commits": commits,
-        # Runs before the key ran on sglang 0.5.12.post1 (the only release then).
-        "sglang_version": sorted(
-            {run.get("sglang_version") or "0.5.12.post1" for run in runs}
-        ),
+        "sglang_version": sorted({recorded_sglang_version(run) for run in runs}),
         "negative_control_flip_fraction_by_model": {
             m: p["negative_control_flip_fraction"] for m, p in by_model.items()
         },

@@ -14,6 +14,8 @@ import argparse
 import json
 from typing import List, Optional, Sequence
 
+from server_utils import one_or_sorted, recorded_sglang_version
+
 
 def merge(
     exactness: List[dict], speeds: List[dict], speed_caveat: Optional[str] = None
@@ -25,8 +27,7 @@ def merge(
         raise SystemExit("--exactness: no 'mtp' part (run exactness.py --servers mtp)")
     ratios, steps, commits, versions = {}, set(), set(), set()
     for half in parts + speeds:
-        # Runs before the key ran on sglang 0.5.12.post1 (the only release then).
-        v = half.get("sglang_version") or "0.5.12.post1"
+        v = recorded_sglang_version(half)
         versions.update(v if isinstance(v, list) else [v])
     for mtp in parts:
         steps.update(mtp["num_steps"])
@@ -48,8 +49,8 @@ def merge(
         # What a reader of the ratios alone must know (--speed-caveat).
         "itl_ratio_caveat": speed_caveat,
         "num_steps": sorted(steps),
-        "code_commit": commits.pop() if len(commits) == 1 else sorted(commits),
-        "sglang_version": versions.pop() if len(versions) == 1 else sorted(versions),
+        "code_commit": one_or_sorted(commits),
+        "sglang_version": one_or_sorted(versions),
         # Where the figures came from, for a reader of this file alone.
         "negative_control": {
             k: v

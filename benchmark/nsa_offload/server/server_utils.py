@@ -105,6 +105,23 @@ def sglang_version() -> str:
         return "unknown"
 
 
+# Runs that predate the key ran on sglang 0.5.12.post1 (the only release then).
+UNRECORDED_SGLANG_VERSION = "0.5.12.post1"
+
+
+def recorded_sglang_version(record: dict):
+    """A result's ``sglang_version`` (a release, or a list of them), or the
+    release of the runs that predate the key."""
+    return record.get("sglang_version") or UNRECORDED_SGLANG_VERSION
+
+
+def one_or_sorted(values):
+    """A summary's ``code_commit`` / ``sglang_version``: the one value, or
+    the sorted list of several."""
+    distinct = sorted(set(values))
+    return distinct[0] if len(distinct) == 1 else distinct
+
+
 def mtp_args(steps: int, spec_v2: bool = False) -> List[str]:
     """sglang's MTP recipe for DeepSeek-V3.2 with ``steps`` draft steps,
     without the overlap scheduler (``--disable-overlap-schedule``), or with
