@@ -326,6 +326,8 @@ class FakeReq23(FakeReq):
 
     req_pool_idx = _on_kv("req_pool_idx")
     kv_allocated_len = _on_kv("kv_allocated_len")
+    cache_protected_len = _on_kv("cache_protected_len")
+    del _on_kv
 
     @property
     def kv_committed_len(self):
@@ -336,8 +338,6 @@ class FakeReq23(FakeReq):
         # Committed KV is allocated KV (no over-allocation unless a test sets it).
         self.kv.kv_committed_len = value
         self.kv.kv_allocated_len = max(self.kv.kv_allocated_len, value)
-
-    cache_protected_len = _on_kv("cache_protected_len")
 
     def owned_kv_len(self):
         return self.kv.kv_committed_len
