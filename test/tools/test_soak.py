@@ -794,6 +794,13 @@ class TestSummary(unittest.TestCase):
         self.assertNotIn("retractions on a full pool in the log", forced["criteria"])
         s = build(host_pool_seen={"max_used_tokens": 9000.0, "total_tokens": 98304.0})
         self.assertFalse(s["criteria"]["host pool full at times (>= 95% seen)"])
+        # MTP runs no request direct (direct slots need one query token).
+        walking = {"lines_direct_beside_walking": 0}
+        self.assertFalse(
+            build(log=walking)["criteria"]["direct beside walking requests"]
+        )
+        mtp = build(config={"mtp": 3}, log=walking)
+        self.assertNotIn("direct beside walking requests", mtp["criteria"])
 
     def test_write_and_report(self):
         with tempfile.TemporaryDirectory() as d:
