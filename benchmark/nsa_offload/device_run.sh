@@ -242,12 +242,14 @@ run_step() {
       # sizing, 0 spare regions): 400,000 locs at 1.5 GiB (277,440 held)
       # filled the host pool to 62% only (soak/mtp/), a 200,000 cap at 1.5
       # GiB left bytes for spare regions and no unit was scarce (mtp_200k/).
+      # At c613ab4 1-128 new tokens left it prefill-bound, 68% full at most
+      # (mtp_c613ab4/): up to 512 new tokens keep requests resident longer.
       (cd benchmark/nsa_offload/server && timeout $(call_timeout ${MTP_SOAK_TIMEOUT:-400}) python3 soak.py \
         --out $OUT/soak_mtp --port $((34050 + 100 * GPU0)) --mtp 3 \
         --mem-fraction-static $(kv_fraction 1.2) $(wall_budget) \
         ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 32 --max-len 30000 \
-        --max-total-tokens 400000 --retract-interval 40 --probe-tokens 16 \
-        --time-budget-s 120}) > $OUT/soak_mtp_step.log 2>&1 || rc=1
+        --max-total-tokens 400000 --max-new-tokens 512 --retract-interval 40 \
+        --probe-tokens 16 --time-budget-s 300}) > $OUT/soak_mtp_step.log 2>&1 || rc=1
       echo "=== MTP soak"; tail -32 $OUT/soak_mtp_step.log
       ;;
     wait:*)
