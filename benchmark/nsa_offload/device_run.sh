@@ -245,7 +245,10 @@ run_step() {
       # GiB left bytes for spare regions and no unit was scarce (mtp_200k/).
       # At c613ab4 1-128 new tokens left it prefill-bound, 68% full at most
       # (mtp_c613ab4/): up to 512 new tokens keep requests resident longer.
-      (cd benchmark/nsa_offload/server && timeout $(call_timeout ${MTP_SOAK_TIMEOUT:-400}) python3 soak.py \
+      # The soak's own --wall-budget-s ends it within the call: at ae6c075 a
+      # 400 s "timeout" here killed it (and its server) at 406 s, 250 s of
+      # them a cold start (mtp_ae6c075_cut/).
+      (cd benchmark/nsa_offload/server && timeout $(call_timeout ${MTP_SOAK_TIMEOUT:-570}) python3 soak.py \
         --out $OUT/soak_mtp --port $((34050 + 100 * GPU0)) --mtp 3 \
         --mem-fraction-static $(kv_fraction 1.2) $(wall_budget) \
         ${MTP_SOAK_ARGS:---num-requests 2000 --concurrency 32 --max-len 30000 \
