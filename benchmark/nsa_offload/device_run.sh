@@ -4,7 +4,7 @@
 # split by size: a1 flashinfer + sglang-kernel, a2 sglang + deep-gemm +
 # transformers + tokenizers, b the rest). Calls back to back:
 #   bash benchmark/nsa_offload/device_run.sh install-a   (carry .devwheels/wheels-0517-a1;
-#     again with wheels-0517-a2)
+#     again with wheels-0517-a2; a third time with jitcache-extra where one is saved)
 #   bash benchmark/nsa_offload/device_run.sh STEP...     (carry .devwheels/wheels-0517-b)
 # STEP: checks (GPU correctness, no servers), engine (GPU checks + P1/P2
 # benchmarks), units (LRU units: GPU tests,
@@ -73,9 +73,18 @@ PIP="python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir 
 if [ "${1:-}" = install-a ]; then
   # wheels-0517-a1 / wheels-0517-a2, one per call: the checkout plus both
   # exceed what one call carries (64 MiB).
-  $PIP $W/wheels-0517-a*/*.whl && echo "installed: $(ls $W | grep wheels-0517-a)" || exit 1
-  # A JIT cache carried with wheels-a waits here for the wheels-b call.
-  if [ -d $W/jitcache-extra ]; then mkdir -p /tmp/jit-parts && cp $W/jitcache-extra/part-* /tmp/jit-parts/; fi
+  # A third call may carry .devwheels/jitcache-extra alone (19 MB at ae6c075:
+  # it fits beside no wheel folder and the 29 MB tree).
+  if ls $W/wheels-0517-a*/*.whl > /dev/null 2>&1; then
+    $PIP $W/wheels-0517-a*/*.whl && echo "installed: $(ls $W | grep wheels-0517-a)" || exit 1
+  elif [ ! -d $W/jitcache-extra ]; then
+    echo "install-a: carry .devwheels/wheels-0517-a1, -a2 or jitcache-extra"; exit 1
+  fi
+  # A JIT cache carried here waits for the wheels-b call.
+  if [ -d $W/jitcache-extra ]; then
+    mkdir -p /tmp/jit-parts && cp $W/jitcache-extra/part-* /tmp/jit-parts/ \
+      && echo "JIT cache kept: $(ls /tmp/jit-parts | wc -l) part(s)"
+  fi
   exit 0
 fi
 # The ninja-built JIT caches (tvm-ffi, flashinfer) count as stale when their
