@@ -339,6 +339,34 @@ class TestRankSummaries(unittest.TestCase):
         runs[0]["config"]["model"] = "tiny"
         self.assertEqual(bench_server.rank_summaries(runs[:1]), {})
 
+    def test_figures_by_sglang_version(self):
+        # Runs of two releases: each release's figures apart, the later run's
+        # winning only in the whole summary.
+        itl = {"baseline": 10.0, "ours": 10.4, "hisparse": 12.0}
+        older = self.make_run("model", None, dict(itl, ours=10.8), 0.5)
+        newer = self.make_run("model", None, itl, 0.5)
+        for run in (older, newer):
+            run["config"]["early_swap_default"] = True
+        newer["config"].update(sglang_version="0.5.17", code_commit="new")
+        out = bench_server.rank_summaries([older, newer])
+        speed = out["rank_speed"]
+        self.assertEqual(speed["sglang_version"], ["0.5.12.post1", "0.5.17"])
+        self.assertAlmostEqual(speed["p4_itl_overhead"]["model:32768x8"], 0.04)
+        by = speed["by_sglang_version"]
+        self.assertEqual(set(by), {"0.5.12.post1", "0.5.17"})
+        self.assertAlmostEqual(
+            by["0.5.12.post1"]["p4_itl_overhead"]["model:32768x8"], 0.08
+        )
+        self.assertAlmostEqual(by["0.5.17"]["p4_itl_overhead"]["model:32768x8"], 0.04)
+        self.assertEqual(by["0.5.17"]["code_commit"], "new")
+        self.assertNotIn("traces", by["0.5.17"])
+        self.assertNotIn("p4_itl_overhead_classic", by["0.5.17"])  # empty
+        self.assertIn("0.5.17", out["rank_model"]["by_sglang_version"])
+        # One release: no per-release block.
+        self.assertNotIn(
+            "by_sglang_version", bench_server.rank_summaries([newer])["rank_speed"]
+        )
+
     def test_early_swap_is_the_default_schedule(self):
         def variant(run, kind, itl_ratio):
             # Another offload server of the run, ITL scaled from ours'.

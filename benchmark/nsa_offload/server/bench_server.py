@@ -2325,7 +2325,37 @@ def _overheads(p4: dict, prefix: str = "") -> Dict[str, float]:
     return out
 
 
+# Per-release figures of rank_summaries' ``by_sglang_version``: what a reader
+# of one release needs (the runs' commands stay in the whole summary's traces).
+BY_VERSION_SKIP = ("traces", "sglang_version")
+
+
 def rank_summaries(results: List[dict]) -> Dict[str, dict]:
+    """``_rank_summaries`` of every rank run; where the runs span several
+    sglang releases, each summary also has ``by_sglang_version``: release ->
+    the same summary over that release's runs alone (non-empty keys), so
+    that a figure measured on one release is never read as another's."""
+    out = _rank_summaries(results)
+    runs = [r for r in results if r["config"].get("model") == "rank"]
+    versions = sorted({str(recorded_sglang_version(r["config"])) for r in runs})
+    if len(versions) < 2:
+        return out
+    for name in out:
+        out[name]["by_sglang_version"] = {}
+    for version in versions:
+        sub = _rank_summaries(
+            [r for r in runs if str(recorded_sglang_version(r["config"])) == version]
+        )
+        for name, summary in sub.items():
+            out[name]["by_sglang_version"][version] = {
+                k: v
+                for k, v in summary.items()
+                if k not in BY_VERSION_SKIP and v not in ({}, None)
+            }
+    return out
+
+
+def _rank_summaries(results: List[dict]) -> Dict[str, dict]:
     """The committed summaries of a session's rank-model runs (one run per
     trace): ``rank_model`` (results/rank_model/summary.json: capacity, ITL at
     the model's top-k, throughput at capacity where the misses cross PCIe)
