@@ -415,6 +415,32 @@ class TestExactnessAccounting(unittest.TestCase):
         self.assertIn("rank: not run yet: ours_bf16_retract", head["why_not_met"][0])
         with self.assertRaises(SystemExit):
             exactness_headline.headline([tiny, tiny], ["t/", "t/"])
+        # Runs of two releases: the newest's make the headline (a tiny run
+        # alone: not met), each release's own below; a checkpoint may run
+        # once per release.
+        newer = run("tiny", every[:1], 10)
+        newer["sglang_version"] = "0.5.17"
+        rank = run("rank", every, 9)
+        head = exactness_headline.versioned_headline(
+            [tiny, rank, newer], ["t/", "r/", "t17/"]
+        )
+        self.assertEqual(head["sglang_version"], ["0.5.17"])
+        self.assertEqual(head["by_model"]["tiny"]["folder"], "t17/")
+        self.assertFalse(head["met"])
+        self.assertIn("rank: no run", head["why_not_met"])
+        by = head["by_sglang_version"]
+        self.assertEqual(list(by), ["0.5.12.post1", "0.5.17"])
+        self.assertTrue(by["0.5.12.post1"]["met"], by["0.5.12.post1"]["why_not_met"])
+        self.assertEqual(by["0.5.17"]["total"], head["total"])
+        # One release: the plain headline.
+        self.assertNotIn(
+            "by_sglang_version",
+            exactness_headline.versioned_headline([tiny, rank], ["t/", "r/"]),
+        )
+        self.assertLess(
+            exactness_headline._release_key("0.5.12.post1"),
+            exactness_headline._release_key("0.5.17"),
+        )
 
     def test_flip_window(self):
         period = exactness.NC_PERIOD

@@ -1,11 +1,13 @@
 """results/exactness/summary.json (issue 18's headline) from the runs of
-record: one exactness.py summary.json per checkpoint (``tiny``, ``rank``).
-It says, besides the totals, which of the required cases each model still
+record: one exactness.py summary.json per checkpoint (``tiny``, ``rank``)
+and sglang release; the newest release's make the headline, each release's
+own is under ``by_sglang_version``. It says, besides the totals, which of the required cases each model still
 lacks and whether the negative control makes the comparison able to fail.
 
     python benchmark/nsa_offload/server/exactness_headline.py \\
         --run RESULTS/exactness/tiny_run6/summary.json \\
         --run RESULTS/exactness/rank_run4/summary.json \\
+        --run RESULTS/exactness/tiny_0517_32751af/summary.json \\
         --out RESULTS/exactness/summary.json
 """
 
@@ -168,13 +170,39 @@ def headline(runs: List[dict], folders: List[str]) -> dict:
     }
 
 
+def _release_key(version: str) -> tuple:
+    """Orders releases: 0.5.12.post1 < 0.5.17 < 0.5.23."""
+    return tuple(int(part) for part in version.replace(".post", ".").split("."))
+
+
+def versioned_headline(runs: List[dict], folders: List[str]) -> dict:
+    """``headline`` of the newest sglang release's runs (the supported GPU
+    base: what ``met`` is about), with ``by_sglang_version``: each release's
+    own headline, where the runs span several (one run per checkpoint and
+    release)."""
+    versions = sorted({str(recorded_sglang_version(r)) for r in runs}, key=_release_key)
+
+    def of(version):
+        pairs = [
+            (r, f) for r, f in zip(runs, folders)
+            if str(recorded_sglang_version(r)) == version
+        ]  # fmt: skip
+        return headline([r for r, _ in pairs], [f for _, f in pairs])
+
+    result = of(versions[-1])
+    if len(versions) > 1:
+        result["by_sglang_version"] = {v: of(v) for v in versions}
+    return result
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--run",
         action="append",
         required=True,
-        help="an exactness.py summary.json (one per checkpoint; repeat the flag)",
+        help="an exactness.py summary.json (one per checkpoint and sglang "
+        "release; repeat the flag): the newest release's runs make the headline",
     )
     p.add_argument("--out", required=True, help="the headline summary.json to write")
     args = p.parse_args(argv)
@@ -187,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.path.relpath(os.path.dirname(os.path.abspath(path)), out_dir) + "/"
         for path in args.run
     ]
-    result = headline(runs, folders)
+    result = versioned_headline(runs, folders)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps({k: result[k] for k in ("identical", "total", "met")}))
