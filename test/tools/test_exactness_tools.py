@@ -712,6 +712,20 @@ class TestMtpServers(unittest.TestCase):
         self.assertEqual(merged["num_steps"], [1, 3])
         self.assertEqual(merged["code_commit"], ["abc", "def"])
         self.assertIsNone(merged["itl_ratio_caveat"])
+        # Each release's figures apart: the speed run on another release.
+        newer = dict(speed, sglang_version="0.5.17")
+        by = mtp_summary.merge([exact], [newer])["by_sglang_version"]
+        self.assertEqual(
+            by,
+            {
+                "0.5.12.post1": {
+                    "identical": 1,
+                    "total": 2,
+                    "accept_length_equal": True,
+                },
+                "0.5.17": {"itl_ratio_vs_no_offload_mtp": {"model:32768x1": 1.05}},
+            },
+        )
         caveat = mtp_summary.merge([exact], [speed], "baseline handicapped")
         self.assertEqual(caveat["itl_ratio_caveat"], "baseline handicapped")
         # Speed not run yet: the key says so instead of vanishing.

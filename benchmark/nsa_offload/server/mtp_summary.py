@@ -41,6 +41,21 @@ def merge(
         c = speed["code_commit"]
         commits.update(c if isinstance(c, list) else [c])
     accept = {name: a for mtp in parts for name, a in mtp["accept"].items()}
+    # Each half's figures by the release they ran on (never read one
+    # release's ratio as another's).
+    by_version = {}
+    for mtp in parts:
+        row = by_version.setdefault(str(recorded_sglang_version(mtp)), {})
+        row["identical"] = row.get("identical", 0) + mtp["identical"]
+        row["total"] = row.get("total", 0) + mtp["total"]
+        row["accept_length_equal"] = row.get("accept_length_equal", True) and (
+            mtp["accept_length_equal"]
+        )
+    for speed in speeds:
+        row = by_version.setdefault(str(recorded_sglang_version(speed)), {})
+        row.setdefault("itl_ratio_vs_no_offload_mtp", {}).update(
+            speed["itl_ratio_vs_no_offload_mtp"]
+        )
     return {
         "identical": sum(mtp["identical"] for mtp in parts),
         "total": sum(mtp["total"] for mtp in parts),
@@ -61,6 +76,7 @@ def merge(
         "mean_accept_length": {
             name: a.get("mean_accept_length") for name, a in accept.items()
         },
+        "by_sglang_version": dict(sorted(by_version.items())),
     }
 
 
