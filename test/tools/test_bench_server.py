@@ -1706,6 +1706,12 @@ class TestCommittedRankSummaries(unittest.TestCase):
         # c227cb6 on an H100, sglang 0.5.17: 32K x 8 at 14 GiB again, beside
         # 0.5.17's HiSparse (prefill CUDA graphs off on all three).
         "rank_speed/run_h100_0517_hisparse_32k_x8/bench_server_model.json",
+        # 7c2decb on an H100, sglang 0.5.17, 30 GiB: batch 1 at 8K / 32K
+        # beside HiSparse (ours' 32K and every 8K x 64 but the no-offload
+        # one skipped by the time budget), then ours and no offload again
+        # (ours' 32K x 1; its 8K x 64 skipped again).
+        "rank_speed/run_h100_0517_hisparse_8k_32k_x1/bench_server_model.json",
+        "rank_speed/run_h100_0517_model_32k_x1/bench_server_model.json",
     )
 
     def test_every_committed_server_kind_renders(self):
