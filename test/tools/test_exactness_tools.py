@@ -438,8 +438,8 @@ class TestExactnessAccounting(unittest.TestCase):
             exactness_headline.versioned_headline([tiny, rank], ["t/", "r/"]),
         )
         self.assertLess(
-            exactness_headline._release_key("0.5.12.post1"),
-            exactness_headline._release_key("0.5.17"),
+            server_utils.release_key("0.5.12.post1"),
+            server_utils.release_key("0.5.17"),
         )
 
     def test_flip_window(self):

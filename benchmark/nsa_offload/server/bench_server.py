@@ -109,6 +109,7 @@ from server_utils import (  # noqa: E402
     offload_max_units,
     one_or_sorted,
     recorded_sglang_version,
+    release_key,
     sglang_version,
     use_model,
     widest_units,
@@ -2337,7 +2338,9 @@ def rank_summaries(results: List[dict]) -> Dict[str, dict]:
     that a figure measured on one release is never read as another's."""
     out = _rank_summaries(results)
     runs = [r for r in results if r["config"].get("model") == "rank"]
-    versions = sorted({str(recorded_sglang_version(r["config"])) for r in runs})
+    versions = sorted(
+        {str(recorded_sglang_version(r["config"])) for r in runs}, key=release_key
+    )
     if len(versions) < 2:
         return out
     for name in out:

@@ -1,8 +1,9 @@
 """results/exactness/summary.json (issue 18's headline) from the runs of
 record: one exactness.py summary.json per checkpoint (``tiny``, ``rank``)
 and sglang release; the newest release's make the headline, each release's
-own is under ``by_sglang_version``. It says, besides the totals, which of the required cases each model still
-lacks and whether the negative control makes the comparison able to fail.
+own is under ``by_sglang_version``. It says, besides the totals, which of
+the required cases each model still lacks and whether the negative control
+makes the comparison able to fail.
 
     python benchmark/nsa_offload/server/exactness_headline.py \\
         --run RESULTS/exactness/tiny_run6/summary.json \\
@@ -16,7 +17,7 @@ import json
 import os
 from typing import List, Optional, Sequence
 
-from server_utils import recorded_sglang_version
+from server_utils import recorded_sglang_version, release_key
 
 # Issue 18's cases, each against the no-offload server of its KV dtype: the
 # default units, one unit, heavy eviction, bf16 KV (the cross-layer prefetch
@@ -170,17 +171,12 @@ def headline(runs: List[dict], folders: List[str]) -> dict:
     }
 
 
-def _release_key(version: str) -> tuple:
-    """Orders releases: 0.5.12.post1 < 0.5.17 < 0.5.23."""
-    return tuple(int(part) for part in version.replace(".post", ".").split("."))
-
-
 def versioned_headline(runs: List[dict], folders: List[str]) -> dict:
     """``headline`` of the newest sglang release's runs (the supported GPU
     base: what ``met`` is about), with ``by_sglang_version``: each release's
     own headline, where the runs span several (one run per checkpoint and
     release)."""
-    versions = sorted({str(recorded_sglang_version(r)) for r in runs}, key=_release_key)
+    versions = sorted({str(recorded_sglang_version(r)) for r in runs}, key=release_key)
 
     def of(version):
         pairs = [

@@ -115,6 +115,11 @@ def recorded_sglang_version(record: dict):
     return record.get("sglang_version") or UNRECORDED_SGLANG_VERSION
 
 
+def release_key(version: str) -> tuple:
+    """Orders sglang releases: 0.5.12.post1 < 0.5.17 < 0.5.23."""
+    return tuple(int(part) for part in version.replace(".post", ".").split("."))
+
+
 def one_or_sorted(values):
     """A summary's ``code_commit`` / ``sglang_version``: the one value, or
     the sorted list of several."""
