@@ -1608,6 +1608,32 @@ class TestCommittedSizing(unittest.TestCase):
         self.assertEqual(run["spare_regions"], 0)
 
 
+class TestCommittedSizing128K(unittest.TestCase):
+    """results/rank_model/sizing_128k_0517/ is what its script computes with
+    the product's sizing: the calibration reproduces each run's logged locs."""
+
+    def test_committed_study_is_computed(self):
+        import importlib.util
+        import io
+
+        folder = BENCH_DIR / "results" / "rank_model" / "sizing_128k_0517"
+        spec = importlib.util.spec_from_file_location(
+            "sizing_128k", folder / "sizing_128k.py"
+        )
+        study = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(study)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            study.main()
+        with open(folder / "sizing_128k.json") as f:
+            self.assertEqual(json.loads(out.getvalue()), json.load(f))
+        for run, (_, _, _, logged, _, _) in zip(
+            json.loads(out.getvalue())["runs"], study.RUNS
+        ):
+            as_run = run["variants"][0]
+            self.assertEqual(as_run["locs"], logged)
+
+
 class TestCommittedRankSummaries(unittest.TestCase):
     """results/rank_model/ and results/rank_speed/summary.json are what
     ``--plot-only`` computes from the committed rank runs (no hand edits)."""
