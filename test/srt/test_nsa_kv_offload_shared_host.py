@@ -153,7 +153,20 @@ class TestAttentionTPRanks(unittest.TestCase):
     def _results(self, name):
         return [self.results[(name, r)] for r in range(WORLD)]
 
-    def test_every_rank_maps_the_same_bytes(self):
+    def test_ranks(self):
+        # One test over the ranks' one run: pytest-xdist's worksteal would
+        # start the spawned ranks again (~12 s) for each test it moves.
+        for check in (
+            self.check_every_rank_maps_the_same_bytes,
+            self.check_a_mismatching_rank_fails_them_all,
+            self.check_lifecycle_reads_rank_0s_rows,
+            self.check_lifecycle_with_units,
+            self.check_negative_control_is_caught,
+        ):
+            with self.subTest(check=check.__name__):
+                check()
+
+    def check_every_rank_maps_the_same_bytes(self):
         results = self._results("segment")
         for r in results:
             self.assertTrue(r.startswith("ok "), results)
@@ -162,7 +175,7 @@ class TestAttentionTPRanks(unittest.TestCase):
         # Each rank its own mapping of them.
         self.assertEqual(len({r.split()[2] for r in results}), WORLD, results)
 
-    def test_a_mismatching_rank_fails_them_all(self):
+    def check_a_mismatching_rank_fails_them_all(self):
         results = self._results("layout_mismatch")
         for r in results:
             self.assertTrue(r.startswith("raised "), results)
@@ -186,13 +199,13 @@ class TestAttentionTPRanks(unittest.TestCase):
         # staging rows into slots 0..n-1 on every rank), warm units off.
         self.assertEqual({f["direct"] for f in fields}, {"01"}, results)
 
-    def test_lifecycle_reads_rank_0s_rows(self):
+    def check_lifecycle_reads_rank_0s_rows(self):
         self._check_lifecycle("lifecycle")
 
-    def test_lifecycle_with_units(self):
+    def check_lifecycle_with_units(self):
         self._check_lifecycle("lifecycle_units")
 
-    def test_negative_control_is_caught(self):
+    def check_negative_control_is_caught(self):
         # Readers that warm from host memory before rank 0's backup read
         # zeros instead of the prompt's KV; rank 0 (its own backup first) is
         # right.
