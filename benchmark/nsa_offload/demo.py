@@ -89,12 +89,30 @@ def itl_overheads(path: Path = RANK_SPEED) -> List[Dict]:
     with open(path) as f:
         summary = json.load(f)
     ours, hisparse = summary["p4_itl_overhead"], summary["hisparse_itl_overhead"]
+    by_release = summary.get("by_sglang_version", {})
+
+    def release(name, key, value):
+        # The release whose own runs gave this figure (the summary's whole-file
+        # figure is the latest run's); one release: the summary's.
+        found = [
+            v for v, part in by_release.items()
+            if part.get(name, {}).get(key) == value
+        ]  # fmt: skip
+        if not found:
+            return str(summary.get("sglang_version"))
+        # The newest of them (the whole file's figure is the latest run's).
+        return max(
+            found, key=lambda v: [int(x) for x in v.replace(".post", ".").split(".")]
+        )
+
     rows = []
     for key in sorted(set(ours) & set(hisparse), key=lambda k: (k.split(":")[0], k)):
         trace, point = key.split(":")
         rows.append(
-            dict(trace=trace, point=point, ours=ours[key], hisparse=hisparse[key])
-        )
+            dict(trace=trace, point=point, ours=ours[key], hisparse=hisparse[key],
+                 sglang=release("p4_itl_overhead", key, ours[key]),
+                 sglang_hisparse=release("hisparse_itl_overhead", key, hisparse[key]))
+        )  # fmt: skip
     return rows
 
 
@@ -127,7 +145,7 @@ def plot(capacity: List[Dict], cost: List[Dict], path: Path) -> None:
     b.barh(
         [i - 0.2 for i in y], [100 * c["hisparse"] for c in cost], 0.4, label="HiSparse"
     )
-    b.set_yticks(list(y), [f"{c['trace']} {c['point']}" for c in cost])
+    b.set_yticks(list(y), [f"{c['trace']} {c['point']} ({c['sglang']})" for c in cost])
     b.set_xlabel("decode ITL over no offload (%), measured")
     b.set_title("Cost: 61-layer rank model on one GPU")
     b.legend()
@@ -183,10 +201,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for c in capacity:
         lines.append(f"| {c['context']} | {c['no_offload']} | {c['offload']} | "
                      f"{c['gain']:.1f}x | {c['regions']} |")  # fmt: skip
-    lines += ["", "| trace | point | offload ITL | HiSparse ITL |", "|---|---|---|---|"]
+    lines += ["", "| trace | point | offload ITL | HiSparse ITL | sglang (offload / HiSparse) |",
+              "|---|---|---|---|---|"]  # fmt: skip
     for c in cost:
         lines.append(f"| {c['trace']} | {c['point']} | {100 * c['ours']:+.1f}% | "
-                     f"{100 * c['hisparse']:+.1f}% |")  # fmt: skip
+                     f"{100 * c['hisparse']:+.1f}% | {c['sglang']} / {c['sglang_hisparse']} |")  # fmt: skip
     lines += [
         "",
         f"Cost rows: measured, `{RANK_SPEED.relative_to(HERE.parent.parent)}`.",

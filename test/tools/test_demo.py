@@ -74,6 +74,12 @@ class TestMain(unittest.TestCase):
             key = f"{c['trace']}:{c['point']}"
             self.assertEqual(c["ours"], summary["p4_itl_overhead"][key])
             self.assertIn(f"| {c['trace']} | {c['point']} |", md)
+            # Each figure names the release it was measured on.
+            part = summary["by_sglang_version"][c["sglang"]]
+            self.assertEqual(part["p4_itl_overhead"][key], c["ours"])
+            part = summary["by_sglang_version"][c["sglang_hisparse"]]
+            self.assertEqual(part["hisparse_itl_overhead"][key], c["hisparse"])
+        self.assertIn("0.5.17", {c["sglang"] for c in result["cost"]})
 
     def test_bad_arguments(self):
         for argv in (["--kv-budget-gib", "0"], ["--host-pool-gb", "-1"]):
