@@ -1551,6 +1551,26 @@ class TestChurn(unittest.TestCase):
         self.assertIn("| 21.00 / 20.00 / - / - |", table[-1])
 
 
+def load_result_script(path):
+    """A committed result's script (results/*/NAME.py) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def printed(fn, *args) -> str:
+    """What ``fn(*args)`` writes to stdout."""
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        fn(*args)
+    return out.getvalue()
+
+
 class TestCommittedSizing(unittest.TestCase):
     """results/rank_speed/default_sizing/*.json are what its sizing.py
     computes (the offload's own sizing and controller) with the flags its
@@ -1573,23 +1593,14 @@ class TestCommittedSizing(unittest.TestCase):
     }
 
     def test_committed_sizing_is_computed(self):
-        import importlib.util
-        import io
-
         folder = BENCH_DIR / "results" / "rank_speed" / "default_sizing"
-        spec = importlib.util.spec_from_file_location(
-            "default_sizing", folder / "sizing.py"
-        )
-        sizing = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sizing)
+        sizing = load_result_script(folder / "sizing.py")
         for name, argv in self.RUNS.items():
             with self.subTest(run=name):
-                out = io.StringIO()
-                with contextlib.redirect_stdout(out):
-                    sizing.main(argv)
+                out = printed(sizing.main, argv)
                 with open(folder / name) as f:
                     committed = json.load(f)
-                computed = json.loads(out.getvalue())
+                computed = json.loads(out)
                 self.assertEqual(len(computed["points"]), len(committed["points"]))
                 for now, then in zip(computed.pop("points"), committed.pop("points")):
                     locs, locs_then = now.pop("locs"), then.pop("locs")
@@ -1613,23 +1624,12 @@ class TestCommittedSizing128K(unittest.TestCase):
     the product's sizing: the calibration reproduces each run's logged locs."""
 
     def test_committed_study_is_computed(self):
-        import importlib.util
-        import io
-
         folder = BENCH_DIR / "results" / "rank_model" / "sizing_128k_0517"
-        spec = importlib.util.spec_from_file_location(
-            "sizing_128k", folder / "sizing_128k.py"
-        )
-        study = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(study)
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            study.main()
+        study = load_result_script(folder / "sizing_128k.py")
+        computed = json.loads(printed(study.main))
         with open(folder / "sizing_128k.json") as f:
-            self.assertEqual(json.loads(out.getvalue()), json.load(f))
-        for run, (_, _, _, logged, _, _) in zip(
-            json.loads(out.getvalue())["runs"], study.RUNS
-        ):
+            self.assertEqual(computed, json.load(f))
+        for run, (_, _, _, logged, _, _) in zip(computed["runs"], study.RUNS):
             as_run = run["variants"][0]
             self.assertEqual(as_run["locs"], logged)
 
