@@ -27,6 +27,10 @@ from typing import Dict, List, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 RANK_SPEED = HERE / "results" / "rank_speed" / "summary.json"
+# The benchmarks' helpers (stdlib only): the release order of the summaries.
+sys.path.insert(0, str(HERE / "server"))
+from server_utils import release_key  # noqa: E402
+
 GIB = 1 << 30
 CONTEXTS = (16384, 32768, 65536, 131072)
 # DeepSeek-V3.2 per rank: 61 MLA layers; an fp8 FlashMLA KV row of 656 B
@@ -101,9 +105,7 @@ def itl_overheads(path: Path = RANK_SPEED) -> List[Dict]:
         if not found:
             return str(summary.get("sglang_version"))
         # The newest of them (the whole file's figure is the latest run's).
-        return max(
-            found, key=lambda v: [int(x) for x in v.replace(".post", ".").split(".")]
-        )
+        return max(found, key=release_key)
 
     rows = []
     for key in sorted(set(ours) & set(hisparse), key=lambda k: (k.split(":")[0], k)):

@@ -65,26 +65,28 @@ def main():
         avail = calibrate(slots, staging, logged)
         assert locs(avail, slots, staging) == logged, folder
         short = prefill_staging_rows(131072 + 320, PREFILL_BUDGET, slots, PAGE)
-        rows = []
-        for name, s, st in (
-            ("as run", slots, staging),
-            ("context 131,392", slots, short),
-        ):
+
+        def variant(name, s, st):
             n = locs(avail, s, st)
-            rows.append(dict(variant=name, slots=s, staging_rows=st, locs=n,
-                             capacity_128k=min(s, n // NEED)))  # fmt: skip
-        # Slots cut to the 128K requests the locs then hold, plus one.
-        for name, st in (("slots cut", staging), ("slots cut, context 131,392", short)):
+            return dict(variant=name, slots=s, staging_rows=st, locs=n,
+                        capacity_128k=min(s, n // NEED))  # fmt: skip
+
+        def cut_slots(st):
+            # Slots cut to the 128K requests the locs then hold, plus one.
             s = slots
             for _ in range(8):
-                n = locs(avail, s, st)
-                s_next = min(slots, n // NEED + 1)
+                s_next = min(slots, locs(avail, s, st) // NEED + 1)
                 if s_next == s:
                     break
                 s = s_next
-            n = locs(avail, s, st)
-            rows.append(dict(variant=name, slots=s, staging_rows=st, locs=n,
-                             capacity_128k=min(s, n // NEED)))  # fmt: skip
+            return s
+
+        rows = [
+            variant("as run", slots, staging),
+            variant("context 131,392", slots, short),
+            variant("slots cut", cut_slots(staging), staging),
+            variant("slots cut, context 131,392", cut_slots(short), short),
+        ]
         out["runs"].append(dict(folder=folder, kv_budget_gib=budget,
                                 pool_bytes=avail, hisparse_capacity_128k=hisparse,
                                 variants=rows))  # fmt: skip
