@@ -158,6 +158,20 @@ class TestSizing(unittest.TestCase):
             **dict(kwargs, host_pool_bytes=4 * 656 * 100 * PAGE)
         )
         self.assertEqual(capped.num_locs, 100 * PAGE)
+        # Capped a little below the budget: the bytes left pay for two spare
+        # regions but not also for the idle-loc units' state. A spare region
+        # gives way (the state fits in its bytes); the locs keep the cap.
+        region = offload_bytes_per_region(4, 656, 2048, 64, 8)
+        host_locs = (off_locs - -(-(2 * region + state // 2) // per_loc)) // PAGE * PAGE
+        tight = compute_offload_pool_sizes(
+            **dict(kwargs, host_pool_bytes=4 * 656 * host_locs)
+        )
+        self.assertEqual(tight.num_locs, host_locs)
+        self.assertEqual(tight.num_spare_regions, 1)
+        self.assertGreater(tight.idle_loc_units, 0)
+        unit_state = lru_unit_state_bytes(4, 2048, 8)
+        spent = fixed + host_locs * per_loc + region + tight.idle_loc_units * unit_state
+        self.assertLessEqual(spent, 3 << 30)
 
 
 def _harness(test, idle_loc_units=6, num_locs=96 * PAGE, seed=0, **kwargs):

@@ -192,7 +192,7 @@ def compute_offload_pool_sizes(
     swap_scratch_bytes: int = 0,
 ) -> NSAKVOffloadPoolSizes:
     """Split ``available_bytes`` between fixed costs and token locs (module
-    doc); idle-loc units' LRU state is paid from the locs' share.
+    doc); idle-loc units' LRU state is paid by spare regions, then the locs.
     ``extra_bytes_per_loc``: the MTP draft worker's NextN KV, the verify pool."""
     staging_rows = _round_up(staging_rows, page_size)
     unit_state = lru_unit_state_bytes(num_layers, buffer_size, max_units)
@@ -225,19 +225,25 @@ def compute_offload_pool_sizes(
         )
     leftover = available_bytes - fixed - num_locs * per_loc
     num_spare = spare_region_count(leftover, region_bytes, num_regions, max_units)
-    num_idle_loc_units = idle_loc_lru_units(
-        num_locs,
-        num_layers * indexer_bytes,
-        num_layers * row_bytes,
-        buffer_size,
-        num_regions,
-        max_units,
-        num_spare,
-    )
-    # Their LRU state comes out of the locs' bytes when those are short.
-    state = num_idle_loc_units * unit_state
-    short = fixed + num_locs * per_loc + num_spare * region_bytes + state
-    short -= available_bytes
+    while True:
+        num_idle_loc_units = idle_loc_lru_units(
+            num_locs,
+            num_layers * indexer_bytes,
+            num_layers * row_bytes,
+            buffer_size,
+            num_regions,
+            max_units,
+            num_spare,
+        )
+        state = num_idle_loc_units * unit_state
+        short = fixed + num_locs * per_loc + num_spare * region_bytes + state
+        short -= available_bytes
+        if short <= 0 or num_spare == 0:
+            break
+        # Spare regions pay for that LRU state first: capped locs are
+        # requests held, a spare region only a unit lent.
+        num_spare -= min(num_spare, -(-short // region_bytes))
+    # Then the locs' bytes, when those are short.
     if short > 0:
         num_locs -= _round_up(-(-short // per_loc), page_size)
     return NSAKVOffloadPoolSizes(
