@@ -9,8 +9,10 @@ offload's pools got are found by bisection: the bytes at which the product's
 logged regions and staging rows. At those bytes the same function then sizes
 variants: request slots cut to what the 128K requests need (one more than
 they fill), and prefill staging sized for a 131,392-token context
-(``--context-length``) instead of the model's 163,840. A prediction from the
-product's arithmetic, not a measurement.
+(``--context-length``) instead of the model's 163,840. And two designs not
+built (``one_arena``): a long prompt's staging rows, then also the regions,
+carved from free locs' indexer-key bytes (as idle-loc units are). A
+prediction from the product's arithmetic, not a measurement.
 """
 
 import json
@@ -20,14 +22,16 @@ from sglang.srt.mem_cache.nsa_kv_offload_lru_triton import TritonLRUSwap
 from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     compute_offload_pool_sizes,
     lru_slot_id_bytes,
+    lru_unit_state_bytes,
     prefill_staging_rows,
+    staging_reserve_rows,
 )
 
 L, ROW, IDX, PAGE, BUFFER, WINDOW, UNITS, TOP_K = 61, 656, 132, 64, 4096, 64, 40, 2048
 CONTEXT_LEN, PREFILL_BUDGET = 163840, 16384
 # The bench's 128K point: prompt + 300 new tokens, in pages.
 NEED = -(-(131072 + 300) // PAGE) * PAGE
-HOST_BYTES = 64 * 10**9
+HOST_BYTES = 64 << 30  # --host-pool-gb 64: GiB (host capacity 1,717,299 logged)
 # (run folder, KV budget GiB, request slots, locs logged, staging rows logged,
 # HiSparse's capacity at 128K from its pools in the same run).
 RUNS = (
@@ -36,18 +40,39 @@ RUNS = (
 )
 
 
-def locs(avail, slots, staging):
+def locs(avail, slots, staging, regions=None, extra_fixed=0):
     """Locs the product's sizing gives (0 where the fixed costs do not fit)."""
     scratch = TritonLRUSwap.scratch_bytes(
         slots, TOP_K, BUFFER, UNITS, lru_slot_id_bytes(BUFFER, UNITS)
     )
+    regions = slots if regions is None else regions
     try:
         return compute_offload_pool_sizes(
-            int(avail), L, ROW, IDX, PAGE, BUFFER, WINDOW, slots, staging,
-            HOST_BYTES, None, UNITS, 0, scratch,
+            int(avail), L, ROW, IDX, PAGE, BUFFER, WINDOW, regions, staging,
+            HOST_BYTES, None, UNITS, 0, scratch + extra_fixed,
         ).num_locs  # fmt: skip
     except RuntimeError:
         return 0
+
+
+def one_arena(avail, slots):
+    """128K requests held if a prompt's staging rows (then also every
+    region's C + W rows) came from free locs' key bytes, IDX of ROW bytes a
+    row per loc and layer: staging keeps two prefill batches; the last
+    admitted prompt is staged while the others hold their locs (and rows)."""
+    reserve = staging_reserve_rows(PREFILL_BUDGET, slots, PAGE)
+    staged, region = -(-NEED * ROW // IDX), -(-(BUFFER + WINDOW) * ROW // IDX)
+    state = slots * lru_unit_state_bytes(L, BUFFER, UNITS)  # kept per slot
+
+    def held(n_locs, per_request):
+        return max(n for n in range(slots + 1) if n * per_request + staged <= n_locs)
+
+    return {
+        "staging": held(locs(avail, slots, reserve), NEED),
+        "staging_and_regions": held(
+            locs(avail, slots, reserve, 0, state), NEED + region
+        ),
+    }
 
 
 def calibrate(slots, staging, logged):
@@ -89,7 +114,7 @@ def main():
         ]
         out["runs"].append(dict(folder=folder, kv_budget_gib=budget,
                                 pool_bytes=avail, hisparse_capacity_128k=hisparse,
-                                variants=rows))  # fmt: skip
+                                variants=rows, one_arena=one_arena(avail, slots)))  # fmt: skip
     json.dump(out, sys.stdout, indent=1)
 
 
