@@ -397,7 +397,10 @@ run_step() {
       (cd benchmark/nsa_offload/server && timeout ${E2E_TIMEOUT:-300} python3 e2e_server.py --out $OUT/e2e --port $((31000 + 100 * GPU0)) ${E2E_ARGS:-}) 2>&1 | tail -60 || rc=1
       ;;
     bench)
-      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/server/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} --port $((31200 + 100 * GPU0)) ${BENCH_ARGS:-} 2>&1 | tail -80 || rc=1
+      # $BENCH_ARGS as the shell reads it: quotes keep a flag's spaces, e.g.
+      # --extra-server-args='--disable-prefill-cuda-graph --context-length 131392'.
+      eval "bench_args=(${BENCH_ARGS:-})"
+      timeout ${BENCH_TIMEOUT:-570} python3 benchmark/nsa_offload/server/bench_server.py --quick --topk ${BENCH_TOPK:-model} --out $OUT/bench_${BENCH_TOPK:-model} --port $((31200 + 100 * GPU0)) "${bench_args[@]}" 2>&1 | tail -80 || rc=1
       # Raw profiler traces (--profile-steps) travel in their own file.
       for d in $OUT/bench_*/profiles; do
         [ -d "$d" ] && tar czf /tmp/profiles.tgz -C "$d" . && rm -rf "$d"
