@@ -57,8 +57,8 @@ def locs(avail, slots, staging, regions=None, extra_fixed=0):
 
 def one_arena(avail, slots):
     """128K requests held if a prompt's staging rows (then also every
-    region's C + W rows) came from free locs' key bytes, IDX of ROW bytes a
-    row per loc and layer: staging keeps two prefill batches; the last
+    region's C + W rows) came from free locs' key bytes: a KV row takes the
+    keys of ROW / IDX locs. Fixed staging keeps two prefill batches; the last
     admitted prompt is staged while the others hold their locs (and rows)."""
     reserve = staging_reserve_rows(PREFILL_BUDGET, slots, PAGE)
     staged, region = -(-NEED * ROW // IDX), -(-(BUFFER + WINDOW) * ROW // IDX)
