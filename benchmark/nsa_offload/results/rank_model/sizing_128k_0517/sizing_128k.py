@@ -11,8 +11,8 @@ variants: request slots cut to what the 128K requests need (one more than
 they fill), and prefill staging sized for a 131,392-token context
 (``--context-length``) instead of the model's 163,840. And two designs not
 built (``one_arena``): a long prompt's staging rows, then also the regions,
-carved from free locs' indexer-key bytes (as idle-loc units are). A
-prediction from the product's arithmetic, not a measurement.
+taking GPU bytes from the locs' share as they come. A prediction from the
+product's arithmetic, not a measurement.
 """
 
 import json
@@ -23,6 +23,7 @@ from sglang.srt.mem_cache.nsa_kv_offload_sizing import (
     compute_offload_pool_sizes,
     lru_slot_id_bytes,
     lru_unit_state_bytes,
+    offload_bytes_per_loc,
     prefill_staging_rows,
     staging_reserve_rows,
 )
@@ -40,7 +41,7 @@ RUNS = (
 )
 
 
-def locs(avail, slots, staging, regions=None, extra_fixed=0):
+def locs(avail, slots, staging, regions=None, extra_fixed=0, host=HOST_BYTES):
     """Locs the product's sizing gives (0 where the fixed costs do not fit)."""
     scratch = TritonLRUSwap.scratch_bytes(
         slots, TOP_K, BUFFER, UNITS, lru_slot_id_bytes(BUFFER, UNITS)
@@ -49,29 +50,35 @@ def locs(avail, slots, staging, regions=None, extra_fixed=0):
     try:
         return compute_offload_pool_sizes(
             int(avail), L, ROW, IDX, PAGE, BUFFER, WINDOW, regions, staging,
-            HOST_BYTES, None, UNITS, 0, scratch + extra_fixed,
+            host, None, UNITS, 0, scratch + extra_fixed,
         ).num_locs  # fmt: skip
     except RuntimeError:
         return 0
 
 
 def one_arena(avail, slots):
-    """128K requests held if a prompt's staging rows (then also every
-    region's C + W rows) came from free locs' key bytes: a KV row takes the
-    keys of ROW / IDX locs. Fixed staging keeps two prefill batches; the last
-    admitted prompt is staged while the others hold their locs (and rows)."""
+    """128K requests held if a prompt's staging rows (then also each region's
+    rows) took their GPU bytes from the locs' share as prefills and admissions
+    come, instead of being fixed at startup; the host pool caps token locs
+    only. Fixed staging keeps two prefill batches; the last admitted prompt is
+    staged while the others decode; every slot keeps its LRU state."""
     reserve = staging_reserve_rows(PREFILL_BUDGET, slots, PAGE)
-    staged, region = -(-NEED * ROW // IDX), -(-(BUFFER + WINDOW) * ROW // IDX)
-    state = slots * lru_unit_state_bytes(L, BUFFER, UNITS)  # kept per slot
+    per_loc = offload_bytes_per_loc(L, IDX, lru_slot_id_bytes(BUFFER, UNITS))
+    state = lru_unit_state_bytes(L, BUFFER, UNITS)
+    staged, region = NEED * L * ROW, (BUFFER + WINDOW) * L * ROW
+    host_locs = HOST_BYTES // (L * ROW)
 
-    def held(n_locs, per_request):
-        return max(n for n in range(slots + 1) if n * per_request + staged <= n_locs)
+    def held(arena_locs, per_request):
+        arena = arena_locs * per_loc
+        fits = [n for n in range(slots + 1) if n * per_request + staged <= arena]
+        return min(max(fits), host_locs // NEED)
 
+    no_cap = 1 << 50
+    staging_only = locs(avail, slots, reserve, host=no_cap)
+    with_regions = locs(avail, slots, reserve, 0, slots * state, host=no_cap)
     return {
-        "staging": held(locs(avail, slots, reserve), NEED),
-        "staging_and_regions": held(
-            locs(avail, slots, reserve, 0, state), NEED + region
-        ),
+        "staging": held(staging_only, NEED * per_loc),
+        "staging_and_regions": held(with_regions, NEED * per_loc + region),
     }
 
 
