@@ -96,8 +96,7 @@ def itl_overheads(path: Path = RANK_SPEED) -> List[Dict]:
     by_release = summary.get("by_sglang_version", {})
 
     def release(name, key, value):
-        # The release whose own runs gave this figure (the summary's whole-file
-        # figure is the latest run's); one release: the summary's.
+        # The release whose own runs gave this figure; one release: the summary's.
         found = [
             v for v, part in by_release.items()
             if part.get(name, {}).get(key) == value

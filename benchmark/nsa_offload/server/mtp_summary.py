@@ -14,7 +14,7 @@ import argparse
 import json
 from typing import List, Optional, Sequence
 
-from server_utils import one_or_sorted, recorded_sglang_version
+from server_utils import one_or_sorted, recorded_sglang_version, release_key
 
 
 def merge(
@@ -76,7 +76,9 @@ def merge(
         "mean_accept_length": {
             name: a.get("mean_accept_length") for name, a in accept.items()
         },
-        "by_sglang_version": dict(sorted(by_version.items())),
+        "by_sglang_version": {
+            v: by_version[v] for v in sorted(by_version, key=release_key)
+        },
     }
 
 
